@@ -1,0 +1,370 @@
+"""
+The small transformer every script shares: a nanoGPT-style decoder-only GPT, its tokenizer,
+a batched KV-cache sampler, a scalar-head variant for reward and value models, and checkpoints.
+
+Design choices (each one a deliberate simplification, stated so you can change it):
+- Learned absolute position embeddings, as GPT-2 and nanoGPT. Positions are counted per row from
+  the first real token, so a left-padded prompt sees exactly the positions it would see alone.
+- Padding can be on either side. `mask` (B, T) is 1 for real tokens and 0 for padding; a query
+  never attends to a padding key, so a row's outputs do not depend on what else is in the batch.
+  (A padding query attends to itself only, which keeps softmax rows non-empty; its output is junk
+  and never read.)
+- Pre-LayerNorm blocks, GELU MLP, causal attention through F.scaled_dot_product_attention,
+  output projection tied to the token embedding.
+- Tokenizer: tiktoken. The default, "bytes", is built in code (one token per byte, plus
+  <|endoftext|> and <|pad|>) so everything works offline; a named tiktoken encoding such as "gpt2"
+  works where tiktoken can load it, with <|pad|> appended.
+
+Shapes: B batch, T time, C channels, V vocabulary, nh heads, hs head size.
+"""
+import math
+import os
+from dataclasses import asdict, dataclass, fields
+
+import tiktoken
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+EOS = "<|endoftext|>"
+PAD = "<|pad|>"
+
+
+# -----------------------------------------------------------------------------
+# Tokenizer
+
+class Tokenizer:
+    """tiktoken encoding plus the two special tokens the scripts need (eos_id, pad_id)."""
+
+    def __init__(self, name="bytes"):
+        if name == "bytes":
+            ranks = {bytes([i]): i for i in range(256)}  # no merges: one token per byte
+            pat_str = r"[\s\S]{1,256}"  # any split works when there are no merges; this one covers all text
+            special = {}
+        else:
+            try:
+                base = tiktoken.get_encoding(name)
+            except Exception as e:
+                raise ValueError(f"tokenizer {name!r} could not be loaded by tiktoken ({type(e).__name__}: {e}); "
+                                 f"the default 'bytes' needs no download") from None
+            ranks, pat_str, special = base._mergeable_ranks, base._pat_str, dict(base._special_tokens)
+        next_id = max([*ranks.values(), *special.values()]) + 1
+        for tok in (EOS, PAD):
+            if tok not in special:
+                special[tok] = next_id
+                next_id += 1
+        self.name = name
+        self.enc = tiktoken.Encoding(name=f"{name}+pad", pat_str=pat_str, mergeable_ranks=ranks,
+                                     special_tokens=special)
+        self.eos_id, self.pad_id = special[EOS], special[PAD]
+        self.vocab_size = self.enc.n_vocab
+
+    def encode(self, text):
+        """Plain text to ids. Special-token strings in the text are encoded as ordinary text."""
+        return self.enc.encode_ordinary(text)
+
+    def decode(self, ids):
+        return self.enc.decode(list(ids), errors="replace")
+
+    def encode_batch(self, texts, device="cpu"):
+        """Left-padded batch: tokens (B, T) int64 and mask (B, T) float32, 1 on real tokens."""
+        ids = [self.encode(t) for t in texts]
+        T = max(len(x) for x in ids)
+        tokens = torch.full((len(ids), T), self.pad_id, dtype=torch.long)
+        mask = torch.zeros(len(ids), T)
+        for i, x in enumerate(ids):
+            if x:
+                tokens[i, T - len(x):] = torch.tensor(x)
+                mask[i, T - len(x):] = 1.0
+        return tokens.to(device), mask.to(device)
+
+    def decode_completions(self, tokens, mask):
+        """(B, T) completion tokens and their mask -> B strings, the final EOS dropped."""
+        texts = []
+        for row, m in zip(tokens.tolist(), mask.tolist()):
+            ids = [t for t, keep in zip(row, m) if keep and t != self.eos_id]
+            texts.append(self.decode(ids))
+        return texts
+
+
+# -----------------------------------------------------------------------------
+# Transformer
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 258   # the "bytes" tokenizer: 256 bytes + EOS + PAD
+    block_size: int = 64    # longest sequence (prompt + completion, padding excluded)
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+
+    def __post_init__(self):
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig.{name} = {getattr(self, name)}; it must be at least 1")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"GPTConfig.n_embd = {self.n_embd} must be divisible by n_head = {self.n_head}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout = {self.dropout}; allowed: 0 <= dropout < 1")
+
+
+class KVCache:
+    """Keys and values of every layer for sampling, plus which cached positions are real tokens."""
+
+    def __init__(self, n_layer, batch_size, max_len, device):
+        self.k = [None] * n_layer        # each (B, nh, max_len, hs), allocated at first use
+        self.v = [None] * n_layer
+        self.key_mask = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
+        self.next_pos = torch.zeros(batch_size, dtype=torch.long, device=device)  # position of the next real token
+        self.length = 0                  # cached time steps, padding included
+        self.max_len = max_len
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.n_head = config.n_head
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.dropout = config.dropout
+
+    def forward(self, x, attn_mask, cache=None, layer=0):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        if cache is not None:  # write this chunk's keys and values, then attend over everything cached
+            if cache.k[layer] is None:
+                shape = (B, self.n_head, cache.max_len, C // self.n_head)
+                cache.k[layer] = torch.empty(shape, dtype=k.dtype, device=k.device)
+                cache.v[layer] = torch.empty(shape, dtype=v.dtype, device=v.device)
+            start = cache.length
+            cache.k[layer][:, :, start:start + T] = k
+            cache.v[layer][:, :, start:start + T] = v
+            k = cache.k[layer][:, :, :start + T]  # (B, nh, S, hs)
+            v = cache.v[layer][:, :, :start + T]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
+                                           dropout_p=self.dropout if self.training else 0.0)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.c_proj(y)
+
+
+class Block(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.mlp = nn.Sequential(nn.Linear(config.n_embd, 4 * config.n_embd), nn.GELU(),
+                                 nn.Linear(4 * config.n_embd, config.n_embd), nn.Dropout(config.dropout))
+
+    def forward(self, x, attn_mask, cache=None, layer=0):
+        x = x + self.attn(self.ln_1(x), attn_mask, cache, layer)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # weight tying
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # GPT-2: scale residual projections by 1/sqrt(2 * n_layer)
+            if name.endswith("c_proj.weight") or name.endswith("mlp.2.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())
+
+    def hidden(self, idx, mask=None, cache=None):
+        """Final hidden states (B, T, C). idx (B, T) token ids; mask (B, T) 1 = real token, 0 = padding.
+        With a cache, idx is the next chunk (the prompt, then one token at a time) and is appended to it."""
+        B, T = idx.shape
+        mask = torch.ones(B, T, device=idx.device) if mask is None else mask
+        real = mask > 0                                            # (B, T) bool
+        start = 0 if cache is None else cache.length
+        offset = 0 if cache is None else cache.next_pos[:, None]
+        pos = (offset + real.long().cumsum(1) - 1).clamp(min=0)    # (B, T) position of each real token
+        if pos.max() >= self.config.block_size:
+            raise ValueError(f"a sequence of {int(pos.max()) + 1} real tokens exceeds block_size = "
+                             f"{self.config.block_size}; shorten it or build the model with a larger block_size")
+        if cache is None:
+            key_mask = real                                        # (B, S) with S = T
+        else:
+            if start + T > cache.max_len:
+                raise ValueError(f"KV cache full: {start} + {T} steps > max_len = {cache.max_len}")
+            cache.key_mask[:, start:start + T] = real
+            cache.next_pos += real.sum(1)
+            key_mask = cache.key_mask[:, :start + T]               # (B, S) with S = start + T
+        q_pos = torch.arange(start, start + T, device=idx.device)[:, None]   # (T, 1) time index of each query
+        k_pos = torch.arange(start + T, device=idx.device)[None, :]          # (1, S)
+        attn_mask = (k_pos <= q_pos) & key_mask[:, None, :]        # (B, T, S): causal and not padding
+        attn_mask = (attn_mask | (k_pos == q_pos))[:, None]        # (B, 1, T, S): padding queries see themselves
+        x = self.drop(self.wte(idx) + self.wpe(pos))               # (B, T, C)
+        for i, block in enumerate(self.blocks):
+            x = block(x, attn_mask, cache, i)
+        if cache is not None:
+            cache.length += T
+        return self.ln_f(x)
+
+    def forward(self, idx, mask=None, cache=None):
+        """Logits (B, T, V): position t predicts token t + 1."""
+        return self.lm_head(self.hidden(idx, mask, cache))
+
+    @torch.no_grad()
+    def generate(self, prompt, prompt_mask, max_new_tokens, eos_id, pad_id=None, num_samples=1,
+                 temperature=1.0, top_k=None, generator=None):
+        """Sample completions with a KV cache.
+
+        prompt (B, Tp) left-padded token ids, prompt_mask (B, Tp) 1 on real tokens.
+        Each prompt gets num_samples completions on consecutive rows (prompt i -> rows i*G .. i*G+G-1).
+        temperature 0 means greedy. top_k keeps the k most likely tokens (None: the full softmax,
+        which RL needs so that sampling matches the log-probs it trains on).
+        Returns tokens (B*G, Tn) with pad_id after each EOS, mask (B*G, Tn) float (1.0 on tokens
+        through the first EOS, 0 after), and truncated (B*G,) bool (no EOS within max_new_tokens).
+        Tn <= max_new_tokens: sampling stops once every row has ended.
+        """
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens = {max_new_tokens}; it must be at least 1")
+        if temperature < 0:
+            raise ValueError(f"temperature = {temperature}; it must be >= 0 (0 = greedy)")
+        pad_id = eos_id if pad_id is None else pad_id
+        idx = prompt.repeat_interleave(num_samples, dim=0)              # (B*G, Tp)
+        idx_mask = prompt_mask.repeat_interleave(num_samples, dim=0)
+        N = idx.size(0)
+        cache = KVCache(self.config.n_layer, N, idx.size(1) + max_new_tokens, idx.device)
+        logits = self(idx, idx_mask, cache)[:, -1, :]                   # (N, V) predicts the first new token
+        tokens = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=idx.device)
+        mask = torch.zeros(N, max_new_tokens, device=idx.device)
+        done = torch.zeros(N, dtype=torch.bool, device=idx.device)
+        for t in range(max_new_tokens):
+            if temperature == 0:
+                nxt = logits.argmax(-1)                                 # (N,)
+            else:
+                logits = logits.float() / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator).squeeze(1)
+            tokens[:, t] = torch.where(done, pad_id, nxt)
+            mask[:, t] = (~done).float()
+            done = done | (nxt == eos_id)
+            if done.all() or t == max_new_tokens - 1:
+                break
+            logits = self(tokens[:, t:t + 1], torch.ones(N, 1, device=idx.device), cache)[:, -1, :]
+        return tokens[:, :t + 1], mask[:, :t + 1], ~done
+
+
+class ScalarGPT(nn.Module):
+    """The same backbone with a linear head giving one number per position.
+    Reward model: `score` reads it at each sequence's last real token. Value model: `forward`, every position."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.backbone = GPT(config)
+        self.head = nn.Linear(config.n_embd, 1)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    @classmethod
+    def from_policy(cls, policy):
+        """A scalar model whose backbone starts as a copy of `policy` (a GPT) and whose head starts at 0."""
+        model = cls(policy.config)
+        model.backbone.load_state_dict(policy.state_dict())
+        return model.to(next(policy.parameters()).device)
+
+    def forward(self, idx, mask=None):
+        """(B, T) scores, float32."""
+        return self.head(self.backbone.hidden(idx, mask)).squeeze(-1).float()
+
+    def score(self, idx, mask):
+        """(B,) score at the last real token of each row (padding on either side)."""
+        return last_real(self(idx, mask), mask)
+
+
+def last_real(values, mask):
+    """values (B, T) -> (B,) the value at each row's last position where mask is 1."""
+    if (mask.sum(1) == 0).any():
+        raise ValueError("a row of the mask has no real token: there is nothing to read a score from")
+    T = mask.size(1)
+    last = T - 1 - (mask.flip(1) > 0).float().argmax(1)  # argmax finds the first 1 from the right
+    return values.gather(1, last[:, None]).squeeze(1)
+
+
+def pick_device():
+    if torch.cuda.is_available():
+        return "cuda"
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+# -----------------------------------------------------------------------------
+# Checkpoints: one dict, written atomically
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def save_checkpoint(path, model, tokenizer_name, optimizer=None, step=0, args=None, **extra):
+    """Write {model, kind, config, tokenizer, optimizer, step, args, ...} to `path` via a temp file and a rename,
+    so a crash mid-write never leaves a half-written checkpoint under the real name."""
+    ckpt = {
+        "model": model.state_dict(),
+        "kind": "scalar" if isinstance(model, ScalarGPT) else "gpt",
+        "config": asdict(model.config),
+        "tokenizer": tokenizer_name,
+        "optimizer": None if optimizer is None else optimizer.state_dict(),
+        "step": step,
+        "args": vars(args) if hasattr(args, "__dict__") else args,
+        **extra,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(ckpt, tmp)
+    os.replace(tmp, path)  # atomic on POSIX and Windows
+
+
+def load_checkpoint(path, device="cpu", kind=None, tokenizer=None):
+    """Read a checkpoint and rebuild its model. Returns (model, ckpt).
+    kind: "gpt" or "scalar" to insist on one; tokenizer: a Tokenizer the checkpoint must match."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"no checkpoint at {path}")
+    try:
+        ckpt = torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path} cannot be read, it is truncated or corrupt "
+                              f"({type(e).__name__}: {str(e)[:200]}); delete it and re-run the script that wrote it") from None
+    missing = [key for key in ("model", "kind", "config", "tokenizer", "step") if not isinstance(ckpt, dict) or key not in ckpt]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} is not one of this project's checkpoints: it lacks {missing}")
+    if kind is not None and ckpt["kind"] != kind:
+        raise CheckpointError(f"checkpoint {path} holds a {ckpt['kind']!r} model; a {kind!r} model is needed here")
+    known = {f.name for f in fields(GPTConfig)}
+    if set(ckpt["config"]) - known:
+        raise CheckpointError(f"checkpoint {path} has unknown config fields {sorted(set(ckpt['config']) - known)}")
+    config = GPTConfig(**ckpt["config"])
+    if tokenizer is not None and (tokenizer.name != ckpt["tokenizer"] or tokenizer.vocab_size != config.vocab_size):
+        raise CheckpointError(f"vocabulary mismatch: checkpoint {path} was trained with tokenizer {ckpt['tokenizer']!r} "
+                              f"(vocab_size {config.vocab_size}), but tokenizer {tokenizer.name!r} "
+                              f"(vocab_size {tokenizer.vocab_size}) is in use")
+    model = ScalarGPT(config) if ckpt["kind"] == "scalar" else GPT(config)
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:
+        raise CheckpointError(f"checkpoint {path}: weights do not match its config ({str(e)[:300]})") from None
+    return model.to(device), ckpt

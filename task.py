@@ -1,0 +1,234 @@
+"""
+The benchmark task every algorithm is measured on: arithmetic where operator precedence matters,
+the "2 + 2 x 3" example of RL-for-reasoning notes made into a verifiable task.
+
+    prompt       3+4*2=
+    completion   4*2=8,3+8=11#11<|endoftext|>
+                 ^ steps, one operation each    ^ final answer after '#'
+
+Problems: three operands from 1..9, two operators from + - *, at most one * (so every number on the
+correct path lies in [-80, 90] and a ~1M-parameter model can learn the arithmetic itself).
+That gives 9^3 * 8 = 5832 problems. "Precedence problems" have the form a+b*c or a-b*c: the only
+form where evaluating left to right gives different steps (and, unless c = 1, a different answer).
+Prompts are drawn so that `precedence_share` of them (default one half) are precedence problems.
+
+Demonstrations (for SFT) are correct, except that with probability `mistake_rate` the demonstrator
+evaluates left to right, ignoring precedence: 3+4*2= -> 3+4=7,7*2=14#14. On the other forms that
+gives the correct steps anyway, so the mistake shows only where precedence matters. With the
+default mistake_rate 0.6 the SFT policy's most likely path on a precedence problem is the wrong
+one: greedy accuracy sits near half, while sampling still finds the right path often enough for RL
+to have something to reinforce.
+
+Held-out set: 512 fixed problems (256 precedence, 256 other, alternating so that any prefix is
+balanced), chosen with a fixed seed and never drawn for training.
+
+Verifier: outcome reward 1.0 if the integer after the last '#' equals the answer, else 0.0; plus
+`format_weight` times 1.0 if the whole completion is well formed (steps, '#', integer). It never
+raises.
+"""
+import json
+import os
+import random
+import re
+from functools import lru_cache
+
+import torch
+
+OPERANDS = range(1, 10)
+OP_PAIRS = [(a, b) for a in "+-*" for b in "+-*" if (a, b) != ("*", "*")]
+PRECEDENCE_PAIRS = [("+", "*"), ("-", "*")]
+HELD_OUT_PER_CLASS = 256
+SPLIT_SEED = 1234
+MAX_NEW_TOKENS = 24   # longest demonstration: "9+9=18,18*9=162#162" + EOS = 20 tokens
+
+_PROMPT = re.compile(r"^([1-9])([+\-*])([1-9])([+\-*])([1-9])=$")
+_NUM = r"-?[0-9]{1,9}"
+_WELL_FORMED = re.compile(rf"^{_NUM}[+\-*]{_NUM}={_NUM}(,{_NUM}[+\-*]{_NUM}={_NUM})*#{_NUM}$")
+_ANSWER = re.compile(r"#[ \t]*(-?[0-9]{1,12})[ \t\n]*$")
+
+
+# -----------------------------------------------------------------------------
+# Problems and their solutions
+
+def _apply(x, op, y):
+    return x + y if op == "+" else x - y if op == "-" else x * y
+
+
+def solve(prompt, left_to_right=False):
+    """'3+4*2=' -> (['4*2=8', '3+8=11'], 11). left_to_right=True ignores precedence (the mistake)."""
+    m = _PROMPT.match(prompt)
+    if m is None:
+        raise ValueError(f"not a task prompt: {prompt!r}; expected like '3+4*2=' (operands 1-9, ops + - *)")
+    a, op1, b, op2, c = int(m[1]), m[2], int(m[3]), m[4], int(m[5])
+    if op2 == "*" and op1 != "*" and not left_to_right:   # b*c first
+        bc = _apply(b, op2, c)
+        r = _apply(a, op1, bc)
+        return [f"{b}{op2}{c}={bc}", f"{a}{op1}{bc}={r}"], r
+    ab = _apply(a, op1, b)                                  # a op1 b first
+    r = _apply(ab, op2, c)
+    return [f"{a}{op1}{b}={ab}", f"{ab}{op2}{c}={r}"], r
+
+
+def answer(prompt):
+    return solve(prompt)[1]
+
+
+def demonstration(prompt, left_to_right=False):
+    steps, r = solve(prompt, left_to_right)
+    return ",".join(steps) + f"#{r}"
+
+
+def is_precedence(prompt):
+    return (prompt[1], prompt[3]) in PRECEDENCE_PAIRS
+
+
+@lru_cache(maxsize=None)
+def _split():
+    """All 5832 problems split into held-out (fixed) and training pools, each by class."""
+    problems = [f"{a}{o1}{b}{o2}{c}=" for a in OPERANDS for b in OPERANDS for c in OPERANDS for o1, o2 in OP_PAIRS]
+    prec = sorted(p for p in problems if is_precedence(p))
+    other = sorted(p for p in problems if not is_precedence(p))
+    rng = random.Random(SPLIT_SEED)
+    rng.shuffle(prec)
+    rng.shuffle(other)
+    n = HELD_OUT_PER_CLASS
+    held_out = tuple(p for pair in zip(prec[:n], other[:n]) for p in pair)  # alternating: any prefix is balanced
+    return held_out, tuple(prec[n:]), tuple(other[n:])
+
+
+def eval_prompts():
+    """The fixed held-out set: 512 prompts, precedence problems and others alternating (256 each)."""
+    return list(_split()[0])
+
+
+def sample_prompts(rng, n, precedence_share=0.5):
+    """n training prompts (never held-out ones); rng is a random.Random."""
+    if not 0.0 <= precedence_share <= 1.0:
+        raise ValueError(f"precedence_share = {precedence_share}; allowed: 0 <= precedence_share <= 1")
+    _, prec, other = _split()
+    return [rng.choice(prec) if rng.random() < precedence_share else rng.choice(other) for _ in range(n)]
+
+
+def sample_demonstrations(rng, n, mistake_rate=0.6, precedence_share=0.5):
+    """n (prompt, completion) pairs for SFT; a share mistake_rate of them evaluated left to right."""
+    if not 0.0 <= mistake_rate <= 1.0:
+        raise ValueError(f"mistake_rate = {mistake_rate}; allowed: 0 <= mistake_rate <= 1")
+    return [(p, demonstration(p, left_to_right=rng.random() < mistake_rate))
+            for p in sample_prompts(rng, n, precedence_share)]
+
+
+# -----------------------------------------------------------------------------
+# Verifier
+
+def parse_answer(completion):
+    """The integer after the last '#' (only whitespace may follow it), or None."""
+    if not isinstance(completion, str):
+        return None
+    m = _ANSWER.search(completion[-64:])  # an answer has at most 13 characters; the tail is enough
+    return int(m[1]) if m else None
+
+
+def is_well_formed(completion):
+    return isinstance(completion, str) and len(completion) <= 256 and _WELL_FORMED.match(completion) is not None
+
+
+def reward(prompt, completion, format_weight=0.0):
+    """1.0 for the correct final answer, else 0.0; plus format_weight if the completion is well formed."""
+    try:
+        truth = answer(prompt)
+    except (ValueError, TypeError):
+        return 0.0
+    correct = float(parse_answer(completion) == truth)
+    return correct + format_weight * float(is_well_formed(completion))
+
+
+# -----------------------------------------------------------------------------
+# Evaluation and preference pairs (these need a model; the model comes from model.py)
+
+@torch.no_grad()
+def complete(model, tokenizer, prompts, num_samples=1, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS,
+             batch_size=256, generator=None):
+    """Completions (strings, EOS dropped) for each prompt: num_samples consecutive entries per prompt."""
+    device = next(model.parameters()).device
+    texts = []
+    for i in range(0, len(prompts), batch_size):
+        idx, mask = tokenizer.encode_batch(prompts[i:i + batch_size], device)
+        tokens, cmask, _ = model.generate(idx, mask, max_new_tokens, tokenizer.eos_id, tokenizer.pad_id,
+                                          num_samples=num_samples, temperature=temperature, generator=generator)
+        texts += tokenizer.decode_completions(tokens, cmask)
+    return texts
+
+
+def evaluate(model, tokenizer, prompts=None, num_samples=4, temperature=1.0, seed=0):
+    """Greedy accuracy and sampled pass@1 (mean correctness of num_samples samples at `temperature`)
+    on the held-out set (or `prompts`); also greedy accuracy on precedence and on other problems."""
+    prompts = eval_prompts() if prompts is None else prompts
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    greedy = complete(model, tokenizer, prompts, temperature=0.0)
+    g = torch.Generator(device=device).manual_seed(seed)
+    sampled = complete(model, tokenizer, prompts, num_samples, temperature, generator=g)
+    model.train(was_training)
+    correct = [reward(p, c) for p, c in zip(prompts, greedy)]
+    prec = [r for p, r in zip(prompts, correct) if is_precedence(p)]
+    other = [r for p, r in zip(prompts, correct) if not is_precedence(p)]
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")
+    return {
+        "greedy_accuracy": mean(correct),
+        "pass_at_1": mean([reward(prompts[i // num_samples], c) for i, c in enumerate(sampled)]),
+        "greedy_accuracy_precedence": mean(prec),
+        "greedy_accuracy_other": mean(other),
+    }
+
+
+def synthetic_mistake(prompt):
+    """A wrong completion: left to right where that changes the answer, else the last result off by one."""
+    ltr = demonstration(prompt, left_to_right=True)
+    if parse_answer(ltr) != answer(prompt):
+        return ltr
+    steps, r = solve(prompt)
+    steps[-1] = steps[-1].rsplit("=", 1)[0] + f"={r + 1}"
+    return ",".join(steps) + f"#{r + 1}"
+
+
+def preference_pairs(prompts, policy=None, tokenizer=None, samples_per_prompt=4, temperature=1.0, seed=0,
+                     cache=None):
+    """One pair per prompt: {"prompt", "chosen", "rejected", "source"}; chosen is correct, rejected is not.
+    Both are sampled from `policy` where its samples include a correct and an incorrect completion;
+    the missing side is filled with the correct demonstration (chosen) or synthetic_mistake (rejected).
+    source says which: "sampled/sampled", "sampled/synthetic", "demo/sampled" or "demo/synthetic".
+    cache: a JSON path; reused when it was made with the same prompts and settings, else (re)written."""
+    meta = {"prompts": list(prompts), "samples_per_prompt": samples_per_prompt, "temperature": temperature,
+            "seed": seed, "policy": policy is not None}
+    if cache is not None and os.path.exists(cache):
+        try:
+            with open(cache) as f:
+                saved = json.load(f)
+            if saved.get("meta") == meta:
+                return saved["pairs"]
+        except (OSError, ValueError):
+            pass  # unreadable cache: make the pairs again
+    samples = [[] for _ in prompts]
+    if policy is not None:
+        g = torch.Generator(device=next(policy.parameters()).device).manual_seed(seed)
+        was_training = policy.training
+        policy.eval()
+        flat = complete(policy, tokenizer, list(prompts), samples_per_prompt, temperature, generator=g)
+        policy.train(was_training)
+        samples = [flat[i * samples_per_prompt:(i + 1) * samples_per_prompt] for i in range(len(prompts))]
+    pairs = []
+    for prompt, outs in zip(prompts, samples):
+        good = [c for c in outs if reward(prompt, c) == 1.0]
+        bad = [c for c in outs if reward(prompt, c) == 0.0]
+        chosen, chosen_src = (good[0], "sampled") if good else (demonstration(prompt), "demo")
+        rejected, rejected_src = (bad[0], "sampled") if bad else (synthetic_mistake(prompt), "synthetic")
+        pairs.append({"prompt": prompt, "chosen": chosen, "rejected": rejected,
+                      "source": f"{chosen_src}/{rejected_src}"})
+    if cache is not None:
+        os.makedirs(os.path.dirname(os.path.abspath(cache)), exist_ok=True)
+        tmp = f"{cache}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump({"meta": meta, "pairs": pairs}, f)
+        os.replace(tmp, cache)
+    return pairs

@@ -1,0 +1,255 @@
+"""model.py: tokenizer, KV-cache sampling against full recomputation, padding, EOS handling,
+the scalar head and checkpoints."""
+import os
+import random
+
+import pytest
+import torch
+
+from model import (GPT, CheckpointError, GPTConfig, KVCache, ScalarGPT, Tokenizer, last_real,
+                   load_checkpoint, save_checkpoint)
+
+
+def peaked_model(seed, vocab_size=258, **kw):
+    """A random model whose logits are far from uniform, so greedy choices are not near-ties."""
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(vocab_size=vocab_size, n_layer=2, n_head=2, n_embd=32, **kw)).eval()
+    with torch.no_grad():
+        model.wte.weight.mul_(40.0)
+    return model
+
+
+def random_text(rng, n):
+    alphabet = "abc 0123456789+-*=#,\n\té漢字😀ΩЖ<|>"
+    return "".join(rng.choice(alphabet) for _ in range(n))
+
+
+# -----------------------------------------------------------------------------
+# Tokenizer
+
+def test_tokenizer_round_trip_on_arbitrary_text():
+    tok = Tokenizer()
+    rng = random.Random()
+    for _ in range(50):
+        text = random_text(rng, rng.randint(0, 80))
+        ids = tok.encode(text)
+        assert tok.decode(ids) == text
+        assert len(ids) == len(text.encode("utf-8"))  # byte level: one token per byte
+        assert all(0 <= i < 256 for i in ids)
+
+
+def test_plain_text_never_encodes_to_a_special_token():
+    tok = Tokenizer()
+    ids = tok.encode("<|endoftext|><|pad|>")
+    assert tok.eos_id not in ids and tok.pad_id not in ids
+    assert tok.decode(ids) == "<|endoftext|><|pad|>"
+    assert (tok.eos_id, tok.pad_id, tok.vocab_size) == (256, 257, 258)
+
+
+def test_unknown_tokenizer_name_gives_a_clear_error():
+    with pytest.raises(ValueError, match="no_such_encoding"):
+        Tokenizer("no_such_encoding")
+
+
+def test_encode_batch_left_pads():
+    tok = Tokenizer()
+    tokens, mask = tok.encode_batch(["1+2=", "10+20="])
+    assert tokens.shape == mask.shape == (2, 6)
+    assert mask[0].tolist() == [0, 0, 1, 1, 1, 1] and mask[1].tolist() == [1] * 6
+    assert tokens[0, :2].tolist() == [tok.pad_id] * 2
+    assert tok.decode(tokens[0, 2:].tolist()) == "1+2="
+
+
+# -----------------------------------------------------------------------------
+# KV cache and padding
+
+def test_kv_cache_logits_match_full_recomputation_with_mixed_prompt_lengths():
+    tok = Tokenizer()
+    model = peaked_model(0)
+    prompts, pmask = tok.encode_batch(["3+4*2=", "1=", "9-8*7+6=", ""][:3])
+    B, Tp = prompts.shape
+    cont = torch.randint(0, 256, (B, 7))
+    full = torch.cat([prompts, cont], 1)
+    full_mask = torch.cat([pmask, torch.ones(B, 7)], 1)
+    with torch.no_grad():
+        want = model(full, full_mask)                                   # (B, T, V) one pass, no cache
+        cache = KVCache(model.config.n_layer, B, full.size(1), "cpu")
+        got = [model(prompts, pmask, cache)]                            # prefill
+        for t in range(7):                                              # then one token at a time
+            got.append(model(cont[:, t:t + 1], torch.ones(B, 1), cache))
+        got = torch.cat(got, 1)
+    real = full_mask.bool()
+    torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_generation_equals_argmax_of_full_recomputation():
+    tok = Tokenizer()
+    model = peaked_model(1)
+    prompts, pmask = tok.encode_batch(["3+4*2=", "1=", "9-8*7+6="])
+    tokens, mask, truncated = model.generate(prompts, pmask, 12, tok.eos_id, tok.pad_id, temperature=0)
+    full = torch.cat([prompts, tokens], 1)
+    full_mask = torch.cat([pmask, torch.ones_like(mask)], 1)
+    with torch.no_grad():
+        logits = model(full, full_mask)
+    Tp = prompts.size(1)
+    argmax = logits[:, Tp - 1:-1].argmax(-1)                            # (B, Tn) what each step should pick
+    assert torch.equal(argmax[mask.bool()], tokens[mask.bool()])
+
+
+def test_completion_does_not_depend_on_the_rest_of_the_batch():
+    tok = Tokenizer()
+    model = peaked_model(2)
+    texts = ["3+4*2=", "1=", "9-8*7+6=", "12345678901234="]
+    p, m = tok.encode_batch(texts)
+    batch_tokens, batch_mask, _ = model.generate(p, m, 10, tok.eos_id, tok.pad_id, temperature=0)
+    for i, text in enumerate(texts):
+        p1, m1 = tok.encode_batch([text])
+        alone, alone_mask, _ = model.generate(p1, m1, 10, tok.eos_id, tok.pad_id, temperature=0)
+        n = int(alone_mask.sum())
+        assert int(batch_mask[i].sum()) == n
+        assert batch_tokens[i, :n].tolist() == alone[0, :n].tolist()
+
+
+def test_num_samples_puts_a_prompts_samples_on_consecutive_rows():
+    tok = Tokenizer()
+    model = peaked_model(3)
+    p, m = tok.encode_batch(["1+1=", "2*3-4="])
+    tokens, mask, _ = model.generate(p, m, 6, tok.eos_id, tok.pad_id, num_samples=3, temperature=0)
+    assert tokens.shape[0] == 6
+    assert torch.equal(tokens[0], tokens[1]) and torch.equal(tokens[0], tokens[2])  # greedy: identical samples
+    assert torch.equal(tokens[3], tokens[5])
+
+
+def test_eos_mask_covers_through_first_eos_and_flags_cut_off_rows():
+    eos, pad = 6, 7
+    torch.manual_seed(4)
+    model = GPT(GPTConfig(vocab_size=8, n_layer=1, n_head=1, n_embd=16)).eval()  # near-uniform: EOS ~1/8 a step
+    prompts = torch.randint(0, 6, (64, 3))
+    g = torch.Generator().manual_seed(5)
+    tokens, mask, truncated = model.generate(prompts, torch.ones(64, 3), 10, eos, pad, temperature=1.0, generator=g)
+    ended = cut = 0
+    for row, m, tr in zip(tokens.tolist(), mask.tolist(), truncated.tolist()):
+        if eos in row:
+            first = row.index(eos)
+            assert m == [1.0] * (first + 1) + [0.0] * (len(row) - first - 1)
+            assert row[first + 1:] == [pad] * (len(row) - first - 1)
+            assert not tr
+            ended += 1
+        else:
+            assert m == [1.0] * len(row) and len(row) == 10
+            assert tr
+            cut += 1
+    assert ended > 0 and cut > 0  # both cases were exercised
+
+
+def test_top_k_one_equals_greedy():
+    tok = Tokenizer()
+    model = peaked_model(6)
+    p, m = tok.encode_batch(["3+4*2=", "1="])
+    greedy, _, _ = model.generate(p, m, 8, tok.eos_id, tok.pad_id, temperature=0)
+    top1, _, _ = model.generate(p, m, 8, tok.eos_id, tok.pad_id, temperature=1.0, top_k=1)
+    assert torch.equal(greedy, top1)
+
+
+def test_sequence_longer_than_block_size_is_a_clear_error():
+    model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=16, block_size=8))
+    with pytest.raises(ValueError, match="block_size = 8"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_bad_config_is_a_clear_error():
+    with pytest.raises(ValueError, match="n_head = 3"):
+        GPTConfig(n_embd=32, n_head=3)
+
+
+# -----------------------------------------------------------------------------
+# Scalar head
+
+def test_last_real_picks_the_last_one_of_the_mask():
+    values = torch.arange(12.0).view(3, 4)
+    mask = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 0], [1, 0, 0, 0]]).float()
+    assert last_real(values, mask).tolist() == [3.0, 6.0, 8.0]
+    with pytest.raises(ValueError, match="no real token"):
+        last_real(values, torch.zeros(3, 4))
+
+
+def test_scalar_score_ignores_padding_on_either_side():
+    torch.manual_seed(7)
+    model = ScalarGPT(GPTConfig(n_layer=2, n_head=2, n_embd=32)).eval()
+    torch.nn.init.normal_(model.head.weight)
+    seq = torch.randint(0, 256, (1, 6))
+    alone = model.score(seq, torch.ones(1, 6))
+    padded = torch.cat([torch.full((1, 3), 257), seq, torch.full((1, 2), 257)], 1)  # left and right padding
+    pmask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0]]).float()
+    torch.testing.assert_close(model.score(padded, pmask), alone, rtol=1e-5, atol=1e-6)
+    # and the score is the value at the last real token, not at a later or earlier one
+    per_token = model(seq, torch.ones(1, 6))
+    torch.testing.assert_close(alone, per_token[:, -1])
+
+
+def test_scalar_from_policy_copies_the_backbone():
+    policy = peaked_model(8)
+    scalar = ScalarGPT.from_policy(policy)
+    x = torch.randint(0, 256, (2, 5))
+    torch.testing.assert_close(scalar.backbone(x), policy(x))
+    assert scalar.score(x, torch.ones(2, 5)).abs().max() == 0  # head starts at zero
+
+
+# -----------------------------------------------------------------------------
+# Checkpoints
+
+def test_checkpoint_round_trip_gives_identical_outputs(tmp_path):
+    model = peaked_model(9)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randint(0, 256, (2, 5))).sum().backward()
+    opt.step()
+    path = str(tmp_path / "ckpt.pt")
+    save_checkpoint(path, model, "bytes", opt, step=17, args={"lr": 1e-3})
+    assert os.listdir(tmp_path) == ["ckpt.pt"]  # the temp file was renamed away
+    loaded, ckpt = load_checkpoint(path, kind="gpt", tokenizer=Tokenizer())
+    x = torch.randint(0, 256, (3, 7))
+    assert torch.equal(loaded.eval()(x), model(x))
+    assert ckpt["step"] == 17 and ckpt["args"] == {"lr": 1e-3}
+    opt2 = torch.optim.AdamW(loaded.parameters())
+    opt2.load_state_dict(ckpt["optimizer"])
+
+
+def test_scalar_checkpoint_round_trip(tmp_path):
+    torch.manual_seed(10)
+    model = ScalarGPT(GPTConfig(n_layer=1, n_head=1, n_embd=16)).eval()
+    torch.nn.init.normal_(model.head.weight)
+    path = str(tmp_path / "rm.pt")
+    save_checkpoint(path, model, "bytes")
+    loaded, _ = load_checkpoint(path, kind="scalar")
+    x = torch.randint(0, 256, (2, 4))
+    assert torch.equal(loaded.eval()(x), model(x))
+    with pytest.raises(CheckpointError, match="'gpt' model is needed"):
+        load_checkpoint(path, kind="gpt")
+
+
+def test_truncated_checkpoint_raises_a_clear_error(tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    save_checkpoint(path, peaked_model(11), "bytes")
+    data = open(path, "rb").read()
+    with open(path, "wb") as f:
+        f.write(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="truncated or corrupt") as err:
+        load_checkpoint(path)
+    assert path in str(err.value)
+
+
+def test_missing_and_foreign_checkpoints_raise_clear_errors(tmp_path):
+    missing = str(tmp_path / "nope.pt")
+    with pytest.raises(CheckpointError, match="no checkpoint at .*nope.pt"):
+        load_checkpoint(missing)
+    foreign = str(tmp_path / "foreign.pt")
+    torch.save({"weights": torch.zeros(2)}, foreign)
+    with pytest.raises(CheckpointError, match="lacks"):
+        load_checkpoint(foreign)
+
+
+def test_vocabulary_mismatch_is_a_clear_error(tmp_path):
+    path = str(tmp_path / "small_vocab.pt")
+    save_checkpoint(path, GPT(GPTConfig(vocab_size=100, n_layer=1, n_head=1, n_embd=16)), "bytes")
+    with pytest.raises(CheckpointError, match="vocabulary mismatch"):
+        load_checkpoint(path, tokenizer=Tokenizer())

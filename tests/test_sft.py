@@ -1,0 +1,67 @@
+"""sft.py end to end, as a user runs it, with tiny settings: checkpoint, metrics, resume."""
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+import task
+from model import Tokenizer, load_checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--steps", "4", "--batch_size", "8", "--n_layer", "1", "--n_head", "1", "--n_embd", "16",
+        "--log_every", "2", "--eval_every", "4", "--eval_n", "8"]
+
+
+def run(args):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, "sft.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=env)
+
+
+def test_sft_runs_end_to_end_and_resumes(tmp_path):
+    out = str(tmp_path)
+    p = run(TINY + ["--out", out])
+    assert p.returncode == 0, p.stderr
+    assert "held-out greedy accuracy" in p.stdout
+    model, ckpt = load_checkpoint(os.path.join(out, "sft.pt"), kind="gpt", tokenizer=Tokenizer())
+    assert ckpt["step"] == 4 and ckpt["args"]["n_embd"] == 16
+    rows = [json.loads(line) for line in open(os.path.join(out, "sft", "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == [0, 2, 4]
+    assert "eval_accuracy" in rows[0] and "eval_accuracy" in rows[-1] and "loss" in rows[1]
+    assert all(0.0 <= r["eval_accuracy"] <= 1.0 for r in rows if "eval_accuracy" in r)
+
+    p = run(TINY + ["--out", out, "--steps", "6", "--resume"])
+    assert p.returncode == 0, p.stderr
+    assert "resuming from" in p.stdout
+    _, ckpt2 = load_checkpoint(os.path.join(out, "sft.pt"))
+    assert ckpt2["step"] == 6
+    assert not torch.equal(ckpt2["model"]["wte.weight"], ckpt["model"]["wte.weight"])  # it trained on
+    rows = [json.loads(line) for line in open(os.path.join(out, "sft", "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == [0, 2, 4, 6]
+
+
+def test_sft_rejects_bad_settings_with_a_message(tmp_path):
+    p = run(["--steps", "0", "--out", str(tmp_path)])
+    assert p.returncode != 0 and "--steps = 0" in p.stderr
+    p = run(TINY + ["--resume", "--out", str(tmp_path / "empty")])
+    assert p.returncode != 0 and "no checkpoint at" in p.stderr
+
+
+def test_sft_loss_is_completion_tokens_only():
+    """The demonstrations the script trains on put the answer after the prompt; the loss mask must start
+    at the first completion token. Checked on the same batch construction the script uses."""
+    import random
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("sft", os.path.join(ROOT, "sft.py"))
+    sft = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sft)  # importing runs nothing: the training is under __main__
+    tok = Tokenizer()
+    tokens, attn, loss_mask = sft.make_batch([("3+4*2=", "4*2=8,3+8=11#11"), ("1+1=", "1+1=2,2+0=2#2")], tok, "cpu")
+    targets = tokens[:, 1:]
+    first = tok.decode([t for t, m in zip(targets[0].tolist(), loss_mask[0].tolist()) if m])
+    assert first == "4*2=8,3+8=11#11<|endoftext|>"
+    second = tok.decode([t for t, m in zip(targets[1].tolist(), loss_mask[1].tolist()) if m])
+    assert second == "1+1=2,2+0=2#2<|endoftext|>"
+    assert attn[1].sum() == len("1+1=1+1=2,2+0=2#2") + 1

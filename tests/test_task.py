@@ -1,0 +1,118 @@
+"""task.py: problems, solutions, the verifier, the held-out split and preference pairs."""
+import random
+
+import pytest
+import torch
+
+import task
+from model import GPT, GPTConfig, Tokenizer
+
+
+def test_solutions_follow_precedence_and_left_to_right_mistakes_ignore_it():
+    assert task.demonstration("3+4*2=") == "4*2=8,3+8=11#11"
+    assert task.demonstration("3+4*2=", left_to_right=True) == "3+4=7,7*2=14#14"
+    assert task.demonstration("2-3*4=") == "3*4=12,2-12=-10#-10"
+    assert task.demonstration("9-8-7=") == "9-8=1,1-7=-6#-6"       # subtraction is left-associative
+    assert task.demonstration("2*3+4=") == "2*3=6,6+4=10#10"
+    assert task.demonstration("2*3+4=", left_to_right=True) == task.demonstration("2*3+4=")
+
+
+def test_answers_match_python_on_every_problem():
+    held, prec, other = task._split()
+    for prompt in held + prec + other:
+        assert task.answer(prompt) == eval(prompt[:-1])  # Python applies the same precedence rules
+
+
+def test_split_is_fixed_disjoint_and_balanced():
+    held = task.eval_prompts()
+    assert len(held) == len(set(held)) == 512
+    assert sum(task.is_precedence(p) for p in held) == 256
+    _, prec, other = task._split()
+    assert not set(held) & (set(prec) | set(other))
+    assert len(held) + len(prec) + len(other) == 9 ** 3 * 8
+    drawn = task.sample_prompts(random.Random(0), 4000)
+    assert not set(drawn) & set(held)
+    share = sum(task.is_precedence(p) for p in drawn) / len(drawn)
+    assert 0.45 < share < 0.55
+
+
+def test_mistake_rate_sets_the_share_of_left_to_right_demonstrations():
+    demos = task.sample_demonstrations(random.Random(1), 4000, mistake_rate=0.3, precedence_share=1.0)
+    wrong = sum(c == task.demonstration(p, left_to_right=True) for p, c in demos) / len(demos)
+    assert 0.26 < wrong < 0.34
+    with pytest.raises(ValueError, match="mistake_rate = 1.5"):
+        task.sample_demonstrations(random.Random(1), 1, mistake_rate=1.5)
+
+
+@pytest.mark.parametrize("completion, outcome, well_formed", [
+    ("4*2=8,3+8=11#11", 1.0, True),          # correct
+    ("3+4=7,7*2=14#14", 0.0, True),          # wrong (left to right)
+    ("4*2=8,3+8=12#11", 1.0, True),          # the outcome reward reads only the final answer
+    ("11", 0.0, False),                      # no '#'
+    ("#11", 1.0, False),                     # right answer, wrong format
+    ("4*2=8,3+8=11 #  11 ", 1.0, False),     # whitespace around the answer is tolerated
+    ("#11#12", 0.0, False),                  # the last '#' counts
+    ("#11x", 0.0, False),                    # trailing garbage
+    ("", 0.0, False),                        # empty
+    ("\x00\xff#@!", 0.0, False),             # garbage
+    ("#١١", 0.0, False),                     # non-ASCII digits are not an answer
+    ("漢字😀" * 1000 + "#11", 1.0, False),     # very long with unicode
+    ("#" + "9" * 5000, 0.0, False),          # a huge number (int() would refuse > 4300 digits)
+    ("#-11", 0.0, False),
+])
+def test_verifier_on_hand_written_cases(completion, outcome, well_formed):
+    assert task.reward("3+4*2=", completion) == outcome
+    assert task.is_well_formed(completion) == well_formed
+    assert task.reward("3+4*2=", completion, format_weight=0.5) == outcome + 0.5 * well_formed
+
+
+def test_verifier_never_raises():
+    rng = random.Random()
+    for _ in range(2000):
+        n = rng.choice([0, 1, 5, 30, 300])
+        text = "".join(chr(rng.choice([rng.randrange(32, 127), rng.randrange(0, 0x10FFFF)])) for _ in range(n))
+        text = text.encode("utf-8", "replace").decode("utf-8", "replace")
+        r = task.reward("3+4*2=", text, format_weight=0.1)
+        assert r in (0.0, 0.1, 1.0, 1.1)
+    for bad in [None, 11, b"#11", ["#11"]]:
+        assert task.reward("3+4*2=", bad) == 0.0
+    assert task.reward("not a prompt", "#11") == 0.0
+
+
+def test_synthetic_mistakes_are_always_wrong():
+    for prompt in task.eval_prompts():
+        assert task.reward(prompt, task.synthetic_mistake(prompt)) == 0.0
+        assert task.is_well_formed(task.synthetic_mistake(prompt))
+
+
+def tiny_policy(seed=0):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(n_layer=1, n_head=1, n_embd=16)).eval()
+
+
+def test_evaluate_scores_what_the_policy_generates():
+    tok = Tokenizer()
+    prompts = task.eval_prompts()[:8]
+    model = tiny_policy()
+    result = task.evaluate(model, tok, prompts, num_samples=2)
+    greedy = task.complete(model, tok, prompts)
+    want = sum(task.reward(p, c) for p, c in zip(prompts, greedy)) / len(prompts)
+    assert result["greedy_accuracy"] == want
+    assert set(result) == {"greedy_accuracy", "pass_at_1", "greedy_accuracy_precedence", "greedy_accuracy_other"}
+
+
+def test_preference_pairs_chosen_correct_rejected_wrong_and_cached(tmp_path):
+    tok = Tokenizer()
+    prompts = task.eval_prompts()[:6]
+    cache = str(tmp_path / "pairs.json")
+    pairs = task.preference_pairs(prompts, tiny_policy(), tok, samples_per_prompt=2, cache=cache)
+    assert [p["prompt"] for p in pairs] == prompts
+    for p in pairs:
+        assert task.reward(p["prompt"], p["chosen"]) == 1.0
+        assert task.reward(p["prompt"], p["rejected"]) == 0.0
+    # an untrained policy is never right: chosen falls back to the demonstration
+    assert all(p["source"].startswith("demo/") for p in pairs)
+    assert task.preference_pairs(prompts, tiny_policy(), tok, samples_per_prompt=2, cache=cache) == pairs
+    with open(cache, "w") as f:
+        f.write("{ truncated")
+    assert task.preference_pairs(prompts, tiny_policy(), tok, samples_per_prompt=2, cache=cache) == pairs
