@@ -199,8 +199,9 @@ def preference_pairs(prompts, policy=None, tokenizer=None, samples_per_prompt=4,
     the missing side is filled with the correct demonstration (chosen) or synthetic_mistake (rejected).
     source says which: "sampled/sampled", "sampled/synthetic", "demo/sampled" or "demo/synthetic".
     cache: a JSON path; reused when it was made with the same prompts and settings, else (re)written."""
+    fingerprint = None if policy is None else f"{sum(p.double().sum().item() for p in policy.parameters()):.12e}"
     meta = {"prompts": list(prompts), "samples_per_prompt": samples_per_prompt, "temperature": temperature,
-            "seed": seed, "policy": policy is not None}
+            "seed": seed, "policy": fingerprint}  # a different policy (a retrained out/sft.pt) makes new pairs
     if cache is not None and os.path.exists(cache):
         try:
             with open(cache) as f:
@@ -232,3 +233,15 @@ def preference_pairs(prompts, policy=None, tokenizer=None, samples_per_prompt=4,
             json.dump({"meta": meta, "pairs": pairs}, f)
         os.replace(tmp, cache)
     return pairs
+
+
+def preference_dataset(policy, tokenizer, n_train=2048, seed=0, cache_dir="out"):
+    """The preference pairs reward_model.py, dpo.py and ipo.py share: (train, held_out) lists of pairs.
+    Train pairs are on n_train training prompts, held-out pairs on the 512 held-out prompts; both sampled
+    from `policy` (the SFT policy) and cached in cache_dir/pairs_train.json and cache_dir/pairs_eval.json."""
+    train_prompts = sample_prompts(random.Random(seed), n_train)
+    train = preference_pairs(train_prompts, policy, tokenizer, seed=seed,
+                             cache=os.path.join(cache_dir, "pairs_train.json"))
+    held_out = preference_pairs(eval_prompts(), policy, tokenizer, seed=seed + 1,
+                                cache=os.path.join(cache_dir, "pairs_eval.json"))
+    return train, held_out

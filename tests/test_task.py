@@ -116,3 +116,13 @@ def test_preference_pairs_chosen_correct_rejected_wrong_and_cached(tmp_path):
     with open(cache, "w") as f:
         f.write("{ truncated")
     assert task.preference_pairs(prompts, tiny_policy(), tok, samples_per_prompt=2, cache=cache) == pairs
+
+
+def test_preference_cache_is_remade_for_a_different_policy(tmp_path):
+    tok = Tokenizer()
+    prompts = task.eval_prompts()[:4]
+    cache = str(tmp_path / "pairs.json")
+    task.preference_pairs(prompts, tiny_policy(0), tok, samples_per_prompt=2, cache=cache)
+    meta0 = open(cache).read()
+    task.preference_pairs(prompts, tiny_policy(1), tok, samples_per_prompt=2, cache=cache)
+    assert open(cache).read() != meta0
