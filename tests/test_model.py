@@ -108,6 +108,10 @@ def test_completion_does_not_depend_on_the_rest_of_the_batch():
         n = int(alone_mask.sum())
         assert int(batch_mask[i].sum()) == n
         assert batch_tokens[i, :n].tolist() == alone[0, :n].tolist()
+        with torch.no_grad():  # and the logits themselves: padding neither leaks in nor shifts positions
+            in_batch = model(p, m)[i, m[i].bool()]
+            by_itself = model(p1, m1)[0]
+        torch.testing.assert_close(in_batch, by_itself, rtol=1e-5, atol=1e-4)
 
 
 def test_num_samples_puts_a_prompts_samples_on_consecutive_rows():
