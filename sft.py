@@ -103,18 +103,15 @@ def main(args):
         os.remove(metrics_path)  # a fresh run starts a fresh log
     print(f"SFT: {model.num_params() / 1e6:.2f}M parameters on {device}, {args.steps} steps of {args.batch_size}")
 
-
     def lr_at(step):
         if step < args.warmup:
             return args.lr * (step + 1) / args.warmup
         progress = (step - args.warmup) / max(1, args.steps - args.warmup)
         return args.lr * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * min(1.0, progress))))
 
-
     def log(metrics):
         with open(metrics_path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
-
 
     def run_eval():
         with autocast:
