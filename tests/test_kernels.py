@@ -1,0 +1,516 @@
+"""Tests for kernels/: logprobs, kl, entropy, through both the PyTorch and the Triton path.
+
+Every value is checked against a float64 reference written here, straight from the equations
+(never from the code under test), forward and gradient, on fresh random inputs each run (the
+seed is printed, so a failure can be replayed with KERNELS_TEST_SEED=<seed>).
+
+How the Triton path is tested without a GPU. Triton chooses between compiling and interpreting
+a kernel when `@triton.jit` runs, i.e. when `kernels` is imported, from TRITON_INTERPRET. Setting
+it in this process (or in a conftest.py) would be too late if another test file imported
+`kernels` first, and would switch every other test file's `kernels.logprobs` calls to the slow
+interpreter. So:
+  - on a machine with CUDA, the `triton_path` cases run here, on the GPU;
+  - otherwise `test_interpreted_kernels_subprocess` re-runs this file's `triton_path` and
+    `dispatch` tests in a child pytest with TRITON_INTERPRET=1 (small sizes; ~1 minute), and
+    fails with the child's output if any of them fails.
+The `torch_path` cases always run here.
+
+Unwritten outputs: the autouse fixture turns on torch's deterministic mode, under which
+torch.empty fills new tensors with NaN, so an element a kernel forgets to write fails the
+comparison (`test_empty_is_nan_filled` checks that this mechanism is active).
+
+Tolerances. Inputs in bf16/fp16 are exact in float64, and both paths compute in float32, so
+forward values get float32 tolerances whatever the input dtype: rtol 1e-5, plus an absolute
+floor where the value is a difference of O(1) terms (log-probs near 0: 1e-6; KL = CE - H:
+1e-6 * (1 + log V)). Gradients come back in the input dtype and get that dtype's rounding:
+rtol 1e-5 (fp32), 2^-10 (fp16), 2^-6 (bf16), plus, per entry, 16 float32 epsilons of the terms
+the entry is computed from (see grad_tolerance: e.g. at the argmax of a peaked p the KL gradient
+cancels two numbers of size KL), and the float64 reference's own rounding.
+"""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kernels
+from kernels import HAS_TRITON, TRITON_INTERPRET
+from kernels.common import as_rows, chunk_ranges, take_rows
+
+HAS_CUDA = torch.cuda.is_available()
+TRITON_HERE = HAS_TRITON and (HAS_CUDA or TRITON_INTERPRET)  # can the Triton path run in this process?
+IMPLS = ["torch_path"] + (["triton_path"] if TRITON_HERE else [])
+NEG_INF = float("-inf")
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixtures: NaN-filled torch.empty, fresh seeds.
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def nan_filled_empty():
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)  # torch.empty -> NaN
+    yield
+    torch.use_deterministic_algorithms(was)
+
+
+@pytest.fixture(autouse=True)
+def fresh_seed():
+    seed = int(os.environ.get("KERNELS_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+    print(f"seed {seed} (replay with KERNELS_TEST_SEED={seed})")
+    torch.manual_seed(seed)
+    return seed
+
+
+def test_empty_is_nan_filled():
+    assert torch.empty(16).isnan().all() and torch.empty(4, 4, dtype=torch.bfloat16).isnan().all()
+
+
+# ---------------------------------------------------------------------------------------------
+# float64 references, from the equations.
+# ---------------------------------------------------------------------------------------------
+def ref_log_softmax(logits, temperature):
+    return torch.log_softmax(logits.detach().cpu().double() / temperature, dim=-1)
+
+
+def ref_logprobs(logits, targets, temperature):
+    x = logits.detach().cpu().double().requires_grad_()
+    logp = torch.log_softmax(x / temperature, dim=-1)  # log p_v = x_v/T - log sum_w exp(x_w/T)
+    return x, logp.gather(-1, targets.cpu().long().unsqueeze(-1)).squeeze(-1)
+
+
+def _plogp_terms(logp, other):
+    """p * (logp - other) with 0 * anything = 0 where p = 0 (and no NaN in its gradient)."""
+    zero = torch.isinf(logp)
+    return torch.where(zero, 0.0, logp.exp() * (logp - other).masked_fill(zero, 0.0))
+
+
+def ref_kl(logits_p, logits_q, temperature):
+    x = logits_p.detach().cpu().double().requires_grad_()
+    logp = torch.log_softmax(x / temperature, dim=-1)
+    logq = ref_log_softmax(logits_q, temperature)
+    return x, _plogp_terms(logp, logq).sum(-1)  # sum_v p_v (log p_v - log q_v)
+
+
+def ref_entropy(logits, temperature):
+    x = logits.detach().cpu().double().requires_grad_()
+    logp = torch.log_softmax(x / temperature, dim=-1)
+    return x, -_plogp_terms(logp, torch.zeros_like(logp)).sum(-1)  # -sum_v p_v log p_v
+
+
+def grad_tolerance(name, logits, other, temperature, grad_out):
+    """Absolute tolerance per gradient entry, from the size of what it is computed from.
+
+    Each entry is |g| / T times a sum of terms:
+      logprobs  (onehot_v - p_v)                -> size onehot_v + p_v
+      kl        p_v (log p_v - log q_v - KL)    -> size p_v (|log p_v| + |log q_v| + KL)
+      entropy   -p_v (log p_v + H)              -> size p_v (|log p_v| + H)
+    Any float32 evaluation is off by a few float32 epsilons of that size (at the argmax of a
+    peaked p, log p - log q - KL cancels two numbers of size KL), so 16 eps32 of it is allowed.
+    The float64 reference has its own floor: its log p = x/T - lse is off by ~eps64 |x/T|, which
+    log_softmax's backward turns into ~eps64 |x/T| |g| / T in every entry; 1e-13 of that is
+    allowed. A wrong formula or an unwritten entry is off by far more than either."""
+    logp = ref_log_softmax(logits, temperature)
+    p = logp.exp()
+    if name == "logprobs":
+        size = torch.nn.functional.one_hot(other.cpu().long(), logits.shape[-1]).double() + p
+    elif name == "kl":
+        logq = ref_log_softmax(other, temperature)
+        kl = _plogp_terms(logp, logq).sum(-1, keepdim=True)
+        size = torch.where(p > 0, p * (logp.abs() + logq.abs() + kl), 0.0)
+    else:
+        h = -_plogp_terms(logp, torch.zeros_like(logp)).sum(-1, keepdim=True)
+        size = torch.where(p > 0, p * (logp.abs() + h), 0.0)
+    xs = [logits] + ([other] if name == "kl" else [])
+    x_max = max(x.detach().cpu().double().nan_to_num(neginf=0.0).abs().max().item() for x in xs) / temperature
+    g_t = (grad_out.detach().cpu().double().abs() / temperature).unsqueeze(-1)  # [..., 1] |g| / T
+    return (16 * EPS32 * size + 1e-13 * (1 + x_max)) * g_t
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers.
+# ---------------------------------------------------------------------------------------------
+def device_for(impl):
+    return "cuda" if impl == "triton_path" and HAS_CUDA else "cpu"
+
+
+def make_logits(shape, scale, dtype, neg_inf_frac=0.0, device="cpu"):
+    """Random logits ~ N(0, scale^2) (clamped to +-6 scale so fp16 at 1e4 stays finite), with a
+    fraction of entries set to -inf, never a whole row."""
+    x = torch.randn(shape).clamp_(-6, 6) * scale
+    if neg_inf_frac > 0:
+        drop = torch.rand(shape) < neg_inf_frac
+        keep = torch.randint(0, shape[-1], shape[:-1]).unsqueeze(-1)
+        drop.scatter_(-1, keep, False)  # at least one finite entry per row
+        x[drop] = NEG_INF
+    return x.to(dtype).to(device)
+
+
+def call(impl, name, *args, temperature=1.0, small_steps=False):
+    """Call kernels.<name>_torch or kernels.<name>_triton; small_steps makes the PyTorch path use
+    5-row chunks and the Triton path 128-wide blocks (several steps, a ragged last one)."""
+    if impl == "torch_path":
+        return getattr(kernels, f"{name}_torch")(*args, temperature, chunk_rows=5 if small_steps else None)
+    return getattr(kernels, f"{name}_triton")(*args, temperature, block_size=128 if small_steps else None)
+
+
+def check_forward(got, ref, atol):
+    assert got.dtype == torch.float32 and got.shape == ref.shape
+    torch.testing.assert_close(got.cpu().double(), ref.detach(), rtol=1e-5, atol=atol)
+
+
+# bf16: one ulp is up to 2^-7 of the value, and Triton's interpreter truncates where GPUs round.
+GRAD_RTOL = {torch.float32: 1e-5, torch.float16: 2**-10, torch.bfloat16: 2**-6}
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def check_grad(got, ref, tol):
+    """|got - ref| <= rtol(dtype) |ref| + tol (grad_tolerance) + float32 underflow of exp()
+    + fp16's subnormal spacing."""
+    assert got.dtype in GRAD_RTOL and got.shape == ref.shape == tol.shape
+    floor = torch.finfo(torch.float32).tiny + (6e-8 if got.dtype == torch.float16 else 0.0)
+    bound = GRAD_RTOL[got.dtype] * ref.abs() + tol + floor
+    got = got.cpu().double()
+    err = (got - ref).abs()
+    worst = (err / bound).nan_to_num(nan=math.inf).argmax()
+    assert (err <= bound).all(), (
+        f"{int((err > bound).sum())} / {err.numel()} entries off; worst at flat index {worst.item()}: "
+        f"got {got.flatten()[worst].item():.6g}, ref {ref.flatten()[worst].item():.6g}, bound {bound.flatten()[worst].item():.3g}"
+    )
+
+
+# Cases: (leading shape, V, dtype, temperature, scale, fraction of -inf entries, small_steps).
+# Every required value appears: V in {1, 2, 7, 1000, 50257} and past 2^17 (primes among them;
+# none a multiple of the Triton block), N in {1, 3, 64}, fp32/bf16/fp16, T in {0.5, 1, 2},
+# scales from 1e-3 to 1e4, rows holding -inf, 3-D inputs.
+CASES = [
+    ((64,), 1000, torch.float32, 1.0, 1.0, 0.0, False),
+    ((64,), 1000, torch.float32, 0.5, 1.0, 0.0, True),
+    ((3,), 7, torch.float32, 0.5, 1e4, 0.0, False),
+    ((1,), 1, torch.float32, 2.0, 1.0, 0.0, False),
+    ((3,), 2, torch.float16, 1.0, 10.0, 0.0, False),
+    ((64,), 2, torch.bfloat16, 0.5, 1e4, 0.0, False),
+    ((64,), 1000, torch.bfloat16, 2.0, 3.0, 0.0, True),
+    ((64,), 1000, torch.float16, 0.5, 1e4, 0.0, False),
+    ((3,), 1000, torch.float32, 1.0, 1.0, 0.5, True),
+    ((3,), 1000, torch.bfloat16, 1.0, 30.0, 0.3, False),
+    ((1,), 7, torch.float16, 2.0, 1e-3, 0.0, False),
+    ((1,), 50257, torch.float32, 1.0, 5.0, 0.0, False),
+    ((3,), 50257, torch.bfloat16, 2.0, 1e4, 0.1, False),
+    ((1,), 131101, torch.float32, 1.0, 3.0, 0.0, False),  # the first prime >= 2^17
+    ((1,), 151936, torch.bfloat16, 0.5, 3.0, 0.0, False),  # Qwen's vocabulary
+    ((2, 5), 1000, torch.float32, 0.5, 1.0, 0.2, True),  # 3-D logits [2, 5, 1000]
+    ((2, 3), 7, torch.float16, 2.0, 1e4, 0.0, False),  # 3-D logits [2, 3, 7]
+]
+
+
+def case_id(c):
+    lead, V, dtype, T, scale, ninf, small = c
+    return f"{'x'.join(map(str, lead))}x{V}-{str(dtype)[6:]}-T{T}-s{scale:g}" + (f"-inf{ninf}" if ninf else "") + ("-small" if small else "")
+
+
+impl_param = pytest.mark.parametrize("impl", IMPLS)
+case_param = pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+
+
+# ---------------------------------------------------------------------------------------------
+# logprobs
+# ---------------------------------------------------------------------------------------------
+@impl_param
+@case_param
+def test_logprobs_matches_float64_reference(impl, case):
+    lead, V, dtype, T, scale, ninf, small = case
+    logits = make_logits(lead + (V,), scale, dtype, ninf, device_for(impl)).requires_grad_()
+    targets = torch.randint(0, V, lead, device=logits.device)  # may land on a -inf logit: log-prob -inf
+    grad_out = torch.randn(lead, device=logits.device)
+
+    out = call(impl, "logprobs", logits, targets, temperature=T, small_steps=small)
+    (out * grad_out).sum().backward()
+
+    x, ref = ref_logprobs(logits, targets, T)
+    (ref * grad_out.cpu().double()).sum().backward()
+    check_forward(out, ref, atol=1e-6)
+    check_grad(logits.grad, x.grad, grad_tolerance("logprobs", logits, targets, T, grad_out))
+
+
+@impl_param
+def test_logprobs_hand_worked(impl):
+    dev = device_for(impl)
+    logits = torch.tensor([[1.0, 2.0, 3.0]], device=dev).log()  # p = [1, 2, 3] / 6
+    t = torch.tensor([2], device=dev)
+    assert call(impl, "logprobs", logits, t).item() == pytest.approx(math.log(3 / 6), rel=1e-6)
+    # T = 0.5 squares the probabilities: p = [1, 4, 9] / 14
+    assert call(impl, "logprobs", logits, t, temperature=0.5).item() == pytest.approx(math.log(9 / 14), rel=1e-6)
+    # d logp_t / d logits = (onehot - p) / T; uniform p = 1/4, T = 2, .sum() backward (grad 1, stride 0)
+    x = torch.zeros(1, 4, device=dev, requires_grad=True)
+    call(impl, "logprobs", x, torch.tensor([1], device=dev), temperature=2.0).sum().backward()
+    assert x.grad.tolist()[0] == pytest.approx([-1 / 8, 3 / 8, -1 / 8, -1 / 8], rel=1e-6)
+
+
+@impl_param
+def test_logprobs_int_dtypes_and_empty(impl):
+    dev = device_for(impl)
+    logits = make_logits((4, 9), 1.0, torch.float32, device=dev)
+    t64 = torch.randint(0, 9, (4,), device=dev)
+    _, ref = ref_logprobs(logits, t64, 1.0)
+    for dtype in (torch.int32, torch.int16, torch.uint8):
+        check_forward(call(impl, "logprobs", logits, t64.to(dtype)), ref, atol=1e-6)
+    empty = call(impl, "logprobs", torch.zeros(0, 5, device=dev), torch.zeros(0, dtype=torch.long, device=dev))
+    assert empty.shape == (0,) and empty.dtype == torch.float32
+
+
+def test_logprobs_torch_path_rejects_out_of_range_targets():
+    logits = torch.randn(3, 10)
+    with pytest.raises(ValueError, match=r"target 10 .*\[0, 10\)"):
+        kernels.logprobs_torch(logits, torch.tensor([0, 10, 3]))
+    with pytest.raises(ValueError, match=r"target -1 .*\[0, 10\)"):
+        kernels.logprobs(logits, torch.tensor([0, -1, 3]))
+
+
+@pytest.mark.skipif(not TRITON_HERE, reason="runs in test_interpreted_kernels_subprocess")
+def test_logprobs_triton_path_out_of_range_is_nan():
+    logits = torch.randn(3, 10, device=device_for("triton_path"))
+    out = kernels.logprobs_triton(logits, torch.tensor([0, 10, -1], device=logits.device))
+    assert out[0].isfinite() and out[1].isnan() and out[2].isnan()
+
+
+# ---------------------------------------------------------------------------------------------
+# kl
+# ---------------------------------------------------------------------------------------------
+@impl_param
+@case_param
+def test_kl_matches_float64_reference(impl, case):
+    lead, V, dtype, T, scale, ninf, small = case
+    p = make_logits(lead + (V,), scale, dtype, ninf, device_for(impl))
+    # q: p plus noise (same -inf entries), so KL spans small and large values across cases
+    q = (p.float() + torch.randn_like(p.float()) * scale * 0.5).to(dtype)
+    p.requires_grad_()
+    grad_out = torch.randn(lead, device=p.device)
+
+    out = call(impl, "kl", p, q, temperature=T, small_steps=small)
+    (out * grad_out).sum().backward()
+
+    x, ref = ref_kl(p, q, T)
+    (ref * grad_out.cpu().double()).sum().backward()
+    check_forward(out, ref, atol=1e-6 * (1 + math.log(V)))
+    check_grad(p.grad, x.grad, grad_tolerance("kl", p, q, T, grad_out))
+
+
+@impl_param
+def test_kl_properties_and_hand_worked(impl):
+    dev = device_for(impl)
+    # KL >= 0 at every scale, including nearly identical distributions
+    for scale in (1e-3, 1.0, 1e4):
+        p = make_logits((64, 300), scale, torch.float32, device=dev)
+        q = p + 1e-4 * scale * torch.randn_like(p)
+        assert (call(impl, "kl", p, q) >= 0).all()
+        # KL(p || p) = 0, exactly, also with -inf entries
+        p = make_logits((64, 300), scale, torch.float32, 0.3, device=dev)
+        assert (call(impl, "kl", p, p.clone()) == 0).all()
+    # p = [1/2, 1/2], q = [1/4, 3/4]: KL = 1/2 log 2 + 1/2 log(2/3) = 1/2 log(4/3)
+    p = torch.zeros(1, 2, device=dev)
+    q = torch.tensor([[1.0, 3.0]], device=dev).log()
+    assert call(impl, "kl", p, q).item() == pytest.approx(0.5 * math.log(4 / 3), rel=1e-6)
+
+
+@impl_param
+def test_kl_infinite_entries(impl):
+    dev = device_for(impl)
+    p = torch.tensor([[0.0, 1.0, NEG_INF], [0.0, 1.0, 2.0]], device=dev)
+    q = torch.tensor([[0.5, 0.0, 3.0], [0.5, 0.0, NEG_INF]], device=dev)
+    out = call(impl, "kl", p, q)
+    # row 0: p_2 = 0 where q_2 > 0 contributes 0 log 0 = 0; row 1: q_2 = 0 < p_2 gives +inf
+    _, ref = ref_kl(p, q, 1.0)
+    assert torch.isfinite(ref[0]) and ref[1] == math.inf
+    check_forward(out, ref, atol=1e-6)
+
+
+def test_kl_rejects_reference_that_requires_grad():
+    p, q = torch.randn(2, 5, requires_grad=True), torch.randn(2, 5, requires_grad=True)
+    with pytest.raises(ValueError, match="logits_q requires grad"):
+        kernels.kl(p, q)
+    with pytest.raises(ValueError, match="same shape"):
+        kernels.kl(p, torch.randn(2, 6))
+    kernels.kl(p, q.detach())  # fine
+
+
+# ---------------------------------------------------------------------------------------------
+# entropy
+# ---------------------------------------------------------------------------------------------
+@impl_param
+@case_param
+def test_entropy_matches_float64_reference(impl, case):
+    lead, V, dtype, T, scale, ninf, small = case
+    logits = make_logits(lead + (V,), scale, dtype, ninf, device_for(impl)).requires_grad_()
+    grad_out = torch.randn(lead, device=logits.device)
+
+    out = call(impl, "entropy", logits, temperature=T, small_steps=small)
+    (out * grad_out).sum().backward()
+
+    x, ref = ref_entropy(logits, T)
+    (ref * grad_out.cpu().double()).sum().backward()
+    check_forward(out, ref, atol=1e-6)
+    check_grad(logits.grad, x.grad, grad_tolerance("entropy", logits, None, T, grad_out))
+
+
+@impl_param
+def test_entropy_properties_and_hand_worked(impl):
+    dev = device_for(impl)
+    V = 1000
+    assert call(impl, "entropy", torch.zeros(3, V, device=dev)).tolist() == pytest.approx([math.log(V)] * 3, rel=1e-6)
+    one_hot = torch.full((2, V), NEG_INF, device=dev)
+    one_hot[:, 17] = 5.0
+    assert call(impl, "entropy", one_hot).tolist() == pytest.approx([0.0, 0.0], abs=1e-7)
+    assert call(impl, "entropy", torch.zeros(1, 2, device=dev)).item() == pytest.approx(math.log(2), rel=1e-6)
+    for scale in (1e-3, 1.0, 1e4):
+        h = call(impl, "entropy", make_logits((64, V), scale, torch.float32, device=dev))
+        assert (h >= 0).all() and (h <= math.log(V) * (1 + 1e-6)).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Shapes and strides: slices, transposes, 4-D; and the row bookkeeping itself.
+# ---------------------------------------------------------------------------------------------
+@impl_param
+@pytest.mark.parametrize("layout", ["sliced", "transposed", "4d", "rows_across_batches"])
+def test_non_contiguous_inputs(impl, layout):
+    dev = device_for(impl)
+    V = 37
+    if layout == "sliced":  # model(idx)[:, :-1]: [2, 6, V] out of [2, 7, V]
+        base = make_logits((2, 7, V), 2.0, torch.float32, device=dev)
+        view = lambda t: t[:, :-1]
+    elif layout == "transposed":  # stride(-1) != 1
+        base = make_logits((2, V, 6), 2.0, torch.float32, device=dev)
+        view = lambda t: t.transpose(1, 2)
+    elif layout == "4d":
+        base = make_logits((2, 3, 4, V), 2.0, torch.float32, device=dev)
+        view = lambda t: t
+    else:  # short sliced rows: a PyTorch-path chunk spans several batch entries (and is copied)
+        base = make_logits((7, 3, V), 2.0, torch.float32, device=dev)
+        view = lambda t: t[:, :-1]
+    base.requires_grad_()
+    logits = view(base)
+    other = view(make_logits(base.shape, 2.0, torch.float32, device=dev))
+    targets = torch.randint(0, V, logits.shape[:-1], device=dev)
+    ones = torch.ones(logits.shape[:-1])
+    for name, args, ref_fn in [
+        ("logprobs", (logits, targets), ref_logprobs),
+        ("kl", (logits, other), ref_kl),
+        ("entropy", (logits,), ref_entropy),
+    ]:
+        base.grad = None
+        out = call(impl, name, *args, small_steps=True)
+        assert out.shape == logits.shape[:-1]
+        out.sum().backward()  # the grad of .sum() reaches the kernels expanded (stride 0)
+        x, ref = ref_fn(*args, 1.0)
+        ref.sum().backward()
+        check_forward(out, ref, atol=1e-5)
+        tol = grad_tolerance(name, logits, args[1] if len(args) > 1 else None, 1.0, ones)
+        check_grad(base.grad, _scatter_back(base, view, x.grad), _scatter_back(base, view, tol))
+
+
+def _scatter_back(base, view, grad_view):
+    """The gradient w.r.t. base of a function of view(base), given the gradient w.r.t. the view."""
+    b = torch.zeros(base.shape, dtype=torch.float64, requires_grad=True)
+    view(b).backward(grad_view)
+    return b.grad
+
+
+def test_rows_are_views_for_slices():
+    x = torch.randn(2, 7, 11)
+    assert as_rows(x[:, :-1]).data_ptr() == x.data_ptr()  # no copy of a sliced [B, T-1, V]
+    x3 = as_rows(torch.randn(6, 4, 5))
+    for max_rows in (1, 3, 4, 10, 100):
+        ranges = chunk_ranges(x3, max_rows)
+        assert [r for a, b in ranges for r in range(a, b)] == list(range(24))  # every row once, in order
+        assert all(b - a <= max_rows for a, b in ranges)
+        for a, b in ranges:
+            assert torch.equal(take_rows(x3, a, b), x3.reshape(24, 5)[a:b])
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments, dispatch, and Triton being optional.
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])
+def test_temperature_must_be_positive(bad):
+    x = torch.randn(2, 5)
+    for fn, args in [(kernels.logprobs, (x, torch.zeros(2, dtype=torch.long))), (kernels.kl, (x, x)), (kernels.entropy, (x,))]:
+        with pytest.raises(ValueError, match="temperature"):
+            fn(*args, temperature=bad)
+
+
+def test_logprobs_argument_checks():
+    x = torch.randn(2, 3, 5)
+    with pytest.raises(ValueError, match="targets shape"):
+        kernels.logprobs(x, torch.zeros(2, dtype=torch.long))
+    with pytest.raises(TypeError, match="integer"):
+        kernels.logprobs(x, torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="vocabulary"):
+        kernels.entropy(torch.zeros(3, 0))
+
+
+def test_dispatch():
+    """CPU tensors go to Triton exactly when this process was started with TRITON_INTERPRET=1."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1" and HAS_TRITON
+    expect = "Triton" if interpreted else "Torch"
+    x = torch.randn(2, 5, requires_grad=True)
+    assert type(kernels.logprobs(x, torch.zeros(2, dtype=torch.long)).grad_fn).__name__ == f"_Logprobs{expect}Backward"
+    assert type(kernels.kl(x, x.detach()).grad_fn).__name__ == f"_KL{expect}Backward"
+    assert type(kernels.entropy(x).grad_fn).__name__ == f"_Entropy{expect}Backward"
+    if HAS_CUDA and HAS_TRITON:
+        y = x.detach().cuda().requires_grad_()
+        assert type(kernels.entropy(y).grad_fn).__name__ == "_EntropyTritonBackward"
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _child_env(**extra):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def test_pytorch_path_works_without_triton():
+    code = (
+        "import sys; sys.modules['triton'] = None\n"  # makes `import triton` raise ImportError
+        "import torch, kernels\n"
+        "assert not kernels.HAS_TRITON\n"
+        "x = torch.randn(3, 11, requires_grad=True)\n"
+        "(kernels.logprobs(x, torch.tensor([1, 2, 3])).sum() + kernels.kl(x, x.detach() + 1).sum()"
+        " + kernels.entropy(x).sum()).backward()\n"
+        "assert x.grad.isfinite().all()\n"
+        "try:\n    kernels.entropy_triton(x)\nexcept RuntimeError as e:\n    assert 'not installed' in str(e)\n"
+        "else:\n    raise AssertionError('entropy_triton ran without triton')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], env=_child_env(), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+@pytest.mark.skipif(not HAS_TRITON or HAS_CUDA or TRITON_INTERPRET, reason="Triton cases run in this process (CUDA or TRITON_INTERPRET=1), or Triton is missing")
+def test_interpreted_kernels_subprocess():
+    """Run this file's `triton_path` and `dispatch` tests under TRITON_INTERPRET=1 in a child."""
+    cmd = [sys.executable, "-m", "pytest", os.path.abspath(__file__), "-q", "-p", "no:cacheprovider", "-k", "triton_path or dispatch"]
+    run = subprocess.run(cmd, env=_child_env(TRITON_INTERPRET="1"), cwd=REPO, capture_output=True, text=True, timeout=900)
+    tail = (run.stdout + run.stderr)[-6000:]
+    assert run.returncode == 0, tail
+    assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1], tail
+    print(run.stdout.splitlines()[-1])  # e.g. "63 passed in 40s"
+
+
+@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU with ~12 GB free")
+def test_int64_row_offsets_cuda():
+    """N * V > 2^31 elements: row offsets must be computed in int64."""
+    N, V = 16384, 151936  # 2.49e9 elements, bf16: 5 GB
+    logits = torch.randn(N, V, device="cuda", dtype=torch.bfloat16)
+    targets = torch.randint(0, V, (N,), device="cuda")
+    out = kernels.logprobs(logits, targets)
+    h = kernels.entropy(logits)
+    last = slice(N - 4, N)  # rows whose offsets pass 2^31
+    _, ref = ref_logprobs(logits[last], targets[last], 1.0)
+    check_forward(out[last], ref, atol=1e-6)
+    _, ref = ref_entropy(logits[last], 1.0)
+    check_forward(h[last], ref, atol=1e-6)
