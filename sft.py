@@ -18,6 +18,7 @@ Metrics: one JSON object per log step in out/sft/metrics.jsonl.
 """
 import argparse
 import json
+import math
 import os
 import random
 import time
@@ -107,7 +108,7 @@ def main(args):
         if step < args.warmup:
             return args.lr * (step + 1) / args.warmup
         progress = (step - args.warmup) / max(1, args.steps - args.warmup)
-        return args.lr * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * min(1.0, progress))))
+        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
     def log(metrics):
         with open(metrics_path, "a") as f:

@@ -10,7 +10,8 @@ import task
 from model import Tokenizer, load_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--steps", "4", "--batch_size", "8", "--n_layer", "1", "--n_head", "1", "--n_embd", "16",
+TINY = ["--steps", "4", "--warmup", "2",  # past the warm-up: the cosine schedule's lr goes into the checkpoint too
+        "--batch_size", "8", "--n_layer", "1", "--n_head", "1", "--n_embd", "16",
         "--log_every", "2", "--eval_every", "4", "--eval_n", "8"]
 
 
