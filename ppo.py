@@ -39,8 +39,7 @@ Settings:
 Defaults (beta 0.3, 40 steps of 64 prompts, lr 1e-4): on the default task, held-out greedy accuracy peaks
 after 20-40 steps; trained longer, it slowly falls again on the non-precedence problems as the policy drifts
 into completions the reward model never saw and scores too high (the over-optimisation the bench shows with
-beta = 0). Lower beta (0.05) reaches that regime within 40 steps. `--threads` defaults to 1: the model is tiny,
-and on a busy CPU multi-threaded kernels spin-wait, which slowed a PPO step about 20-50x in our runs.
+beta = 0). Lower beta (0.05) reaches that regime within 40 steps.
 
 Deviations from the papers: the KL term in the reward uses the sampled-token estimate log pi_old - log pi_ref
 (as Ziegler et al. and InstructGPT do); the logged "kl" is the exact per-token KL summed over the completion
@@ -180,9 +179,8 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0, help="seeds python, numpy and torch")
     parser.add_argument("--resume", action="store_true", help="continue from <out>/ppo.pt")
     parser.add_argument("--device", default=None, help="cuda, mps or cpu (default: the first available)")
-    parser.add_argument("--threads", type=int, default=1, help="CPU threads for torch (the model is tiny: 1 is fastest, and far faster on a busy CPU)")
     args = parser.parse_args(argv)
-    for name in ("steps", "batch_size", "minibatches", "ppo_epochs", "kl_horizon", "log_every", "eval_every", "eval_n", "threads"):
+    for name in ("steps", "batch_size", "minibatches", "ppo_epochs", "kl_horizon", "log_every", "eval_every", "eval_n"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} = {getattr(args, name)}; it must be at least 1")
     for name in ("lr", "critic_lr", "clip_eps", "clip_value", "kl_target", "temperature"):
@@ -210,7 +208,6 @@ def main(args):
     # -------------------------------------------------------------------------
     # Setup: build what is missing, then the four models
     device = args.device or pick_device()
-    torch.set_num_threads(args.threads)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda")  # bf16 on GPU, fp32 elsewhere
     random.seed(args.seed), np.random.seed(args.seed), torch.manual_seed(args.seed)
     rng = random.Random(args.seed)  # draws the prompts

@@ -93,9 +93,8 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0, help="seeds python, numpy and torch (and the pair sampling)")
     parser.add_argument("--resume", action="store_true", help="continue from <out>/rm.pt")
     parser.add_argument("--device", default=None, help="cuda, mps or cpu (default: the first available)")
-    parser.add_argument("--threads", type=int, default=1, help="CPU threads for torch (the model is tiny: 1 is fastest, and far faster on a busy CPU)")
     args = parser.parse_args(argv)
-    for name in ("epochs", "batch_size", "n_train", "log_every", "eval_n", "threads"):
+    for name in ("epochs", "batch_size", "n_train", "log_every", "eval_n"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} = {getattr(args, name)}; it must be at least 1")
     if args.lr <= 0:
@@ -112,7 +111,6 @@ def main(args):
     # -------------------------------------------------------------------------
     # Setup
     device = args.device or pick_device()
-    torch.set_num_threads(args.threads)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda")  # bf16 on GPU, fp32 elsewhere
     random.seed(args.seed), np.random.seed(args.seed), torch.manual_seed(args.seed)
     if not os.path.exists(args.init):
