@@ -60,7 +60,7 @@ import torch.nn.functional as F
 
 import task
 from kernels import kl, logprobs
-from model import Tokenizer, load_checkpoint, pick_device, save_checkpoint
+from model import CheckpointError, Tokenizer, load_checkpoint, pick_device, save_checkpoint
 
 # -----------------------------------------------------------------------------
 # The algorithm
@@ -296,4 +296,7 @@ def main(args):
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    try:
+        main(parse_args())
+    except CheckpointError as e:  # a missing, unreadable or mismatched checkpoint: say which, no traceback
+        raise SystemExit(f"error: {e}")

@@ -59,7 +59,7 @@ import torch
 
 import task
 from kernels import entropy, kl, logprobs
-from model import Tokenizer, load_checkpoint, pick_device, save_checkpoint
+from model import CheckpointError, Tokenizer, load_checkpoint, pick_device, save_checkpoint
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_INIT = os.path.join("out", "sft.pt")
@@ -333,4 +333,7 @@ def main(args):
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    try:
+        main(parse_args())
+    except CheckpointError as e:  # a missing, unreadable or mismatched checkpoint: say which, no traceback
+        raise SystemExit(f"error: {e}")

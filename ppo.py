@@ -72,7 +72,7 @@ import torch
 
 import task
 from kernels import entropy, kl, logprobs
-from model import GPT, ScalarGPT, Tokenizer, load_checkpoint, pick_device, save_checkpoint
+from model import CheckpointError, GPT, ScalarGPT, Tokenizer, load_checkpoint, pick_device, save_checkpoint
 
 
 # -----------------------------------------------------------------------------
@@ -393,4 +393,7 @@ def main(args):
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    try:
+        main(parse_args())
+    except CheckpointError as e:  # a missing, unreadable or mismatched checkpoint: say which, no traceback
+        raise SystemExit(f"error: {e}")

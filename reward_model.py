@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 import task
-from model import ScalarGPT, Tokenizer, load_checkpoint, pick_device, save_checkpoint
+from model import CheckpointError, ScalarGPT, Tokenizer, load_checkpoint, pick_device, save_checkpoint
 
 
 # -----------------------------------------------------------------------------
@@ -223,4 +223,7 @@ def main(args):
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    try:
+        main(parse_args())
+    except CheckpointError as e:  # a missing, unreadable or mismatched checkpoint: say which, no traceback
+        raise SystemExit(f"error: {e}")

@@ -28,7 +28,7 @@ import torch
 
 import task
 from kernels import logprobs
-from model import GPT, GPTConfig, Tokenizer, load_checkpoint, pick_device, save_checkpoint
+from model import CheckpointError, GPT, GPTConfig, Tokenizer, load_checkpoint, pick_device, save_checkpoint
 
 # -----------------------------------------------------------------------------
 # Hyperparameters
@@ -57,6 +57,11 @@ def parse_args(argv=None):
     for name in ("steps", "batch_size", "n_layer", "n_head", "n_embd", "log_every", "eval_every", "eval_n"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} = {getattr(args, name)}; it must be at least 1")
+    for name in ("mistake_rate", "precedence_share"):
+        if not 0.0 <= getattr(args, name) <= 1.0:
+            parser.error(f"--{name} = {getattr(args, name)}; it must be between 0 and 1")
+    if args.n_embd % args.n_head:
+        parser.error(f"--n_embd = {args.n_embd} must be divisible by --n_head = {args.n_head}")
     return args
 
 
@@ -170,4 +175,7 @@ def main(args):
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    try:
+        main(parse_args())
+    except CheckpointError as e:  # a missing, unreadable or mismatched checkpoint: say which, no traceback
+        raise SystemExit(f"error: {e}")
