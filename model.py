@@ -305,6 +305,15 @@ def last_real(values, mask):
     return values.gather(1, last[:, None]).squeeze(1)
 
 
+def completion_logits(model, prompt, prompt_mask, tokens, mask):
+    """Logits (B, Tn, V) predicting each completion token under `model`, for scoring what `generate`
+    sampled. prompt (B, Tp) left-padded, tokens (B, Tn) right-padded, masks 1.0 on real tokens:
+    position Tp-1+t of prompt+completion predicts completion token t."""
+    idx = torch.cat([prompt, tokens], dim=1)                           # (B, Tp+Tn)
+    attn = torch.cat([prompt_mask, mask], dim=1)
+    return model(idx[:, :-1], attn[:, :-1])[:, prompt.size(1) - 1:]    # (B, Tn, V)
+
+
 def pick_device():
     if torch.cuda.is_available():
         return "cuda"

@@ -72,7 +72,7 @@ import torch
 
 import task
 from kernels import entropy, kl, logprobs
-from model import CheckpointError, GPT, ScalarGPT, Tokenizer, load_checkpoint, pick_device, save_checkpoint
+from model import CheckpointError, GPT, ScalarGPT, completion_logits, Tokenizer, load_checkpoint, pick_device, save_checkpoint
 
 
 # -----------------------------------------------------------------------------
@@ -283,10 +283,10 @@ def main(args):
         return e
 
 
-    def completion_logits(model, seq, seq_mask, Tp):
-        """Logits predicting each completion token: positions Tp-1 .. T-2 of prompt + completion, (B, Tn, V)."""
+    def token_logits(model, seq, seq_mask, Tp):
+        """Logits (B, Tn, V) predicting each completion token of prompt + completion (seq), in float32."""
         with autocast:
-            return model(seq, seq_mask)[:, Tp - 1:-1].float()
+            return completion_logits(model, seq[:, :Tp], seq_mask[:, :Tp], seq[:, Tp:], seq_mask[:, Tp:]).float()
 
 
     # -------------------------------------------------------------------------
@@ -305,8 +305,8 @@ def main(args):
         completions = tok.decode_completions(tokens, mask)
         gold = torch.tensor([task.reward(p, c) for p, c in zip(prompts, completions)], device=device)  # (B,) verifier
         with torch.no_grad():
-            old_logits = completion_logits(policy, seq, seq_mask, Tp)           # (B, Tn, V)
-            ref_logits = completion_logits(ref, seq, seq_mask, Tp)
+            old_logits = token_logits(policy, seq, seq_mask, Tp)           # (B, Tn, V)
+            ref_logits = token_logits(ref, seq, seq_mask, Tp)
             old_logp = logprobs(old_logits, tokens, args.temperature)           # (B, Tn) log pi_old(y_t | s_t)
             ref_logp = logprobs(ref_logits, tokens, args.temperature)
             kl_exact = (kl(old_logits, ref_logits, args.temperature) * mask).sum(1)  # (B,) exact KL per completion
@@ -329,7 +329,7 @@ def main(args):
             for j in range(args.minibatches):
                 mb = perm[j * mb_size:(j + 1) * mb_size]
                 m = mask[mb]                                                     # (b, Tn)
-                logits = completion_logits(policy, seq[mb], seq_mask[mb], Tp)  # (b, Tn, V)
+                logits = token_logits(policy, seq[mb], seq_mask[mb], Tp)  # (b, Tn, V)
                 logp = logprobs(logits, tokens[mb], args.temperature)          # (b, Tn)
                 with autocast:
                     values = critic(seq[mb], seq_mask[mb])[:, Tp - 1:-1].float()  # (b, Tn)

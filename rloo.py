@@ -48,7 +48,7 @@ import torch
 
 import task
 from kernels import entropy, kl, logprobs
-from model import CheckpointError, Tokenizer, load_checkpoint, pick_device, save_checkpoint
+from model import CheckpointError, completion_logits, Tokenizer, load_checkpoint, pick_device, save_checkpoint
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_INIT = os.path.join("out", "sft.pt")
@@ -94,14 +94,6 @@ def rloo_loss(logp, advantages, mask):
 
 # -----------------------------------------------------------------------------
 # Rollout: what the model says after each prompt, and the logits that score it
-
-def completion_logits(model, prompt, prompt_mask, tokens, mask):
-    """Logits (N, Tn, V) predicting each completion token. prompt (N, Tp) left-padded, tokens (N, Tn)
-    right-padded, masks 1.0 on real tokens: position Tp-1+t of prompt+completion predicts token t."""
-    idx = torch.cat([prompt, tokens], dim=1)                           # (N, Tp+Tn)
-    attn = torch.cat([prompt_mask, mask], dim=1)
-    return model(idx[:, :-1], attn[:, :-1])[:, prompt.size(1) - 1:]    # (N, Tn, V)
-
 
 def masked_mean(x, mask):
     return ((x * mask).sum() / mask.sum().clamp(min=1)).item()

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from model import (GPT, CheckpointError, GPTConfig, KVCache, ScalarGPT, Tokenizer, last_real,
+from model import (GPT, CheckpointError, GPTConfig, KVCache, ScalarGPT, Tokenizer, completion_logits, last_real,
                    load_checkpoint, save_checkpoint)
 
 
@@ -94,6 +94,18 @@ def test_greedy_generation_equals_argmax_of_full_recomputation():
     Tp = prompts.size(1)
     argmax = logits[:, Tp - 1:-1].argmax(-1)                            # (B, Tn) what each step should pick
     assert torch.equal(argmax[mask.bool()], tokens[mask.bool()])
+
+
+def test_completion_logits_line_up_with_the_sampled_tokens():
+    """Row t of completion_logits must be the distribution generate drew completion token t from."""
+    tok = Tokenizer()
+    model = peaked_model(12)
+    p, m = tok.encode_batch(["3+4*2=", "1=", "9-8*7+6="])
+    tokens, mask, _ = model.generate(p, m, 9, tok.eos_id, tok.pad_id, temperature=0)
+    with torch.no_grad():
+        logits = completion_logits(model, p, m, tokens, mask)          # (B, Tn, V)
+    assert logits.shape[:2] == tokens.shape
+    assert torch.equal(logits.argmax(-1)[mask.bool()], tokens[mask.bool()])
 
 
 def test_completion_does_not_depend_on_the_rest_of_the_batch():
