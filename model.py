@@ -69,7 +69,7 @@ class Tokenizer:
     def encode_batch(self, texts, device="cpu"):
         """Left-padded batch: tokens (B, T) int64 and mask (B, T) float32, 1 on real tokens."""
         ids = [self.encode(t) for t in texts]
-        T = max(len(x) for x in ids)
+        T = max((len(x) for x in ids), default=0)
         tokens = torch.full((len(ids), T), self.pad_id, dtype=torch.long)
         mask = torch.zeros(len(ids), T)
         for i, x in enumerate(ids):
@@ -314,12 +314,15 @@ def completion_logits(model, prompt, prompt_mask, tokens, mask):
     return model(idx[:, :-1], attn[:, :-1])[:, prompt.size(1) - 1:]    # (B, Tn, V)
 
 
-def pick_device():
-    if torch.cuda.is_available():
-        return "cuda"
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        return "mps"
-    return "cpu"
+def masked_mean(x, mask):
+    """Mean of x over the positions where mask is 1 -> a 0-dim tensor (0 when the mask is empty).
+    Selects with the mask rather than multiplying by it, so a NaN or inf at a masked position never leaks."""
+    return torch.where(mask > 0, x, 0.0).sum() / mask.sum().clamp(min=1)
+
+
+def fingerprint(model):
+    """A number that changes when any weight changes (the float64 sum of every parameter, on the CPU)."""
+    return sum(p.detach().cpu().double().sum().item() for p in model.parameters())
 
 
 # -----------------------------------------------------------------------------

@@ -25,13 +25,18 @@ and V = 0 after the last real token,
     L       = L_clip + vf_coef * L_V - ent_coef * entropy
 
 Advantages are whitened over the batch (masked mean and std) by default, outside `gae`. Several epochs
-of minibatches per rollout batch; `--target_kl` stops them early; `--adaptive_kl` adjusts beta
-(Ziegler et al.): beta <- beta * (1 + clip(KL / KL_target - 1, -0.2, 0.2) * B / horizon).
+of minibatches per rollout batch (every sample in one minibatch per epoch, sizes differing by at most one
+when the batch does not divide); `--target_kl` stops them early; `--adaptive_kl` adjusts beta
+(Ziegler et al.): beta <- beta * (1 + clip(KL / KL_target - 1, -0.2, 0.2) * B / horizon). Ziegler et al.
+used a horizon of 10000 episodes over runs of millions of episodes; our default run has 2560 (40 steps of
+64), where that horizon moves beta by at most 5 %: the default --kl_horizon is 640 episodes (10 steps),
+so that the controller visibly acts within a run (up to x2.2 or x0.45 over 40 steps).
 
 Settings:
     --a2c               A2C (Mnih et al. 2016, arXiv 1602.01783, synchronous): one pass over each batch as one
                         minibatch, no clipping (eps = eps_v = inf): the loss is -ratio * A, whose gradient at
-                        ratio 1 is the policy gradient -A grad log pi.
+                        ratio 1 is the policy gradient -A grad log pi. It overrides --ppo_epochs, --minibatches,
+                        --clip_eps and --clip_value (the start-up line says so).
     --reward verifier   PPO on the task's verifiable reward (1 correct / 0 wrong) instead of the reward model.
     --beta 0 --steps N  no KL anchor: the over-optimisation run (python bench/overoptimisation.py runs it into
                         out/ppo/overopt/ and tabulates reward-model score against gold accuracy and KL).
@@ -44,10 +49,11 @@ beta = 0). Lower beta (0.05) reaches that regime within 40 steps.
 Deviations from the papers: the KL term in the reward uses the sampled-token estimate log pi_old - log pi_ref
 (as Ziegler et al. and InstructGPT do); the logged "kl" is the exact per-token KL summed over the completion
 (kernels.kl). Token losses are averaged over all completion tokens of a minibatch. No pretraining-mix term
-(InstructGPT's PPO-ptx). The policy and the critic are separate networks (no shared backbone).
+(InstructGPT's PPO-ptx). The policy and the critic are separate networks (no shared backbone). Every model
+runs in eval mode (no dropout), so that the update scores exactly the distribution the rollout sampled from.
 
 Run:
-    python ppo.py                      # a few minutes on 2 CPU cores; builds out/sft.pt and out/rm.pt first if missing
+    python ppo.py                      # about a minute on 2 CPU cores; builds out/sft.pt and out/rm.pt first if missing
     python ppo.py --reward verifier    # PPO on the verifier's reward
     python ppo.py --a2c                # A2C
     python ppo.py --resume             # continue from out/ppo.pt up to --steps
@@ -58,21 +64,15 @@ vf_clip_frac, approx_kl (k3 estimate of KL(old || new)), explained_variance (of 
 Held-out, on eval steps: eval_accuracy (greedy), eval_pass_at_1, eval_accuracy_precedence / _other,
 eval_rm_score (the reward model's mean score of the greedy completions).
 """
-import argparse
-import json
 import math
-import os
-import random
-import subprocess
-import sys
-import time
 
 import numpy as np
 import torch
 
 import task
 from kernels import entropy, kl, logprobs
-from model import CheckpointError, GPT, ScalarGPT, completion_logits, Tokenizer, load_checkpoint, pick_device, save_checkpoint
+from model import ScalarGPT, completion_logits, masked_mean
+from plumbing import RM_PATH, SFT_PATH, TEMPERATURE, Float, Int, Run, add_run_flags, parser
 
 
 # -----------------------------------------------------------------------------
@@ -84,17 +84,17 @@ def gae(rewards, values, mask, gamma=1.0, lam=0.95):
     a row's last real token is 0 (the episode ends there). Returns (advantages, returns), (B, T),
     zero on padding:  delta_t = r_t + gamma V_{t+1} - V_t,  A_t = delta_t + gamma lam A_{t+1},  R_t = A_t + V_t."""
     B, T = rewards.shape
+    real = mask > 0                                                           # (B, T) bool
+    rewards, values = torch.where(real, rewards, 0.0), torch.where(real, values, 0.0)  # padding never leaks
     advantages = torch.zeros_like(rewards)
     next_value = torch.zeros(B, dtype=rewards.dtype, device=rewards.device)   # V(s_{t+1}), 0 after the end
     next_advantage = torch.zeros_like(next_value)                             # A_{t+1}, 0 after the end
     for t in reversed(range(T)):
-        m = mask[:, t]
         delta = rewards[:, t] + gamma * next_value - values[:, t]             # (B,) TD error
-        advantage = delta + gamma * lam * next_advantage                      # (B,)
-        advantages[:, t] = advantage * m
-        next_value = values[:, t] * m                                         # padding contributes 0
-        next_advantage = advantage * m
-    returns = (advantages + values) * mask                                    # R_t = A_t + V(s_t)
+        advantage = torch.where(real[:, t], delta + gamma * lam * next_advantage, 0.0)  # (B,), 0 on padding
+        advantages[:, t] = advantage
+        next_value, next_advantage = values[:, t], advantage                  # both 0 on padding
+    returns = torch.where(real, advantages + values, 0.0)                     # R_t = A_t + V(s_t)
     return advantages, returns
 
 
@@ -102,32 +102,30 @@ def kl_penalised_rewards(score, logp, ref_logp, mask, beta):
     """Per-token RLHF reward (Ziegler et al. 2019, eq. 2, spread over tokens), (B, T):
     r_t = -beta * (log pi(y_t) - log pi_ref(y_t)) on every real token, plus score (B,) on the last real
     token of each right-padded row (not on a token after it); 0 on padding."""
-    rewards = -beta * (logp - ref_logp) * mask                              # (B, T)
+    real = mask > 0
+    rewards = torch.where(real, -beta * (logp - ref_logp), 0.0)             # (B, T)
     last = (mask.sum(1).long() - 1).clamp(min=0)                            # (B,) index of the last real token
     bonus = torch.zeros_like(rewards).scatter_(1, last[:, None], score[:, None].to(rewards.dtype))  # (B, T)
-    return rewards + bonus * mask
-
-
-def masked_mean(x, mask):
-    return (x * mask).sum() / mask.sum().clamp(min=1)
+    return rewards + torch.where(real, bonus, 0.0)
 
 
 def masked_whiten(x, mask, eps=1e-8):
     """(x - mean) / (std + eps) over the real entries (population std); padding stays 0."""
+    x = torch.where(mask > 0, x, 0.0)                                         # padding never leaks
     mean = masked_mean(x, mask)
     var = masked_mean((x - mean) ** 2, mask)
-    return (x - mean) / (var.sqrt() + eps) * mask
+    return torch.where(mask > 0, (x - mean) / (var.sqrt() + eps), 0.0)
 
 
 def ppo_policy_loss(logp, old_logp, advantages, clip_eps):
     """Per-token clipped surrogate loss (PPO eq. 7, negated to minimise), (B, T):
     -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) with ratio = exp(logp - old_logp).
-    clip_eps = inf gives the unclipped -ratio * A (A2C). Also returns the (B, T) bool 'clipped' mask
-    (where the clipped term is the one taken, so the token's gradient is zero)."""
+    clip_eps = inf gives the unclipped -ratio * A (A2C). Also returns clip_taken, a (B, T) bool: where the
+    clipped term is the smaller one, so the token's gradient is zero."""
     ratio = torch.exp(logp - old_logp)                                        # pi_theta / pi_old
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages
-    return -torch.min(unclipped, clipped), clipped < unclipped
+    surr = ratio * advantages
+    surr_clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages
+    return -torch.min(surr, surr_clipped), surr_clipped < surr
 
 
 def ppo_value_loss(values, old_values, returns, clip_value):
@@ -144,56 +142,80 @@ def adaptive_kl_beta(beta, kl_value, kl_target, horizon, n_steps):
 
 
 # -----------------------------------------------------------------------------
+# Rollouts and scoring: one completion per prompt, the logits and values along it
+
+@torch.no_grad()
+def rollout(policy, tok, prompts, temperature, max_new_tokens, generator, device, autocast):
+    """One completion per prompt. Returns seq (B, Tp + Tn) prompt + completion tokens and seq_mask, Tp, the
+    completion tokens (B, Tn), their mask (1 through the EOS) and truncated (B,) (no EOS within the budget)."""
+    idx, idx_mask = tok.encode_batch(prompts, device)                         # (B, Tp) left-padded
+    with autocast:
+        tokens, mask, truncated = policy.generate(idx, idx_mask, max_new_tokens, tok.eos_id, tok.pad_id,
+                                                  temperature=temperature, generator=generator)  # (B, Tn)
+    return torch.cat([idx, tokens], 1), torch.cat([idx_mask, mask], 1), idx.size(1), tokens, mask, truncated
+
+
+def token_logits(model, seq, seq_mask, Tp, autocast):
+    """Logits (B, Tn, V) predicting each completion token of seq = prompt + completion, in float32."""
+    with autocast:
+        return completion_logits(model, seq[:, :Tp], seq_mask[:, :Tp], seq[:, Tp:], seq_mask[:, Tp:]).float()
+
+
+def token_values(critic, seq, seq_mask, Tp, autocast):
+    """V(s_t) (B, Tn) for each completion token t. The state s_t is everything before token t, so its value is
+    the critic's output at position Tp - 1 + t, the position whose logits predict token t: hence [Tp-1 : -1]."""
+    with autocast:
+        return critic(seq, seq_mask)[:, Tp - 1:-1].float()
+
+
+@torch.no_grad()
+def rm_score_greedy(policy, rm, tok, prompts, device, autocast):
+    """The reward model's mean score of the policy's greedy completions (the proxy, beside the verifier's accuracy)."""
+    seq, seq_mask, *_ = rollout(policy, tok, prompts, 0.0, task.MAX_NEW_TOKENS, None, device, autocast)
+    with autocast:
+        return rm.score(seq, seq_mask).float().mean().item()
+
+
+# -----------------------------------------------------------------------------
 # Hyperparameters
+
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=40, help="PPO iterations (rollout batch + update epochs)")
-    parser.add_argument("--batch_size", type=int, default=64, help="prompts per rollout batch (one completion each)")
-    parser.add_argument("--minibatches", type=int, default=2, help="minibatches per epoch over the rollout batch")
-    parser.add_argument("--ppo_epochs", type=int, default=4, help="passes over each rollout batch")
-    parser.add_argument("--lr", type=float, default=1e-4, help="policy AdamW learning rate (constant)")
-    parser.add_argument("--critic_lr", type=float, default=1e-4, help="critic AdamW learning rate (constant)")
-    parser.add_argument("--clip_eps", type=float, default=0.2, help="policy ratio clip range eps")
-    parser.add_argument("--clip_value", type=float, default=0.2, help="value clip range around the rollout values")
-    parser.add_argument("--vf_coef", type=float, default=0.5, help="weight of the value loss")
-    parser.add_argument("--ent_coef", type=float, default=0.0, help="weight of the entropy bonus")
-    parser.add_argument("--beta", type=float, default=0.3, help="KL penalty coefficient in the reward (initial value if --adaptive_kl)")
-    parser.add_argument("--adaptive_kl", action="store_true", help="adapt beta towards --kl_target (Ziegler et al. 2019)")
-    parser.add_argument("--kl_target", type=float, default=2.0, help="target KL(pi || pi_ref) per completion for --adaptive_kl")
-    parser.add_argument("--kl_horizon", type=int, default=10000, help="horizon of the adaptive KL controller, in episodes")
-    parser.add_argument("--target_kl", type=float, default=None, help="stop a batch's epochs once approx-KL(old || new) exceeds 1.5x this")
-    parser.add_argument("--gamma", type=float, default=1.0, help="discount factor")
-    parser.add_argument("--gae_lambda", type=float, default=0.95, help="GAE lambda")
-    parser.add_argument("--no_whiten", action="store_true", help="do not whiten the advantages over the batch")
-    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (log-probs use the same)")
-    parser.add_argument("--grad_clip", type=float, default=1.0, help="clip each model's gradient norm to this")
-    parser.add_argument("--a2c", action="store_true", help="A2C: one epoch, one minibatch, no ratio or value clipping")
-    parser.add_argument("--reward", choices=("rm", "verifier"), default="rm", help="reward model score or the task's verifier")
-    parser.add_argument("--critic_init", choices=("rm", "sft"), default=None, help="critic starts from the reward model or the SFT backbone (default: rm with --reward rm, sft with --reward verifier)")
-    parser.add_argument("--log_every", type=int, default=5, help="print and log metrics every this many steps")
-    parser.add_argument("--eval_every", type=int, default=10, help="evaluate on the held-out set every this many steps")
-    parser.add_argument("--eval_n", type=int, default=512, help="held-out prompts to evaluate on (at most 512)")
-    parser.add_argument("--init", default="out/sft.pt", help="SFT checkpoint: the policy's start and the reference")
-    parser.add_argument("--rm", default="out/rm.pt", help="reward model checkpoint (reward_model.py)")
-    parser.add_argument("--out", default="out", help="folder for ppo.pt and ppo/metrics.jsonl")
-    parser.add_argument("--seed", type=int, default=0, help="seeds python, numpy and torch")
-    parser.add_argument("--resume", action="store_true", help="continue from <out>/ppo.pt")
-    parser.add_argument("--device", default=None, help="cuda, mps or cpu (default: the first available)")
-    args = parser.parse_args(argv)
-    for name in ("steps", "batch_size", "minibatches", "ppo_epochs", "kl_horizon", "log_every", "eval_every", "eval_n"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} = {getattr(args, name)}; it must be at least 1")
-    for name in ("lr", "critic_lr", "clip_eps", "clip_value", "kl_target", "temperature"):
-        if not getattr(args, name) > 0:
-            parser.error(f"--{name} = {getattr(args, name)}; it must be positive")
-    for name in ("vf_coef", "ent_coef", "beta"):
-        if getattr(args, name) < 0:
-            parser.error(f"--{name} = {getattr(args, name)}; it must be >= 0")
-    if not (0 <= args.gamma <= 1 and 0 <= args.gae_lambda <= 1):
-        parser.error(f"--gamma = {args.gamma}, --gae_lambda = {args.gae_lambda}; both must be in [0, 1]")
+    p = parser(__doc__)
+    g = p.add_argument_group("algorithm")
+    g.add_argument("--reward", choices=("rm", "verifier"), default="rm", help="reward model score or the task's verifier")
+    g.add_argument("--beta", type=Float(ge=0), default=0.3, help="KL penalty coefficient in the reward (initial value if --adaptive_kl)")
+    g.add_argument("--adaptive_kl", action="store_true", help="adapt beta towards --kl_target (Ziegler et al. 2019)")
+    g.add_argument("--kl_target", type=Float(gt=0), default=2.0, help="target KL(pi || pi_ref) per completion for --adaptive_kl")
+    g.add_argument("--kl_horizon", type=Int(ge=1), default=640, help="horizon of the adaptive KL controller, in episodes")
+    g.add_argument("--clip_eps", type=Float(gt=0, lt=1), default=0.2, help="policy ratio clip range eps")
+    g.add_argument("--clip_value", type=Float(gt=0), default=0.2, help="value clip range around the rollout values")
+    g.add_argument("--vf_coef", type=Float(ge=0), default=0.5, help="weight of the value loss")
+    g.add_argument("--ent_coef", type=Float(ge=0), default=0.0, help="weight of the entropy bonus")
+    g.add_argument("--gamma", type=Float(ge=0, le=1), default=1.0, help="discount factor")
+    g.add_argument("--gae_lambda", type=Float(ge=0, le=1), default=0.95, help="GAE lambda")
+    g.add_argument("--no_whiten", action="store_true", help="do not whiten the advantages over the batch")
+    g.add_argument("--critic_init", choices=("rm", "sft"), default=None,
+                   help="critic starts from the reward model or the SFT backbone (default: rm with --reward rm, sft with --reward verifier)")
+    g.add_argument("--a2c", action="store_true", help="A2C: sets --ppo_epochs 1 --minibatches 1 and no ratio or value clipping")
+    g = p.add_argument_group("sampling")
+    g.add_argument("--steps", type=Int(ge=1), default=40, help="PPO iterations (rollout batch + update epochs)")
+    g.add_argument("--batch_size", type=Int(ge=1), default=64, help="B: prompts per rollout batch (one completion each)")
+    g.add_argument("--temperature", type=TEMPERATURE, default=1.0, help="sampling temperature (log-probs use the same)")
+    g.add_argument("--max_new_tokens", type=Int(ge=1), default=task.MAX_NEW_TOKENS, help="longest completion")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--ppo_epochs", type=Int(ge=1), default=4, help="passes over each rollout batch")
+    g.add_argument("--minibatches", type=Int(ge=1), default=2, help="minibatches per epoch over the rollout batch")
+    g.add_argument("--target_kl", type=Float(gt=0), default=None, help="stop a batch's epochs once approx-KL(old || new) exceeds 1.5x this")
+    g.add_argument("--lr", type=Float(gt=0), default=1e-4, help="policy AdamW learning rate (constant)")
+    g.add_argument("--critic_lr", type=Float(gt=0), default=1e-4, help="critic AdamW learning rate (constant)")
+    g.add_argument("--grad_clip", type=Float(gt=0), default=1.0, help="clip each model's gradient norm to this")
+    g = add_run_flags(p, "ppo", log_every=5, eval_every=10)
+    g.add_argument("--init", default=SFT_PATH, help="SFT checkpoint: the policy's start and the reference")
+    g.add_argument("--rm", default=RM_PATH, help="reward model checkpoint (reward_model.py)")
+    args = p.parse_args(argv)
     if args.minibatches > args.batch_size:
-        parser.error(f"--minibatches = {args.minibatches} exceeds --batch_size = {args.batch_size}")
-    if args.critic_init is None:
+        p.error(f"--minibatches {args.minibatches} exceeds --batch_size {args.batch_size}; it must be at most batch_size")
+    if args.critic_init is None:  # derived: the critic starts from the model whose scores it will predict
         args.critic_init = "rm" if args.reward == "rm" else "sft"
     if args.a2c:  # derived: A2C is one unclipped pass per batch
         args.ppo_epochs, args.minibatches, args.clip_eps, args.clip_value = 1, 1, math.inf, math.inf
@@ -201,146 +223,71 @@ def parse_args(argv=None):
 
 
 def main(args):
-    ckpt_path = os.path.join(args.out, "ppo.pt")
-    metrics_path = os.path.join(args.out, "ppo", "metrics.jsonl")
-    root = os.path.dirname(os.path.abspath(__file__))
-
-    # -------------------------------------------------------------------------
-    # Setup: build what is missing, then the four models
-    device = args.device or pick_device()
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda")  # bf16 on GPU, fp32 elsewhere
-    random.seed(args.seed), np.random.seed(args.seed), torch.manual_seed(args.seed)
-    rng = random.Random(args.seed)  # draws the prompts
-    gen = torch.Generator(device=device).manual_seed(args.seed)  # draws the completions and minibatches
-    for path, default, script in ((args.init, "out/sft.pt", "sft.py"), (args.rm, "out/rm.pt", "reward_model.py")):
-        if script == "reward_model.py" and args.reward == "verifier" and args.critic_init == "sft":
-            continue  # no reward model needed
-        if not os.path.exists(path):
-            if path != default:
-                raise SystemExit(f"{path}: no such checkpoint; train it with {script} or use the default {default}")
-            print(f"{path} not found: training it first (python {script})")
-            subprocess.run([sys.executable, script], check=True, cwd=root)
-    ref, sft_ckpt = load_checkpoint(args.init, device, kind="gpt")
-    tok = Tokenizer(sft_ckpt["tokenizer"])
-    rm = None
-    if args.reward == "rm" or args.critic_init == "rm":
-        rm, _ = load_checkpoint(args.rm, device, kind="scalar")
-    if args.resume:
-        policy, ckpt = load_checkpoint(ckpt_path, device, kind="gpt")
-        critic = ScalarGPT(policy.config).to(device)
-        critic.load_state_dict(ckpt["critic"])
-        step, beta = ckpt["step"], ckpt["beta"]
-        rng.setstate((ckpt["rng"][0], tuple(ckpt["rng"][1]), ckpt["rng"][2]))
-        gen.set_state(ckpt["gen"])
-        print(f"resuming from {ckpt_path} at step {step}")
-    else:
-        policy = GPT(ref.config).to(device)
-        policy.load_state_dict(ref.state_dict())
-        critic = ScalarGPT.from_policy(ref) if args.critic_init == "sft" else ScalarGPT(rm.config).to(device)
-        if args.critic_init == "rm":
-            critic.load_state_dict(rm.state_dict())
-        step, beta, ckpt = 0, args.beta, None
+    run = Run("ppo", args)                          # device, seeds, lock, log, resume, Ctrl-C: plumbing.py
+    ref, tok = run.load_policy(args.init)           # pi_ref: the SFT policy, frozen
+    policy, _ = run.load_policy(args.init)          # pi_theta starts as pi_ref
+    rm = run.load_reward_model(args.rm, args.init) if "rm" in (args.reward, args.critic_init) else None
+    critic = ScalarGPT.from_policy(ref) if args.critic_init == "sft" else ScalarGPT(rm.config).to(run.device)
+    if args.critic_init == "rm":
+        critic.load_state_dict(rm.state_dict())
+    critic.eval()                                   # every model in eval mode: no dropout
     for frozen in (ref, rm):
         if frozen is not None:
-            frozen.requires_grad_(False).eval()
+            frozen.requires_grad_(False)
+    run.check_lengths(policy, tok, args.max_new_tokens)
     optimizer = torch.optim.AdamW([{"params": policy.parameters(), "lr": args.lr},
                                    {"params": critic.parameters(), "lr": args.critic_lr}], weight_decay=0.0, betas=(0.9, 0.95))
-    if ckpt is not None:
-        optimizer.load_state_dict(ckpt["optimizer"])
+    ckpt = run.resume(policy, optimizer, critic=critic)
+    beta, T = (ckpt["beta"] if ckpt else args.beta), args.temperature
     eval_set = task.eval_prompts()[:args.eval_n]
-    os.makedirs(os.path.dirname(metrics_path), exist_ok=True)
-    if not args.resume and os.path.exists(metrics_path):
-        os.remove(metrics_path)  # a fresh run starts a fresh log
-    print(f"{'A2C' if args.a2c else 'PPO'}: policy {policy.num_params() / 1e6:.2f}M parameters on {device}, reward {args.reward}, "
-          f"critic from {args.critic_init}, {args.steps} steps of {args.batch_size} prompts, beta {beta}")
+    run.print(f"{'A2C (--a2c: 1 epoch, 1 minibatch, no clipping)' if args.a2c else 'PPO'}: policy "
+              f"{policy.num_params() / 1e6:.2f}M parameters on {run.device}, reward {args.reward}, critic from "
+              f"{args.critic_init}, {args.steps} steps of {args.batch_size} prompts, beta {beta}"
+              f"{f' (adaptive, target KL {args.kl_target})' if args.adaptive_kl else ''}")
+    if run.step == 0:
+        e = run.evaluate(policy, tok)
+        e["eval_rm_score"] = rm_score_greedy(policy, rm, tok, eval_set, run.device, run.autocast) if rm else None
+        run.log_start(e)
 
-
-    def log(metrics):
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(metrics) + "\n")
-
-
-    @torch.no_grad()
-    def rollout(prompts, temperature):
-        """One completion per prompt: prompt + completion tokens (B, Tp + Tn), their mask, Tp, the completion
-        tokens (B, Tn), their mask (1 through the EOS) and truncated (B,) (no EOS within the token budget)."""
-        idx, idx_mask = tok.encode_batch(prompts, device)                      # (B, Tp) left-padded
-        policy.eval()
-        with autocast:
-            tokens, mask, truncated = policy.generate(idx, idx_mask, task.MAX_NEW_TOKENS, tok.eos_id, tok.pad_id,
-                                                      temperature=temperature, generator=gen)  # (B, Tn)
-        policy.train()
-        return torch.cat([idx, tokens], 1), torch.cat([idx_mask, mask], 1), idx.size(1), tokens, mask, truncated
-
-
-    def run_eval():
-        """task.evaluate's held-out metrics, plus the reward model's mean score of the greedy completions (the proxy)."""
-        with autocast:
-            e = task.evaluate(policy, tok, eval_set, num_samples=4, temperature=1.0, seed=args.seed)
-            if rm is not None:
-                seq, seq_mask, *_ = rollout(eval_set, 0.0)
-                e["rm_score"] = rm.score(seq, seq_mask).float().mean().item()
-        return e
-
-
-    def token_logits(model, seq, seq_mask, Tp):
-        """Logits (B, Tn, V) predicting each completion token of prompt + completion (seq), in float32."""
-        with autocast:
-            return completion_logits(model, seq[:, :Tp], seq_mask[:, :Tp], seq[:, Tp:], seq_mask[:, Tp:]).float()
-
-
-    # -------------------------------------------------------------------------
-    # Training loop
-    e, eval_step = None, -1
-    if step == 0:
-        e, eval_step = run_eval(), 0
-        print(f"step 0 | held-out greedy accuracy {e['greedy_accuracy']:.3f} pass@1 {e['pass_at_1']:.3f} (SFT)")
-        log({"step": 0, "eval_accuracy": e["greedy_accuracy"], "eval_pass_at_1": e["pass_at_1"], "eval_rm_score": e.get("rm_score"),
-             "eval_accuracy_precedence": e["greedy_accuracy_precedence"], "eval_accuracy_other": e["greedy_accuracy_other"]})
-    t0 = time.time()
-    while step < args.steps:
-        # ---- rollout: sample one completion per prompt, score it, and record pi_old, pi_ref and V_old
-        prompts = task.sample_prompts(rng, args.batch_size)
-        seq, seq_mask, Tp, tokens, mask, truncated = rollout(prompts, args.temperature)  # (B, Tp + Tn), (B, Tn)
+    while run.training():
+        # 1. rollout: one completion per prompt, scored; pi_old, pi_ref and V_old recorded along it
+        prompts = task.sample_prompts(run.rng, args.batch_size)
+        seq, seq_mask, Tp, tokens, mask, truncated = rollout(policy, tok, prompts, T, args.max_new_tokens, run.gen,
+                                                             run.device, run.autocast)  # (B, Tp + Tn), (B, Tn)
         completions = tok.decode_completions(tokens, mask)
-        gold = torch.tensor([task.reward(p, c) for p, c in zip(prompts, completions)], device=device)  # (B,) verifier
+        gold = torch.tensor([task.reward(p, c) for p, c in zip(prompts, completions)], device=run.device)  # (B,) verifier
         with torch.no_grad():
-            old_logits = token_logits(policy, seq, seq_mask, Tp)           # (B, Tn, V)
-            ref_logits = token_logits(ref, seq, seq_mask, Tp)
-            old_logp = logprobs(old_logits, tokens, args.temperature)           # (B, Tn) log pi_old(y_t | s_t)
-            ref_logp = logprobs(ref_logits, tokens, args.temperature)
-            kl_exact = (kl(old_logits, ref_logits, args.temperature) * mask).sum(1)  # (B,) exact KL per completion
-            with autocast:
-                old_values = critic(seq, seq_mask)[:, Tp - 1:-1].float() * mask     # (B, Tn) V(s_t)
-                rm_score = rm.score(seq, seq_mask).float() if rm is not None else torch.full_like(gold, float("nan"))  # (B,) at the last real token
-            score = rm_score if args.reward == "rm" else gold
-            rewards = kl_penalised_rewards(score, old_logp, ref_logp, mask, beta)  # (B, Tn)
-            kl_per_token = (old_logp - ref_logp) * mask                         # (B, Tn) for the log
-            advantages, returns = gae(rewards, old_values, mask, args.gamma, args.gae_lambda)  # (B, Tn) each
-            if not args.no_whiten:
-                advantages = masked_whiten(advantages, mask)
+            old_logits = token_logits(policy, seq, seq_mask, Tp, run.autocast)        # (B, Tn, V)
+            ref_logits = token_logits(ref, seq, seq_mask, Tp, run.autocast)
+            old_logp = logprobs(old_logits, tokens, T)                               # (B, Tn) log pi_old(y_t | s_t)
+            ref_logp = logprobs(ref_logits, tokens, T)
+            kl_exact = torch.where(mask > 0, kl(old_logits, ref_logits, T), 0.0).sum(1)  # (B,) exact KL per completion
+            old_values = torch.where(mask > 0, token_values(critic, seq, seq_mask, Tp, run.autocast), 0.0)  # (B, Tn) V(s_t)
+            with run.autocast:
+                rm_score = rm.score(seq, seq_mask).float() if rm is not None else None  # (B,) at the last real token
 
-        # ---- update: several epochs of minibatches on the clipped losses
+        # 2. rewards and advantages: the score on the last token, -beta KL on every token; GAE
+        score = rm_score if args.reward == "rm" else gold
+        rewards = kl_penalised_rewards(score, old_logp, ref_logp, mask, beta)        # (B, Tn)
+        advantages, returns = gae(rewards, old_values, mask, args.gamma, args.gae_lambda)  # (B, Tn) each
+        if not args.no_whiten:
+            advantages = masked_whiten(advantages, mask)
+
+        # 3. update: epochs of minibatches on the clipped policy and value losses
         stats = {k: [] for k in ("pg_loss", "vf_loss", "entropy", "clip_frac", "approx_kl", "vf_clip_frac")}
-        mb_size = args.batch_size // args.minibatches
-        stop = False
         for epoch in range(args.ppo_epochs):
-            perm = torch.randperm(args.batch_size, generator=gen, device=device)
-            for j in range(args.minibatches):
-                mb = perm[j * mb_size:(j + 1) * mb_size]
-                m = mask[mb]                                                     # (b, Tn)
-                logits = token_logits(policy, seq[mb], seq_mask[mb], Tp)  # (b, Tn, V)
-                logp = logprobs(logits, tokens[mb], args.temperature)          # (b, Tn)
-                with autocast:
-                    values = critic(seq[mb], seq_mask[mb])[:, Tp - 1:-1].float()  # (b, Tn)
-                pg_tok, clipped = ppo_policy_loss(logp, old_logp[mb], advantages[mb], args.clip_eps)
+            perm = torch.randperm(args.batch_size, generator=run.gen, device=run.device)
+            for mb in torch.tensor_split(perm, args.minibatches):                   # every sample, once an epoch
+                m = mask[mb]                                                         # (b, Tn)
+                logits = token_logits(policy, seq[mb], seq_mask[mb], Tp, run.autocast)  # (b, Tn, V)
+                logp = logprobs(logits, tokens[mb], T)                               # (b, Tn)
+                values = token_values(critic, seq[mb], seq_mask[mb], Tp, run.autocast)  # (b, Tn)
+                pg_tok, clip_taken = ppo_policy_loss(logp, old_logp[mb], advantages[mb], args.clip_eps)
                 vf_tok = ppo_value_loss(values, old_values[mb], returns[mb], args.clip_value)
-                ent = masked_mean(entropy(logits, args.temperature), m)
+                ent = masked_mean(entropy(logits, T), m)
                 pg_loss, vf_loss = masked_mean(pg_tok, m), masked_mean(vf_tok, m)
-                loss = pg_loss + args.vf_coef * vf_loss - args.ent_coef * ent   # PPO eq. 9
-                if not torch.isfinite(loss):
-                    raise RuntimeError(f"loss is {loss.item()} at step {step}; lower --lr (now {args.lr}) "
-                                       f"or --critic_lr (now {args.critic_lr}) and rerun")
+                loss = pg_loss + args.vf_coef * vf_loss - args.ent_coef * ent       # PPO eq. 9
+                run.check_finite(loss, f"lower --lr (now {args.lr}) or --critic_lr (now {args.critic_lr})")
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
@@ -349,51 +296,38 @@ def main(args):
                 with torch.no_grad():
                     log_ratio = logp - old_logp[mb]
                     approx_kl = masked_mean(torch.exp(log_ratio) - 1 - log_ratio, m).item()  # k3 estimate of KL(old || new)
-                    stats["pg_loss"].append(pg_loss.item()), stats["vf_loss"].append(vf_loss.item())
-                    stats["entropy"].append(ent.item()), stats["approx_kl"].append(approx_kl)
-                    stats["clip_frac"].append(masked_mean(clipped.float(), m).item())
-                    stats["vf_clip_frac"].append(masked_mean(((values - old_values[mb]).abs() > args.clip_value).float(), m).item())
+                    for k, v in (("pg_loss", pg_loss), ("vf_loss", vf_loss), ("entropy", ent), ("approx_kl", approx_kl),
+                                 ("clip_frac", masked_mean(clip_taken.float(), m)),
+                                 ("vf_clip_frac", masked_mean(((values - old_values[mb]).abs() > args.clip_value).float(), m))):
+                        stats[k].append(float(v))
                 if args.target_kl is not None and approx_kl > 1.5 * args.target_kl:
-                    stop = True
                     break
-            if stop:
+            if args.target_kl is not None and approx_kl > 1.5 * args.target_kl:
                 break
         kl_mean = kl_exact.mean().item()
         if args.adaptive_kl:
             beta = adaptive_kl_beta(beta, kl_mean, args.kl_target, args.kl_horizon, args.batch_size)
-        step += 1
+        run.step += 1
 
-        if step % args.log_every == 0 or step % args.eval_every == 0 or step == args.steps:
+        # 4. log, evaluate, checkpoint
+        if run.log_due():
             ret, val = returns[mask > 0], old_values[mask > 0]
-            metrics = {"step": step, "rm_score": rm_score.mean().item() if rm is not None else None, "gold_accuracy": gold.mean().item(),
-                       "kl": kl_mean, "kl_k1": kl_per_token.sum(1).mean().item(), "beta": beta,
-                       "explained_variance": (1 - (ret - val).var() / ret.var().clamp(min=1e-8)).item(),
+            metrics = {"rm_score": rm_score.mean().item() if rm is not None else None, "gold_accuracy": gold.mean().item(),
+                       "kl": kl_mean, "kl_k1": torch.where(mask > 0, old_logp - ref_logp, 0.0).sum(1).mean().item(),
+                       "beta": beta, "explained_variance": (1 - (ret - val).var() / ret.var().clamp(min=1e-8)).item(),
                        "completion_len": mask.sum(1).mean().item(), "truncated": truncated.float().mean().item(),
-                       "epochs_done": epoch + 1, **{k: float(np.mean(v)) for k, v in stats.items()},
-                       "elapsed_s": time.time() - t0}
-            line = (f"step {step:4d} | rm {rm_score.mean().item():+.2f} | gold {metrics['gold_accuracy']:.3f} | "
-                    f"kl {kl_mean:.3f} | clip {metrics['clip_frac']:.3f} | approx_kl {metrics['approx_kl']:.4f} | "
-                    f"vf {metrics['vf_loss']:.3f} | ev {metrics['explained_variance']:+.2f} | ent {metrics['entropy']:.3f}")
-            if step % args.eval_every == 0 or step == args.steps:
-                e, eval_step = run_eval(), step
-                metrics.update(eval_accuracy=e["greedy_accuracy"], eval_pass_at_1=e["pass_at_1"],
-                               eval_accuracy_precedence=e["greedy_accuracy_precedence"],
-                               eval_accuracy_other=e["greedy_accuracy_other"], eval_rm_score=e.get("rm_score"))
-                line += f" | held-out greedy {e['greedy_accuracy']:.3f} pass@1 {e['pass_at_1']:.3f}"
-                save_checkpoint(ckpt_path, policy, tok.name, optimizer, step, args, critic=critic.state_dict(),
-                                beta=beta, rng=list(rng.getstate()), gen=gen.get_state())
-            print(line)
-            log(metrics)
-
-    final = e if eval_step == step else run_eval()
-    first = json.loads(open(metrics_path).readline()) if os.path.exists(metrics_path) else {}
-    print(f"done: {step} steps in {time.time() - t0:.0f}s | held-out greedy accuracy {first.get('eval_accuracy', float('nan')):.3f} -> "
-          f"{final['greedy_accuracy']:.3f} (precedence {final['greedy_accuracy_precedence']:.3f}, other "
-          f"{final['greedy_accuracy_other']:.3f}) | sampled pass@1 {final['pass_at_1']:.3f} | wrote {ckpt_path}")
+                       "epochs_done": epoch + 1, **{k: float(np.mean(v)) for k, v in stats.items()}}
+            if run.eval_due():
+                metrics.update(run.evaluate(policy, tok))
+                metrics["eval_rm_score"] = rm_score_greedy(policy, rm, tok, eval_set, run.device, run.autocast) if rm else None
+            run.log(metrics, f"rm {metrics['rm_score'] if rm is not None else float('nan'):+.2f} | gold "
+                             f"{metrics['gold_accuracy']:.3f} | kl {kl_mean:.3f} | clip {metrics['clip_frac']:.3f} | approx_kl "
+                             f"{metrics['approx_kl']:.4f} | vf {metrics['vf_loss']:.3f} | ev {metrics['explained_variance']:+.2f} "
+                             f"| ent {metrics['entropy']:.3f}")
+        if run.eval_due():
+            run.save(policy, optimizer, critic=critic.state_dict(), beta=beta)
+    run.finish(policy, tok, optimizer, critic=critic.state_dict(), beta=beta)
 
 
 if __name__ == "__main__":
-    try:
-        main(parse_args())
-    except CheckpointError as e:  # a missing, unreadable or mismatched checkpoint: say which, no traceback
-        raise SystemExit(f"error: {e}")
+    main(parse_args())

@@ -34,6 +34,8 @@ from functools import lru_cache
 
 import torch
 
+from model import fingerprint
+
 OPERANDS = range(1, 10)
 OP_PAIRS = [(a, b) for a in "+-*" for b in "+-*" if (a, b) != ("*", "*")]
 PRECEDENCE_PAIRS = [("+", "*"), ("-", "*")]
@@ -96,6 +98,21 @@ def _split():
     return held_out, tuple(prec[n:]), tuple(other[n:])
 
 
+def all_prompts():
+    """Every problem of the task, held-out ones included (5832)."""
+    return list(_split()[0] + _split()[1] + _split()[2])
+
+
+@lru_cache(maxsize=None)
+def _max_prompt_tokens(encode):
+    return max(len(encode(p)) for p in all_prompts())
+
+
+def max_prompt_tokens(tokenizer):
+    """The longest prompt of the task in `tokenizer`'s tokens (6 with the byte tokenizer)."""
+    return _max_prompt_tokens(tokenizer.encode)
+
+
 def eval_prompts():
     """The fixed held-out set: 512 prompts, precedence problems and others alternating (256 each)."""
     return list(_split()[0])
@@ -147,16 +164,20 @@ def reward(prompt, completion, format_weight=0.0):
 
 @torch.no_grad()
 def complete(model, tokenizer, prompts, num_samples=1, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS,
-             batch_size=256, generator=None):
-    """Completions (strings, EOS dropped) for each prompt: num_samples consecutive entries per prompt."""
+             batch_size=256, generator=None, return_ids=False):
+    """Completions (strings, EOS dropped) for each prompt: num_samples consecutive entries per prompt.
+    return_ids=True also returns each completion's token ids as sampled (EOS dropped): (texts, ids)."""
     device = next(model.parameters()).device
-    texts = []
+    texts, ids = [], []
     for i in range(0, len(prompts), batch_size):
         idx, mask = tokenizer.encode_batch(prompts[i:i + batch_size], device)
         tokens, cmask, _ = model.generate(idx, mask, max_new_tokens, tokenizer.eos_id, tokenizer.pad_id,
                                           num_samples=num_samples, temperature=temperature, generator=generator)
         texts += tokenizer.decode_completions(tokens, cmask)
-    return texts
+        if return_ids:
+            ids += [[t for t, keep in zip(row, m) if keep and t != tokenizer.eos_id]
+                    for row, m in zip(tokens.tolist(), cmask.tolist())]
+    return (texts, ids) if return_ids else texts
 
 
 def evaluate(model, tokenizer, prompts=None, num_samples=4, temperature=1.0, seed=0):
@@ -192,47 +213,92 @@ def synthetic_mistake(prompt):
     return ",".join(steps) + f"#{r + 1}"
 
 
+PAIR_FORMAT = 2   # version of the cached pair files; a cache of another version is rebuilt
+
+
+def _valid_pairs(saved, meta):
+    """A cache is used only when it is exactly what preference_pairs would write for `meta`."""
+    if not isinstance(saved, dict) or saved.get("format") != PAIR_FORMAT or saved.get("meta") != meta:
+        return False
+    pairs = saved.get("pairs")
+    if not isinstance(pairs, list) or len(pairs) != len(meta["prompts"]):
+        return False
+    for pair, prompt in zip(pairs, meta["prompts"]):
+        if not isinstance(pair, dict) or pair.get("prompt") != prompt:
+            return False
+        if not all(isinstance(pair.get(k), str) for k in ("chosen", "rejected", "source")):
+            return False
+        if not all(isinstance(pair.get(k), list) and all(isinstance(i, int) for i in pair[k])
+                   for k in ("chosen_ids", "rejected_ids")):
+            return False
+    return True
+
+
 def preference_pairs(prompts, policy=None, tokenizer=None, samples_per_prompt=4, temperature=1.0, seed=0,
                      cache=None):
-    """One pair per prompt: {"prompt", "chosen", "rejected", "source"}; chosen is correct, rejected is not.
-    Both are sampled from `policy` where its samples include a correct and an incorrect completion;
-    the missing side is filled with the correct demonstration (chosen) or synthetic_mistake (rejected).
+    """One pair per prompt: {"prompt", "chosen", "rejected", "source", "chosen_ids", "rejected_ids"}; chosen is
+    correct, rejected is not. Both are sampled from `policy` where its samples include a correct and an incorrect
+    completion; the missing side is filled with the correct demonstration (chosen) or synthetic_mistake (rejected).
     source says which: "sampled/sampled", "sampled/synthetic", "demo/sampled" or "demo/synthetic".
-    cache: a JSON path; reused when it was made with the same prompts and settings, else (re)written."""
-    fingerprint = None if policy is None else f"{sum(p.double().sum().item() for p in policy.parameters()):.12e}"
+    *_ids are the completion's token ids (EOS not included): for a sampled side, the ids the policy sampled (a
+    decoded string need not encode back to them); for a filled-in side, tokenizer.encode of the text.
+    cache: a JSON path; reused when it holds exactly these prompts and settings, else (re)written."""
     meta = {"prompts": list(prompts), "samples_per_prompt": samples_per_prompt, "temperature": temperature,
-            "seed": seed, "policy": fingerprint}  # a different policy (a retrained out/sft.pt) makes new pairs
+            "seed": seed, "policy": None if policy is None else f"{fingerprint(policy):.12e}",
+            "tokenizer": getattr(tokenizer, "name", None)}
     if cache is not None and os.path.exists(cache):
         try:
             with open(cache) as f:
                 saved = json.load(f)
-            if saved.get("meta") == meta:
+            if _valid_pairs(saved, meta):
                 return saved["pairs"]
         except (OSError, ValueError):
-            pass  # unreadable cache: make the pairs again
+            pass  # unreadable, stale or malformed cache: make the pairs again
     samples = [[] for _ in prompts]
     if policy is not None:
         g = torch.Generator(device=next(policy.parameters()).device).manual_seed(seed)
         was_training = policy.training
         policy.eval()
-        flat = complete(policy, tokenizer, list(prompts), samples_per_prompt, temperature, generator=g)
+        texts, ids = complete(policy, tokenizer, list(prompts), samples_per_prompt, temperature, generator=g,
+                              return_ids=True)
         policy.train(was_training)
-        samples = [flat[i * samples_per_prompt:(i + 1) * samples_per_prompt] for i in range(len(prompts))]
+        k = samples_per_prompt
+        samples = [list(zip(texts[i * k:(i + 1) * k], ids[i * k:(i + 1) * k])) for i in range(len(prompts))]
     pairs = []
     for prompt, outs in zip(prompts, samples):
-        good = [c for c in outs if reward(prompt, c) == 1.0]
-        bad = [c for c in outs if reward(prompt, c) == 0.0]
-        chosen, chosen_src = (good[0], "sampled") if good else (demonstration(prompt), "demo")
-        rejected, rejected_src = (bad[0], "sampled") if bad else (synthetic_mistake(prompt), "synthetic")
-        pairs.append({"prompt": prompt, "chosen": chosen, "rejected": rejected,
-                      "source": f"{chosen_src}/{rejected_src}"})
+        good = [(c, i) for c, i in outs if reward(prompt, c) == 1.0]
+        bad = [(c, i) for c, i in outs if reward(prompt, c) == 0.0]
+        text = demonstration(prompt)
+        (chosen, chosen_ids), chosen_src = (good[0], "sampled") if good else ((text, tokenizer.encode(text)), "demo")
+        text = synthetic_mistake(prompt)
+        (rejected, rejected_ids), rejected_src = (bad[0], "sampled") if bad else ((text, tokenizer.encode(text)), "synthetic")
+        pairs.append({"prompt": prompt, "chosen": chosen, "rejected": rejected, "source": f"{chosen_src}/{rejected_src}",
+                      "chosen_ids": list(chosen_ids), "rejected_ids": list(rejected_ids)})
     if cache is not None:
         os.makedirs(os.path.dirname(os.path.abspath(cache)), exist_ok=True)
         tmp = f"{cache}.tmp{os.getpid()}"
         with open(tmp, "w") as f:
-            json.dump({"meta": meta, "pairs": pairs}, f)
+            json.dump({"format": PAIR_FORMAT, "meta": meta, "pairs": pairs}, f)
         os.replace(tmp, cache)
     return pairs
+
+
+def pair_batch(pairs, tokenizer, device="cpu"):
+    """Pairs -> one right-padded batch of 2B sequences prompt + completion + EOS (chosen rows 0..B-1, rejected rows
+    B..2B-1), the prompt encoded on its own and the completion as its token ids, exactly as a policy samples them:
+    tokens (2B, T), attention mask (2B, T) 1.0 on real tokens, completion mask (2B, T-1) 1.0 where the target
+    token t+1 is a completion token or the final EOS."""
+    seqs = [(p["prompt"], p[f"{side}_ids"]) for side in ("chosen", "rejected") for p in pairs]
+    ids = [(tokenizer.encode(prompt), list(c) + [tokenizer.eos_id]) for prompt, c in seqs]
+    T = max(len(p) + len(c) for p, c in ids)
+    tokens = torch.full((len(ids), T), tokenizer.pad_id, dtype=torch.long)
+    attn = torch.zeros(len(ids), T)
+    mask = torch.zeros(len(ids), T - 1)
+    for i, (p, c) in enumerate(ids):
+        tokens[i, :len(p) + len(c)] = torch.tensor(p + c)
+        attn[i, :len(p) + len(c)] = 1.0
+        mask[i, len(p) - 1:len(p) + len(c) - 1] = 1.0   # the predictions of c[0] .. EOS
+    return tokens.to(device), attn.to(device), mask.to(device)
 
 
 def preference_dataset(policy, tokenizer, n_train=2048, seed=0, cache_dir="out"):

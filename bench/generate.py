@@ -15,7 +15,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import task  # noqa: E402
-from model import GPT, GPTConfig, Tokenizer, pick_device  # noqa: E402
+from model import GPT, GPTConfig, Tokenizer  # noqa: E402
+from plumbing import pick_device  # noqa: E402
 
 parser = argparse.ArgumentParser(description="KV-cache sampling vs full recomputation")
 parser.add_argument("--batch", type=int, default=64, help="prompts sampled at once")
@@ -24,7 +25,7 @@ parser.add_argument("--repeats", type=int, default=3, help="timed repetitions of
 parser.add_argument("--device", default=None, help="cuda, mps or cpu (default: the first available)")
 args = parser.parse_args()
 
-device = args.device or pick_device()
+device = pick_device(args.device)
 torch.manual_seed(0)
 tok = Tokenizer()
 model = GPT(GPTConfig(block_size=128)).to(device).eval()  # the default SFT size, long enough for 64 new tokens

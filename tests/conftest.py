@@ -16,6 +16,15 @@ def run_script(script, args, timeout=600):
                           timeout=timeout, env=env)
 
 
+def refused(p, *words):
+    """A run refused bad input the way every script must: a non-zero exit, one error line naming each of
+    `words` (the flag and its value), and no traceback."""
+    assert p.returncode != 0, p.stdout
+    assert "Traceback" not in p.stderr, p.stderr
+    for w in words:
+        assert w in p.stderr, (w, p.stderr)
+
+
 @pytest.fixture(scope="session")
 def tiny_sft(tmp_path_factory):
     """Path to a small SFT policy (2 layers, width 64, 1200 steps, ~20 s): held-out greedy accuracy about 0.3, so it has learned the format and some

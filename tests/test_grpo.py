@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from conftest import run_script
+from conftest import refused, run_script
 from grpo import grpo_advantages, grpo_loss, kl_penalty
 from model import load_checkpoint
 
@@ -77,7 +77,7 @@ def random_batch(B=5, T=7, seed=None):
 # -----------------------------------------------------------------------------
 # Advantages
 
-def test_worked_example_of_the_notes():
+def test_hand_worked_group_of_eight():
     r = torch.tensor([0.9, 0.8, 0.7, 0.6, 0.3, 0.2, 0.5, 0.4])
     a = grpo_advantages(r, 8)
     # mean 0.55; population std sqrt(0.42 / 8) = 0.2291; (0.9 - 0.55) / 0.2291 = 1.5275
@@ -116,8 +116,8 @@ def test_advantages_reject_bad_shapes():
 # KL estimators
 
 def test_kl_estimators_hand_example():
-    # log pi_theta - log pi_ref = x = [0.1, -0.5, 0.1, 1.2], the example of notes 003 (whose per-token k3 values
-    # 0.132 and 0.515 are slips). k3 = e^-x + x - 1 = 0.004837, 0.148721, 0.004837, 0.501194 (sum 0.659590)
+    # log pi_theta - log pi_ref = x = [0.1, -0.5, 0.1, 1.2]: k3 = e^-x + x - 1 = 0.004837, 0.148721, 0.004837,
+    # 0.501194 (sum 0.659590), worked by hand
     logp = torch.tensor([-1.2, -2.5, -0.8, -0.3])
     ref = torch.tensor([-1.3, -2.0, -0.9, -1.5])
     assert torch.allclose(kl_penalty(logp, ref, "k1"), torch.tensor([0.1, -0.5, 0.1, 1.2]), atol=1e-6)
@@ -127,6 +127,17 @@ def test_kl_estimators_hand_example():
     assert abs(k3.sum().item() - 0.6595903) < 1e-5
     with pytest.raises(ValueError, match="'k4'"):
         kl_penalty(logp, ref, "k4")
+
+
+def test_kl_clamp_bounds_the_log_ratio_and_stops_its_gradient():
+    logp = torch.tensor([-0.5, -30.0, -1.0], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([-0.7, -0.1, -25.0], dtype=torch.float64)       # log r = -0.2, +29.9, -24
+    k3 = kl_penalty(logp, ref, "k3", clamp=10.0)
+    log_r = torch.tensor([-0.2, 10.0, -10.0], dtype=torch.float64)     # clamped to [-10, 10] by hand
+    torch.testing.assert_close(k3, torch.exp(log_r) - log_r - 1)
+    assert k3[1].item() == pytest.approx(math.exp(10) - 11) and kl_penalty(logp, ref, "k3")[1].item() > 1e12
+    g, = torch.autograd.grad(k3.sum(), logp)
+    assert g[0].item() == pytest.approx(-(math.exp(-0.2) - 1)) and g[1].item() == 0 and g[2].item() == 0
 
 
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
@@ -261,9 +272,9 @@ def test_script_runs_end_to_end_and_resumes(tiny_sft, tmp_path):
 
 def test_script_rejects_bad_settings_with_a_message(tmp_path):
     p = run_script("grpo.py", ["--group_size", "1", "--out", str(tmp_path)])
-    assert p.returncode != 0 and "--group_size = 1" in p.stderr
+    refused(p, "--group_size", "1")
     p = run_script("grpo.py", ["--temperature", "0", "--out", str(tmp_path)])
-    assert p.returncode != 0 and "--temperature = 0" in p.stderr
+    refused(p, "--temperature", "0")
     p = run_script("grpo.py", ["--init", str(tmp_path / "missing.pt"), "--out", str(tmp_path)])
     assert p.returncode != 0 and "no checkpoint at" in p.stderr
 

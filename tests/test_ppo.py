@@ -1,5 +1,5 @@
 """ppo.py: GAE against a float64 loop written here from the recursion, the clipped policy and value losses
-against hand-worked cases (the notes' PPO examples) and a float64 reference with autograd, the KL-penalised
+against hand-worked cases and a float64 reference with autograd, the KL-penalised
 reward, the adaptive KL controller, and the script end to end (PPO, A2C, verifier reward, resume)."""
 import importlib.util
 import json
@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from conftest import ROOT, run_script
+from conftest import ROOT, refused, run_script
 
 spec = importlib.util.spec_from_file_location("ppo", os.path.join(ROOT, "ppo.py"))
 ppo = importlib.util.module_from_spec(spec)
@@ -130,15 +130,15 @@ def policy_loss_and_grad(ratio, advantage, eps=0.2):
     return loss.item(), logp.grad.item(), clipped.item()
 
 
-def test_notes_example_positive_advantage_clipped_at_1_plus_eps():
-    # notes 003, section 4.2, case 1: P 0.3 -> 0.45, ratio 1.5, A = +0.5: min(0.75, 0.6) = 0.6, gradient zero
+def test_hand_example_positive_advantage_clipped_at_1_plus_eps():
+    # P 0.3 -> 0.45, ratio 1.5, A = +0.5: min(0.75, 0.6) = 0.6, gradient zero
     loss, grad, clipped = policy_loss_and_grad(1.5, 0.5)
     assert -loss == pytest.approx(0.6) and grad == 0.0 and clipped
 
 
-def test_notes_example_negative_advantage_clipped_at_1_minus_eps():
-    # notes 003, section 4.2, case 2: P 0.2 -> 0.08, ratio 0.4, A = -0.8: min(-0.32, -0.64) = -0.64, the clipped
-    # term is taken and the gradient is zero (the notes reach this after a false start; see seeds/README.md)
+def test_hand_example_negative_advantage_clipped_at_1_minus_eps():
+    # P 0.2 -> 0.08, ratio 0.4, A = -0.8: min(-0.32, -0.64) = -0.64, the clipped
+    # term is taken and the gradient is zero
     loss, grad, clipped = policy_loss_and_grad(0.4, -0.8)
     assert -loss == pytest.approx(-0.64) and grad == 0.0 and clipped
 
@@ -252,8 +252,8 @@ def test_a2c_and_verifier_reward_settings_run(tiny_sft, tmp_path):
 
 def test_ppo_rejects_bad_settings_with_a_message(tmp_path):
     p = run_script("ppo.py", ["--gae_lambda", "1.5", "--out", str(tmp_path)])
-    assert p.returncode != 0 and "--gae_lambda = 1.5" in p.stderr
+    refused(p, "--gae_lambda", "1.5")
     p = run_script("ppo.py", ["--minibatches", "9", "--batch_size", "8", "--out", str(tmp_path)])
-    assert p.returncode != 0 and "--minibatches = 9" in p.stderr
+    refused(p, "--minibatches", "9")
     p = run_script("ppo.py", ["--rm", str(tmp_path / "missing.pt"), "--out", str(tmp_path)])
     assert p.returncode != 0 and "missing.pt" in p.stderr

@@ -1,5 +1,5 @@
 """dpo.py and ipo.py: both losses and their gradients against float64 references written here from the
-papers' equations, hand-worked examples, degenerate cases, the batch construction, and each script end to
+papers' equations, hand-worked examples, degenerate cases, and each script end to
 end (smoke, resume, a tiny run whose implicit-reward accuracy rises above chance)."""
 import importlib.util
 import json
@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from conftest import ROOT, run_script
+from conftest import ROOT, refused, run_script
 from model import Tokenizer, load_checkpoint
 
 
@@ -155,19 +155,6 @@ def test_sequence_logprobs_sum_and_mean():
     assert total[0].item() == 0.0 and total[1].item() == logp[1, 3].item()
 
 
-def test_make_batch_masks_exactly_the_completions_and_eos():
-    tok = Tokenizer()
-    pairs = [{"prompt": "3+4*2=", "chosen": "4*2=8,3+8=11#11", "rejected": "3+4=7,7*2=14#14"},
-             {"prompt": "1+1+1=", "chosen": "1+1=2,2+1=3#3", "rejected": "1+1=2,2+1=4#4"}]
-    for m in (dpo, ipo):
-        tokens, attn, mask = m.make_batch(pairs, tok, "cpu")
-        assert tokens.shape[0] == 4 and mask.shape == (4, tokens.shape[1] - 1)
-        targets = tokens[:, 1:]
-        got = [tok.decode([t for t, k in zip(targets[i].tolist(), mask[i].tolist()) if k]) for i in range(4)]
-        assert got == [c + "<|endoftext|>" for c in ("4*2=8,3+8=11#11", "1+1=2,2+1=3#3", "3+4=7,7*2=14#14", "1+1=2,2+1=4#4")]
-        assert attn.sum(1).tolist() == [len(p["prompt"]) + len(p[k]) + 1 for k in ("chosen", "rejected") for p in pairs]
-
-
 # -----------------------------------------------------------------------------
 # The scripts, end to end
 
@@ -206,12 +193,12 @@ def test_script_runs_resumes_and_learns(script, tiny_sft, tmp_path):
     assert rows[-1]["eval_reward_accuracy"] > 0.55              # held-out pairs (256): above chance
 
 
-@pytest.mark.parametrize("script,bad,message", [("dpo", ["--beta", "0"], "--beta = 0.0"), ("ipo", ["--tau", "-1"], "--tau = -1.0"),
-                                                ("ipo", ["--seq_logp", "max"], "invalid choice: 'max'"),
-                                                ("dpo", ["--batch_size", "100", "--n_pairs", "10"], "--batch_size = 100")])
-def test_bad_settings_are_rejected_with_a_message(script, bad, message, tmp_path):
-    p = run_script(f"{script}.py", bad + ["--out", str(tmp_path)])
-    assert p.returncode != 0 and message in p.stderr
+@pytest.mark.parametrize("script,bad,words", [("dpo", ["--beta", "0"], ["--beta", "0"]), ("ipo", ["--tau", "-1"], ["--tau", "-1"]),
+                                              ("ipo", ["--seq_logp", "max"], ["invalid choice: 'max'"]),
+                                              ("dpo", ["--batch_size", "100", "--n_pairs", "10"], ["--batch_size 100"]),
+                                              ("dpo", ["--warmup", "-1"], ["--warmup", "-1"])])
+def test_bad_settings_are_rejected_with_a_message(script, bad, words, tmp_path):
+    refused(run_script(f"{script}.py", bad + ["--out", str(tmp_path)]), *words)
 
 
 def test_missing_init_is_reported(tmp_path):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import ROOT, run_script
+import task
 from model import GPT, GPTConfig, ScalarGPT, Tokenizer, load_checkpoint
 
 spec = importlib.util.spec_from_file_location("reward_model", os.path.join(ROOT, "reward_model.py"))
@@ -51,14 +52,17 @@ def test_score_is_read_at_the_eos_whatever_the_padding():
     model = ScalarGPT.from_policy(GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32)))
     torch.nn.init.normal_(model.head.weight)  # a non-zero head so scores differ by position
     prompts, completions = ["3+4*2=", "1+1="], ["4*2=8,3+8=11#11", "1+1=2,2+1=3#3"]
-    tokens, mask = reward_model.make_batch(tok, prompts, completions)
+    pairs = [{"prompt": p, "chosen_ids": tok.encode(c), "rejected_ids": tok.encode(c)} for p, c in zip(prompts, completions)]
+    tokens, mask, _ = task.pair_batch(pairs, tok)                           # the batch score_pairs scores
+    tokens, mask = tokens[:2], mask[:2]                                     # the chosen rows
     last = mask.sum(1).long() - 1
     assert (tokens[torch.arange(2), last] == tok.eos_id).all()             # the last real token is the EOS
     assert mask[1, -1] == 0                                                 # the short row is right-padded
     with torch.no_grad():
         batched = model.score(tokens, mask)
         for i in range(2):  # each row alone, no padding; and left-padded with 5 pads
-            alone, alone_mask = reward_model.make_batch(tok, [prompts[i]], [completions[i]])
+            alone, alone_mask, _ = task.pair_batch(pairs[i:i + 1], tok)
+            alone, alone_mask = alone[:1], alone_mask[:1]
             ids = tok.encode(prompts[i] + completions[i]) + [tok.eos_id]
             left = torch.tensor([[tok.pad_id] * 5 + ids])
             left_mask = torch.tensor([[0.0] * 5 + [1.0] * len(ids)])
@@ -91,6 +95,6 @@ def test_reward_model_beats_chance_on_held_out_pairs_and_resumes(tiny_sft, tmp_p
 
 def test_reward_model_rejects_bad_settings_with_a_message(tmp_path):
     p = run_script("reward_model.py", ["--epochs", "0", "--out", str(tmp_path)])
-    assert p.returncode != 0 and "--epochs = 0" in p.stderr
+    assert p.returncode != 0 and "--epochs" in p.stderr and "0 is not allowed" in p.stderr
     p = run_script("reward_model.py", ["--init", str(tmp_path / "nope.pt"), "--out", str(tmp_path)])
     assert p.returncode != 0 and "nope.pt" in p.stderr

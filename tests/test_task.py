@@ -126,3 +126,25 @@ def test_preference_cache_is_remade_for_a_different_policy(tmp_path):
     meta0 = open(cache).read()
     task.preference_pairs(prompts, tiny_policy(1), tok, samples_per_prompt=2, cache=cache)
     assert open(cache).read() != meta0
+
+
+def test_pair_batch_masks_exactly_the_completions_and_eos_and_keeps_the_sampled_ids():
+    tok = Tokenizer()
+    pairs = [{"prompt": "3+4*2=", "chosen": "4*2=8,3+8=11#11", "rejected": "3+4=7,7*2=14#14"},
+             {"prompt": "1+1+1=", "chosen": "1+1=2,2+1=3#3", "rejected": "1+1=2,2+1=4#4"}]
+    for p in pairs:
+        p["chosen_ids"], p["rejected_ids"] = tok.encode(p["chosen"]), tok.encode(p["rejected"])
+    tokens, attn, mask = task.pair_batch(pairs, tok, "cpu")
+    assert tokens.shape[0] == 4 and mask.shape == (4, tokens.shape[1] - 1)
+    targets = tokens[:, 1:]
+    got = [tok.decode([t for t, k in zip(targets[i].tolist(), mask[i].tolist()) if k]) for i in range(4)]
+    assert got == [c + "<|endoftext|>" for c in ("4*2=8,3+8=11#11", "1+1=2,2+1=3#3", "3+4=7,7*2=14#14", "1+1=2,2+1=4#4")]
+    assert attn.sum(1).tolist() == [len(p["prompt"]) + len(p[k]) + 1 for k in ("chosen", "rejected") for p in pairs]
+    assert (tokens[torch.arange(4), attn.sum(1).long() - 1] == tok.eos_id).all()   # each row ends with its EOS
+    # a sampled side is scored as the ids that were sampled, even where decoding them and encoding again differs
+    odd = [0xE2, 0x82]                                      # half a UTF-8 character: decodes to U+FFFD, 3 other bytes
+    pairs[0]["rejected_ids"] = odd + tok.encode("#3")
+    assert tok.encode(tok.decode(pairs[0]["rejected_ids"])) != pairs[0]["rejected_ids"]
+    tokens, attn, mask = task.pair_batch(pairs, tok, "cpu")
+    row = [t for t, k in zip(tokens[2, 1:].tolist(), mask[2].tolist()) if k]
+    assert row == odd + tok.encode("#3") + [tok.eos_id]

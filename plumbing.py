@@ -1,0 +1,485 @@
+"""
+The run plumbing every training script shares, written once so that each algorithm file shows its
+algorithm and nothing else. No math lives here: a first reading of grpo.py can skip every `run.`
+line and lose nothing of GRPO.
+
+What it holds:
+- flag types that refuse bad values at parse time (`Int(ge=1)`, `Float(gt=0)`: finite, in range,
+  and the error names the flag, the value and what is allowed), and the flags every script has;
+- the device (an unavailable one is one line, before anything loads) and the seeds;
+- one run per output folder: a lock file, taken over when the process that left it is dead;
+- building a missing prerequisite checkpoint (the SFT policy, the reward model) where it is then
+  loaded from, whatever the working directory;
+- resume: weights, optimiser, step, random states, and the checks that the checkpoint is the one
+  this run would have written (same script, same --init, --steps not below its step);
+- the metrics log kept consistent with the checkpoint: a step's metrics are written before the
+  checkpoint that covers it, and on resume the log is cut back to the checkpoint's step;
+- Ctrl-C (or SIGTERM): the step in progress finishes, a checkpoint is written, and one line says
+  how to resume;
+- held-out evaluation and the summary line;
+- torch.distributed set-up for torchrun (rank 0 alone locks, prints, logs and saves).
+"""
+import argparse
+import atexit
+import json
+import math
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import task
+from model import CheckpointError, Tokenizer, fingerprint, load_checkpoint, save_checkpoint
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+SFT_PATH = os.path.join("out", "sft.pt")   # default --init of every script that starts from the SFT policy
+RM_PATH = os.path.join("out", "rm.pt")     # default --rm of ppo.py
+MIN_TEMPERATURE, MAX_TEMPERATURE = 0.05, 20.0  # sampling temperatures the scripts accept (see Float below)
+
+
+# -----------------------------------------------------------------------------
+# Flags: argparse types that refuse what training cannot use
+
+class _Number:
+    """An argparse `type`: parses the flag's text, refuses non-finite values and values out of range.
+    Bounds are keyword arguments: gt, ge (lower), lt, le (upper)."""
+    kind, noun = float, "a number"
+
+    def __init__(self, gt=None, ge=None, lt=None, le=None):
+        self.bounds = [(op, v) for op, v in (("gt", gt), ("ge", ge), ("lt", lt), ("le", le)) if v is not None]
+        self.__name__ = self.kind.__name__  # argparse names the type in some messages
+
+    def allowed(self):
+        symbols = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+        show = lambda v: str(v) if isinstance(v, int) else f"{v:g}"
+        return " and ".join(f"{symbols[op]} {show(v)}" for op, v in self.bounds) or "any finite value"
+
+    def __call__(self, text):
+        try:
+            value = self.kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {self.noun} (allowed: {self.allowed()})") from None
+        ok = {"gt": lambda v, b: v > b, "ge": lambda v, b: v >= b, "lt": lambda v, b: v < b, "le": lambda v, b: v <= b}
+        if not math.isfinite(value) or not all(ok[op](value, b) for op, b in self.bounds):
+            raise argparse.ArgumentTypeError(f"{text} is not allowed (allowed: {self.noun} {self.allowed()})")
+        return value
+
+
+class Float(_Number):
+    kind, noun = float, "a number"
+
+
+class Int(_Number):
+    kind, noun = int, "an integer"
+
+
+TEMPERATURE = Float(ge=MIN_TEMPERATURE, le=MAX_TEMPERATURE)  # below, sampling turns into argmax; above, into noise
+
+
+def parser(doc):
+    """An ArgumentParser whose description is the script docstring's first paragraph."""
+    return argparse.ArgumentParser(description=doc.strip().split("\n\n")[0],
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+
+def add_run_flags(parser, script, log_every, eval_every):
+    """The flags every training script has, in a "run" group; returns the group (scripts add --init to it)."""
+    group = parser.add_argument_group("run")
+    group.add_argument("--log_every", type=Int(ge=1), default=log_every, help="print and log metrics every this many steps")
+    group.add_argument("--eval_every", type=Int(ge=1), default=eval_every,
+                       help="evaluate on the held-out set and checkpoint every this many steps (and at the last)")
+    group.add_argument("--eval_n", type=Int(ge=1, le=len(task.eval_prompts())), default=len(task.eval_prompts()),
+                       help="held-out prompts to evaluate on")
+    group.add_argument("--out", default="out", help=f"folder for {script}.pt and {script}/metrics.jsonl")
+    group.add_argument("--seed", type=Int(ge=0, lt=2**32), default=0, help="seeds python, numpy and torch")
+    group.add_argument("--resume", action="store_true", help=f"continue from <out>/{script}.pt up to the step limit")
+    group.add_argument("--device", default=None, help="cuda, mps or cpu (default: the first available)")
+    return group
+
+
+# -----------------------------------------------------------------------------
+# Device and seeds
+
+def pick_device(requested=None):
+    """cuda, then mps, then cpu; a requested device that this machine lacks is an error that says so."""
+    available = {"cpu": True, "cuda": torch.cuda.is_available(),
+                 "mps": getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()}
+    if requested is None:
+        return next(d for d in ("cuda", "mps", "cpu") if available[d])
+    kind = requested.split(":")[0]
+    if kind not in available:
+        raise SystemExit(f"error: --device {requested!r} is not a device this project runs on; allowed: cuda, mps, cpu")
+    if not available[kind]:
+        raise SystemExit(f"error: {kind} is not available here; run with --device cpu, or without --device "
+                         f"to use the first available ({pick_device()})")
+    return requested
+
+
+def seed_everything(seed):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def lr_schedule(step, lr, warmup, total=None):
+    """Learning rate at `step` (0-based): linear warm-up over `warmup` steps, then a cosine decay to lr / 10
+    at step `total`, or constant when total is None."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    if total is None:
+        return lr
+    progress = (step - warmup) / max(1, total - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+# -----------------------------------------------------------------------------
+# One run per output folder
+
+class OutputLock:
+    """A lock file <out>/<script>.lock holding the owner's pid, host and command. A second run on the same
+    folder is refused with a message naming the first; a lock left by a dead process is taken over."""
+
+    def __init__(self, path):
+        self.path, self.held = path, False
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv), "started": time.ctime()}
+        for _ in range(2):
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)   # atomic: only one process creates it
+            except FileExistsError:
+                owner = self._owner()
+                if owner is not None and self._alive(owner):
+                    raise SystemExit(f"error: another run is using this output folder: pid {owner['pid']} on "
+                                     f"{owner['host']} since {owner['started']} ({owner['command']}); wait for it, "
+                                     f"stop it, or pass another --out (lock file: {path})")
+                try:
+                    os.remove(path)                                       # its owner died: take the lock over
+                except FileNotFoundError:
+                    pass
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            self.held = True
+            return
+        raise SystemExit(f"error: could not take the lock {path}; delete it if no run is using this folder")
+
+    def _owner(self):
+        try:
+            with open(self.path) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None                                                   # unreadable: half-written by a killed run
+
+    @staticmethod
+    def _alive(owner):
+        if owner.get("host") != socket.gethostname():
+            return True                                                   # cannot check another machine: assume alive
+        try:
+            os.kill(int(owner["pid"]), 0)
+        except ProcessLookupError:
+            return False
+        except (PermissionError, ValueError, KeyError, TypeError):
+            return True
+        return True
+
+    def release(self):
+        if self.held:
+            self.held = False
+            try:
+                os.remove(self.path)
+            except FileNotFoundError:
+                pass
+
+
+# -----------------------------------------------------------------------------
+# The run
+
+class Run:
+    """The bookkeeping of one training run: where it writes, its random states, its step, its log.
+    It never owns the loop: the script calls it (`run.log`, `run.save`, ...) where it needs it.
+
+        run = Run("grpo", args)
+        policy, tok = run.load_policy(args.init)
+        optimizer = ...
+        run.resume(policy, optimizer)
+        if run.step == 0:
+            run.log_start(run.evaluate(policy, tok))   # held-out accuracy of the starting policy
+        while run.training():                         # False at the step limit or after Ctrl-C
+            ...                                       # the algorithm's step, then run.step += 1
+            if run.eval_due(): metrics.update(run.evaluate(policy, tok))
+            if run.log_due(): run.log(metrics, line)
+            if run.eval_due(): run.save(policy, optimizer)
+        run.finish(policy, tok, optimizer)
+    """
+
+    def __init__(self, script, args, name=None):
+        """script: the file's name without .py; name: the stem of the checkpoint, log and lock files (default: script)."""
+        self.script, self.args, name = script, args, name or script
+        self.total_steps = args.steps
+        # torchrun sets WORLD_SIZE, RANK and LOCAL_RANK; a plain `python script.py` is one process of rank 0
+        self.world, self.rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+        self.is_main = self.rank == 0
+        self.device = pick_device(args.device)
+        if self.world > 1:
+            if self.device.startswith("cuda"):
+                self.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+                torch.cuda.set_device(self.device)
+            if not dist.is_initialized():
+                dist.init_process_group("nccl" if self.device.startswith("cuda") else "gloo")
+        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.startswith("cuda"))  # bf16 on GPU
+        seed_everything(args.seed)
+        self.rng = random.Random(args.seed)                                 # draws the prompts
+        self.gen = torch.Generator(device=self.device).manual_seed(args.seed + self.rank)  # draws the completions
+        self.ckpt_path = os.path.join(args.out, f"{name}.pt")
+        self.metrics_path = os.path.join(args.out, name, "metrics.jsonl")
+        self.step, self.before, self.last_eval, self.eval_step = 0, None, None, -1
+        self.tokenizer_name = None
+        self.sources = {}                                                   # abspath -> fingerprint of what was loaded
+        self.interrupted = False
+        self.t0, self.t_log, self.tokens = time.time(), time.time(), 0                  # tokens: counted by the script
+        self.lock = None
+        if self.is_main:
+            if os.path.exists(args.out) and not os.path.isdir(args.out):
+                raise SystemExit(f"error: --out {args.out} is a file; it must be a folder (it is created if missing)")
+            try:
+                os.makedirs(os.path.dirname(self.metrics_path), exist_ok=True)
+            except OSError as e:
+                raise SystemExit(f"error: cannot write to --out {args.out} ({e.strerror})") from None
+            self.lock = OutputLock(os.path.join(args.out, f"{name}.lock"))
+            atexit.register(self.close)                                      # released however the process ends
+            for f in os.listdir(args.out):                                   # orphans of a save that was killed
+                if f.startswith(f"{os.path.basename(self.ckpt_path)}.tmp"):
+                    os.remove(os.path.join(args.out, f))
+            if not args.resume:
+                open(self.metrics_path, "w").close()                         # a fresh run starts a fresh log
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._stop)
+
+    # ---- prerequisites and models
+
+    def _build(self, path, default, command):
+        """Build a missing checkpoint at `path` by running `command` (script and flags), if `path` is the flag's default."""
+        if os.path.exists(path):
+            return
+        if os.path.abspath(path) != os.path.abspath(default):
+            raise SystemExit(f"error: no checkpoint at {path}; train one with `python {command[0]}` or pass another path")
+        if self.is_main:
+            cmd = [sys.executable, os.path.join(ROOT, command[0]), *command[1:], "--out", os.path.dirname(os.path.abspath(path))]
+            if self.args.device is not None:
+                cmd += ["--device", self.args.device]
+            print(f"{path} not found: building it first with `python {' '.join(command)}`", flush=True)
+            if subprocess.run(cmd).returncode != 0 or not os.path.exists(path):
+                raise SystemExit(f"error: building {path} with {command[0]} failed (its output is above)")
+        self.barrier()
+
+    def load(self, path, kind="gpt"):
+        """A checkpoint's model on this run's device, in eval mode, and its tokenizer; any problem with the file
+        is one error line. Eval mode means no dropout, so that scoring sees the distribution the sampler drew from."""
+        try:
+            model, ckpt = load_checkpoint(path, self.device, kind=kind)
+            tok = Tokenizer(ckpt["tokenizer"])
+            if tok.vocab_size != model.config.vocab_size:
+                raise CheckpointError(f"vocabulary mismatch: checkpoint {path} has vocab_size {model.config.vocab_size} "
+                                      f"but its tokenizer {ckpt['tokenizer']!r} has {tok.vocab_size}")
+        except (CheckpointError, ValueError) as e:
+            raise SystemExit(f"error: {e}") from None
+        self.sources[os.path.abspath(path)] = fingerprint(model)
+        self.tokenizer_name = self.tokenizer_name or ckpt["tokenizer"]
+        return model.eval(), tok
+
+    def load_policy(self, path):
+        """(policy, tokenizer) from an SFT checkpoint; out/sft.pt is built first if it is the missing default."""
+        self._build(path, SFT_PATH, ["sft.py"])
+        return self.load(path, "gpt")
+
+    def load_reward_model(self, path, init):
+        """The Bradley-Terry reward model; out/rm.pt is built first (from `init`) if it is the missing default."""
+        self._build(path, RM_PATH, ["reward_model.py", "--init", os.path.abspath(init)])
+        return self.load(path, "scalar")[0]
+
+    def check_lengths(self, model, tok, max_new_tokens):
+        """The longest prompt plus max_new_tokens must fit the model's context: checked before any work."""
+        longest = task.max_prompt_tokens(tok)
+        if longest + max_new_tokens > model.config.block_size:
+            raise SystemExit(f"error: --max_new_tokens {max_new_tokens} does not fit: the longest prompt has {longest} "
+                             f"tokens and the model's context (block_size) is {model.config.block_size}; allowed: "
+                             f"--max_new_tokens <= {model.config.block_size - longest}")
+
+    # ---- resume
+
+    def resume(self, model, optimizer=None, **modules):
+        """With --resume, load <out>/<script>.pt into `model`, `optimizer` and the named `modules` (e.g. critic=...),
+        restore the step, the random states and the starting evaluation, and return the checkpoint (for extra
+        state such as PPO's beta). Refuses a checkpoint this run would not have written. Without --resume: None."""
+        args = self.args
+        if not args.resume:
+            return None
+        if not os.path.exists(self.ckpt_path):
+            raise SystemExit(f"error: --resume, but there is no checkpoint at {self.ckpt_path}; run without --resume")
+        try:
+            _, ckpt = load_checkpoint(self.ckpt_path, "cpu")
+        except CheckpointError as e:
+            raise SystemExit(f"error: {e}") from None
+        written_by = ckpt.get("script")
+        if written_by != self.script:
+            raise SystemExit(f"error: {self.ckpt_path} was written by {written_by or 'an older version of this project'}"
+                             f"{'.py' if written_by else ''}, not by {self.script}.py; it cannot be resumed here")
+        saved = ckpt.get("args") or {}
+        for path, print_ in (ckpt.get("sources") or {}).items():     # the checkpoints it was trained from
+            if self.sources.get(path) != print_:
+                now = "is missing from this run" if path not in self.sources else "holds other weights now"
+                raise SystemExit(f"error: {self.ckpt_path} was trained from {path}, which {now} (flags --init/--rm: "
+                                 f"{saved.get('init')}, {saved.get('rm')}); resume with the same checkpoints, or "
+                                 f"start afresh without --resume (or with another --out)")
+        if ckpt["step"] > self.total_steps:
+            raise SystemExit(f"error: {self.ckpt_path} is at step {ckpt['step']}, past this run's limit of "
+                             f"{self.total_steps} steps; pass a larger limit to train on")
+        ignore = {"resume", "steps", "epochs", "log_every", "eval_every", "device"}
+        changed = [f"--{k} {saved[k]} -> {v}" for k, v in vars(args).items() if k in saved and k not in ignore and saved[k] != v]
+        try:
+            model.load_state_dict(ckpt["model"])
+            if optimizer is not None:
+                optimizer.load_state_dict(ckpt["optimizer"])
+            for name, module in modules.items():
+                module.load_state_dict(ckpt[name])
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise SystemExit(f"error: {self.ckpt_path} does not fit this run's models ({str(e)[:200]}); start afresh "
+                             f"without --resume") from None
+        self.step, self.before = ckpt["step"], ckpt.get("eval_before")
+        state = ckpt["rng"]
+        self.rng.setstate((state[0], tuple(state[1]), state[2]))
+        self.gen.set_state(ckpt["generator"].cpu())
+        if self.is_main:
+            self._cut_log(self.step)
+        self.print(f"resuming from {self.ckpt_path} at step {self.step}"
+                   + (f" (flags changed since it was written: {', '.join(changed)})" if changed else ""))
+        return ckpt
+
+    def _cut_log(self, step):
+        """Keep the metrics lines of steps <= step: later ones belong to steps this run will do again."""
+        rows = []
+        if os.path.exists(self.metrics_path):
+            with open(self.metrics_path) as f:
+                for line in f:
+                    try:
+                        row = json.loads(line)
+                    except ValueError:
+                        break                                               # a line cut short by a kill
+                    if row.get("step", math.inf) <= step:
+                        rows.append(line if line.endswith("\n") else line + "\n")
+        tmp = f"{self.metrics_path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.writelines(rows)
+        os.replace(tmp, self.metrics_path)
+
+    # ---- the loop
+
+    def training(self):
+        """True while there are steps to do and no stop was asked for."""
+        return self.step < self.total_steps and not self.interrupted
+
+    def _due(self, every):
+        return self.step % every == 0 or self.step == self.total_steps
+
+    def eval_due(self):
+        return self._due(self.args.eval_every)
+
+    def log_due(self):
+        return self._due(self.args.log_every) or self.eval_due()
+
+    def print(self, *a):
+        if self.is_main:
+            print(*a, flush=True)
+
+    def evaluate(self, model, tok):
+        """Held-out metrics of `model` (task.evaluate: greedy accuracy, and pass@1 of 4 samples at T = 1), as eval_*."""
+        t = time.time()
+        with self.autocast:
+            e = task.evaluate(model, tok, task.eval_prompts()[:self.args.eval_n], num_samples=4, temperature=1.0,
+                              seed=self.args.seed)
+        self.t_log += time.time() - t                                      # evaluation is not training time
+        self.last_eval, self.eval_step = {"eval_accuracy": e["greedy_accuracy"], "eval_pass_at_1": e["pass_at_1"],
+                                          "eval_accuracy_precedence": e["greedy_accuracy_precedence"],
+                                          "eval_accuracy_other": e["greedy_accuracy_other"]}, self.step
+        return dict(self.last_eval)
+
+    def log_start(self, evaluation, what="the SFT policy"):
+        """Step 0 of a fresh run: keep the starting policy's evaluation as `before` and log it."""
+        self.before = dict(evaluation)
+        self.log(self.before, what)
+
+    def log(self, metrics, line, tokens=False):
+        """Print `step N | line` (plus held-out accuracy on eval steps) and append `metrics` as one JSON line.
+        tokens=True adds tokens_per_sec: run.tokens (counted by the script) over the training time since the last log."""
+        now = time.time()
+        metrics = {"step": self.step, **metrics}
+        if self.step > 0:
+            if tokens:
+                metrics["tokens_per_sec"] = self.tokens / max(now - self.t_log, 1e-9)
+            metrics["elapsed_s"] = now - self.t0
+        self.t_log, self.tokens = now, 0
+        if "eval_accuracy" in metrics:
+            line += f" | held-out greedy {metrics['eval_accuracy']:.3f} pass@1 {metrics['eval_pass_at_1']:.3f}"
+        self.print(f"step {self.step:5d} | {line}")
+        if self.is_main:
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+
+    def save(self, model, optimizer=None, **extra):
+        """Checkpoint <out>/<script>.pt atomically: weights, optimiser, step, flags, random states, `extra`."""
+        if self.is_main:
+            save_checkpoint(self.ckpt_path, model, self.tokenizer_name, optimizer, self.step, self.args, script=self.script,
+                            sources=self.sources, rng=list(self.rng.getstate()), generator=self.gen.get_state(),
+                            eval_before=self.before, **extra)
+        self.saved_step = self.step
+
+    def finish(self, model, tok, optimizer=None, summary=None, **extra):
+        """After the loop: on Ctrl-C, checkpoint and say how to resume; else the summary line (before -> after)."""
+        if self.interrupted:
+            if getattr(self, "saved_step", None) != self.step:
+                self.save(model, optimizer, **extra)
+            argv = [a for a in sys.argv[1:] if a != "--resume"]
+            self.print(f"stopped at step {self.step} of {self.total_steps}; checkpoint {self.ckpt_path} (step {self.step}); "
+                       f"continue with: python {self.script}.py {' '.join(argv + ['--resume'])}")
+            self.close()
+            raise SystemExit(130)
+        if summary is None:
+            if self.eval_step != self.step:                                 # e.g. resumed at the step limit
+                self.evaluate(model, tok)
+            final, before = self.last_eval, self.before or {}
+            b = lambda key: f"{before[key]:.3f} -> " if key in before else ""
+            summary = (f"held-out greedy accuracy {b('eval_accuracy')}{final['eval_accuracy']:.3f} (precedence "
+                       f"{b('eval_accuracy_precedence')}{final['eval_accuracy_precedence']:.3f}, other "
+                       f"{final['eval_accuracy_other']:.3f}) | sampled pass@1 {b('eval_pass_at_1')}{final['eval_pass_at_1']:.3f}")
+        self.print(f"done: {self.step} steps in {time.time() - self.t0:.0f}s | {summary} | wrote {self.ckpt_path}")
+        self.close()
+
+    def close(self):
+        if self.lock is not None:
+            self.lock.release()
+        if self.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _stop(self, signum, frame):
+        """First Ctrl-C (or SIGTERM): finish the step, checkpoint, exit. A second Ctrl-C aborts at once."""
+        self.interrupted = True
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        self.print(f"\n{signal.Signals(signum).name}: stopping after step {self.step + 1} and writing a checkpoint "
+                   f"(Ctrl-C again to abort without one)")
+
+    def check_finite(self, loss, hint):
+        """A NaN or infinite loss stops the run with one line (the last checkpoint is kept)."""
+        if not torch.isfinite(loss):
+            self.close()
+            raise SystemExit(f"error: the loss is {loss.item()} at step {self.step + 1}; {hint} (the last checkpoint, "
+                             f"if any, is {self.ckpt_path})")
+
+    def barrier(self):
+        if self.world > 1:
+            dist.barrier()

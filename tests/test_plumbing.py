@@ -1,0 +1,242 @@
+"""plumbing.py and the scripts' run behaviour, one test per class of bad input or inconsistency: every numeric
+flag of every script refused at parse time when non-finite or out of range; limits known at start checked at
+start; device errors that say device; any working directory; the metrics log consistent with the checkpoint
+across kills and Ctrl-C; one run per output folder; --eval_every on its own; resume refusing what it should not
+resume."""
+import glob
+import importlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import plumbing
+from conftest import ROOT, refused, run_script
+from model import load_checkpoint, save_checkpoint
+
+SCRIPTS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "*.py"))
+                 if "def parse_args(" in open(p).read())
+
+
+def script_parser(name, monkeypatch):
+    """The ArgumentParser a script builds (captured from plumbing.parser as the script calls it)."""
+    module = importlib.import_module(name)
+    made = []
+
+    def recording(doc):
+        made.append(plumbing.parser(doc))
+        return made[-1]
+
+    monkeypatch.setattr(module, "parser", recording)
+    module.parse_args([])                                            # the defaults parse
+    return module, made[0]
+
+
+def numeric_actions(parser):
+    return [a for a in parser._actions if a.option_strings and a.option_strings[0] != "--help"
+            and (isinstance(a.type, plumbing._Number) or a.type in (int, float)
+                 or (isinstance(a.default, (int, float)) and not isinstance(a.default, bool)))]
+
+
+def bad_values(action):
+    """Text values the flag must refuse: non-finite ones and the first value past each bound."""
+    t = action.type
+    values = ["nan", "inf", "-inf", "x"]
+    for op, b in t.bounds:
+        step = 1 if t.kind is int else 1e-9 * max(1.0, abs(b))
+        values.append(str({"gt": b, "ge": b - step, "lt": b, "le": b + step}[op]))
+    return values
+
+
+def test_the_scripts_are_found():
+    assert {"sft", "grpo", "rloo", "reinforce", "reward_model", "ppo", "dpo", "ipo"} <= set(SCRIPTS)
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_every_numeric_flag_is_range_checked_at_parse_time(name, monkeypatch, capsys):
+    module, parser = script_parser(name, monkeypatch)
+    actions = numeric_actions(parser)
+    assert actions, name
+    for action in actions:
+        flag = action.option_strings[0]
+        assert isinstance(action.type, plumbing._Number), f"{name}.py {flag} has no range-checked type"
+        if action.default is not None:
+            action.type(str(action.default))                          # the default itself is allowed
+        for value in bad_values(action):
+            with pytest.raises(SystemExit) as e:
+                module.parse_args([f"{flag}={value}"])              # "=": argparse reads "-inf" as an option otherwise
+            assert e.value.code == 2
+            err = capsys.readouterr().err
+            assert flag in err and value in err and "allowed" in err, (flag, value, err)
+
+
+def test_number_types_accept_the_boundary_they_include():
+    assert plumbing.Float(ge=0, le=1)("0") == 0.0 and plumbing.Float(ge=0, le=1)("1") == 1.0
+    assert plumbing.Int(ge=1)("1") == 1
+    for t, text in ((plumbing.Float(gt=0), "0"), (plumbing.Float(lt=1), "1"), (plumbing.Int(ge=1), "1.5")):
+        with pytest.raises(Exception):
+            t(text)
+
+
+# -----------------------------------------------------------------------------
+# Limits and devices, checked before any work
+
+TINY_RL = ["--prompts_per_step", "4", "--group_size", "2", "--log_every", "1", "--eval_every", "2", "--eval_n", "8"]
+
+
+@pytest.mark.parametrize("script", ["grpo", "rloo", "reinforce"])
+def test_max_new_tokens_past_the_context_is_refused_before_any_work(script, tiny_sft, tmp_path):
+    p = run_script(f"{script}.py", TINY_RL + ["--max_new_tokens", "60", "--init", tiny_sft, "--out", str(tmp_path)])
+    refused(p, "--max_new_tokens 60", "block_size", "<= 58")
+    assert open(tmp_path / script / "metrics.jsonl").read() == ""     # not even the step-0 evaluation ran
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("script", ["dpo", "reward_model", "grpo"])
+def test_an_unavailable_device_is_one_line_about_the_device(script, tiny_sft, tmp_path):
+    p = run_script(f"{script}.py", ["--device", "cuda", "--init", tiny_sft, "--out", str(tmp_path)])
+    refused(p, "cuda is not available here")
+    assert "corrupt" not in p.stderr and "truncated" not in p.stderr   # a good checkpoint is never blamed
+    refused(run_script(f"{script}.py", ["--device", "tpu", "--out", str(tmp_path)]), "'tpu'", "allowed: cuda, mps, cpu")
+
+
+def test_out_pointing_at_a_file_is_one_line(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    refused(run_script("grpo.py", ["--out", str(f)]), f"--out {f} is a file")
+
+
+def test_a_script_run_from_another_directory_builds_its_prerequisite_where_it_loads_it(tiny_sft, tmp_path):
+    """ppo.py run from elsewhere, with out/sft.pt there and no out/rm.pt: the reward model is built into that
+    directory's out/ (from that out/sft.pt), then loaded from there."""
+    os.makedirs(tmp_path / "out")
+    shutil.copy(tiny_sft, tmp_path / "out" / "sft.pt")
+    repo_rm = os.path.join(ROOT, "out", "rm.pt")
+    before = os.path.getmtime(repo_rm) if os.path.exists(repo_rm) else None
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "ppo.py"), "--steps", "1", "--batch_size", "8",
+                        "--eval_n", "8"], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                       env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "building it first" in p.stdout and "done: 1 steps" in p.stdout
+    assert os.path.exists(tmp_path / "out" / "rm.pt") and os.path.exists(tmp_path / "out" / "ppo.pt")
+    assert (os.path.getmtime(repo_rm) if os.path.exists(repo_rm) else None) == before   # the repository's out/ untouched
+
+
+# -----------------------------------------------------------------------------
+# The metrics log and the checkpoint
+
+def steps_logged(out, name="grpo"):
+    return [json.loads(line)["step"] for line in open(os.path.join(out, name, "metrics.jsonl"))]
+
+
+def test_eval_every_is_honoured_on_its_own(tiny_sft, tmp_path):
+    out = str(tmp_path)
+    p = run_script("grpo.py", ["--prompts_per_step", "2", "--group_size", "2", "--eval_n", "4", "--log_every", "2",
+                               "--eval_every", "3", "--steps", "8", "--init", tiny_sft, "--out", out])
+    assert p.returncode == 0, p.stderr
+    rows = [json.loads(line) for line in open(os.path.join(out, "grpo", "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == [0, 2, 3, 4, 6, 8]
+    assert [r["step"] for r in rows if "eval_accuracy" in r] == [0, 3, 6, 8]
+
+
+def test_ctrl_c_stops_cleanly_and_resume_logs_each_step_once(tiny_sft, tmp_path):
+    out = str(tmp_path)
+    flags = ["--prompts_per_step", "2", "--group_size", "2", "--eval_n", "4", "--log_every", "1", "--eval_every", "1000",
+             "--init", tiny_sft, "--out", out]
+    args = [sys.executable, "grpo.py", *flags, "--steps", "1000"]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    for line in p.stdout:                                             # wait for the third logged step
+        if line.startswith("step     3"):
+            break
+    p.send_signal(signal.SIGINT)
+    stdout, stderr = p.communicate(timeout=120)
+    assert p.returncode == 130 and "Traceback" not in stderr, stderr
+    last = stdout.strip().splitlines()[-1]
+    assert last.startswith("stopped at step ") and "--resume" in last and "grpo.pt" in last, last
+    stopped = int(last.split()[3])
+    assert load_checkpoint(os.path.join(out, "grpo.pt"))[1]["step"] == stopped
+    assert steps_logged(out) == list(range(stopped + 1))
+    # a kill between logging a step and checkpointing it: the log runs ahead of the checkpoint, a line cut short
+    with open(os.path.join(out, "grpo", "metrics.jsonl"), "a") as f:
+        f.write(json.dumps({"step": stopped + 1, "orphan": True}) + "\n" + '{"step": 99')
+    p = run_script("grpo.py", flags + ["--steps", str(stopped + 2), "--resume"])
+    assert p.returncode == 0, p.stderr
+    assert steps_logged(out) == list(range(stopped + 3))               # each step once, the orphan line gone
+    assert not any("orphan" in line for line in open(os.path.join(out, "grpo", "metrics.jsonl")))
+
+
+def test_resume_with_the_log_missing_still_finishes(tiny_sft, tmp_path):
+    out = str(tmp_path)
+    tiny = ["--batch_size", "8", "--n_pairs", "64", "--log_every", "1", "--eval_every", "2", "--eval_n", "8",
+            "--init", tiny_sft, "--out", out]
+    assert run_script("dpo.py", tiny + ["--steps", "2"]).returncode == 0
+    os.remove(os.path.join(out, "dpo", "metrics.jsonl"))
+    p = run_script("dpo.py", tiny + ["--steps", "3", "--resume"])
+    assert p.returncode == 0, p.stderr
+    assert "done: 3 steps" in p.stdout and "->" in p.stdout                # the summary's "before" comes from the checkpoint
+    assert steps_logged(out, "dpo") == [3]
+
+
+# -----------------------------------------------------------------------------
+# One run per output folder
+
+def test_a_second_run_on_the_same_folder_is_refused_and_a_dead_lock_taken_over(tiny_sft, tmp_path):
+    out = str(tmp_path)
+    lock = os.path.join(out, "grpo.lock")
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "command": "pytest (a live run)", "started": "now"}
+    with open(lock, "w") as f:
+        json.dump(me, f)
+    p = run_script("grpo.py", TINY_RL + ["--steps", "1", "--init", tiny_sft, "--out", out])
+    refused(p, "another run is using this output folder", str(os.getpid()), "pytest (a live run)")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    with open(lock, "w") as f:
+        json.dump({**me, "pid": int(dead.stdout)}, f)                   # that process has exited
+    open(os.path.join(out, "grpo.pt.tmp12345"), "w").close()            # an orphan of a killed save
+    p = run_script("grpo.py", TINY_RL + ["--steps", "1", "--init", tiny_sft, "--out", out])
+    assert p.returncode == 0, p.stderr
+    assert sorted(os.listdir(out)) == ["grpo", "grpo.pt"]                # lock released, orphan removed
+
+
+def test_two_runs_started_together_one_is_refused(tiny_sft, tmp_path):
+    out = str(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "grpo.py", *TINY_RL, "--steps", "3", "--init", tiny_sft, "--out", out]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for _ in range(2)]
+    results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+    assert sorted(rc for rc, _ in results) == [0, 1], results
+    assert any("another run is using this output folder" in err for _, err in results)
+    assert steps_logged(out) == [0, 1, 2, 3]
+
+
+# -----------------------------------------------------------------------------
+# Resume checks what it resumes
+
+def test_resume_refuses_another_init_another_scripts_checkpoint_and_a_lower_step_limit(tiny_sft, tmp_path):
+    out = str(tmp_path / "run")
+    common = TINY_RL + ["--out", out]
+    assert run_script("grpo.py", common + ["--steps", "2", "--init", tiny_sft]).returncode == 0
+    other = str(tmp_path / "other_sft.pt")                               # the same weights under another path
+    shutil.copy(tiny_sft, other)
+    refused(run_script("grpo.py", common + ["--steps", "3", "--init", other, "--resume"]), "was trained from", tiny_sft)
+    retrained = str(tmp_path / "retrained" / "sft.pt")                   # the same path, other weights
+    model, ckpt = load_checkpoint(tiny_sft)
+    with torch.no_grad():
+        model.wte.weight.add_(0.01)
+    save_checkpoint(retrained, model, ckpt["tokenizer"], step=ckpt["step"])
+    assert run_script("grpo.py", TINY_RL + ["--out", str(tmp_path / "r2"), "--steps", "1", "--init", retrained]).returncode == 0
+    save_checkpoint(retrained, load_checkpoint(tiny_sft)[0], ckpt["tokenizer"], step=ckpt["step"])
+    refused(run_script("grpo.py", TINY_RL + ["--out", str(tmp_path / "r2"), "--steps", "2", "--init", retrained, "--resume"]),
+            "holds other weights now")
+    refused(run_script("grpo.py", common + ["--steps", "1", "--init", tiny_sft, "--resume"]), "step 2", "limit of 1")
+    shutil.copy(os.path.join(out, "grpo.pt"), os.path.join(out, "rloo.pt"))   # another script's checkpoint
+    refused(run_script("rloo.py", common + ["--steps", "3", "--init", tiny_sft, "--resume"]), "written by grpo.py", "rloo.py")
+    refused(run_script("rloo.py", common[:-2] + ["--out", str(tmp_path / "none"), "--init", tiny_sft, "--resume"]),
+            "no checkpoint at")
