@@ -140,6 +140,43 @@ def lr_schedule(step, lr, warmup, total=None):
 
 
 # -----------------------------------------------------------------------------
+# Checkpoints: built when missing, loaded with one error line for any problem
+
+def build_missing(path, default, command, device=None):
+    """If `path` is missing and is the flag's `default`, build it by running `command` (a script and its flags)
+    with --out set to the folder of `path`, so it is written exactly where it is then loaded from, whatever the
+    working directory. A missing path that is not the default is an error naming the script that makes it."""
+    if os.path.exists(path):
+        return
+    if os.path.abspath(path) != os.path.abspath(default):
+        raise SystemExit(f"error: no checkpoint at {path}; train one with `python {command[0]}` or pass another path")
+    cmd = [sys.executable, os.path.join(ROOT, command[0]), *command[1:], "--out", os.path.dirname(os.path.abspath(path))]
+    if device is not None:
+        cmd += ["--device", device]
+    print(f"{path} not found: building it first with `python {' '.join(command)}`", flush=True)
+    if subprocess.run(cmd).returncode != 0 or not os.path.exists(path):
+        raise SystemExit(f"error: building {path} with {command[0]} failed (its output is above)")
+
+
+def load_model(path, device, kind="gpt", expect=None):
+    """(model in eval mode, tokenizer, checkpoint dict); any problem with the file is one error line.
+    kind: "gpt" or "scalar"; expect: {key: value} the checkpoint must hold (e.g. {"script": "prm"}).
+    Eval mode means no dropout, so that scoring sees the distribution the sampler drew from."""
+    try:
+        model, ckpt = load_checkpoint(path, device, kind=kind)
+        tok = Tokenizer(ckpt["tokenizer"])
+        if tok.vocab_size != model.config.vocab_size:
+            raise CheckpointError(f"vocabulary mismatch: checkpoint {path} has vocab_size {model.config.vocab_size} "
+                                  f"but its tokenizer {ckpt['tokenizer']!r} has {tok.vocab_size}")
+        for key, value in (expect or {}).items():
+            if ckpt.get(key) != value:
+                raise CheckpointError(f"checkpoint {path} holds {key} {ckpt.get(key)!r}; {key} {value!r} is needed here")
+    except (CheckpointError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
+    return model.eval(), tok, ckpt
+
+
+# -----------------------------------------------------------------------------
 # One run per output folder
 
 class OutputLock:
@@ -263,45 +300,26 @@ class Run:
 
     # ---- prerequisites and models
 
-    def _build(self, path, default, command):
-        """Build a missing checkpoint at `path` by running `command` (script and flags), if `path` is the flag's default."""
-        if os.path.exists(path):
-            return
-        if os.path.abspath(path) != os.path.abspath(default):
-            raise SystemExit(f"error: no checkpoint at {path}; train one with `python {command[0]}` or pass another path")
-        if self.is_main:
-            cmd = [sys.executable, os.path.join(ROOT, command[0]), *command[1:], "--out", os.path.dirname(os.path.abspath(path))]
-            if self.args.device is not None:
-                cmd += ["--device", self.args.device]
-            print(f"{path} not found: building it first with `python {' '.join(command)}`", flush=True)
-            if subprocess.run(cmd).returncode != 0 or not os.path.exists(path):
-                raise SystemExit(f"error: building {path} with {command[0]} failed (its output is above)")
-        self.barrier()
-
-    def load(self, path, kind="gpt"):
-        """A checkpoint's model on this run's device, in eval mode, and its tokenizer; any problem with the file
-        is one error line. Eval mode means no dropout, so that scoring sees the distribution the sampler drew from."""
-        try:
-            model, ckpt = load_checkpoint(path, self.device, kind=kind)
-            tok = Tokenizer(ckpt["tokenizer"])
-            if tok.vocab_size != model.config.vocab_size:
-                raise CheckpointError(f"vocabulary mismatch: checkpoint {path} has vocab_size {model.config.vocab_size} "
-                                      f"but its tokenizer {ckpt['tokenizer']!r} has {tok.vocab_size}")
-        except (CheckpointError, ValueError) as e:
-            raise SystemExit(f"error: {e}") from None
+    def load(self, path, kind="gpt", expect=None):
+        """load_model on this run's device, remembering what was loaded (resume checks it). Returns (model, tok)."""
+        model, tok, ckpt = load_model(path, self.device, kind, expect)
         self.sources[os.path.abspath(path)] = fingerprint(model)
         self.tokenizer_name = self.tokenizer_name or ckpt["tokenizer"]
-        return model.eval(), tok
+        return model, tok
 
     def load_policy(self, path):
         """(policy, tokenizer) from an SFT checkpoint; out/sft.pt is built first if it is the missing default."""
-        self._build(path, SFT_PATH, ["sft.py"])
+        if self.is_main:
+            build_missing(path, SFT_PATH, ["sft.py"], self.args.device)
+        self.barrier()
         return self.load(path, "gpt")
 
     def load_reward_model(self, path, init):
         """The Bradley-Terry reward model; out/rm.pt is built first (from `init`) if it is the missing default."""
-        self._build(path, RM_PATH, ["reward_model.py", "--init", os.path.abspath(init)])
-        return self.load(path, "scalar")[0]
+        if self.is_main:
+            build_missing(path, RM_PATH, ["reward_model.py", "--init", os.path.abspath(init)], self.args.device)
+        self.barrier()
+        return self.load(path, "scalar", expect={"script": "reward_model"})[0]
 
     def check_lengths(self, model, tok, max_new_tokens):
         """The longest prompt plus max_new_tokens must fit the model's context: checked before any work."""

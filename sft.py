@@ -52,21 +52,6 @@ def parse_args(argv=None):
     return args
 
 
-def make_batch(demos, tok, device):
-    """(prompt, completion) pairs -> right-padded prompt+completion+EOS sequences: tokens (B, T),
-    attention mask (B, T), and loss mask (B, T-1), 1 where target token t+1 belongs to the completion."""
-    pairs = [(tok.encode(p), tok.encode(c) + [tok.eos_id]) for p, c in demos]
-    T = max(len(p) + len(c) for p, c in pairs)
-    tokens = torch.full((len(pairs), T), tok.pad_id, dtype=torch.long)
-    attn = torch.zeros(len(pairs), T)
-    loss_mask = torch.zeros(len(pairs), T - 1)
-    for i, (p, c) in enumerate(pairs):
-        tokens[i, :len(p) + len(c)] = torch.tensor(p + c)
-        attn[i, :len(p) + len(c)] = 1.0
-        loss_mask[i, len(p) - 1:len(p) + len(c) - 1] = 1.0  # the predictions of c[0] .. c[-1]
-    return tokens.to(device), attn.to(device), loss_mask.to(device)
-
-
 def main(args):
     run = Run("sft", args)                          # device, seeds, lock, log, resume, Ctrl-C: plumbing.py
     try:
@@ -88,7 +73,7 @@ def main(args):
         for group in optimizer.param_groups:
             group["lr"] = lr_schedule(run.step, args.lr, args.warmup, args.steps)
         demos = task.sample_demonstrations(run.rng, args.batch_size, args.mistake_rate, args.precedence_share)
-        tokens, attn, loss_mask = make_batch(demos, tok, run.device)
+        tokens, attn, loss_mask = task.completion_batch([p for p, _ in demos], [c for _, c in demos], tok, run.device)
 
         # 2. teacher forcing: the mean negative log-likelihood of the completion tokens
         with run.autocast:

@@ -283,13 +283,13 @@ def preference_pairs(prompts, policy=None, tokenizer=None, samples_per_prompt=4,
     return pairs
 
 
-def pair_batch(pairs, tokenizer, device="cpu"):
-    """Pairs -> one right-padded batch of 2B sequences prompt + completion + EOS (chosen rows 0..B-1, rejected rows
-    B..2B-1), the prompt encoded on its own and the completion as its token ids, exactly as a policy samples them:
-    tokens (2B, T), attention mask (2B, T) 1.0 on real tokens, completion mask (2B, T-1) 1.0 where the target
-    token t+1 is a completion token or the final EOS."""
-    seqs = [(p["prompt"], p[f"{side}_ids"]) for side in ("chosen", "rejected") for p in pairs]
-    ids = [(tokenizer.encode(prompt), list(c) + [tokenizer.eos_id]) for prompt, c in seqs]
+def completion_batch(prompts, completions, tokenizer, device="cpu"):
+    """Right-padded batch of prompt + completion + EOS sequences: the prompt encoded on its own, each completion as
+    token ids (a list of ints, as sampled; EOS not included) or as text (encoded). Returns tokens (B, T),
+    attention mask (B, T) 1.0 on real tokens, and completion mask (B, T-1) 1.0 where the target token t+1 is a
+    completion token or the final EOS (the positions a teacher-forced loss or a sequence log-prob sums over)."""
+    ids = [(tokenizer.encode(p), (tokenizer.encode(c) if isinstance(c, str) else list(c)) + [tokenizer.eos_id])
+           for p, c in zip(prompts, completions)]
     T = max(len(p) + len(c) for p, c in ids)
     tokens = torch.full((len(ids), T), tokenizer.pad_id, dtype=torch.long)
     attn = torch.zeros(len(ids), T)
@@ -299,6 +299,13 @@ def pair_batch(pairs, tokenizer, device="cpu"):
         attn[i, :len(p) + len(c)] = 1.0
         mask[i, len(p) - 1:len(p) + len(c) - 1] = 1.0   # the predictions of c[0] .. EOS
     return tokens.to(device), attn.to(device), mask.to(device)
+
+
+def pair_batch(pairs, tokenizer, device="cpu"):
+    """Pairs -> completion_batch of 2B sequences: chosen rows 0..B-1, rejected rows B..2B-1, each completion as the
+    token ids that were sampled (a decoded string need not encode back to them)."""
+    return completion_batch([p["prompt"] for p in pairs] * 2,
+                            [p["chosen_ids"] for p in pairs] + [p["rejected_ids"] for p in pairs], tokenizer, device)
 
 
 def preference_dataset(policy, tokenizer, n_train=2048, seed=0, cache_dir="out"):
