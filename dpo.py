@@ -162,6 +162,7 @@ def main(args):
     # once (pi_ref is frozen).
     train_pairs, eval_pairs = task.preference_dataset(reference, tok, n_train=args.n_pairs, seed=args.seed, cache_dir=args.out)
     eval_pairs = eval_pairs[:args.eval_n]
+    run.samples = 4 * len(train_pairs)              # the pairs' cost: 4 completions sampled per training prompt
     ref_chosen_all, ref_rejected_all = reference_logprobs(reference, train_pairs, tok, run.device, run.autocast)  # (N,)
     eval_ref = reference_logprobs(reference, eval_pairs, tok, run.device, run.autocast)
     sources = {s: sum(p["source"] == s for p in train_pairs) for s in sorted({p["source"] for p in train_pairs})}

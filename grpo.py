@@ -191,6 +191,7 @@ def main(args):
             tokens, mask, truncated = policy.generate(prompt, prompt_mask, args.max_new_tokens, tok.eos_id, tok.pad_id,
                                                       num_samples=G, temperature=T, generator=run.gen)  # (B*G, Tn)
         completions = tok.decode_completions(tokens, mask)
+        run.samples += len(completions)
         rewards = torch.tensor([task.reward(prompts[i // G], c, args.format_weight) for i, c in enumerate(completions)],
                                device=run.device)                                        # (B*G,)
         prompt, prompt_mask = prompt.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0)  # (B*G, Tp)

@@ -167,6 +167,7 @@ def main(args):
     # once (pi_ref is frozen).
     train_pairs, eval_pairs = task.preference_dataset(reference, tok, n_train=args.n_pairs, seed=args.seed, cache_dir=args.out)
     eval_pairs = eval_pairs[:args.eval_n]
+    run.samples = 4 * len(train_pairs)              # the pairs' cost: 4 completions sampled per training prompt
     average = args.seq_logp == "mean"
     ref_chosen_all, ref_rejected_all = reference_logprobs(reference, train_pairs, tok, run.device, run.autocast, average)  # (N,)
     eval_ref = reference_logprobs(reference, eval_pairs, tok, run.device, run.autocast, average)

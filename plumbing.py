@@ -280,6 +280,7 @@ class Run:
         self.sources = {}                                                   # abspath -> fingerprint of what was loaded
         self.interrupted = False
         self.t0, self.t_log, self.tokens = time.time(), time.time(), 0                  # tokens: counted by the script
+        self.samples = 0                       # completions drawn from a policy so far (counted by the script, resumed)
         self.lock = None
         if self.is_main:
             if os.path.exists(args.out) and not os.path.isdir(args.out):
@@ -369,7 +370,7 @@ class Run:
         except (RuntimeError, ValueError, KeyError) as e:
             raise SystemExit(f"error: {self.ckpt_path} does not fit this run's models ({str(e)[:200]}); start afresh "
                              f"without --resume") from None
-        self.step, self.before = ckpt["step"], ckpt.get("eval_before")
+        self.step, self.before, self.samples = ckpt["step"], ckpt.get("eval_before"), ckpt.get("samples", 0)
         state = ckpt["rng"]
         self.rng.setstate((state[0], tuple(state[1]), state[2]))
         self.gen.set_state(ckpt["generator"].cpu())
@@ -438,6 +439,7 @@ class Run:
         now = time.time()
         metrics = {"step": self.step, **metrics}
         if self.step > 0:
+            metrics["samples"] = self.samples
             if tokens:
                 metrics["tokens_per_sec"] = self.tokens / max(now - self.t_log, 1e-9)
             metrics["elapsed_s"] = now - self.t0
@@ -454,7 +456,7 @@ class Run:
         if self.is_main:
             save_checkpoint(self.ckpt_path, model, self.tokenizer_name, optimizer, self.step, self.args, script=self.script,
                             sources=self.sources, rng=list(self.rng.getstate()), generator=self.gen.get_state(),
-                            eval_before=self.before, **extra)
+                            eval_before=self.before, samples=self.samples, **extra)
         self.saved_step = self.step
 
     def finish(self, model, tok, optimizer=None, summary=None, **extra):
@@ -475,7 +477,8 @@ class Run:
             summary = (f"held-out greedy accuracy {b('eval_accuracy')}{final['eval_accuracy']:.3f} (precedence "
                        f"{b('eval_accuracy_precedence')}{final['eval_accuracy_precedence']:.3f}, other "
                        f"{final['eval_accuracy_other']:.3f}) | sampled pass@1 {b('eval_pass_at_1')}{final['eval_pass_at_1']:.3f}")
-        self.print(f"done: {self.step} steps in {time.time() - self.t0:.0f}s | {summary} | wrote {self.ckpt_path}")
+        samples = f" | {self.samples:,} completions sampled" if self.samples else ""
+        self.print(f"done: {self.step} steps in {time.time() - self.t0:.0f}s | {summary}{samples} | wrote {self.ckpt_path}")
         self.close()
 
     def close(self):

@@ -255,6 +255,7 @@ def main(args):
         seq, seq_mask, Tp, tokens, mask, truncated = rollout(policy, tok, prompts, T, args.max_new_tokens, run.gen,
                                                              run.device, run.autocast)  # (B, Tp + Tn), (B, Tn)
         completions = tok.decode_completions(tokens, mask)
+        run.samples += len(completions)
         gold = torch.tensor([task.reward(p, c) for p, c in zip(prompts, completions)], device=run.device)  # (B,) verifier
         with torch.no_grad():
             old_logits = token_logits(policy, seq, seq_mask, Tp, run.autocast)        # (B, Tn, V)

@@ -105,6 +105,7 @@ def main(args):
     run.resume(model, optimizer)
     train_pairs, eval_pairs = task.preference_dataset(sft, tok, n_train=args.n_train, seed=args.seed, cache_dir=args.out)
     eval_pairs = eval_pairs[:args.eval_n]
+    run.samples = 4 * len(train_pairs)              # the pairs' cost: 4 completions sampled per training prompt
     del sft
     steps_per_epoch = args.steps // args.epochs
     run.print(f"reward model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters on {run.device}, "
