@@ -37,6 +37,24 @@ Why the loss sits near 0 while the policy learns: at mu = 1 the surrogate's valu
 logged loss is about beta * KL, small, whatever the policy learns. Its gradient, A * grad log pi, is
 not 0. Watch reward_mean, zero_var_groups and eval_accuracy, not the loss.
 
+The GRPO family, as options (each a clear branch in grpo_advantages, grpo_loss or the loop):
+- `--std sample`: divide by the unbiased std over G - 1, as TRL, verl and OpenRLHF do (torch's default .std());
+  the default population std is the algorithm as usually written. Advantages differ by sqrt((G-1)/G).
+- `--ratio_level sequence` is GSPO (Zheng et al. 2025, arXiv 2507.18071): one ratio per completion,
+      s_i = exp( 1/|o_i| sum_t log(pi_theta(o_it) / pi_old(o_it)) ),   L_i = -min(s_i A_i, clip(s_i, 1-eps, 1+eps_high) A_i)
+  its value on every real token of completion i, then --loss_agg as usual; the KL term stays per token. The
+  paper clips s_i in a band about a thousand times narrower than PPO's (3e-4, 4e-4): set --clip_eps/--eps_high.
+- `--loss_type cispo` is CISPO (MiniMax 2025, arXiv 2506.13585): per token
+      L_it = -sg(clip(ratio_it, 1-eps, 1+eps_high)) * A_i * log pi_theta(o_it) + beta * KL_it       (sg: stop-gradient)
+  a token outside the band keeps its gradient, scaled by the clipped weight, where PPO's clip drops it.
+- DAPO (Yu et al. 2025, arXiv 2503.14476): `--loss_agg token`, `--eps_high` (clip-higher), `--dynamic_sampling`
+  (eq. 11: keep only groups with 0 < #correct < G, sample more prompts until the step has B of them, at most
+  --max_sample_rounds rounds; groups_sampled and groups_kept are logged) and `--overlong_buffer N` (eq. 13: a
+  reward penalty ramping from 0 to -1 over the last N tokens of --max_new_tokens). DAPO also drops the KL term
+  (--beta 0).
+At mu = 1 the ratio is 1 and every option above gives the same gradient as GRPO (CISPO's weight and GSPO's
+s_i are 1): they differ only with --mu > 1. `python bench/grpo_family.py` compares them at --mu 4.
+
 Deviations from the papers, and choices the papers leave open:
 - Loss aggregation: default as DeepSeekMath (token mean within each completion, then the mean over
   completions). `--loss_agg token` is DAPO's token-level mean (Yu et al. 2025, arXiv 2503.14476);
@@ -51,10 +69,15 @@ Deviations from the papers, and choices the papers leave open:
   function, so no GAE.
 - Small scale: a 0.8M-parameter policy on arithmetic, AdamW at a constant learning rate.
 
+Shapes: P prompts per step, G completions per prompt, B = P*G completions (the rows of every (B, T) tensor the
+loss functions take), T time (Tp prompt tokens, Tn completion tokens), V vocabulary.
+
 Run:
     python grpo.py                       # from out/sft.pt (trained first if missing); about 1 min on 2 idle CPU cores
     python grpo.py --resume              # continue from out/grpo.pt up to --steps
-    python grpo.py --loss_agg token --eps_high 0.28 --beta 0   # DAPO-style variant
+    python grpo.py --mu 4 --loss_agg token --eps_high 0.28 --beta 0 --dynamic_sampling --overlong_buffer 4   # DAPO
+    python grpo.py --mu 4 --ratio_level sequence --clip_eps 3e-4 --eps_high 4e-4                                # GSPO
+    python grpo.py --mu 4 --loss_type cispo --loss_agg token --clip_eps 1 --eps_high 1                          # CISPO
 Metrics: one JSON object per log step in out/grpo/metrics.jsonl (README: metrics glossary); checkpoint out/grpo.pt.
 """
 import torch
@@ -68,21 +91,28 @@ from plumbing import SFT_PATH, TEMPERATURE, Float, Int, Run, add_run_flags, pars
 # -----------------------------------------------------------------------------
 # The algorithm: group-relative advantages and the clipped surrogate with a KL penalty
 
-def grpo_advantages(rewards, group_size, eps=1e-6, scale_by_std=True):
-    """rewards (B*G,) flat, G = group_size consecutive samples per prompt -> advantages (B*G,).
-    A_i = (r_i - mean_g) / (std_g + eps), std the population std (divide by G). A group whose
+def grpo_advantages(rewards, group_size, eps=1e-6, scale_by_std=True, std="population"):
+    """rewards (P*G,) flat, G = group_size consecutive samples per prompt -> advantages (P*G,).
+    A_i = (r_i - mean_g) / (std_g + eps). std="population" divides the squared deviations by G (the
+    default: the algorithm as usually written); std="sample" by G - 1, the unbiased std that TRL, verl and
+    OpenRLHF use (torch's default .std()), which gives advantages smaller by sqrt((G-1)/G). A group whose
     rewards are all equal gets exactly 0. scale_by_std=False gives Dr. GRPO's A_i = r_i - mean_g."""
     if group_size < 1 or rewards.dim() != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards of shape {tuple(rewards.shape)} cannot be split into groups of "
                          f"group_size = {group_size}; need a flat tensor whose length is a multiple of it (>= 1)")
-    r = rewards.view(-1, group_size)                                   # (B, G)
-    mean = r.mean(dim=1, keepdim=True)                                 # (B, 1)
+    if std not in ("population", "sample"):
+        raise ValueError(f"std {std!r} is unknown; allowed: 'population', 'sample'")
+    r = rewards.view(-1, group_size)                                   # (P, G)
+    mean = r.mean(dim=1, keepdim=True)                                 # (P, 1)
     advantages = r - mean                                              # r_i - mean_g
     if scale_by_std:
-        std = r.std(dim=1, keepdim=True, unbiased=False)               # population std: sqrt(1/G sum (r - mean)^2)
-        advantages = advantages / (std + eps)
-    all_equal = (r == r[:, :1]).all(dim=1, keepdim=True)               # (B, 1) no signal in this group
-    return torch.where(all_equal, torch.zeros_like(advantages), advantages).view(-1)  # (B*G,)
+        if std == "population":
+            sd = r.std(dim=1, keepdim=True, unbiased=False)            # sqrt(1/G sum (r - mean)^2)
+        else:
+            sd = (advantages.pow(2).sum(1, keepdim=True) / max(group_size - 1, 1)).sqrt()  # sqrt(1/(G-1) sum (r - mean)^2)
+        advantages = advantages / (sd + eps)
+    all_equal = (r == r[:, :1]).all(dim=1, keepdim=True)               # (P, 1) no signal in this group
+    return torch.where(all_equal, torch.zeros_like(advantages), advantages).view(-1)  # (P*G,)
 
 
 def kl_penalty(logp, ref_logp, estimator="k3", clamp=None):
@@ -102,7 +132,7 @@ def kl_penalty(logp, ref_logp, estimator="k3", clamp=None):
 
 
 def grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps=0.2, beta=0.04, eps_high=None,
-              kl_estimator="k3", loss_agg="seq", max_tokens=None, kl_clamp=None):
+              kl_estimator="k3", loss_agg="seq", max_tokens=None, kl_clamp=None, ratio_level="token", loss_type="clip"):
     """The GRPO loss (DeepSeekMath eq. 3, negated) and its metrics.
 
     logp (B, T) log pi_theta of the sampled tokens (with grad); old_logp (B, T) at sampling time;
@@ -110,18 +140,40 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps=0.2, beta=0.0
     completion tokens. Per token: -min(ratio * A, clip(ratio, 1 - clip_eps, 1 + eps_high) * A) + beta * KL.
     loss_agg: "seq" (DeepSeekMath: token mean per completion, then mean over completions),
     "token" (DAPO: mean over all tokens of the batch), "dr_grpo" (sum over tokens / (B * max_tokens),
-    max_tokens defaulting to T). kl_clamp: see kl_penalty. Values at masked positions are never read.
-    Returns (loss scalar, dict of float metrics)."""
+    max_tokens defaulting to T). kl_clamp: see kl_penalty.
+    ratio_level="sequence" is GSPO (Zheng et al. 2025): one ratio per completion, the geometric mean of its
+    token ratios s_i = exp(1/|o_i| sum_t (log pi_theta - log pi_old)), clipped as above, the value standing on
+    every real token of completion i (the KL term stays per token).
+    loss_type="cispo" is CISPO (MiniMax 2025): -sg(clip(ratio, 1 - clip_eps, 1 + eps_high)) * A * log pi_theta per
+    token, sg = stop-gradient: a token outside the band keeps its gradient, with a clipped weight, where the PPO
+    clip would give it none. Values at masked positions are never read. Returns (loss scalar, dict of float metrics)."""
     eps_high = clip_eps if eps_high is None else eps_high
     real = mask > 0                                                    # (B, T) bool
     logp, old_logp, ref_logp = (torch.where(real, x, 0.0) for x in (logp, old_logp, ref_logp))  # padding never leaks
     A = advantages[:, None]                                            # (B, 1) the same advantage for every token
     log_ratio = logp - old_logp                                        # (B, T)
-    ratio = torch.exp(log_ratio)                                       # pi_theta / pi_old
-    surr1 = ratio * A
-    surr2 = torch.clamp(ratio, 1 - clip_eps, 1 + eps_high) * A
+    if ratio_level == "token":
+        ratio = torch.exp(log_ratio)                                   # pi_theta / pi_old, per token
+    elif ratio_level == "sequence":                                    # GSPO: s_i = exp(mean_t log ratio_it)
+        seq_log_ratio = log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)  # (B, 1)
+        ratio = torch.exp(seq_log_ratio).expand_as(log_ratio)          # (B, T) s_i on every token of completion i
+    else:
+        raise ValueError(f"ratio_level {ratio_level!r} is unknown; allowed: 'token', 'sequence'")
+    if loss_type == "clip":
+        surr1 = ratio * A
+        surr2 = torch.clamp(ratio, 1 - clip_eps, 1 + eps_high) * A
+        pg = -torch.min(surr1, surr2)                                  # (B, T)
+        clipped = ((A > 0) & (ratio > 1 + eps_high)) | ((A < 0) & (ratio < 1 - clip_eps))  # (B, T) bool: no gradient
+    elif loss_type == "cispo":
+        if ratio_level != "token":
+            raise ValueError("loss_type 'cispo' weights token log-probs by token ratios; use ratio_level 'token'")
+        weight = torch.clamp(ratio, 1 - clip_eps, 1 + eps_high).detach()   # sg(clip(ratio))
+        pg = -weight * A * logp                                        # (B, T)
+        clipped = (ratio > 1 + eps_high) | (ratio < 1 - clip_eps)      # (B, T) bool: weight truncated, gradient kept
+    else:
+        raise ValueError(f"loss_type {loss_type!r} is unknown; allowed: 'clip', 'cispo'")
     kl_t = kl_penalty(logp, ref_logp, kl_estimator, kl_clamp)          # (B, T)
-    per_token = torch.where(real, -torch.min(surr1, surr2) + beta * kl_t, 0.0)  # (B, T)
+    per_token = torch.where(real, pg + beta * kl_t, 0.0)               # (B, T)
     if loss_agg == "seq":
         loss = (per_token.sum(1) / mask.sum(1).clamp(min=1)).mean()    # 1/G sum_i 1/|o_i| sum_t
     elif loss_agg == "token":
@@ -131,11 +183,31 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps=0.2, beta=0.0
     else:
         raise ValueError(f"loss_agg {loss_agg!r} is unknown; allowed: 'seq', 'token', 'dr_grpo'")
     with torch.no_grad():
-        zero_grad = ((A > 0) & (ratio > 1 + eps_high)) | ((A < 0) & (ratio < 1 - clip_eps))  # (B, T) bool: the clip took over
-        metrics = {"clip_frac": masked_mean(zero_grad.float(), mask).item(),
-                   "approx_kl": masked_mean((ratio - 1) - log_ratio, mask).item(),  # k3 of KL(old || new)
+        metrics = {"clip_frac": masked_mean(clipped.float(), mask).item(),
+                   "approx_kl": masked_mean((log_ratio.exp() - 1) - log_ratio, mask).item(),  # k3 of KL(old || new)
                    "kl_est": masked_mean(kl_t, mask).item()}
     return loss, metrics
+
+
+def overlong_penalty(lengths, max_len, buffer):
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), added to the reward: lengths (B,) -> float (B,):
+    0 when L <= max_len - buffer; ((max_len - buffer) - L) / buffer when max_len - buffer < L <= max_len; -1 beyond."""
+    L = lengths.float()
+    start = max_len - buffer                                           # the penalty starts after this length
+    ramp = (start - L) / buffer                                        # 0 at start, -1 at max_len
+    return torch.where(L <= start, torch.zeros_like(L), torch.where(L <= max_len, ramp, -torch.ones_like(L)))
+
+
+# -----------------------------------------------------------------------------
+# DAPO's dynamic sampling: keep the groups that carry a signal
+
+def informative_groups(batch, G):
+    """DAPO's dynamic-sampling filter (Yu et al. 2025, eq. 11: 0 < #correct < G): the rows of the groups whose
+    rewards are not all equal; the others get advantage 0 and teach nothing. batch: task.rollout's tuple, rewards
+    last; returns the same tuple with fewer rows."""
+    r = batch[-1].view(-1, G)                                                        # (P, G) rewards
+    keep = (r != r[:, :1]).any(1).repeat_interleave(G)                               # (P*G,) bool
+    return tuple(x[keep] for x in batch)
 
 
 # -----------------------------------------------------------------------------
@@ -145,7 +217,7 @@ def parse_args(argv=None):
     p = parser(__doc__)
     g = p.add_argument_group("algorithm")
     g.add_argument("--group_size", type=Int(ge=2), default=8, help="G: completions sampled per prompt")
-    g.add_argument("--clip_eps", type=Float(gt=0, lt=1), default=0.2, help="PPO clip: ratio kept in [1-clip_eps, 1+eps_high]")
+    g.add_argument("--clip_eps", type=Float(gt=0, le=1), default=0.2, help="PPO clip: ratio kept in [1-clip_eps, 1+eps_high]")
     g.add_argument("--eps_high", type=Float(gt=0), default=None, help="upper clip (DAPO clip-higher); default --clip_eps")
     g.add_argument("--beta", type=Float(ge=0), default=0.04, help="weight of the KL-to-reference penalty in the loss")
     g.add_argument("--kl_estimator", default="k3", choices=["k1", "k2", "k3"], help="per-token KL estimate in the loss")
@@ -153,20 +225,29 @@ def parse_args(argv=None):
     g.add_argument("--mu", type=Int(ge=1), default=1, help="optimisation passes over each batch of rollouts")
     g.add_argument("--loss_agg", default="seq", choices=["seq", "token", "dr_grpo"], help="how token losses are averaged")
     g.add_argument("--no_std_scaling", action="store_true", help="advantages r - mean without / std (Dr. GRPO)")
+    g.add_argument("--std", default="population", choices=["population", "sample"], help="std over G (population) or G-1 (sample: TRL, verl, OpenRLHF)")
+    g.add_argument("--ratio_level", default="token", choices=["token", "sequence"], help="one ratio per token, or per completion (GSPO)")
+    g.add_argument("--loss_type", default="clip", choices=["clip", "cispo"], help="PPO's clipped surrogate, or CISPO's clipped weight")
+    g.add_argument("--overlong_buffer", type=Int(ge=0), default=0, help="DAPO's overlong penalty over the last N tokens of the budget (0: off)")
     g.add_argument("--format_weight", type=Float(ge=0), default=0.0, help="reward bonus for a well-formed completion")
     g = p.add_argument_group("sampling")
     g.add_argument("--steps", type=Int(ge=1), default=50, help="RL steps (one batch of rollouts each)")
-    g.add_argument("--prompts_per_step", type=Int(ge=1), default=32, help="B: prompts drawn per step")
+    g.add_argument("--prompts_per_step", type=Int(ge=1), default=32, help="P: prompts drawn per step")
     g.add_argument("--temperature", type=TEMPERATURE, default=1.0, help="sampling temperature; log-probs use the same")
     g.add_argument("--max_new_tokens", type=Int(ge=1), default=task.MAX_NEW_TOKENS, help="longest completion")
     g.add_argument("--precedence_share", type=Float(ge=0, le=1), default=0.5, help="share of a+b*c / a-b*c prompts")
+    g.add_argument("--dynamic_sampling", action="store_true", help="DAPO: keep only groups with a reward spread, sample more to fill B")
+    g.add_argument("--max_sample_rounds", type=Int(ge=1), default=4, help="with --dynamic_sampling: most rollout rounds per step")
     g = p.add_argument_group("optimisation")
     g.add_argument("--lr", type=Float(gt=0), default=3e-4, help="AdamW learning rate (constant)")
     g.add_argument("--weight_decay", type=Float(ge=0), default=0.0, help="AdamW weight decay")
     g.add_argument("--grad_clip", type=Float(gt=0), default=1.0, help="clip the gradient's global norm to this")
     g = add_run_flags(p, "grpo", log_every=5, eval_every=10)
     g.add_argument("--init", default=SFT_PATH, help="SFT checkpoint: the starting policy and the frozen reference")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.overlong_buffer > args.max_new_tokens:
+        p.error(f"--overlong_buffer {args.overlong_buffer} exceeds --max_new_tokens {args.max_new_tokens}")
+    return args
 
 
 def main(args):
@@ -177,43 +258,49 @@ def main(args):
     run.check_lengths(policy, tok, args.max_new_tokens)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     run.resume(policy, optimizer)
-    G, T = args.group_size, args.temperature
-    run.print(f"GRPO: {policy.num_params() / 1e6:.2f}M parameters on {run.device}, {args.steps} steps of "
-              f"{args.prompts_per_step} prompts x {G} samples, beta {args.beta} ({args.kl_estimator}), mu {args.mu}")
+    P, G, temp = args.prompts_per_step, args.group_size, args.temperature
+    run.print(f"GRPO: {policy.num_params() / 1e6:.2f}M parameters on {run.device}, {args.steps} steps of {P} prompts x {G} "
+              f"samples, beta {args.beta} ({args.kl_estimator}), mu {args.mu}, {args.ratio_level} ratio, {args.loss_type} loss"
+              f"{', dynamic sampling' if args.dynamic_sampling else ''}")
     if run.step == 0:
         run.log_start(run.evaluate(policy, tok))
 
     while run.training():
-        # 1. rollout: G completions per prompt at temperature T, scored by the verifier
-        prompts = task.sample_prompts(run.rng, args.prompts_per_step, args.precedence_share)
-        prompt, prompt_mask = tok.encode_batch(prompts, run.device)                      # (B, Tp)
-        with run.autocast:
-            tokens, mask, truncated = policy.generate(prompt, prompt_mask, args.max_new_tokens, tok.eos_id, tok.pad_id,
-                                                      num_samples=G, temperature=T, generator=run.gen)  # (B*G, Tn)
-        completions = tok.decode_completions(tokens, mask)
-        run.samples += len(completions)
-        rewards = torch.tensor([task.reward(prompts[i // G], c, args.format_weight) for i, c in enumerate(completions)],
-                               device=run.device)                                        # (B*G,)
-        prompt, prompt_mask = prompt.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0)  # (B*G, Tp)
+        # 1. rollout: G completions per prompt at the sampling temperature, scored by the verifier; with --dynamic_sampling (DAPO)
+        #    only the groups whose rewards differ are kept, sampling again until there are P (or max_sample_rounds)
+        kept, rounds = [], 0
+        max_rounds = args.max_sample_rounds if args.dynamic_sampling else 1
+        while rounds < max_rounds and sum(len(b[-1]) for b in kept) < P * G:
+            prompts = task.sample_prompts(run.rng, P, args.precedence_share)
+            with run.autocast:
+                batch = task.rollout(policy, tok, prompts, G, temp, args.max_new_tokens, args.format_weight, run.gen)
+            kept, rounds = kept + [informative_groups(batch, G) if args.dynamic_sampling else batch], rounds + 1
+        if sum(len(b[-1]) for b in kept) > 0:                                           # else: the last batch, all A = 0
+            batch = tuple(x[:P * G] for x in task.concat_rollouts(kept, tok.pad_id))
+        prompt, prompt_mask, tokens, mask, truncated, rewards = batch                    # (P*G, Tp), (P*G, Tn), (P*G,)
+        if args.overlong_buffer > 0:                                                     # DAPO's overlong punishment
+            rewards = rewards + overlong_penalty(mask.sum(1), args.max_new_tokens, args.overlong_buffer)
+        run.samples += rounds * P * G
         with torch.no_grad(), run.autocast:
-            ref_logits = completion_logits(ref, prompt, prompt_mask, tokens, mask)      # (B*G, Tn, V)
-        ref_logp = logprobs(ref_logits, tokens, T)                                       # (B*G, Tn) log pi_ref
+            ref_logits = completion_logits(ref, prompt, prompt_mask, tokens, mask)      # (P*G, Tn, V)
+        ref_logp = logprobs(ref_logits, tokens, temp)                                       # (P*G, Tn) log pi_ref
 
         # 2. advantages: the group is the baseline
-        advantages = grpo_advantages(rewards, G, scale_by_std=not args.no_std_scaling)  # (B*G,)
+        advantages = grpo_advantages(rewards, G, scale_by_std=not args.no_std_scaling, std=args.std)  # (P*G,)
 
-        # 3. mu passes of the clipped surrogate + KL penalty
+        # 3. mu passes of the clipped surrogate (or CISPO's weighted log-likelihood) + KL penalty
         for epoch in range(args.mu):
             with run.autocast:
-                logits = completion_logits(policy, prompt, prompt_mask, tokens, mask)   # (B*G, Tn, V)
-            logp = logprobs(logits, tokens, T)                                           # (B*G, Tn) log pi_theta
+                logits = completion_logits(policy, prompt, prompt_mask, tokens, mask)   # (P*G, Tn, V)
+            logp = logprobs(logits, tokens, temp)                                           # (P*G, Tn) log pi_theta
             if epoch == 0:  # the policy has not moved yet: these are the sampling-time log-probs
                 old_logp = logp.detach()
-                kl_exact = masked_mean(kl(logits.detach(), ref_logits, T), mask).item()  # KL(pi_theta || pi_ref)
-                ent = masked_mean(entropy(logits.detach(), T), mask).item()
+                kl_exact = masked_mean(kl(logits.detach(), ref_logits, temp), mask).item()  # KL(pi_theta || pi_ref)
+                ent = masked_mean(entropy(logits.detach(), temp), mask).item()
             loss, stats = grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps=args.clip_eps, beta=args.beta,
                                     eps_high=args.eps_high, kl_estimator=args.kl_estimator, loss_agg=args.loss_agg,
-                                    max_tokens=args.max_new_tokens, kl_clamp=args.kl_clamp)
+                                    max_tokens=args.max_new_tokens, kl_clamp=args.kl_clamp,
+                                    ratio_level=args.ratio_level, loss_type=args.loss_type)
             run.check_finite(loss, f"lower --lr (now {args.lr})")
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -230,7 +317,8 @@ def main(args):
                        "zero_var_groups": (groups == groups[:, :1]).all(1).float().mean().item(),
                        "kl_exact": kl_exact, f"kl_{args.kl_estimator}": stats["kl_est"], "entropy": ent,
                        "response_len": mask.sum(1).mean().item(), "truncated": truncated.float().mean().item(),
-                       "grad_norm": grad_norm.item(), "clip_frac": stats["clip_frac"], "approx_kl": stats["approx_kl"]}
+                       "grad_norm": grad_norm.item(), "clip_frac": stats["clip_frac"], "approx_kl": stats["approx_kl"],
+                       "groups_sampled": rounds * P, "groups_kept": len(rewards) // G}
             if run.eval_due():
                 metrics.update(run.evaluate(policy, tok))
             run.log(metrics, f"reward {metrics['reward_mean']:.3f} | zero-var {metrics['zero_var_groups']:.2f} | kl "

@@ -13,7 +13,8 @@ completion y_i as one action and a baseline b that does not depend on y_i:
 --baseline picks b:
     none            b = 0: vanilla REINFORCE, unbiased, with the variance problem the baselines fix
     moving_average  b = exponential moving average of the mean R of earlier batches (--ema_decay)
-    batch_mean      b = mean R of this batch (includes sample i itself: slightly biased, as the notes say)
+    batch_mean      b = mean R of this batch. It includes sample i itself, so b depends on y_i and the
+                    estimate is biased by a factor (1 - 1/B) (the leave-one-out baseline of rloo.py removes it)
     reinforce_pp    REINFORCE++: per-token rewards, the k1 KL penalty on every token and the outcome
                     reward on the last, r_t = -beta * KL_t + r_i * [t = last]; returns-to-go
                     G_t = sum_{s >= t} r_s (gamma = 1); advantages normalised over the whole batch,
@@ -37,6 +38,9 @@ Deviations from the papers, and choices they leave open:
   none of these baselines looks at the groups.
 - The reward is the task's verifier (1 correct, 0 otherwise, optional --format_weight).
 - Small scale: a 0.8M-parameter policy on arithmetic, AdamW at a constant learning rate.
+
+Shapes: P prompts per step, G completions per prompt, B = P*G completions (the rows of every (B, T) tensor the
+loss functions take), T time (Tp prompt tokens, Tn completion tokens), V vocabulary.
 
 Run:
     python reinforce.py                          # REINFORCE++ from out/sft.pt (trained first if missing); about 1 min on 2 idle CPU cores
@@ -129,7 +133,7 @@ def parse_args(argv=None):
     g.add_argument("--format_weight", type=Float(ge=0), default=0.0, help="reward bonus for a well-formed completion")
     g = p.add_argument_group("sampling")
     g.add_argument("--steps", type=Int(ge=1), default=50, help="RL steps (one batch of rollouts each)")
-    g.add_argument("--prompts_per_step", type=Int(ge=1), default=32, help="B: prompts drawn per step")
+    g.add_argument("--prompts_per_step", type=Int(ge=1), default=32, help="P: prompts drawn per step")
     g.add_argument("--temperature", type=TEMPERATURE, default=1.0, help="sampling temperature; log-probs use the same")
     g.add_argument("--max_new_tokens", type=Int(ge=1), default=task.MAX_NEW_TOKENS, help="longest completion")
     g.add_argument("--precedence_share", type=Float(ge=0, le=1), default=0.5, help="share of a+b*c / a-b*c prompts")
@@ -151,40 +155,36 @@ def main(args):
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     ckpt = run.resume(policy, optimizer)
     moving_average = ckpt["moving_average"] if ckpt else None          # the moving_average baseline's state
-    G, T = args.group_size, args.temperature
+    P, G, temp = args.prompts_per_step, args.group_size, args.temperature
     run.print(f"REINFORCE (baseline {args.baseline}): {policy.num_params() / 1e6:.2f}M parameters on {run.device}, "
-              f"{args.steps} steps of {args.prompts_per_step} prompts x {G} samples, beta {args.beta} ({args.kl_estimator})")
+              f"{args.steps} steps of {P} prompts x {G} samples, beta {args.beta} ({args.kl_estimator})")
     if run.step == 0:
         run.log_start(run.evaluate(policy, tok))
 
     while run.training():
-        # 1. rollout: G completions per prompt at temperature T, scored by the verifier
-        prompts = task.sample_prompts(run.rng, args.prompts_per_step, args.precedence_share)
-        prompt, prompt_mask = tok.encode_batch(prompts, run.device)                      # (B, Tp)
+        # 1. rollout: G completions per prompt at the sampling temperature, scored by the verifier
+        prompts = task.sample_prompts(run.rng, P, args.precedence_share)
         with run.autocast:
-            tokens, mask, truncated = policy.generate(prompt, prompt_mask, args.max_new_tokens, tok.eos_id, tok.pad_id,
-                                                      num_samples=G, temperature=T, generator=run.gen)  # (B*G, Tn)
-        completions = tok.decode_completions(tokens, mask)
-        run.samples += len(completions)
-        rewards = torch.tensor([task.reward(prompts[i // G], c, args.format_weight) for i, c in enumerate(completions)],
-                               device=run.device)                                        # (B*G,)
-        prompt, prompt_mask = prompt.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0)  # (B*G, Tp)
+            prompt, prompt_mask, tokens, mask, truncated, rewards = task.rollout(policy, tok, prompts, G, temp,
+                                                                                 args.max_new_tokens, args.format_weight,
+                                                                                 run.gen)  # (P*G, Tp), (P*G, Tn), (P*G,)
+        run.samples += P * G
         with torch.no_grad(), run.autocast:
-            ref_logits = completion_logits(ref, prompt, prompt_mask, tokens, mask)      # (B*G, Tn, V)
-        ref_logp = logprobs(ref_logits, tokens, T)                                       # (B*G, Tn) log pi_ref
+            ref_logits = completion_logits(ref, prompt, prompt_mask, tokens, mask)      # (P*G, Tn, V)
+        ref_logp = logprobs(ref_logits, tokens, temp)                                       # (P*G, Tn) log pi_ref
         with run.autocast:
-            logits = completion_logits(policy, prompt, prompt_mask, tokens, mask)       # (B*G, Tn, V)
-        logp = logprobs(logits, tokens, T)                                               # (B*G, Tn) log pi_theta
-        kl_exact = masked_mean(kl(logits.detach(), ref_logits, T), mask).item()          # KL(pi_theta || pi_ref)
-        ent = masked_mean(entropy(logits.detach(), T), mask).item()
+            logits = completion_logits(policy, prompt, prompt_mask, tokens, mask)       # (P*G, Tn, V)
+        logp = logprobs(logits, tokens, temp)                                               # (P*G, Tn) log pi_theta
+        kl_exact = masked_mean(kl(logits.detach(), ref_logits, temp), mask).item()          # KL(pi_theta || pi_ref)
+        ent = masked_mean(entropy(logits.detach(), temp), mask).item()
 
         # 2. advantages: KL to the reference in the reward, minus the baseline
-        kl_t = kl_penalty(logp.detach(), ref_logp, args.kl_estimator)                   # (B*G, Tn)
+        kl_t = kl_penalty(logp.detach(), ref_logp, args.kl_estimator)                   # (P*G, Tn)
         if args.baseline == "reinforce_pp":
-            advantages = reinforce_pp_advantages(rewards, kl_t, mask, args.beta)         # (B*G, Tn) per token
+            advantages = reinforce_pp_advantages(rewards, kl_t, mask, args.beta)         # (P*G, Tn) per token
         else:
             scores = rewards - args.beta * torch.where(mask > 0, kl_t, 0.0).sum(1)       # R_i = r_i - beta * sum_t KL_it
-            advantages = baseline_advantages(scores, args.baseline, moving_average)      # (B*G,)
+            advantages = baseline_advantages(scores, args.baseline, moving_average)      # (P*G,)
             moving_average = update_moving_average(moving_average, scores, args.ema_decay)
 
         # 3. one on-policy REINFORCE step

@@ -29,6 +29,9 @@ Deviations from the paper, and choices it leaves open:
   learned reward model.
 - Small scale: a 0.8M-parameter policy on arithmetic, AdamW at a constant learning rate.
 
+Shapes: P prompts per step, G completions per prompt, B = P*G completions (the rows of every (B, T) tensor the
+loss functions take), T time (Tp prompt tokens, Tn completion tokens), V vocabulary.
+
 Run:
     python rloo.py                       # from out/sft.pt (trained first if missing); about 1 min on 2 idle CPU cores
     python rloo.py --resume              # continue from out/rloo.pt up to --steps
@@ -47,16 +50,16 @@ from plumbing import SFT_PATH, TEMPERATURE, Float, Int, Run, add_run_flags, pars
 # The algorithm: the leave-one-out baseline and the REINFORCE loss
 
 def rloo_advantages(rewards, k):
-    """rewards (B*k,) flat, k consecutive samples per prompt -> advantages (B*k,):
+    """rewards (P*k,) flat, k consecutive samples per prompt -> advantages (P*k,):
     A_i = R_i - 1/(k-1) sum_{j != i} R_j, each sample's baseline the mean of its k - 1 siblings."""
     if k < 2:
         raise ValueError(f"k = {k}; RLOO needs k >= 2 samples per prompt (a sample's baseline is the mean of the others)")
     if rewards.dim() != 1 or rewards.numel() % k:
         raise ValueError(f"rewards of shape {tuple(rewards.shape)} cannot be split into groups of k = {k}; "
                          f"need a flat tensor whose length is a multiple of k")
-    R = rewards.view(-1, k)                                            # (B, k)
+    R = rewards.view(-1, k)                                            # (P, k)
     baseline = (R.sum(dim=1, keepdim=True) - R) / (k - 1)              # 1/(k-1) sum_{j != i} R_j
-    return (R - baseline).view(-1)                                     # (B*k,)
+    return (R - baseline).view(-1)                                     # (P*k,)
 
 
 def kl_penalty(logp, ref_logp, estimator="k1"):
@@ -93,7 +96,7 @@ def parse_args(argv=None):
     g.add_argument("--format_weight", type=Float(ge=0), default=0.0, help="reward bonus for a well-formed completion")
     g = p.add_argument_group("sampling")
     g.add_argument("--steps", type=Int(ge=1), default=50, help="RL steps (one batch of rollouts each)")
-    g.add_argument("--prompts_per_step", type=Int(ge=1), default=32, help="B: prompts drawn per step")
+    g.add_argument("--prompts_per_step", type=Int(ge=1), default=32, help="P: prompts drawn per step")
     g.add_argument("--temperature", type=TEMPERATURE, default=1.0, help="sampling temperature; log-probs use the same")
     g.add_argument("--max_new_tokens", type=Int(ge=1), default=task.MAX_NEW_TOKENS, help="longest completion")
     g.add_argument("--precedence_share", type=Float(ge=0, le=1), default=0.5, help="share of a+b*c / a-b*c prompts")
@@ -114,37 +117,33 @@ def main(args):
     run.check_lengths(policy, tok, args.max_new_tokens)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     run.resume(policy, optimizer)
-    G, T = args.group_size, args.temperature
+    P, G, temp = args.prompts_per_step, args.group_size, args.temperature
     run.print(f"RLOO: {policy.num_params() / 1e6:.2f}M parameters on {run.device}, {args.steps} steps of "
-              f"{args.prompts_per_step} prompts x {G} samples, beta {args.beta} ({args.kl_estimator})")
+              f"{P} prompts x {G} samples, beta {args.beta} ({args.kl_estimator})")
     if run.step == 0:
         run.log_start(run.evaluate(policy, tok))
 
     while run.training():
-        # 1. rollout: G = k completions per prompt at temperature T, scored by the verifier
-        prompts = task.sample_prompts(run.rng, args.prompts_per_step, args.precedence_share)
-        prompt, prompt_mask = tok.encode_batch(prompts, run.device)                      # (B, Tp)
+        # 1. rollout: G = k completions per prompt at the sampling temperature, scored by the verifier
+        prompts = task.sample_prompts(run.rng, P, args.precedence_share)
         with run.autocast:
-            tokens, mask, truncated = policy.generate(prompt, prompt_mask, args.max_new_tokens, tok.eos_id, tok.pad_id,
-                                                      num_samples=G, temperature=T, generator=run.gen)  # (B*G, Tn)
-        completions = tok.decode_completions(tokens, mask)
-        run.samples += len(completions)
-        rewards = torch.tensor([task.reward(prompts[i // G], c, args.format_weight) for i, c in enumerate(completions)],
-                               device=run.device)                                        # (B*G,)
-        prompt, prompt_mask = prompt.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0)  # (B*G, Tp)
+            prompt, prompt_mask, tokens, mask, truncated, rewards = task.rollout(policy, tok, prompts, G, temp,
+                                                                                 args.max_new_tokens, args.format_weight,
+                                                                                 run.gen)  # (P*G, Tp), (P*G, Tn), (P*G,)
+        run.samples += P * G
         with torch.no_grad(), run.autocast:
-            ref_logits = completion_logits(ref, prompt, prompt_mask, tokens, mask)      # (B*G, Tn, V)
-        ref_logp = logprobs(ref_logits, tokens, T)                                       # (B*G, Tn) log pi_ref
+            ref_logits = completion_logits(ref, prompt, prompt_mask, tokens, mask)      # (P*G, Tn, V)
+        ref_logp = logprobs(ref_logits, tokens, temp)                                       # (P*G, Tn) log pi_ref
         with run.autocast:
-            logits = completion_logits(policy, prompt, prompt_mask, tokens, mask)       # (B*G, Tn, V)
-        logp = logprobs(logits, tokens, T)                                               # (B*G, Tn) log pi_theta
-        kl_exact = masked_mean(kl(logits.detach(), ref_logits, T), mask).item()          # KL(pi_theta || pi_ref)
-        ent = masked_mean(entropy(logits.detach(), T), mask).item()
+            logits = completion_logits(policy, prompt, prompt_mask, tokens, mask)       # (P*G, Tn, V)
+        logp = logprobs(logits, tokens, temp)                                               # (P*G, Tn) log pi_theta
+        kl_exact = masked_mean(kl(logits.detach(), ref_logits, temp), mask).item()          # KL(pi_theta || pi_ref)
+        ent = masked_mean(entropy(logits.detach(), temp), mask).item()
 
         # 2. advantages: KL to the reference in the reward, the other k - 1 samples are the baseline
-        kl_t = kl_penalty(logp.detach(), ref_logp, args.kl_estimator)                   # (B*G, Tn)
+        kl_t = kl_penalty(logp.detach(), ref_logp, args.kl_estimator)                   # (P*G, Tn)
         scores = rewards - args.beta * torch.where(mask > 0, kl_t, 0.0).sum(1)           # R_i = r_i - beta * sum_t KL_it
-        advantages = rloo_advantages(scores, G)                                          # (B*G,)
+        advantages = rloo_advantages(scores, G)                                          # (P*G,)
 
         # 3. one on-policy REINFORCE step
         loss, stats = rloo_loss(logp, advantages, mask)

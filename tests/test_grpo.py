@@ -9,19 +9,19 @@ import pytest
 import torch
 
 from conftest import refused, run_script
-from grpo import grpo_advantages, grpo_loss, kl_penalty
+from grpo import grpo_advantages, grpo_loss, informative_groups, kl_penalty, overlong_penalty
 from model import load_checkpoint
 
 
 # -----------------------------------------------------------------------------
 # float64 references, straight from the equations
 
-def ref_advantages(rewards, G, eps=1e-6, scale_by_std=True):
+def ref_advantages(rewards, G, eps=1e-6, scale_by_std=True, kind="population"):
     out = []
     for g in range(len(rewards) // G):
         r = [float(x) for x in rewards[g * G:(g + 1) * G]]
         mean = sum(r) / G
-        std = math.sqrt(sum((x - mean) ** 2 for x in r) / G)        # population std
+        std = math.sqrt(sum((x - mean) ** 2 for x in r) / (G if kind == "population" else G - 1))
         for x in r:
             if all(y == r[0] for y in r):
                 out.append(0.0)
@@ -39,18 +39,24 @@ def ref_kl(logp, ref_logp, estimator):
     return torch.exp(-log_ratio) + log_ratio - 1                    # pi_ref/pi_theta - log(pi_ref/pi_theta) - 1
 
 
-def ref_loss(logp, old_logp, ref_logp, adv, mask, clip_eps, beta, eps_high, estimator, agg, max_tokens=None):
-    """DeepSeekMath eq. 3, negated, written out token by token (float64, differentiable w.r.t. logp)."""
+def ref_loss(logp, old_logp, ref_logp, adv, mask, clip_eps, beta, eps_high, estimator, agg, max_tokens=None,
+             ratio_level="token", loss_type="clip"):
+    """DeepSeekMath eq. 3, negated, written out token by token (float64, differentiable w.r.t. logp); GSPO
+    (Zheng et al. 2025, eq. 5-7): the sequence ratio s_i = exp(mean_t log ratio_it) in place of each token's ratio;
+    CISPO (MiniMax 2025, eq. 4): -sg(clip(ratio)) * A * log pi per token."""
     B, T = logp.shape
     per_seq, total, n = [], 0.0, 0.0
     for i in range(B):
         s = 0.0
-        for t in range(T):
-            if mask[i, t] == 0:
-                continue
-            ratio = torch.exp(logp[i, t] - old_logp[i, t])
+        real = [t for t in range(T) if mask[i, t] != 0]
+        seq_ratio = torch.exp(sum(logp[i, t] - old_logp[i, t] for t in real) / len(real)) if real else None
+        for t in real:
+            ratio = torch.exp(logp[i, t] - old_logp[i, t]) if ratio_level == "token" else seq_ratio
             clipped = torch.clamp(ratio, 1 - clip_eps, 1 + eps_high)
-            obj = torch.minimum(ratio * adv[i], clipped * adv[i])
+            if loss_type == "clip":
+                obj = torch.minimum(ratio * adv[i], clipped * adv[i])
+            else:
+                obj = clipped.detach() * adv[i] * logp[i, t]
             term = -obj + beta * ref_kl(logp[i, t], ref_logp[i, t], estimator)
             s = s + term
             n += 1
@@ -103,6 +109,22 @@ def test_equal_rewards_give_zero_never_nan():
     assert (a[:9] == 0).all()                                       # three groups without signal: exactly 0
     assert a[10] > 0 and a[9] < 0 and a[11] < 0                     # the mixed group is untouched
     assert (grpo_advantages(torch.rand(5), 1) == 0).all()           # a group of one has no relative advantage
+
+
+def test_sample_std_hand_worked_and_against_reference():
+    # rewards 1, 0, 0, 0: mean 0.25, squared deviations sum to 0.75; population std sqrt(0.75 / 4) = 0.4330,
+    # sample std sqrt(0.75 / 3) = 0.5; so the correct sample gets 0.75 / 0.4330 = 1.7321 or 0.75 / 0.5 = 1.5
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    assert grpo_advantages(r, 4, eps=0.0)[0].item() == pytest.approx(math.sqrt(3), rel=1e-6)
+    assert grpo_advantages(r, 4, eps=0.0, std="sample")[0].item() == pytest.approx(1.5, rel=1e-6)
+    rewards = torch.rand(6 * 5)
+    got = grpo_advantages(rewards, 5, std="sample").double()
+    assert torch.allclose(got, ref_advantages(rewards.tolist(), 5, kind="sample"), atol=1e-5)
+    ratio = grpo_advantages(rewards, 5, eps=0.0, std="sample") / grpo_advantages(rewards, 5, eps=0.0)
+    assert torch.allclose(ratio, torch.full_like(ratio, math.sqrt(4 / 5)), atol=1e-5)   # sqrt((G-1)/G)
+    assert (grpo_advantages(torch.ones(6), 3, std="sample") == 0).all()
+    with pytest.raises(ValueError, match="'biased'"):
+        grpo_advantages(r, 4, std="biased")
 
 
 def test_advantages_reject_bad_shapes():
@@ -183,6 +205,67 @@ def test_loss_and_gradient_match_reference(agg, estimator):
         g_ref, = torch.autograd.grad(want, lp_ref)
         assert torch.allclose(g, g_ref, atol=1e-10)
         assert 0.0 <= metrics["clip_frac"] <= 1.0
+
+
+@pytest.mark.parametrize("agg", ["seq", "token", "dr_grpo"])
+@pytest.mark.parametrize("ratio_level,loss_type", [("sequence", "clip"), ("token", "cispo")])
+def test_gspo_and_cispo_match_their_float64_reference(agg, ratio_level, loss_type):
+    for seed in range(3):
+        logp, old, ref, adv, mask = random_batch(seed=seed)
+        mask[1] = 0.0                                               # a fully masked row
+        mask[2, 1:] = 0.0                                           # a one-token completion
+        kwargs = dict(clip_eps=0.1, beta=0.04, eps_high=0.3, kl_estimator="k3", loss_agg=agg, max_tokens=9)
+        lp = logp.clone().requires_grad_(True)
+        loss, _ = grpo_loss(lp, old, ref, adv, mask, ratio_level=ratio_level, loss_type=loss_type, **kwargs)
+        lp2 = logp.clone().requires_grad_(True)
+        want = ref_loss(lp2, old, ref, adv, mask, 0.1, 0.04, 0.3, "k3", agg, 9, ratio_level, loss_type)
+        assert abs(loss.item() - want.item()) < 1e-12
+        g, = torch.autograd.grad(loss, lp)
+        g_ref, = torch.autograd.grad(want, lp2)
+        assert torch.allclose(g, g_ref, atol=1e-12) and (g[1] == 0).all() and (g[2, 1:] == 0).all()
+
+
+def test_gspo_one_ratio_per_completion_hand_worked():
+    # one completion of 2 tokens with log ratios 0.2 and -0.1: s = exp(0.05); A = 1; clip 0.2 does not bind
+    logp = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([[-1.2, -1.9]], dtype=torch.float64)
+    loss, stats = grpo_loss(logp, old, logp.detach(), torch.ones(1, dtype=torch.float64), torch.ones(1, 2, dtype=torch.float64),
+                            beta=0.0, ratio_level="sequence")
+    assert loss.item() == pytest.approx(-math.exp(0.05))            # -s * A on each token, averaged
+    g, = torch.autograd.grad(loss, logp)
+    assert torch.allclose(g, torch.full((1, 2), -math.exp(0.05) / 2, dtype=torch.float64))  # d s / d logp_t = s / |o|
+    far = grpo_loss(logp, old - 1.0, logp.detach(), torch.ones(1, dtype=torch.float64), torch.ones(1, 2, dtype=torch.float64),
+                    beta=0.0, ratio_level="sequence")               # s = exp(1.05) > 1.2: clipped, no gradient
+    assert far[1]["clip_frac"] == 1.0 and torch.autograd.grad(far[0], logp)[0].abs().sum() == 0
+    with pytest.raises(ValueError, match="'cispo'"):
+        grpo_loss(logp, old, old, torch.ones(1), torch.ones(1, 2), ratio_level="sequence", loss_type="cispo")
+
+
+def test_cispo_keeps_the_gradient_the_clip_drops():
+    # a token whose ratio 1.5 is past 1 + eps_high with A > 0: PPO's clip gives it no gradient; CISPO gives it
+    # -clip(ratio) * A = -1.2 * A (with one token and the seq mean), a truncated weight but a gradient
+    logp = torch.tensor([[math.log(0.45)]], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([[math.log(0.30)]], dtype=torch.float64)
+    A, m = torch.tensor([0.5], dtype=torch.float64), torch.ones(1, 1, dtype=torch.float64)
+    clip_loss, clip_stats = grpo_loss(logp, old, logp.detach(), A, m, beta=0.0)
+    cispo_loss, cispo_stats = grpo_loss(logp, old, logp.detach(), A, m, beta=0.0, loss_type="cispo")
+    assert torch.autograd.grad(clip_loss, logp)[0].item() == 0.0 and clip_stats["clip_frac"] == 1.0
+    assert torch.autograd.grad(cispo_loss, logp)[0].item() == pytest.approx(-1.2 * 0.5)
+    assert cispo_stats["clip_frac"] == 1.0                          # the weight was truncated
+    assert cispo_loss.item() == pytest.approx(-1.2 * 0.5 * math.log(0.45))
+
+
+def test_overlong_penalty_hand_worked():
+    # DAPO eq. 13 with L_max = 20, L_cache = 4: no penalty up to 16, a linear ramp to -1 at 20, -1 beyond
+    got = overlong_penalty(torch.tensor([1, 16, 17, 18, 20, 21, 99]), max_len=20, buffer=4)
+    assert got.tolist() == [0.0, 0.0, -0.25, -0.5, -1.0, -1.0, -1.0]
+
+
+def test_dynamic_sampling_keeps_exactly_the_groups_with_a_reward_spread():
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0])     # groups of 3: all right, mixed, all wrong
+    rows = torch.arange(9)
+    kept_rows, kept_rewards = informative_groups((rows, rewards), 3)
+    assert kept_rows.tolist() == [3, 4, 5] and kept_rewards.tolist() == [0.0, 1.0, 0.0]
 
 
 def test_gradient_is_the_hand_derived_one_inside_and_outside_the_clip():
@@ -270,11 +353,28 @@ def test_script_runs_end_to_end_and_resumes(tiny_sft, tmp_path):
     assert [r["step"] for r in read_metrics(out)] == [0, 1, 2, 3]
 
 
+def test_script_runs_gspo_cispo_and_dapo_options(tiny_sft, tmp_path):
+    common = ["--prompts_per_step", "4", "--group_size", "4", "--log_every", "1", "--eval_every", "100", "--eval_n", "8",
+              "--steps", "2", "--mu", "2", "--init", tiny_sft]
+    p = run_script("grpo.py", common + ["--out", str(tmp_path / "a"), "--loss_type", "cispo", "--loss_agg", "token",
+                                        "--dynamic_sampling", "--max_sample_rounds", "3", "--overlong_buffer", "4"])
+    assert p.returncode == 0, p.stderr
+    rows = read_metrics(str(tmp_path / "a"))[1:]
+    for r in rows:
+        assert r["groups_kept"] <= 4 and 4 <= r["groups_sampled"] <= 12 and r["samples"] % 16 == 0
+        assert r["groups_kept"] == 4 or r["groups_sampled"] == 12   # the batch is full, or the rounds ran out
+    p = run_script("grpo.py", common + ["--out", str(tmp_path / "b"), "--ratio_level", "sequence", "--std", "sample",
+                                        "--clip_eps", "3e-4", "--eps_high", "4e-4"])
+    assert p.returncode == 0, p.stderr
+    assert "sequence ratio" in p.stdout and math.isfinite(read_metrics(str(tmp_path / "b"))[-1]["clip_frac"])
+
+
 def test_script_rejects_bad_settings_with_a_message(tmp_path):
     p = run_script("grpo.py", ["--group_size", "1", "--out", str(tmp_path)])
     refused(p, "--group_size", "1")
     p = run_script("grpo.py", ["--temperature", "0", "--out", str(tmp_path)])
     refused(p, "--temperature", "0")
+    refused(run_script("grpo.py", ["--overlong_buffer", "30", "--out", str(tmp_path)]), "--overlong_buffer 30", "--max_new_tokens 24")
     p = run_script("grpo.py", ["--init", str(tmp_path / "missing.pt"), "--out", str(tmp_path)])
     assert p.returncode != 0 and "no checkpoint at" in p.stderr
 

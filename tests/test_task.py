@@ -148,3 +148,21 @@ def test_pair_batch_masks_exactly_the_completions_and_eos_and_keeps_the_sampled_
     tokens, attn, mask = task.pair_batch(pairs, tok, "cpu")
     row = [t for t, k in zip(tokens[2, 1:].tolist(), mask[2].tolist()) if k]
     assert row == odd + tok.encode("#3") + [tok.eos_id]
+
+
+def test_concat_rollouts_pads_so_that_each_row_reads_as_it_did_alone():
+    from model import completion_logits
+    torch.manual_seed(0)
+    model, tok = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16)).eval(), Tokenizer()
+    a = task.rollout(model, tok, ["1+2*3=", "9-8-7="], 2, 1.0, max_new_tokens=5, generator=torch.Generator().manual_seed(0))
+    b = task.rollout(model, tok, ["1=", "22+3="], 2, 1.0, max_new_tokens=9, generator=torch.Generator().manual_seed(1))
+    both = task.concat_rollouts([a, b], tok.pad_id)
+    assert both[0].shape[0] == 8 and both[2].size(1) == max(a[2].size(1), b[2].size(1))
+    with torch.no_grad():
+        stacked = completion_logits(model, *both[:4])
+        for k, part in ((0, a), (4, b)):
+            alone = completion_logits(model, *part[:4])
+            for i in range(4):
+                n = int(part[3][i].sum())
+                torch.testing.assert_close(stacked[k + i, :n], alone[i, :n], rtol=0, atol=1e-5)
+    assert torch.equal(both[5], torch.cat([a[5], b[5]])) and torch.equal(both[4], torch.cat([a[4], b[4]]))
