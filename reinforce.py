@@ -204,12 +204,12 @@ def main(args):
                        "reward_std": rewards.std(unbiased=False).item(),
                        "zero_var_groups": (groups == groups[:, :1]).all(1).float().mean().item(),
                        "kl_exact": kl_exact, f"kl_{args.kl_estimator}": masked_mean(kl_t, mask).item(), "entropy": ent,
-                       "response_len": mask.sum(1).mean().item(), "truncated": truncated.float().mean().item(),
+                       "completion_len": mask.sum(1).mean().item(), "truncated": truncated.float().mean().item(),
                        "grad_norm": grad_norm.item(), "seq_logp": stats["seq_logp"]}
             if run.eval_due():
                 metrics.update(run.evaluate(policy, tok))
             run.log(metrics, f"reward {metrics['reward_mean']:.3f} | zero-var {metrics['zero_var_groups']:.2f} | kl "
-                             f"{kl_exact:.4f} | ent {ent:.3f} | len {metrics['response_len']:.1f} | gnorm "
+                             f"{kl_exact:.4f} | ent {ent:.3f} | len {metrics['completion_len']:.1f} | gnorm "
                              f"{metrics['grad_norm']:.3f}", tokens=True)
         if run.eval_due():
             run.save(policy, optimizer, moving_average=moving_average)

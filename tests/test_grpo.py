@@ -337,7 +337,7 @@ def test_script_runs_end_to_end_and_resumes(tiny_sft, tmp_path):
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert "eval_accuracy" in rows[0] and "eval_accuracy" in rows[2] and "eval_accuracy" not in rows[1]
-    for key in ("reward_mean", "reward_std", "kl_exact", "kl_k3", "entropy", "response_len", "zero_var_groups",
+    for key in ("reward_mean", "reward_std", "kl_exact", "kl_k3", "entropy", "completion_len", "zero_var_groups",
                 "grad_norm", "clip_frac", "approx_kl", "tokens_per_sec"):
         assert key in rows[1] and math.isfinite(rows[1][key]), key
     assert rows[1]["kl_exact"] >= 0 and 0 <= rows[1]["reward_mean"] <= 1

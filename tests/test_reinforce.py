@@ -91,7 +91,7 @@ def test_script_runs_end_to_end_and_resumes(tiny_sft, tmp_path, baseline):
     assert "done: 2 steps" in p.stdout
     rows = [json.loads(line) for line in open(os.path.join(out, "reinforce", "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [0, 1, 2] and "eval_accuracy" in rows[2]
-    for key in ("reward_mean", "kl_exact", "kl_k1", "entropy", "response_len", "grad_norm", "tokens_per_sec"):
+    for key in ("reward_mean", "kl_exact", "kl_k1", "entropy", "completion_len", "grad_norm", "tokens_per_sec"):
         assert key in rows[1] and math.isfinite(rows[1][key]), key
     p = run_script("reinforce.py", TINY + ["--steps", "3", "--baseline", baseline, "--init", tiny_sft, "--out", out, "--resume"])
     assert p.returncode == 0, p.stderr

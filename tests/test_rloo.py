@@ -79,7 +79,7 @@ def test_script_runs_end_to_end_and_resumes(tiny_sft, tmp_path):
     assert "done: 2 steps" in p.stdout
     rows = [json.loads(line) for line in open(os.path.join(out, "rloo", "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [0, 1, 2] and "eval_accuracy" in rows[2]
-    for key in ("reward_mean", "reward_std", "kl_exact", "kl_k1", "entropy", "response_len", "zero_var_groups",
+    for key in ("reward_mean", "reward_std", "kl_exact", "kl_k1", "entropy", "completion_len", "zero_var_groups",
                 "grad_norm", "tokens_per_sec"):
         assert key in rows[1] and math.isfinite(rows[1][key]), key
     p = run_script("rloo.py", TINY + ["--steps", "3", "--init", tiny_sft, "--out", out, "--resume"])
