@@ -152,12 +152,13 @@ def parse_args(argv=None):
 
 
 def main(args):
-    run = Run("dpo", args)                          # device, seeds, lock, log, resume, Ctrl-C: plumbing.py
+    run = Run("dpo", args, batch_flag="batch_size")  # device, seeds, lock, log, resume, torchrun: plumbing.py
     reference, tok = run.load_policy(args.init)     # pi_ref: the SFT policy, frozen ...
     reference.requires_grad_(False)
     model, _ = run.load_policy(args.init)           # ... and the policy's start
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     run.resume(model, optimizer)
+    train_model = run.ddp(model)                    # DistributedDataParallel under torchrun, else the model itself
     # The data: pairs sampled from the reference policy (cached on disk), and their reference log-probs, computed
     # once (pi_ref is frozen).
     train_pairs, eval_pairs = task.preference_dataset(reference, tok, n_train=args.n_pairs, seed=args.seed, cache_dir=args.out)
@@ -168,7 +169,7 @@ def main(args):
     sources = {s: sum(p["source"] == s for p in train_pairs) for s in sorted({p["source"] for p in train_pairs})}
     run.print(f"DPO: {model.num_params() / 1e6:.2f}M parameters on {run.device}, {len(train_pairs)} pairs {sources}, "
               f"{args.steps} steps of {args.batch_size}, beta {args.beta}")
-    if run.step == 0:
+    if run.step == 0 and run.is_main:
         e = {**run.evaluate(model, tok), **evaluate_pairs(model, reference, tok, eval_pairs, *eval_ref, args.beta,
                                                           run.device, run.autocast)}
         run.log_start(e, f"{pairs_line(e)} (the SFT policy)")
@@ -178,38 +179,47 @@ def main(args):
         # 1. the step's pairs, and the learning rate: linear warm-up, then constant
         for group in optimizer.param_groups:
             group["lr"] = args.lr * min(1.0, (run.step + 1) / max(args.warmup, 1))
-        idx = batch_indices(run.step, len(train_pairs), args.batch_size, args.seed)
+        idx = run.shard(batch_indices(run.step, len(train_pairs), args.batch_size, args.seed))  # this rank's share
         pairs = [train_pairs[i] for i in idx]
 
-        # 2. the DPO loss on the policy's sequence log-probs against the reference's
-        policy_chosen, policy_rejected = pair_logprobs(model, pairs, tok, run.device, run.autocast)  # (B,), (B,)
-        ref_chosen, ref_rejected = ref_chosen_all[idx], ref_rejected_all[idx]
-        losses, chosen_rewards, rejected_rewards = dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, args.beta)
-        loss = losses.mean()                                                 # L_DPO over the batch
-        run.check_finite(loss, f"lower --lr (now {args.lr})")
+        # 2. the DPO loss on the policy's sequence log-probs against the reference's: the mean over every rank's pairs,
+        #    over the --grad_accum micro-batches
+        ref_chosen, ref_rejected = ref_chosen_all[idx], ref_rejected_all[idx]  # (B,), (B,)
+        n_pairs = run.all_sum(len(idx))
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss, parts = 0.0, []
+        for rows, last in run.micro_batches(len(idx)):
+            policy_chosen, policy_rejected = pair_logprobs(train_model, [pairs[j] for j in rows.tolist()], tok, run.device,
+                                                           run.autocast)  # (b,), (b,)
+            losses, chosen_rewards, rejected_rewards = dpo_loss(policy_chosen, policy_rejected, ref_chosen[rows],
+                                                                ref_rejected[rows], args.beta)
+            part = losses.sum() / n_pairs                                    # this part's share of L_DPO
+            run.check_finite(part, f"lower --lr (now {args.lr})")
+            run.backward(part, last, train_model)
+            loss, parts = loss + part.item(), parts + [(policy_chosen.detach(), policy_rejected.detach(),
+                                                        chosen_rewards.detach(), rejected_rewards.detach())]
+        policy_chosen, policy_rejected, chosen_rewards, rejected_rewards = (torch.cat(x) for x in zip(*parts))  # (B,) each
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         optimizer.step()
         run.step += 1
-        run.tokens += 2 * len(idx)
+        run.tokens += 2 * args.batch_size
 
         # 3. log, evaluate, checkpoint
         if run.log_due():
             h = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)  # log-ratio margin, nats
-            metrics = {"epoch": run.step / (len(train_pairs) // args.batch_size), "loss": loss.item(),
+            metrics = {"epoch": run.step / (len(train_pairs) // args.batch_size), "loss": run.all_sum(loss).item(),
                        "lr": optimizer.param_groups[0]["lr"],
-                       "reward_accuracy": (chosen_rewards > rejected_rewards).float().mean().item(),
-                       "reward_margin": (chosen_rewards - rejected_rewards).mean().item(),   # beta * h
-                       "logratio_margin": h.mean().item(),                                   # h
-                       "chosen_logp": policy_chosen.mean().item(), "rejected_logp": policy_rejected.mean().item(),
-                       "chosen_logratio": (policy_chosen - ref_chosen).mean().item(),
-                       "rejected_logratio": (policy_rejected - ref_rejected).mean().item(),
+                       "reward_accuracy": run.mean((chosen_rewards > rejected_rewards).float()),
+                       "reward_margin": run.mean(chosen_rewards - rejected_rewards),   # beta * h
+                       "logratio_margin": run.mean(h),                                       # h
+                       "chosen_logp": run.mean(policy_chosen), "rejected_logp": run.mean(policy_rejected),
+                       "chosen_logratio": run.mean(policy_chosen - ref_chosen),
+                       "rejected_logratio": run.mean(policy_rejected - ref_rejected),
                        "grad_norm": grad_norm.item()}
             line = (f"loss {metrics['loss']:.4f} | reward acc {metrics['reward_accuracy']:.2f} margin "
                     f"{metrics['reward_margin']:.2f} (h {metrics['logratio_margin']:.1f}) | logp chosen "
                     f"{metrics['chosen_logp']:.2f} rejected {metrics['rejected_logp']:.2f}")
-            if run.eval_due():
+            if run.eval_due() and run.is_main:
                 metrics.update(run.evaluate(model, tok))
                 metrics.update(evaluate_pairs(model, reference, tok, eval_pairs, *eval_ref, args.beta, run.device, run.autocast))
                 line += " | " + pairs_line(metrics)

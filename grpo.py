@@ -132,7 +132,8 @@ def kl_penalty(logp, ref_logp, estimator="k3", clamp=None):
 
 
 def grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps=0.2, beta=0.04, eps_high=None,
-              kl_estimator="k3", loss_agg="seq", max_tokens=None, kl_clamp=None, ratio_level="token", loss_type="clip"):
+              kl_estimator="k3", loss_agg="seq", max_tokens=None, kl_clamp=None, ratio_level="token", loss_type="clip",
+              num_seqs=None, num_tokens=None):
     """The GRPO loss (DeepSeekMath eq. 3, negated) and its metrics.
 
     logp (B, T) log pi_theta of the sampled tokens (with grad); old_logp (B, T) at sampling time;
@@ -146,7 +147,11 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps=0.2, beta=0.0
     every real token of completion i (the KL term stays per token).
     loss_type="cispo" is CISPO (MiniMax 2025): -sg(clip(ratio, 1 - clip_eps, 1 + eps_high)) * A * log pi_theta per
     token, sg = stop-gradient: a token outside the band keeps its gradient, with a clipped weight, where the PPO
-    clip would give it none. Values at masked positions are never read. Returns (loss scalar, dict of float metrics)."""
+    clip would give it none. Values at masked positions are never read.
+    num_seqs, num_tokens: when this batch is one part of a step's batch (a --grad_accum micro-batch, or one rank's
+    share under torchrun), the whole batch's numbers of completions and of completion tokens: the loss and the metrics
+    are then this part's share of the whole batch's, and the parts add up to them exactly. Default: this batch's.
+    Returns (loss scalar, dict of float metrics)."""
     eps_high = clip_eps if eps_high is None else eps_high
     real = mask > 0                                                    # (B, T) bool
     logp, old_logp, ref_logp = (torch.where(real, x, 0.0) for x in (logp, old_logp, ref_logp))  # padding never leaks
@@ -174,18 +179,21 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps=0.2, beta=0.0
         raise ValueError(f"loss_type {loss_type!r} is unknown; allowed: 'clip', 'cispo'")
     kl_t = kl_penalty(logp, ref_logp, kl_estimator, kl_clamp)          # (B, T)
     per_token = torch.where(real, pg + beta * kl_t, 0.0)               # (B, T)
+    n_seqs = mask.size(0) if num_seqs is None else num_seqs
+    n_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
     if loss_agg == "seq":
-        loss = (per_token.sum(1) / mask.sum(1).clamp(min=1)).mean()    # 1/G sum_i 1/|o_i| sum_t
+        loss = (per_token.sum(1) / mask.sum(1).clamp(min=1)).sum() / n_seqs   # 1/G sum_i 1/|o_i| sum_t
     elif loss_agg == "token":
-        loss = per_token.sum() / mask.sum().clamp(min=1)               # 1/sum_i |o_i| sum_i sum_t
+        loss = per_token.sum() / n_tokens                              # 1/sum_i |o_i| sum_i sum_t
     elif loss_agg == "dr_grpo":
-        loss = per_token.sum() / (mask.size(0) * (max_tokens or mask.size(1)))
+        loss = per_token.sum() / (n_seqs * (max_tokens or mask.size(1)))
     else:
         raise ValueError(f"loss_agg {loss_agg!r} is unknown; allowed: 'seq', 'token', 'dr_grpo'")
     with torch.no_grad():
-        metrics = {"clip_frac": masked_mean(clipped.float(), mask).item(),
-                   "approx_kl": masked_mean((log_ratio.exp() - 1) - log_ratio, mask).item(),  # k3 of KL(old || new)
-                   "kl_est": masked_mean(kl_t, mask).item()}
+        token_mean = lambda x: (torch.where(real, x, 0.0).sum() / n_tokens).item()
+        metrics = {"clip_frac": token_mean(clipped.float()),
+                   "approx_kl": token_mean((log_ratio.exp() - 1) - log_ratio),  # k3 of KL(old || new)
+                   "kl_est": token_mean(kl_t)}
     return loss, metrics
 
 
@@ -251,13 +259,14 @@ def parse_args(argv=None):
 
 
 def main(args):
-    run = Run("grpo", args)                         # device, seeds, lock, log, resume, Ctrl-C: plumbing.py
+    run = Run("grpo", args, batch_flag="prompts_per_step")  # device, seeds, lock, log, resume, torchrun: plumbing.py
     policy, tok = run.load_policy(args.init)        # the policy starts as the SFT policy ...
     ref, _ = run.load_policy(args.init)             # ... which stays frozen as the reference
     ref.requires_grad_(False)
     run.check_lengths(policy, tok, args.max_new_tokens)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     run.resume(policy, optimizer)
+    train_policy = run.ddp(policy)                  # DistributedDataParallel under torchrun, else the policy itself
     P, G, temp = args.prompts_per_step, args.group_size, args.temperature
     run.print(f"GRPO: {policy.num_params() / 1e6:.2f}M parameters on {run.device}, {args.steps} steps of {P} prompts x {G} "
               f"samples, beta {args.beta} ({args.kl_estimator}), mu {args.mu}, {args.ratio_level} ratio, {args.loss_type} loss"
@@ -266,64 +275,74 @@ def main(args):
         run.log_start(run.evaluate(policy, tok))
 
     while run.training():
-        # 1. rollout: G completions per prompt at the sampling temperature, scored by the verifier; with --dynamic_sampling (DAPO)
-        #    only the groups whose rewards differ are kept, sampling again until there are P (or max_sample_rounds)
-        kept, rounds = [], 0
-        max_rounds = args.max_sample_rounds if args.dynamic_sampling else 1
-        while rounds < max_rounds and sum(len(b[-1]) for b in kept) < P * G:
-            prompts = task.sample_prompts(run.rng, P, args.precedence_share)
+        # 1. rollout: G completions for each of this rank's prompts, scored by the verifier; with --dynamic_sampling
+        #    (DAPO) only the groups whose rewards differ are kept, sampling again until each rank has its share of P
+        kept, rounds, short = [], 0, True
+        while short and rounds < (args.max_sample_rounds if args.dynamic_sampling else 1):
+            prompts = run.shard(task.sample_prompts(run.rng, P, args.precedence_share))
             with run.autocast:
                 batch = task.rollout(policy, tok, prompts, G, temp, args.max_new_tokens, args.format_weight, run.gen)
             kept, rounds = kept + [informative_groups(batch, G) if args.dynamic_sampling else batch], rounds + 1
-        if sum(len(b[-1]) for b in kept) > 0:                                           # else: the last batch, all A = 0
-            batch = tuple(x[:P * G] for x in task.concat_rollouts(kept, tok.pad_id))
-        prompt, prompt_mask, tokens, mask, truncated, rewards = batch                    # (P*G, Tp), (P*G, Tn), (P*G,)
-        if args.overlong_buffer > 0:                                                     # DAPO's overlong punishment
+            short = run.all_sum(float(sum(len(b[-1]) for b in kept) < len(prompts) * G)).item() > 0  # any rank short
+        if sum(len(b[-1]) for b in kept) > 0:                                      # else: the last batch, all A = 0
+            batch = tuple(x[:len(prompts) * G] for x in task.concat_rollouts(kept, tok.pad_id))
+        prompt, prompt_mask, tokens, mask, truncated, rewards = batch              # (B, Tp), (B, Tn), (B,); B = P*G
+        if args.overlong_buffer > 0:                                               # DAPO's overlong punishment
             rewards = rewards + overlong_penalty(mask.sum(1), args.max_new_tokens, args.overlong_buffer)
         run.samples += rounds * P * G
-        with torch.no_grad(), run.autocast:
-            ref_logits = completion_logits(ref, prompt, prompt_mask, tokens, mask)      # (P*G, Tn, V)
-        ref_logp = logprobs(ref_logits, tokens, temp)                                       # (P*G, Tn) log pi_ref
 
-        # 2. advantages: the group is the baseline
-        advantages = grpo_advantages(rewards, G, scale_by_std=not args.no_std_scaling, std=args.std)  # (P*G,)
+        # 2. score without gradient: sampling-time and reference log-probs, the exact KL and entropy (for the log)
+        old_logp, ref_logp = torch.zeros_like(mask), torch.zeros_like(mask)      # (B, Tn)
+        n_seqs, n_tokens = run.all_sum(len(mask)), run.all_sum(mask.sum())        # the step's, over every rank
+        kl_exact = ent = 0.0
+        for rows, _ in run.micro_batches(len(mask)):
+            with torch.no_grad(), run.autocast:
+                logits = completion_logits(policy, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])  # (b, Tn, V)
+                ref_logits = completion_logits(ref, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
+            old_logp[rows], ref_logp[rows] = logprobs(logits, tokens[rows], temp), logprobs(ref_logits, tokens[rows], temp)
+            kl_exact += torch.where(mask[rows] > 0, kl(logits, ref_logits, temp), 0.0).sum() / n_tokens  # KL(pi || pi_ref)
+            ent += torch.where(mask[rows] > 0, entropy(logits, temp), 0.0).sum() / n_tokens
 
-        # 3. mu passes of the clipped surrogate (or CISPO's weighted log-likelihood) + KL penalty
+        # 3. advantages: the group is the baseline
+        advantages = grpo_advantages(rewards, G, scale_by_std=not args.no_std_scaling, std=args.std)  # (B,)
+
+        # 4. mu passes of the clipped surrogate (or CISPO's weighted log-likelihood) + KL penalty, each over the
+        #    --grad_accum micro-batches, normalised by the whole step's counts: the parts add up to one batch's loss
         for epoch in range(args.mu):
-            with run.autocast:
-                logits = completion_logits(policy, prompt, prompt_mask, tokens, mask)   # (P*G, Tn, V)
-            logp = logprobs(logits, tokens, temp)                                           # (P*G, Tn) log pi_theta
-            if epoch == 0:  # the policy has not moved yet: these are the sampling-time log-probs
-                old_logp = logp.detach()
-                kl_exact = masked_mean(kl(logits.detach(), ref_logits, temp), mask).item()  # KL(pi_theta || pi_ref)
-                ent = masked_mean(entropy(logits.detach(), temp), mask).item()
-            loss, stats = grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps=args.clip_eps, beta=args.beta,
-                                    eps_high=args.eps_high, kl_estimator=args.kl_estimator, loss_agg=args.loss_agg,
-                                    max_tokens=args.max_new_tokens, kl_clamp=args.kl_clamp,
-                                    ratio_level=args.ratio_level, loss_type=args.loss_type)
-            run.check_finite(loss, f"lower --lr (now {args.lr})")
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            loss, stats = 0.0, {}
+            for rows, last in run.micro_batches(len(mask)):
+                with run.autocast:
+                    logits = completion_logits(train_policy, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
+                logp = logprobs(logits, tokens[rows], temp)                        # (b, Tn) log pi_theta
+                part, part_stats = grpo_loss(logp, old_logp[rows], ref_logp[rows], advantages[rows], mask[rows],
+                                             clip_eps=args.clip_eps, beta=args.beta, eps_high=args.eps_high,
+                                             kl_estimator=args.kl_estimator, loss_agg=args.loss_agg,
+                                             max_tokens=args.max_new_tokens, kl_clamp=args.kl_clamp,
+                                             ratio_level=args.ratio_level, loss_type=args.loss_type,
+                                             num_seqs=n_seqs, num_tokens=n_tokens)
+                run.check_finite(part, f"lower --lr (now {args.lr})")
+                run.backward(part, last, train_policy)
+                loss, stats = loss + part.item(), {k: stats.get(k, 0.0) + v for k, v in part_stats.items()}
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
             optimizer.step()
         run.step += 1
-        run.tokens += int(mask.sum())
+        run.tokens += int(n_tokens)
 
-        # 4. log, evaluate, checkpoint
+        # 5. log, evaluate, checkpoint (every number over all ranks)
         if run.log_due():
             groups = rewards.view(-1, G)
-            metrics = {"loss": loss.item(), "reward_mean": rewards.mean().item(),
-                       "reward_std": rewards.std(unbiased=False).item(),
-                       "zero_var_groups": (groups == groups[:, :1]).all(1).float().mean().item(),
-                       "kl_exact": kl_exact, f"kl_{args.kl_estimator}": stats["kl_est"], "entropy": ent,
-                       "completion_len": mask.sum(1).mean().item(), "truncated": truncated.float().mean().item(),
-                       "grad_norm": grad_norm.item(), "clip_frac": stats["clip_frac"], "approx_kl": stats["approx_kl"],
-                       "groups_sampled": rounds * P, "groups_kept": len(rewards) // G}
+            metrics = {"loss": run.all_sum(loss).item(), "reward_mean": run.mean(rewards), "reward_std": run.std(rewards),
+                       "zero_var_groups": run.mean((groups == groups[:, :1]).all(1).float()),
+                       "kl_exact": run.all_sum(kl_exact).item(), "entropy": run.all_sum(ent).item(),
+                       **{k.replace("kl_est", f"kl_{args.kl_estimator}"): run.all_sum(v).item() for k, v in stats.items()},
+                       "completion_len": run.mean(mask.sum(1)), "truncated": run.mean(truncated.float()),
+                       "grad_norm": grad_norm.item(), "groups_sampled": rounds * P, "groups_kept": run.all_sum(len(rewards)).item() // G}
             if run.eval_due():
                 metrics.update(run.evaluate(policy, tok))
             run.log(metrics, f"reward {metrics['reward_mean']:.3f} | zero-var {metrics['zero_var_groups']:.2f} | kl "
-                             f"{kl_exact:.4f} | ent {ent:.3f} | len {metrics['completion_len']:.1f} | gnorm "
-                             f"{metrics['grad_norm']:.3f} | clip {metrics['clip_frac']:.3f}", tokens=True)
+                             f"{metrics['kl_exact']:.4f} | ent {metrics['entropy']:.3f} | len {metrics['completion_len']:.1f} "
+                             f"| gnorm {metrics['grad_norm']:.3f} | clip {metrics['clip_frac']:.3f}", tokens=True)
         if run.eval_due():
             run.save(policy, optimizer)
     run.finish(policy, tok, optimizer)

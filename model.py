@@ -314,10 +314,12 @@ def completion_logits(model, prompt, prompt_mask, tokens, mask):
     return model(idx[:, :-1], attn[:, :-1])[:, prompt.size(1) - 1:]    # (B, Tn, V)
 
 
-def masked_mean(x, mask):
+def masked_mean(x, mask, count=None):
     """Mean of x over the positions where mask is 1 -> a 0-dim tensor (0 when the mask is empty).
-    Selects with the mask rather than multiplying by it, so a NaN or inf at a masked position never leaks."""
-    return torch.where(mask > 0, x, 0.0).sum() / mask.sum().clamp(min=1)
+    Selects with the mask rather than multiplying by it, so a NaN or inf at a masked position never leaks.
+    count: the denominator when this batch is one part of a larger one (a micro-batch, or one process's share):
+    the larger batch's number of positions where the mask is 1; the result is then this part's share of its mean."""
+    return torch.where(mask > 0, x, 0.0).sum() / (mask.sum().clamp(min=1) if count is None else count)
 
 
 def fingerprint(model):

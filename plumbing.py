@@ -21,6 +21,7 @@ What it holds:
 """
 import argparse
 import atexit
+import contextlib
 import json
 import math
 import os
@@ -34,6 +35,7 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 import task
 from model import CheckpointError, Tokenizer, fingerprint, load_checkpoint, save_checkpoint
@@ -101,6 +103,8 @@ def add_run_flags(parser, script, log_every, eval_every):
     group.add_argument("--seed", type=Int(ge=0, lt=2**32), default=0, help="seeds python, numpy and torch")
     group.add_argument("--resume", action="store_true", help=f"continue from <out>/{script}.pt up to the step limit")
     group.add_argument("--device", default=None, help="cuda, mps or cpu (default: the first available)")
+    group.add_argument("--grad_accum", type=Int(ge=1), default=1,
+                       help="split each step's batch into this many micro-batches (same result, less memory)")
     return group
 
 
@@ -255,13 +259,20 @@ class Run:
         run.finish(policy, tok, optimizer)
     """
 
-    def __init__(self, script, args, name=None):
-        """script: the file's name without .py; name: the stem of the checkpoint, log and lock files (default: script)."""
+    def __init__(self, script, args, name=None, batch_flag=None):
+        """script: the file's name without .py; name: the stem of the checkpoint, log and lock files (default: script);
+        batch_flag: the flag whose count is shared among ranks and micro-batches (checked to divide evenly)."""
         self.script, self.args, name = script, args, name or script
         self.total_steps = args.steps
         # torchrun sets WORLD_SIZE, RANK and LOCAL_RANK; a plain `python script.py` is one process of rank 0
         self.world, self.rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
         self.is_main = self.rank == 0
+        if batch_flag is not None:
+            n, k = getattr(args, batch_flag), getattr(args, "grad_accum", 1)
+            if n % self.world or n // self.world < k:
+                raise SystemExit(f"error: --{batch_flag} {n} must split evenly over {self.world} processes and then into "
+                                 f"--grad_accum {k} micro-batches; allowed: a multiple of {self.world} of at least "
+                                 f"{self.world * k}")
         self.device = pick_device(args.device)
         if self.world > 1:
             if self.device.startswith("cuda"):
@@ -279,7 +290,7 @@ class Run:
         self.tokenizer_name = None
         self.sources = {}                                                   # abspath -> fingerprint of what was loaded
         self.interrupted = False
-        self.t0, self.t_log, self.tokens = time.time(), time.time(), 0                  # tokens: counted by the script
+        self.t0, self.t_log, self.tokens = None, time.time(), 0  # t0: the first training step; tokens: counted by the script
         self.samples = 0                       # completions drawn from a policy so far (counted by the script, resumed)
         self.lock = None
         if self.is_main:
@@ -373,7 +384,13 @@ class Run:
         self.step, self.before, self.samples = ckpt["step"], ckpt.get("eval_before"), ckpt.get("samples", 0)
         state = ckpt["rng"]
         self.rng.setstate((state[0], tuple(state[1]), state[2]))
-        self.gen.set_state(ckpt["generator"].cpu())
+        generators = ckpt.get("generators") or [ckpt["generator"]]        # one per rank of the run that saved it
+        if len(generators) == self.world:
+            self.gen.set_state(generators[self.rank].cpu())
+        else:                                                               # another number of processes: fresh streams
+            self.gen.manual_seed(self.args.seed + 1000 * self.step + self.rank)
+            self.print(f"note: {self.ckpt_path} was written by {len(generators)} process(es), this run has {self.world}: "
+                       f"the sampling streams restart (the run continues, not bit-exactly)")
         if self.is_main:
             self._cut_log(self.step)
         self.print(f"resuming from {self.ckpt_path} at step {self.step}"
@@ -400,7 +417,11 @@ class Run:
     # ---- the loop
 
     def training(self):
-        """True while there are steps to do and no stop was asked for."""
+        """True while there are steps to do and no stop was asked for (on any rank: they stop together)."""
+        if self.t0 is None:                                                 # wall time counts from the first step
+            self.t0 = self.t_log = time.time()
+        if self.world > 1:
+            self.interrupted = bool(self.all_sum(float(self.interrupted)).item())
         return self.step < self.total_steps and not self.interrupted
 
     def _due(self, every):
@@ -417,7 +438,11 @@ class Run:
             print(*a, flush=True)
 
     def evaluate(self, model, tok):
-        """Held-out metrics of `model` (task.evaluate: greedy accuracy, and pass@1 of 4 samples at T = 1), as eval_*."""
+        """Held-out metrics of `model` (task.evaluate: greedy accuracy, and pass@1 of 4 samples at T = 1), as eval_*.
+        Rank 0 alone evaluates; the other ranks get {}."""
+        if not self.is_main:
+            self.eval_step = self.step
+            return {}
         t = time.time()
         with self.autocast:
             e = task.evaluate(model, tok, task.eval_prompts()[:self.args.eval_n], num_samples=4, temperature=1.0,
@@ -452,15 +477,27 @@ class Run:
                 f.write(json.dumps(metrics) + "\n")
 
     def save(self, model, optimizer=None, **extra):
-        """Checkpoint <out>/<script>.pt atomically: weights, optimiser, step, flags, random states, `extra`."""
+        """Checkpoint <out>/<script>.pt atomically: weights, optimiser, step, flags, random states (every rank's
+        sampling stream), `extra`. Every rank calls it; rank 0 writes."""
+        generators = [self.gen.get_state()]
+        if self.world > 1:
+            generators = [None] * self.world
+            dist.all_gather_object(generators, self.gen.get_state().cpu())
         if self.is_main:
             save_checkpoint(self.ckpt_path, model, self.tokenizer_name, optimizer, self.step, self.args, script=self.script,
-                            sources=self.sources, rng=list(self.rng.getstate()), generator=self.gen.get_state(),
-                            eval_before=self.before, samples=self.samples, **extra)
+                            sources=self.sources, rng=list(self.rng.getstate()), generator=generators[0],
+                            generators=generators, eval_before=self.before, samples=self.samples, **extra)
         self.saved_step = self.step
 
     def finish(self, model, tok, optimizer=None, summary=None, **extra):
         """After the loop: on Ctrl-C, checkpoint and say how to resume; else the summary line (before -> after)."""
+        if not self.is_main:                                                # rank 0 reports (and saves, below)
+            if self.interrupted and getattr(self, "saved_step", None) != self.step:
+                self.save(model, optimizer, **extra)
+            self.close()
+            if self.interrupted:
+                raise SystemExit(130)
+            return
         if self.interrupted:
             if getattr(self, "saved_step", None) != self.step:
                 self.save(model, optimizer, **extra)
@@ -501,6 +538,68 @@ class Run:
             raise SystemExit(f"error: the loss is {loss.item()} at step {self.step + 1}; {hint} (the last checkpoint, "
                              f"if any, is {self.ckpt_path})")
 
+    # ---- more than one process (torchrun): shares, global sums, DDP, micro-batches
+
+    def shard(self, items):
+        """This rank's contiguous share of `items`, a list every rank drew identically (all of it in one process):
+        a group of completions never spans two ranks."""
+        n = len(items) // self.world
+        return items[self.rank * n:(self.rank + 1) * n]
+
+    def all_sum(self, x):
+        """x (a tensor or a number) summed over the ranks, as a tensor on this run's device; x itself in one process.
+        Every global quantity goes through it: normalisers, batch means and std, logged metrics."""
+        x = x if torch.is_tensor(x) else torch.tensor(float(x), device=self.device)
+        if self.world == 1:
+            return x
+        x = x.detach().clone()
+        dist.all_reduce(x)
+        return x
+
+    def mean(self, x):
+        """The mean of x's elements over every rank's x (x.mean() in one process): for logged metrics."""
+        return (self.all_sum(x.sum()) / self.all_sum(x.numel())).item()
+
+    def std(self, x):
+        """The population std of x's elements over every rank's x (x.std(unbiased=False) in one process)."""
+        if self.world == 1:
+            return x.std(unbiased=False).item()
+        return math.sqrt(self.mean((x - self.mean(x)) ** 2))
+
+    def masked_mean(self, x, mask):
+        """The mean of x where mask is 1, over every rank's x (model.masked_mean in one process), as a float."""
+        return (self.all_sum(torch.where(mask > 0, x, 0.0).sum()) / self.all_sum(mask.sum()).clamp(min=1)).item()
+
+    def ddp(self, model):
+        """The model wrapped in DistributedDataParallel, for the training forward and backward, or the model itself
+        in one process. Its gradient is the SUM of the ranks' gradients, not their mean: each rank's loss is its share
+        of the whole batch's loss (normalised by all_sum counts), so the shares add up to exactly one batch's gradient."""
+        if self.world == 1:
+            return model
+        wrapped = DistributedDataParallel(model)
+        wrapped.register_comm_hook(None, _allreduce_sum)
+        return wrapped
+
+    def micro_batches(self, n):
+        """Row indices of the --grad_accum micro-batches of an n-row batch: [(rows, last), ...]."""
+        parts = torch.tensor_split(torch.arange(n, device=self.device), self.args.grad_accum)
+        return [(rows, i == len(parts) - 1) for i, rows in enumerate(parts)]
+
+    def backward(self, loss, last, *models):
+        """loss.backward(); under DDP the gradients are summed over ranks only after the last micro-batch."""
+        if self.world > 1 and not last:
+            with contextlib.ExitStack() as stack:
+                for m in models:
+                    stack.enter_context(m.no_sync())
+                loss.backward()
+        else:
+            loss.backward()
+
     def barrier(self):
         if self.world > 1:
             dist.barrier()
+
+
+def _allreduce_sum(state, bucket):
+    """DDP communication hook: sum a gradient bucket over ranks (DDP's default averages)."""
+    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda fut: fut.value()[0])

@@ -109,11 +109,14 @@ def kl_penalised_rewards(score, logp, ref_logp, mask, beta):
     return rewards + torch.where(real, bonus, 0.0)
 
 
-def masked_whiten(x, mask, eps=1e-8):
-    """(x - mean) / (std + eps) over the real entries (population std); padding stays 0."""
+def masked_whiten(x, mask, eps=1e-8, all_sum=None):
+    """(x - mean) / (std + eps) over the real entries (population std); padding stays 0. all_sum: when the batch is
+    split over processes (torchrun), a function summing a tensor over them, so that mean and std are the whole batch's."""
+    all_sum = all_sum or (lambda v: v)
     x = torch.where(mask > 0, x, 0.0)                                         # padding never leaks
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean) ** 2, mask)
+    n = all_sum(mask.sum()).clamp(min=1)
+    mean = all_sum(x.sum()) / n
+    var = all_sum(torch.where(mask > 0, (x - mean) ** 2, 0.0).sum()) / n
     return torch.where(mask > 0, (x - mean) / (var.sqrt() + eps), 0.0)
 
 
@@ -223,7 +226,10 @@ def parse_args(argv=None):
 
 
 def main(args):
-    run = Run("ppo", args)                          # device, seeds, lock, log, resume, Ctrl-C: plumbing.py
+    run = Run("ppo", args, batch_flag="batch_size")  # device, seeds, lock, log, resume, torchrun: plumbing.py
+    if args.batch_size // run.world < args.minibatches * args.grad_accum:
+        raise SystemExit(f"error: --batch_size {args.batch_size} over {run.world} process(es) leaves fewer than "
+                         f"--minibatches {args.minibatches} x --grad_accum {args.grad_accum} completions per process")
     ref, tok = run.load_policy(args.init)           # pi_ref: the SFT policy, frozen
     policy, _ = run.load_policy(args.init)          # pi_theta starts as pi_ref
     rm = run.load_reward_model(args.rm, args.init) if "rm" in (args.reward, args.critic_init) else None
@@ -238,7 +244,8 @@ def main(args):
     optimizer = torch.optim.AdamW([{"params": policy.parameters(), "lr": args.lr},
                                    {"params": critic.parameters(), "lr": args.critic_lr}], weight_decay=0.0, betas=(0.9, 0.95))
     ckpt = run.resume(policy, optimizer, critic=critic)
-    beta, T = (ckpt["beta"] if ckpt else args.beta), args.temperature
+    train_policy, train_critic = run.ddp(policy), run.ddp(critic)  # DistributedDataParallel under torchrun
+    beta, temp = (ckpt["beta"] if ckpt else args.beta), args.temperature
     eval_set = task.eval_prompts()[:args.eval_n]
     run.print(f"{'A2C (--a2c: 1 epoch, 1 minibatch, no clipping)' if args.a2c else 'PPO'}: policy "
               f"{policy.num_params() / 1e6:.2f}M parameters on {run.device}, reward {args.reward}, critic from "
@@ -246,81 +253,96 @@ def main(args):
               f"{f' (adaptive, target KL {args.kl_target})' if args.adaptive_kl else ''}")
     if run.step == 0:
         e = run.evaluate(policy, tok)
-        e["eval_rm_score"] = rm_score_greedy(policy, rm, tok, eval_set, run.device, run.autocast) if rm else None
+        e["eval_rm_score"] = rm_score_greedy(policy, rm, tok, eval_set, run.device, run.autocast) if rm and run.is_main else None
         run.log_start(e)
 
     while run.training():
-        # 1. rollout: one completion per prompt, scored; pi_old, pi_ref and V_old recorded along it
-        prompts = task.sample_prompts(run.rng, args.batch_size)
-        seq, seq_mask, Tp, tokens, mask, truncated = rollout(policy, tok, prompts, T, args.max_new_tokens, run.gen,
+        # 1. rollout: one completion for each of this rank's prompts, scored by the reward model and the verifier
+        prompts = run.shard(task.sample_prompts(run.rng, args.batch_size))
+        seq, seq_mask, Tp, tokens, mask, truncated = rollout(policy, tok, prompts, temp, args.max_new_tokens, run.gen,
                                                              run.device, run.autocast)  # (B, Tp + Tn), (B, Tn)
         completions = tok.decode_completions(tokens, mask)
-        run.samples += len(completions)
+        run.samples += args.batch_size
         gold = torch.tensor([task.reward(p, c) for p, c in zip(prompts, completions)], device=run.device)  # (B,) verifier
-        with torch.no_grad():
-            old_logits = token_logits(policy, seq, seq_mask, Tp, run.autocast)        # (B, Tn, V)
-            ref_logits = token_logits(ref, seq, seq_mask, Tp, run.autocast)
-            old_logp = logprobs(old_logits, tokens, T)                               # (B, Tn) log pi_old(y_t | s_t)
-            ref_logp = logprobs(ref_logits, tokens, T)
-            kl_exact = torch.where(mask > 0, kl(old_logits, ref_logits, T), 0.0).sum(1)  # (B,) exact KL per completion
-            old_values = torch.where(mask > 0, token_values(critic, seq, seq_mask, Tp, run.autocast), 0.0)  # (B, Tn) V(s_t)
-            with run.autocast:
-                rm_score = rm.score(seq, seq_mask).float() if rm is not None else None  # (B,) at the last real token
+        with torch.no_grad(), run.autocast:
+            rm_score = rm.score(seq, seq_mask).float() if rm is not None else None    # (B,) at the last real token
 
-        # 2. rewards and advantages: the score on the last token, -beta KL on every token; GAE
+        # 2. score without gradient, in micro-batches: pi_old, pi_ref and V_old along each completion, the exact KL
+        old_logp, ref_logp, old_values = torch.zeros_like(mask), torch.zeros_like(mask), torch.zeros_like(mask)  # (B, Tn)
+        kl_exact = torch.zeros(len(mask), device=run.device)                        # (B,) exact KL per completion
+        with torch.no_grad():
+            for rows, _ in run.micro_batches(len(mask)):
+                old_logits = token_logits(policy, seq[rows], seq_mask[rows], Tp, run.autocast)  # (b, Tn, V)
+                ref_logits = token_logits(ref, seq[rows], seq_mask[rows], Tp, run.autocast)
+                old_logp[rows] = logprobs(old_logits, tokens[rows], temp)            # log pi_old(y_t | s_t)
+                ref_logp[rows] = logprobs(ref_logits, tokens[rows], temp)
+                kl_exact[rows] = torch.where(mask[rows] > 0, kl(old_logits, ref_logits, temp), 0.0).sum(1)
+                values = token_values(critic, seq[rows], seq_mask[rows], Tp, run.autocast)
+                old_values[rows] = torch.where(mask[rows] > 0, values, 0.0)         # V(s_t)
+
+        # 3. rewards and advantages: the score on the last token, -beta KL on every token; GAE, whitened over all ranks
         score = rm_score if args.reward == "rm" else gold
         rewards = kl_penalised_rewards(score, old_logp, ref_logp, mask, beta)        # (B, Tn)
         advantages, returns = gae(rewards, old_values, mask, args.gamma, args.gae_lambda)  # (B, Tn) each
         if not args.no_whiten:
-            advantages = masked_whiten(advantages, mask)
+            advantages = masked_whiten(advantages, mask, all_sum=run.all_sum)
 
-        # 3. update: epochs of minibatches on the clipped policy and value losses
+        # 4. update: epochs of minibatches on the clipped policy and value losses, each minibatch in --grad_accum
+        #    micro-batches whose token means are normalised by the minibatch's tokens on every rank
         stats = {k: [] for k in ("pg_loss", "vf_loss", "entropy", "clip_frac", "approx_kl", "vf_clip_frac")}
         for epoch in range(args.ppo_epochs):
-            perm = torch.randperm(args.batch_size, generator=run.gen, device=run.device)
+            perm = torch.randperm(len(mask), generator=run.gen, device=run.device)
             for mb in torch.tensor_split(perm, args.minibatches):                   # every sample, once an epoch
-                m = mask[mb]                                                         # (b, Tn)
-                logits = token_logits(policy, seq[mb], seq_mask[mb], Tp, run.autocast)  # (b, Tn, V)
-                logp = logprobs(logits, tokens[mb], T)                               # (b, Tn)
-                values = token_values(critic, seq[mb], seq_mask[mb], Tp, run.autocast)  # (b, Tn)
-                pg_tok, clip_taken = ppo_policy_loss(logp, old_logp[mb], advantages[mb], args.clip_eps)
-                vf_tok = ppo_value_loss(values, old_values[mb], returns[mb], args.clip_value)
-                ent = masked_mean(entropy(logits, T), m)
-                pg_loss, vf_loss = masked_mean(pg_tok, m), masked_mean(vf_tok, m)
-                loss = pg_loss + args.vf_coef * vf_loss - args.ent_coef * ent       # PPO eq. 9
-                run.check_finite(loss, f"lower --lr (now {args.lr}) or --critic_lr (now {args.critic_lr})")
+                n_mb = run.all_sum(mask[mb].sum())                                   # the minibatch's tokens, all ranks
                 optimizer.zero_grad(set_to_none=True)
-                loss.backward()
+                mb_stats = dict.fromkeys(stats, 0.0)
+                for rows, last in run.micro_batches(len(mb)):
+                    i, m = mb[rows], mask[mb[rows]]                                  # (b,) sample indices, (b, Tn)
+                    logits = token_logits(train_policy, seq[i], seq_mask[i], Tp, run.autocast)  # (b, Tn, V)
+                    logp = logprobs(logits, tokens[i], temp)                        # (b, Tn)
+                    values = token_values(train_critic, seq[i], seq_mask[i], Tp, run.autocast)  # (b, Tn)
+                    pg_tok, clip_taken = ppo_policy_loss(logp, old_logp[i], advantages[i], args.clip_eps)
+                    vf_tok = ppo_value_loss(values, old_values[i], returns[i], args.clip_value)
+                    ent = masked_mean(entropy(logits, temp), m, n_mb)
+                    pg_loss, vf_loss = masked_mean(pg_tok, m, n_mb), masked_mean(vf_tok, m, n_mb)
+                    loss = pg_loss + args.vf_coef * vf_loss - args.ent_coef * ent   # PPO eq. 9
+                    run.check_finite(loss, f"lower --lr (now {args.lr}) or --critic_lr (now {args.critic_lr})")
+                    run.backward(loss, last, train_policy, train_critic)
+                    with torch.no_grad():
+                        log_ratio = logp - old_logp[i]
+                        for k, v in (("pg_loss", pg_loss), ("vf_loss", vf_loss), ("entropy", ent),
+                                     ("approx_kl", masked_mean(torch.exp(log_ratio) - 1 - log_ratio, m, n_mb)),  # k3 of KL(old || new)
+                                     ("clip_frac", masked_mean(clip_taken.float(), m, n_mb)),
+                                     ("vf_clip_frac", masked_mean(((values - old_values[i]).abs() > args.clip_value).float(), m, n_mb))):
+                            mb_stats[k] += float(v)
                 torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
                 torch.nn.utils.clip_grad_norm_(critic.parameters(), args.grad_clip)
                 optimizer.step()
-                with torch.no_grad():
-                    log_ratio = logp - old_logp[mb]
-                    approx_kl = masked_mean(torch.exp(log_ratio) - 1 - log_ratio, m).item()  # k3 estimate of KL(old || new)
-                    for k, v in (("pg_loss", pg_loss), ("vf_loss", vf_loss), ("entropy", ent), ("approx_kl", approx_kl),
-                                 ("clip_frac", masked_mean(clip_taken.float(), m)),
-                                 ("vf_clip_frac", masked_mean(((values - old_values[mb]).abs() > args.clip_value).float(), m))):
-                        stats[k].append(float(v))
-                if args.target_kl is not None and approx_kl > 1.5 * args.target_kl:
+                for k, v in mb_stats.items():
+                    stats[k].append(run.all_sum(v).item())
+                if args.target_kl is not None and stats["approx_kl"][-1] > 1.5 * args.target_kl:
                     break
-            if args.target_kl is not None and approx_kl > 1.5 * args.target_kl:
+            if args.target_kl is not None and stats["approx_kl"][-1] > 1.5 * args.target_kl:
                 break
-        kl_mean = kl_exact.mean().item()
+        kl_mean = run.mean(kl_exact)
         if args.adaptive_kl:
             beta = adaptive_kl_beta(beta, kl_mean, args.kl_target, args.kl_horizon, args.batch_size)
         run.step += 1
 
-        # 4. log, evaluate, checkpoint
+        # 5. log, evaluate, checkpoint (every number over all ranks)
         if run.log_due():
-            ret, val = returns[mask > 0], old_values[mask > 0]
-            metrics = {"rm_score": rm_score.mean().item() if rm is not None else None, "gold_accuracy": gold.mean().item(),
-                       "kl": kl_mean, "kl_k1": torch.where(mask > 0, old_logp - ref_logp, 0.0).sum(1).mean().item(),
-                       "beta": beta, "explained_variance": (1 - (ret - val).var() / ret.var().clamp(min=1e-8)).item(),
-                       "completion_len": mask.sum(1).mean().item(), "truncated": truncated.float().mean().item(),
+            ret_mean = run.masked_mean(returns, mask)
+            err_mean = run.masked_mean(returns - old_values, mask)
+            var = lambda x, mean: run.masked_mean((x - mean) ** 2, mask)             # population variance over all ranks
+            metrics = {"rm_score": run.mean(rm_score) if rm is not None else None, "gold_accuracy": run.mean(gold),
+                       "kl": kl_mean, "kl_k1": run.mean(torch.where(mask > 0, old_logp - ref_logp, 0.0).sum(1)),
+                       "beta": beta, "explained_variance": 1 - var(returns - old_values, err_mean) / max(var(returns, ret_mean), 1e-8),
+                       "completion_len": run.mean(mask.sum(1)), "truncated": run.mean(truncated.float()),
                        "epochs_done": epoch + 1, **{k: float(np.mean(v)) for k, v in stats.items()}}
             if run.eval_due():
                 metrics.update(run.evaluate(policy, tok))
-                metrics["eval_rm_score"] = rm_score_greedy(policy, rm, tok, eval_set, run.device, run.autocast) if rm else None
+                if rm is not None and run.is_main:
+                    metrics["eval_rm_score"] = rm_score_greedy(policy, rm, tok, eval_set, run.device, run.autocast)
             run.log(metrics, f"rm {metrics['rm_score'] if rm is not None else float('nan'):+.2f} | gold "
                              f"{metrics['gold_accuracy']:.3f} | kl {kl_mean:.3f} | clip {metrics['clip_frac']:.3f} | approx_kl "
                              f"{metrics['approx_kl']:.4f} | vf {metrics['vf_loss']:.3f} | ev {metrics['explained_variance']:+.2f} "

@@ -62,36 +62,47 @@ from plumbing import SFT_PATH, TEMPERATURE, Float, Int, Run, add_run_flags, pars
 BASELINES = ("none", "moving_average", "batch_mean", "reinforce_pp")
 
 
-def baseline_advantages(rewards, baseline, moving_average=None):
+def batch_mean(x, all_sum=None):
+    """The mean of x over the whole batch. all_sum: when the batch is split over processes (torchrun), a function that sums a tensor over them
+    (plumbing.Run.all_sum), so that the statistics are the whole batch's; None: this batch is the whole batch."""
+    all_sum = all_sum or (lambda v: v)
+    return all_sum(x.sum()) / all_sum(torch.tensor(float(x.numel()), device=x.device))
+
+
+def baseline_advantages(rewards, baseline, moving_average=None, all_sum=None):
     """Sequence-level advantages A_i = R_i - b. rewards (B,) -> (B,). baseline: "none" (b = 0),
     "moving_average" (b = moving_average, a float from earlier batches; None means no history yet: b = 0),
-    "batch_mean" (b = mean of this batch)."""
+    "batch_mean" (b = mean of this batch; all_sum: see batch_mean)."""
     if baseline == "none":
         return rewards.clone()
     if baseline == "moving_average":
         return rewards - (0.0 if moving_average is None else moving_average)
     if baseline == "batch_mean":
-        return rewards - rewards.mean()
+        return rewards - batch_mean(rewards, all_sum)
     raise ValueError(f"baseline {baseline!r} is unknown here; allowed: 'none', 'moving_average', 'batch_mean'")
 
 
-def update_moving_average(moving_average, rewards, decay):
-    """b <- decay * b + (1 - decay) * mean(R); the first batch sets b = mean(R)."""
-    mean = rewards.mean().item()
+def update_moving_average(moving_average, rewards, decay, all_sum=None):
+    """b <- decay * b + (1 - decay) * mean(R); the first batch sets b = mean(R) (all_sum: see batch_mean)."""
+    mean = batch_mean(rewards, all_sum).item()
     return mean if moving_average is None else decay * moving_average + (1 - decay) * mean
 
 
-def reinforce_pp_advantages(rewards, kl_t, mask, beta, eps=1e-8):
+def reinforce_pp_advantages(rewards, kl_t, mask, beta, eps=1e-8, all_sum=None):
     """REINFORCE++ token advantages (B, T). rewards (B,) outcome rewards; kl_t (B, T) per-token KL estimate;
     mask (B, T) 1.0 on completion tokens (a prefix of each row). r_t = -beta * kl_t, plus the outcome reward
-    on each row's last token; G_t = sum_{s >= t} r_s; A = (G - mean) / (std + eps) over all masked tokens."""
+    on each row's last token; G_t = sum_{s >= t} r_s; A = (G - mean) / (std + eps) over all masked tokens of the
+    batch. all_sum: when the batch is split over processes (torchrun), a function that sums a tensor over them
+    (plumbing.Run.all_sum), so that the statistics are the whole batch's; None: this batch is the whole batch."""
+    all_sum = all_sum or (lambda v: v)
     real = mask > 0                                                     # (B, T) bool
     r = torch.where(real, -beta * kl_t, 0.0)                            # (B, T) per-token KL penalty
     last = (mask.cumsum(1) == mask.sum(1, keepdim=True)) & real         # (B, T) each row's last completion token
     r = r + rewards[:, None] * last                                     # outcome reward on the last token
     returns = torch.where(real, r.flip(1).cumsum(1).flip(1), 0.0)       # G_t = sum_{s >= t} r_s   (gamma = 1)
-    mean = masked_mean(returns, mask)                                   # global mean over the batch's tokens
-    std = masked_mean((returns - mean) ** 2, mask).sqrt()               # global (population) std
+    n = all_sum(mask.sum()).clamp(min=1)                                # the batch's completion tokens
+    mean = all_sum(torch.where(real, returns, 0.0).sum()) / n           # global mean over the batch's tokens
+    std = (all_sum(torch.where(real, (returns - mean) ** 2, 0.0).sum()) / n).sqrt()   # global (population) std
     return torch.where(real, (returns - mean) / (std + eps), 0.0)       # (B, T)
 
 
@@ -108,15 +119,17 @@ def kl_penalty(logp, ref_logp, estimator="k1"):
     raise ValueError(f"kl estimator {estimator!r} is unknown; allowed: 'k1', 'k2', 'k3'")
 
 
-def reinforce_loss(logp, advantages, mask):
+def reinforce_loss(logp, advantages, mask, num_seqs=None):
     """The REINFORCE loss: -1/B sum_i sum_t A_it * log pi_theta(y_it | .). logp (B, T) log-probs of the sampled
     tokens (with grad); advantages (B,) one per completion, or (B, T) one per token; mask (B, T) 1.0 on
-    completion tokens. Returns (loss scalar, dict of float metrics)."""
+    completion tokens. num_seqs: the whole step's number of completions when this batch is a part of it (a
+    micro-batch or one rank's share): the loss is then this part's share. Returns (loss scalar, dict of float metrics)."""
     real = mask > 0                                                    # values at masked positions are never read
     A = advantages[:, None] if advantages.dim() == 1 else advantages   # (B, 1) or (B, T)
     A, logp = torch.where(real, A, 0.0), torch.where(real, logp, 0.0)  # (B, T) each
-    loss = -(A * logp).sum(dim=1).mean()
-    return loss, {"seq_logp": logp.sum(dim=1).mean().item()}
+    n_seqs = mask.size(0) if num_seqs is None else num_seqs
+    loss = -(A * logp).sum(dim=1).sum() / n_seqs
+    return loss, {"seq_logp": (logp.sum(dim=1).sum() / n_seqs).item()}
 
 
 # -----------------------------------------------------------------------------
@@ -147,7 +160,7 @@ def parse_args(argv=None):
 
 
 def main(args):
-    run = Run("reinforce", args)                    # device, seeds, lock, log, resume, Ctrl-C: plumbing.py
+    run = Run("reinforce", args, batch_flag="prompts_per_step")  # device, seeds, lock, log, resume, torchrun: plumbing.py
     policy, tok = run.load_policy(args.init)        # the policy starts as the SFT policy ...
     ref, _ = run.load_policy(args.init)             # ... which stays frozen as the reference
     ref.requires_grad_(False)
@@ -155,6 +168,7 @@ def main(args):
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     ckpt = run.resume(policy, optimizer)
     moving_average = ckpt["moving_average"] if ckpt else None          # the moving_average baseline's state
+    train_policy = run.ddp(policy)                  # DistributedDataParallel under torchrun, else the policy itself
     P, G, temp = args.prompts_per_step, args.group_size, args.temperature
     run.print(f"REINFORCE (baseline {args.baseline}): {policy.num_params() / 1e6:.2f}M parameters on {run.device}, "
               f"{args.steps} steps of {P} prompts x {G} samples, beta {args.beta} ({args.kl_estimator})")
@@ -163,54 +177,64 @@ def main(args):
 
     while run.training():
         # 1. rollout: G completions per prompt at the sampling temperature, scored by the verifier
-        prompts = task.sample_prompts(run.rng, P, args.precedence_share)
+        prompts = run.shard(task.sample_prompts(run.rng, P, args.precedence_share))   # this rank's share
         with run.autocast:
             prompt, prompt_mask, tokens, mask, truncated, rewards = task.rollout(policy, tok, prompts, G, temp,
                                                                                  args.max_new_tokens, args.format_weight,
-                                                                                 run.gen)  # (P*G, Tp), (P*G, Tn), (P*G,)
+                                                                                 run.gen)  # (B, Tp), (B, Tn), (B,); B = P*G
         run.samples += P * G
-        with torch.no_grad(), run.autocast:
-            ref_logits = completion_logits(ref, prompt, prompt_mask, tokens, mask)      # (P*G, Tn, V)
-        ref_logp = logprobs(ref_logits, tokens, temp)                                       # (P*G, Tn) log pi_ref
-        with run.autocast:
-            logits = completion_logits(policy, prompt, prompt_mask, tokens, mask)       # (P*G, Tn, V)
-        logp = logprobs(logits, tokens, temp)                                               # (P*G, Tn) log pi_theta
-        kl_exact = masked_mean(kl(logits.detach(), ref_logits, temp), mask).item()          # KL(pi_theta || pi_ref)
-        ent = masked_mean(entropy(logits.detach(), temp), mask).item()
 
-        # 2. advantages: KL to the reference in the reward, minus the baseline
-        kl_t = kl_penalty(logp.detach(), ref_logp, args.kl_estimator)                   # (P*G, Tn)
+        # 2. score without gradient: sampling-time and reference log-probs, the exact KL and entropy (for the log)
+        old_logp, ref_logp = torch.zeros_like(mask), torch.zeros_like(mask)      # (B, Tn)
+        n_seqs, n_tokens = run.all_sum(len(mask)), run.all_sum(mask.sum())        # the step's, over every rank
+        kl_exact = ent = 0.0
+        for rows, _ in run.micro_batches(len(mask)):
+            with torch.no_grad(), run.autocast:
+                logits = completion_logits(policy, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])  # (b, Tn, V)
+                ref_logits = completion_logits(ref, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
+            old_logp[rows], ref_logp[rows] = logprobs(logits, tokens[rows], temp), logprobs(ref_logits, tokens[rows], temp)
+            kl_exact += torch.where(mask[rows] > 0, kl(logits, ref_logits, temp), 0.0).sum() / n_tokens  # KL(pi || pi_ref)
+            ent += torch.where(mask[rows] > 0, entropy(logits, temp), 0.0).sum() / n_tokens
+
+        # 3. advantages: KL to the reference in the reward, minus the baseline (statistics over every rank's batch)
+        kl_t = kl_penalty(old_logp, ref_logp, args.kl_estimator)                     # (B, Tn)
         if args.baseline == "reinforce_pp":
-            advantages = reinforce_pp_advantages(rewards, kl_t, mask, args.beta)         # (P*G, Tn) per token
+            advantages = reinforce_pp_advantages(rewards, kl_t, mask, args.beta, all_sum=run.all_sum)  # (B, Tn) per token
         else:
-            scores = rewards - args.beta * torch.where(mask > 0, kl_t, 0.0).sum(1)       # R_i = r_i - beta * sum_t KL_it
-            advantages = baseline_advantages(scores, args.baseline, moving_average)      # (P*G,)
-            moving_average = update_moving_average(moving_average, scores, args.ema_decay)
+            scores = rewards - args.beta * torch.where(mask > 0, kl_t, 0.0).sum(1)   # R_i = r_i - beta * sum_t KL_it
+            advantages = baseline_advantages(scores, args.baseline, moving_average, all_sum=run.all_sum)  # (B,)
+            moving_average = update_moving_average(moving_average, scores, args.ema_decay, all_sum=run.all_sum)
 
-        # 3. one on-policy REINFORCE step
-        loss, stats = reinforce_loss(logp, advantages, mask)
-        run.check_finite(loss, f"lower --lr (now {args.lr})")
+        # 4. one on-policy REINFORCE step, over the --grad_accum micro-batches, normalised by the whole step's counts
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss, stats = 0.0, {}
+        for rows, last in run.micro_batches(len(mask)):
+            with run.autocast:
+                logits = completion_logits(train_policy, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
+            logp = logprobs(logits, tokens[rows], temp)                            # (b, Tn) log pi_theta
+            part, part_stats = reinforce_loss(logp, advantages[rows], mask[rows], num_seqs=n_seqs)
+            run.check_finite(part, f"lower --lr (now {args.lr})")
+            run.backward(part, last, train_policy)
+            loss, stats = loss + part.item(), {k: stats.get(k, 0.0) + v for k, v in part_stats.items()}
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
         optimizer.step()
         run.step += 1
-        run.tokens += int(mask.sum())
+        run.tokens += int(n_tokens)
 
-        # 4. log, evaluate, checkpoint
+        # 5. log, evaluate, checkpoint (every number over all ranks)
         if run.log_due():
             groups = rewards.view(-1, G)
-            metrics = {"loss": loss.item(), "reward_mean": rewards.mean().item(),
-                       "reward_std": rewards.std(unbiased=False).item(),
-                       "zero_var_groups": (groups == groups[:, :1]).all(1).float().mean().item(),
-                       "kl_exact": kl_exact, f"kl_{args.kl_estimator}": masked_mean(kl_t, mask).item(), "entropy": ent,
-                       "completion_len": mask.sum(1).mean().item(), "truncated": truncated.float().mean().item(),
-                       "grad_norm": grad_norm.item(), "seq_logp": stats["seq_logp"]}
+            metrics = {"loss": run.all_sum(loss).item(), "reward_mean": run.mean(rewards), "reward_std": run.std(rewards),
+                       "zero_var_groups": run.mean((groups == groups[:, :1]).all(1).float()),
+                       "kl_exact": run.all_sum(kl_exact).item(), f"kl_{args.kl_estimator}": run.masked_mean(kl_t, mask),
+                       "entropy": run.all_sum(ent).item(), "completion_len": run.mean(mask.sum(1)),
+                       "truncated": run.mean(truncated.float()), "grad_norm": grad_norm.item(),
+                       "seq_logp": run.all_sum(stats["seq_logp"]).item()}
             if run.eval_due():
                 metrics.update(run.evaluate(policy, tok))
             run.log(metrics, f"reward {metrics['reward_mean']:.3f} | zero-var {metrics['zero_var_groups']:.2f} | kl "
-                             f"{kl_exact:.4f} | ent {ent:.3f} | len {metrics['completion_len']:.1f} | gnorm "
-                             f"{metrics['grad_norm']:.3f}", tokens=True)
+                             f"{metrics['kl_exact']:.4f} | ent {metrics['entropy']:.3f} | len {metrics['completion_len']:.1f} "
+                             f"| gnorm {metrics['grad_norm']:.3f}", tokens=True)
         if run.eval_due():
             run.save(policy, optimizer, moving_average=moving_average)
     run.finish(policy, tok, optimizer, moving_average=moving_average)

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 import task
-from model import ScalarGPT
+from model import ScalarGPT, last_real
 from plumbing import SFT_PATH, Float, Int, Run, add_run_flags, lr_schedule, parser
 
 
@@ -51,7 +51,7 @@ def bradley_terry_loss(r_chosen, r_rejected, margin=0.0):
 def score_pairs(model, tok, pairs, device):
     """(r_chosen, r_rejected), each (B,): chosen and rejected scored in one batch of 2B rows, at each row's EOS."""
     tokens, attn, _ = task.pair_batch(pairs, tok, device)           # (2B, T) prompt + completion + EOS
-    r = model.score(tokens, attn)                                   # (2B,) at the last real token: the EOS
+    r = last_real(model(tokens, attn), attn)                        # (2B,) at the last real token: the EOS
     return r[:len(pairs)], r[len(pairs):]
 
 
@@ -93,16 +93,17 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.batch_size > args.n_train:
         p.error(f"--batch_size {args.batch_size} exceeds --n_train {args.n_train}; it must be at most n_train")
-    args.steps = args.epochs * -(-args.n_train // args.batch_size)  # derived: total steps, ceil(n_train / batch) per epoch
+    args.steps = args.epochs * (args.n_train // args.batch_size)   # derived: total steps (a last partial batch is dropped)
     return args
 
 
 def main(args):
-    run = Run("reward_model", args, name="rm")      # device, seeds, lock, log, resume, Ctrl-C: plumbing.py
+    run = Run("reward_model", args, name="rm", batch_flag="batch_size")  # device, seeds, lock, log, resume, torchrun
     sft, tok = run.load_policy(args.init)
     model = ScalarGPT.from_policy(sft)              # backbone = the SFT policy, head = 0
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     run.resume(model, optimizer)
+    train_model = run.ddp(model)                    # DistributedDataParallel under torchrun, else the model itself
     train_pairs, eval_pairs = task.preference_dataset(sft, tok, n_train=args.n_train, seed=args.seed, cache_dir=args.out)
     eval_pairs = eval_pairs[:args.eval_n]
     run.samples = 4 * len(train_pairs)              # the pairs' cost: 4 completions sampled per training prompt
@@ -112,7 +113,7 @@ def main(args):
               f"{len(train_pairs)} training and {len(eval_pairs)} held-out pairs (cached in {args.out}/pairs_*.json), "
               f"{args.epochs} epochs x {steps_per_epoch} steps of {args.batch_size} pairs")
     if run.step == 0:
-        e = evaluate_pairs(model, tok, eval_pairs, run.device, run.autocast)
+        e = evaluate_pairs(model, tok, eval_pairs, run.device, run.autocast) if run.is_main else {"eval_pair_accuracy": 0.0}
         run.log_start(e, f"held-out pair accuracy {e['eval_pair_accuracy']:.3f} (the head starts at zero: all ties)")
 
     model.train()
@@ -121,36 +122,41 @@ def main(args):
         epoch, i = divmod(run.step, steps_per_epoch)
         order = list(range(len(train_pairs)))
         random.Random(args.seed * 1000 + epoch).shuffle(order)
-        batch = [train_pairs[j] for j in order[i * args.batch_size:(i + 1) * args.batch_size]]
+        batch = run.shard([train_pairs[j] for j in order[i * args.batch_size:(i + 1) * args.batch_size]])  # this rank's
         for group in optimizer.param_groups:
             group["lr"] = lr_schedule(run.step, args.lr, args.warmup, args.steps)
 
-        # 2. the Bradley-Terry loss on the scores at each sequence's EOS
-        with run.autocast:
-            r_c, r_r = score_pairs(model, tok, batch, run.device)     # (B,), (B,)
-        loss = bradley_terry_loss(r_c.float(), r_r.float(), args.margin).mean()
-        run.check_finite(loss, f"lower --lr (now {args.lr})")
+        # 2. the Bradley-Terry loss on the scores at each sequence's EOS, the mean over every rank's pairs, over the
+        #    --grad_accum micro-batches
+        n_pairs = run.all_sum(len(batch))
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss, margins = 0.0, []
+        for rows, last in run.micro_batches(len(batch)):
+            with run.autocast:
+                r_c, r_r = score_pairs(train_model, tok, [batch[j] for j in rows.tolist()], run.device)  # (b,), (b,)
+            part = bradley_terry_loss(r_c.float(), r_r.float(), args.margin).sum() / n_pairs
+            run.check_finite(part, f"lower --lr (now {args.lr})")
+            run.backward(part, last, train_model)
+            loss, margins = loss + part.item(), margins + [(r_c - r_r).detach()]
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         optimizer.step()
         run.step += 1
 
         # 3. log, evaluate, checkpoint
         if run.log_due():
-            margin = (r_c - r_r).detach()
-            metrics = {"epoch": run.step / steps_per_epoch, "loss": loss.item(),
-                       "train_pair_accuracy": (margin > 0).float().mean().item(), "train_margin": margin.mean().item(),
+            margin = torch.cat(margins)                                 # (B,) r_c - r_r of this rank's pairs
+            metrics = {"epoch": run.step / steps_per_epoch, "loss": run.all_sum(loss).item(),
+                       "train_pair_accuracy": run.mean((margin > 0).float()), "train_margin": run.mean(margin),
                        "lr": lr_schedule(run.step - 1, args.lr, args.warmup, args.steps), "grad_norm": grad_norm.item()}
             line = (f"epoch {metrics['epoch']:.2f} | loss {metrics['loss']:.4f} | train acc "
                     f"{metrics['train_pair_accuracy']:.3f} | margin {metrics['train_margin']:+.2f}")
-            if run.eval_due():
+            if run.eval_due() and run.is_main:
                 metrics.update(evaluate_pairs(model, tok, eval_pairs, run.device, run.autocast))
                 line += f" | held-out pair acc {metrics['eval_pair_accuracy']:.3f} margin {metrics['eval_margin']:+.2f}"
             run.log(metrics, line)
         if run.eval_due():
             run.save(model, optimizer, scored="prompt+completion+EOS")
-    final = evaluate_pairs(model, tok, eval_pairs, run.device, run.autocast)
+    final = evaluate_pairs(model, tok, eval_pairs, run.device, run.autocast) if run.is_main else {"eval_pair_accuracy": 0.0, "eval_margin": 0.0}
     per_source = ", ".join(f"{k.split('/', 1)[1]} {v:.3f}" for k, v in final.items() if k.startswith("eval_pair_accuracy/"))
     run.finish(model, tok, optimizer, summary=f"held-out pair accuracy {final['eval_pair_accuracy']:.3f} ({per_source}) "
                                               f"| mean margin {final['eval_margin']:+.2f}")

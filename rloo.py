@@ -75,13 +75,16 @@ def kl_penalty(logp, ref_logp, estimator="k1"):
     raise ValueError(f"kl estimator {estimator!r} is unknown; allowed: 'k1', 'k2', 'k3'")
 
 
-def rloo_loss(logp, advantages, mask):
+def rloo_loss(logp, advantages, mask, num_seqs=None):
     """The REINFORCE loss with sequence-level advantages: -1/B sum_i A_i sum_t log pi_theta(y_it | .).
     logp (B, T) log-probs of the sampled tokens (with grad); advantages (B,); mask (B, T) 1.0 on
-    completion tokens (values at masked positions are never read). Returns (loss scalar, dict of float metrics)."""
+    completion tokens (values at masked positions are never read). num_seqs: the whole step's number of
+    completions when this batch is a part of it (a micro-batch or one rank's share): the loss is then this part's
+    share. Returns (loss scalar, dict of float metrics)."""
     seq_logp = torch.where(mask > 0, logp, 0.0).sum(dim=1)             # (B,) log pi(y_i | x)
-    loss = -(advantages * seq_logp).mean()
-    return loss, {"seq_logp": seq_logp.mean().item()}
+    n_seqs = mask.size(0) if num_seqs is None else num_seqs
+    loss = -(advantages * seq_logp).sum() / n_seqs
+    return loss, {"seq_logp": (seq_logp.sum() / n_seqs).item()}
 
 
 # -----------------------------------------------------------------------------
@@ -110,13 +113,14 @@ def parse_args(argv=None):
 
 
 def main(args):
-    run = Run("rloo", args)                         # device, seeds, lock, log, resume, Ctrl-C: plumbing.py
+    run = Run("rloo", args, batch_flag="prompts_per_step")  # device, seeds, lock, log, resume, torchrun: plumbing.py
     policy, tok = run.load_policy(args.init)        # the policy starts as the SFT policy ...
     ref, _ = run.load_policy(args.init)             # ... which stays frozen as the reference
     ref.requires_grad_(False)
     run.check_lengths(policy, tok, args.max_new_tokens)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     run.resume(policy, optimizer)
+    train_policy = run.ddp(policy)                  # DistributedDataParallel under torchrun, else the policy itself
     P, G, temp = args.prompts_per_step, args.group_size, args.temperature
     run.print(f"RLOO: {policy.num_params() / 1e6:.2f}M parameters on {run.device}, {args.steps} steps of "
               f"{P} prompts x {G} samples, beta {args.beta} ({args.kl_estimator})")
@@ -125,50 +129,60 @@ def main(args):
 
     while run.training():
         # 1. rollout: G = k completions per prompt at the sampling temperature, scored by the verifier
-        prompts = task.sample_prompts(run.rng, P, args.precedence_share)
+        prompts = run.shard(task.sample_prompts(run.rng, P, args.precedence_share))   # this rank's share
         with run.autocast:
             prompt, prompt_mask, tokens, mask, truncated, rewards = task.rollout(policy, tok, prompts, G, temp,
                                                                                  args.max_new_tokens, args.format_weight,
-                                                                                 run.gen)  # (P*G, Tp), (P*G, Tn), (P*G,)
+                                                                                 run.gen)  # (B, Tp), (B, Tn), (B,); B = P*G
         run.samples += P * G
-        with torch.no_grad(), run.autocast:
-            ref_logits = completion_logits(ref, prompt, prompt_mask, tokens, mask)      # (P*G, Tn, V)
-        ref_logp = logprobs(ref_logits, tokens, temp)                                       # (P*G, Tn) log pi_ref
-        with run.autocast:
-            logits = completion_logits(policy, prompt, prompt_mask, tokens, mask)       # (P*G, Tn, V)
-        logp = logprobs(logits, tokens, temp)                                               # (P*G, Tn) log pi_theta
-        kl_exact = masked_mean(kl(logits.detach(), ref_logits, temp), mask).item()          # KL(pi_theta || pi_ref)
-        ent = masked_mean(entropy(logits.detach(), temp), mask).item()
 
-        # 2. advantages: KL to the reference in the reward, the other k - 1 samples are the baseline
-        kl_t = kl_penalty(logp.detach(), ref_logp, args.kl_estimator)                   # (P*G, Tn)
-        scores = rewards - args.beta * torch.where(mask > 0, kl_t, 0.0).sum(1)           # R_i = r_i - beta * sum_t KL_it
-        advantages = rloo_advantages(scores, G)                                          # (P*G,)
+        # 2. score without gradient: sampling-time and reference log-probs, the exact KL and entropy (for the log)
+        old_logp, ref_logp = torch.zeros_like(mask), torch.zeros_like(mask)      # (B, Tn)
+        n_seqs, n_tokens = run.all_sum(len(mask)), run.all_sum(mask.sum())        # the step's, over every rank
+        kl_exact = ent = 0.0
+        for rows, _ in run.micro_batches(len(mask)):
+            with torch.no_grad(), run.autocast:
+                logits = completion_logits(policy, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])  # (b, Tn, V)
+                ref_logits = completion_logits(ref, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
+            old_logp[rows], ref_logp[rows] = logprobs(logits, tokens[rows], temp), logprobs(ref_logits, tokens[rows], temp)
+            kl_exact += torch.where(mask[rows] > 0, kl(logits, ref_logits, temp), 0.0).sum() / n_tokens  # KL(pi || pi_ref)
+            ent += torch.where(mask[rows] > 0, entropy(logits, temp), 0.0).sum() / n_tokens
 
-        # 3. one on-policy REINFORCE step
-        loss, stats = rloo_loss(logp, advantages, mask)
-        run.check_finite(loss, f"lower --lr (now {args.lr})")
+        # 3. advantages: KL to the reference in the reward, the other k - 1 samples are the baseline
+        kl_t = kl_penalty(old_logp, ref_logp, args.kl_estimator)                     # (B, Tn)
+        scores = rewards - args.beta * torch.where(mask > 0, kl_t, 0.0).sum(1)       # R_i = r_i - beta * sum_t KL_it
+        advantages = rloo_advantages(scores, G)                                      # (B,)
+
+        # 4. one on-policy REINFORCE step, over the --grad_accum micro-batches, normalised by the whole step's counts
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss, stats = 0.0, {}
+        for rows, last in run.micro_batches(len(mask)):
+            with run.autocast:
+                logits = completion_logits(train_policy, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
+            logp = logprobs(logits, tokens[rows], temp)                            # (b, Tn) log pi_theta
+            part, part_stats = rloo_loss(logp, advantages[rows], mask[rows], num_seqs=n_seqs)
+            run.check_finite(part, f"lower --lr (now {args.lr})")
+            run.backward(part, last, train_policy)
+            loss, stats = loss + part.item(), {k: stats.get(k, 0.0) + v for k, v in part_stats.items()}
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
         optimizer.step()
         run.step += 1
-        run.tokens += int(mask.sum())
+        run.tokens += int(n_tokens)
 
-        # 4. log, evaluate, checkpoint
+        # 5. log, evaluate, checkpoint (every number over all ranks)
         if run.log_due():
             groups = rewards.view(-1, G)
-            metrics = {"loss": loss.item(), "reward_mean": rewards.mean().item(),
-                       "reward_std": rewards.std(unbiased=False).item(),
-                       "zero_var_groups": (groups == groups[:, :1]).all(1).float().mean().item(),
-                       "kl_exact": kl_exact, f"kl_{args.kl_estimator}": masked_mean(kl_t, mask).item(), "entropy": ent,
-                       "completion_len": mask.sum(1).mean().item(), "truncated": truncated.float().mean().item(),
-                       "grad_norm": grad_norm.item(), "seq_logp": stats["seq_logp"]}
+            metrics = {"loss": run.all_sum(loss).item(), "reward_mean": run.mean(rewards), "reward_std": run.std(rewards),
+                       "zero_var_groups": run.mean((groups == groups[:, :1]).all(1).float()),
+                       "kl_exact": run.all_sum(kl_exact).item(), f"kl_{args.kl_estimator}": run.masked_mean(kl_t, mask),
+                       "entropy": run.all_sum(ent).item(), "completion_len": run.mean(mask.sum(1)),
+                       "truncated": run.mean(truncated.float()), "grad_norm": grad_norm.item(),
+                       "seq_logp": run.all_sum(stats["seq_logp"]).item()}
             if run.eval_due():
                 metrics.update(run.evaluate(policy, tok))
             run.log(metrics, f"reward {metrics['reward_mean']:.3f} | zero-var {metrics['zero_var_groups']:.2f} | kl "
-                             f"{kl_exact:.4f} | ent {ent:.3f} | len {metrics['completion_len']:.1f} | gnorm "
-                             f"{metrics['grad_norm']:.3f}", tokens=True)
+                             f"{metrics['kl_exact']:.4f} | ent {metrics['entropy']:.3f} | len {metrics['completion_len']:.1f} "
+                             f"| gnorm {metrics['grad_norm']:.3f}", tokens=True)
         if run.eval_due():
             run.save(policy, optimizer)
     run.finish(policy, tok, optimizer)

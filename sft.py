@@ -53,7 +53,7 @@ def parse_args(argv=None):
 
 
 def main(args):
-    run = Run("sft", args)                          # device, seeds, lock, log, resume, Ctrl-C: plumbing.py
+    run = Run("sft", args, batch_flag="batch_size")  # device, seeds, lock, log, resume, torchrun: plumbing.py
     try:
         tok = Tokenizer(args.tokenizer)
     except ValueError as e:
@@ -63,34 +63,40 @@ def main(args):
     model = model.to(run.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     run.resume(model, optimizer)
+    train_model = run.ddp(model)                    # DistributedDataParallel under torchrun, else the model itself
     run.print(f"SFT: {model.num_params() / 1e6:.2f}M parameters on {run.device}, {args.steps} steps of {args.batch_size}")
     if run.step == 0:
         run.log_start(run.evaluate(model, tok), "random init")
 
     model.train()
     while run.training():
-        # 1. a batch of demonstrations, prompt + completion + EOS
+        # 1. a batch of demonstrations (this rank's share), prompt + completion + EOS
         for group in optimizer.param_groups:
             group["lr"] = lr_schedule(run.step, args.lr, args.warmup, args.steps)
-        demos = task.sample_demonstrations(run.rng, args.batch_size, args.mistake_rate, args.precedence_share)
+        demos = run.shard(task.sample_demonstrations(run.rng, args.batch_size, args.mistake_rate, args.precedence_share))
         tokens, attn, loss_mask = task.completion_batch([p for p, _ in demos], [c for _, c in demos], tok, run.device)
 
-        # 2. teacher forcing: the mean negative log-likelihood of the completion tokens
-        with run.autocast:
-            logits = model(tokens[:, :-1], attn[:, :-1])                    # (B, T-1, V)
-        logp = logprobs(logits, tokens[:, 1:])                               # (B, T-1) float32: log pi(y_t | .)
-        loss = -masked_mean(logp, loss_mask)                                 # mean NLL over completion tokens
-        run.check_finite(loss, f"lower --lr (now {args.lr})")
+        # 2. teacher forcing: the mean negative log-likelihood of the completion tokens of the whole batch (every
+        #    rank's), over the --grad_accum micro-batches
+        n_tokens = run.all_sum(loss_mask.sum())
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = 0.0
+        for rows, last in run.micro_batches(len(tokens)):
+            with run.autocast:
+                logits = train_model(tokens[rows, :-1], attn[rows, :-1])    # (b, T-1, V)
+            logp = logprobs(logits, tokens[rows, 1:])                        # (b, T-1) float32: log pi(y_t | .)
+            part = -masked_mean(logp, loss_mask[rows], n_tokens)             # this part's share of the mean NLL
+            run.check_finite(part, f"lower --lr (now {args.lr})")
+            run.backward(part, last, train_model)
+            loss += part.item()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         optimizer.step()
         run.step += 1
-        run.tokens += int(attn.sum())
+        run.tokens += int(run.all_sum(attn.sum()))
 
         # 3. log, evaluate, checkpoint
         if run.log_due():
-            metrics = {"loss": loss.item(), "lr": lr_schedule(run.step - 1, args.lr, args.warmup, args.steps), "grad_norm": grad_norm.item()}
+            metrics = {"loss": run.all_sum(loss).item(), "lr": lr_schedule(run.step - 1, args.lr, args.warmup, args.steps), "grad_norm": grad_norm.item()}
             if run.eval_due():
                 metrics.update(run.evaluate(model, tok))
             run.log(metrics, f"loss {metrics['loss']:.4f} | lr {metrics['lr']:.2e}", tokens=True)

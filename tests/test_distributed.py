@@ -1,0 +1,103 @@
+"""More than one process (torchrun, gloo on CPU): for fixed rollouts, one process with a batch of P prompts, two
+processes with P/2 each, and one process with --grad_accum 2 must make the same update: the same weights after it,
+and the same loss and pre-clip gradient norm (both scale with the normalisers, which AdamW's first step does not:
+a wrong token count would still give nearly the same weights). Then a real torchrun run of grpo.py, and its resume."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT
+from model import load_checkpoint
+
+WORKER = os.path.join(ROOT, "tests", "ddp_worker.py")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args, nproc, timeout=300):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["OMP_NUM_THREADS"] = "1"                     # two processes on two cores
+    if nproc == 1:
+        cmd = [sys.executable, *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def update(script, flags, out, nproc=1, grad_accum=1):
+    """One update step of `script` on fixed rollouts, SGD in place of AdamW: (the change of every weight, the step's
+    logged metrics)."""
+    p = launch([WORKER, script, *flags, "--steps", "1", "--log_every", "1", "--eval_every", "1", "--eval_n", "1",
+                "--grad_accum", str(grad_accum), "--out", out], nproc)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    name = "rm" if script == "reward_model" else script
+    _, ckpt = load_checkpoint(os.path.join(out, f"{name}.pt"))
+    _, init = load_checkpoint(flags[flags.index("--init") + 1])
+    rows = [json.loads(line) for line in open(os.path.join(out, name, "metrics.jsonl"))]
+    return {k: ckpt["model"][k] - init["model"][k] for k in init["model"]}, rows[-1]
+
+
+def assert_same_update(a, b, keys):
+    (da, ma), (db, mb) = a, b
+    scale = max(d.abs().max().item() for d in da.values())
+    assert scale > 0                                                   # the step did update the weights
+    for k in da:
+        torch.testing.assert_close(db[k], da[k], rtol=1e-4, atol=1e-4 * scale, msg=k)  # atol: float32 rounding of w - w0
+    for k in keys:
+        assert mb[k] == pytest.approx(ma[k], rel=1e-5, abs=1e-7), (k, ma[k], mb[k])
+
+
+CASES = {
+    "grpo seq": ("grpo", ["--loss_agg", "seq", "--mu", "2"]),
+    "grpo token": ("grpo", ["--loss_agg", "token", "--mu", "2"]),
+    "grpo dr_grpo": ("grpo", ["--loss_agg", "dr_grpo", "--mu", "2"]),
+    "reinforce++": ("reinforce", ["--baseline", "reinforce_pp"]),
+    "ppo": ("ppo", ["--reward", "verifier", "--minibatches", "1", "--ppo_epochs", "2", "--batch_size", "8"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_two_processes_and_grad_accum_make_the_same_update_as_one_process(case, tiny_sft, tmp_path):
+    script, flags = CASES[case]
+    flags = flags + ["--init", tiny_sft] + ([] if script == "ppo" else ["--prompts_per_step", "4", "--group_size", "4"])
+    keys = ["loss", "grad_norm", "kl_exact", "reward_mean"] if script != "ppo" else ["pg_loss", "vf_loss", "approx_kl", "gold_accuracy", "kl"]
+    keys = [k for k in keys if k != "grad_norm" or script != "ppo"]
+    one = update(script, flags, str(tmp_path / "one"))
+    two = update(script, flags, str(tmp_path / "two"), nproc=2)
+    accum = update(script, flags, str(tmp_path / "accum"), grad_accum=2)
+    assert_same_update(one, two, keys)
+    assert_same_update(one, accum, keys)
+
+
+def test_torchrun_grpo_writes_from_rank_0_and_resumes(tiny_sft, tmp_path):
+    out = str(tmp_path)
+    flags = ["grpo.py", "--prompts_per_step", "4", "--group_size", "2", "--log_every", "1", "--eval_every", "2",
+             "--eval_n", "8", "--init", tiny_sft, "--out", out]
+    p = launch(flags + ["--steps", "2"], nproc=2)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert p.stdout.count("done: 2 steps") == 1                       # rank 0 alone reports
+    rows = [json.loads(line) for line in open(os.path.join(out, "grpo", "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == [0, 1, 2] and rows[-1]["samples"] == 2 * 4 * 2
+    _, ckpt = load_checkpoint(os.path.join(out, "grpo.pt"))
+    assert ckpt["step"] == 2 and len(ckpt["generators"]) == 2           # every rank's sampling stream is kept
+    assert not torch.equal(ckpt["generators"][0], ckpt["generators"][1])
+    p = launch(flags + ["--steps", "3", "--resume"], nproc=2)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "resuming from" in p.stdout
+    assert [json.loads(line)["step"] for line in open(os.path.join(out, "grpo", "metrics.jsonl"))] == [0, 1, 2, 3]
+    assert load_checkpoint(os.path.join(out, "grpo.pt"))[1]["step"] == 3
+
+
+def test_a_batch_that_does_not_split_over_the_processes_is_refused(tiny_sft, tmp_path):
+    p = launch(["grpo.py", "--prompts_per_step", "3", "--init", tiny_sft, "--out", str(tmp_path)], nproc=2)
+    assert p.returncode != 0 and "--prompts_per_step 3 must split evenly over 2 processes" in p.stdout + p.stderr
