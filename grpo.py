@@ -334,6 +334,7 @@ def main(args):
             groups = rewards.view(-1, G)
             metrics = {"loss": run.all_sum(loss).item(), "reward_mean": run.mean(rewards), "reward_std": run.std(rewards),
                        "zero_var_groups": run.mean((groups == groups[:, :1]).all(1).float()),
+                       "reward_groups": run.mean((groups != 0).any(1).float()),     # groups with any reward at all
                        "kl_exact": run.all_sum(kl_exact).item(), "entropy": run.all_sum(ent).item(),
                        **{k.replace("kl_est", f"kl_{args.kl_estimator}"): run.all_sum(v).item() for k, v in stats.items()},
                        "completion_len": run.mean(mask.sum(1)), "truncated": run.mean(truncated.float()),

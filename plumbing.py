@@ -333,9 +333,10 @@ class Run:
         self.barrier()
         return self.load(path, "scalar", expect={"script": "reward_model"})[0]
 
-    def check_lengths(self, model, tok, max_new_tokens):
-        """The longest prompt plus max_new_tokens must fit the model's context: checked before any work."""
-        longest = task.max_prompt_tokens(tok)
+    def check_lengths(self, model, tok, max_new_tokens, parenthesised=False):
+        """The longest prompt plus max_new_tokens must fit the model's context: checked before any work.
+        parenthesised: the run also uses the parenthesised problems (longer prompts)."""
+        longest = task.max_prompt_tokens(tok, parenthesised)
         if longest + max_new_tokens > model.config.block_size:
             raise SystemExit(f"error: --max_new_tokens {max_new_tokens} does not fit: the longest prompt has {longest} "
                              f"tokens and the model's context (block_size) is {model.config.block_size}; allowed: "

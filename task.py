@@ -44,9 +44,10 @@ SPLIT_SEED = 1234
 MAX_NEW_TOKENS = 24   # longest demonstration: "9+9=18,18*9=162#162" + EOS = 20 tokens
 
 _PROMPT = re.compile(r"^([1-9])([+\-*])([1-9])([+\-*])([1-9])=$")
+_PAREN = re.compile(r"^\(([1-9])([+\-])([1-9])\)\*([1-9])=$")     # (a+b)*c= and (a-b)*c=
 _NUM = r"-?[0-9]{1,9}"
 _WELL_FORMED = re.compile(rf"^{_NUM}[+\-*]{_NUM}={_NUM}(,{_NUM}[+\-*]{_NUM}={_NUM})*#{_NUM}$")
-_ANSWER = re.compile(r"#[ \t]*(-?[0-9]{1,12})[ \t\n]*$")
+_ANSWER = re.compile(r"#[ \t]*(-?[0-9]{1,12})\s*$")      # any trailing whitespace: spaces, \r\n, tabs
 
 
 # -----------------------------------------------------------------------------
@@ -57,10 +58,15 @@ def _apply(x, op, y):
 
 
 def solve(prompt, left_to_right=False):
-    """'3+4*2=' -> (['4*2=8', '3+8=11'], 11). left_to_right=True ignores precedence (the mistake)."""
+    """'3+4*2=' -> (['4*2=8', '3+8=11'], 11). left_to_right=True ignores precedence (the mistake).
+    A parenthesised problem '(3+4)*2=' -> (['3+4=7', '7*2=14'], 14): the parentheses first, always."""
     m = _PROMPT.match(prompt)
+    if m is None and _PAREN.match(prompt):
+        a, op, b, c = _PAREN.match(prompt).groups()
+        ab = _apply(int(a), op, int(b))
+        return [f"{a}{op}{b}={ab}", f"{ab}*{c}={ab * int(c)}"], ab * int(c)
     if m is None:
-        raise ValueError(f"not a task prompt: {prompt!r}; expected like '3+4*2=' (operands 1-9, ops + - *)")
+        raise ValueError(f"not a task prompt: {prompt!r}; expected like '3+4*2=' or '(3+4)*2=' (operands 1-9)")
     a, op1, b, op2, c = int(m[1]), m[2], int(m[3]), m[4], int(m[5])
     if op2 == "*" and op1 != "*" and not left_to_right:   # b*c first
         bc = _apply(b, op2, c)
@@ -104,13 +110,51 @@ def all_prompts():
 
 
 @lru_cache(maxsize=None)
-def _max_prompt_tokens(encode):
-    return max(len(encode(p)) for p in all_prompts())
+def _max_prompt_tokens(encode, parenthesised):
+    prompts = all_prompts() + ([parenthesise(p) for p in all_prompts() if is_precedence(p)] if parenthesised else [])
+    return max(len(encode(p)) for p in prompts)
 
 
-def max_prompt_tokens(tokenizer):
-    """The longest prompt of the task in `tokenizer`'s tokens (6 with the byte tokenizer)."""
-    return _max_prompt_tokens(tokenizer.encode)
+def max_prompt_tokens(tokenizer, parenthesised=False):
+    """The longest prompt of the task in `tokenizer`'s tokens (6 with the byte tokenizer; 8 with the parenthesised
+    problems)."""
+    return _max_prompt_tokens(tokenizer.encode, parenthesised)
+
+
+# -----------------------------------------------------------------------------
+# Parenthesised problems, (a+b)*c= and (a-b)*c=: the problems a left-to-right attempt at a+b*c= does solve.
+# Never in the default data: for hindsight relabelling (expert_iteration.py --hindsight) and its evaluation.
+
+def is_parenthesised(prompt):
+    return isinstance(prompt, str) and _PAREN.match(prompt) is not None
+
+
+def parenthesise(prompt):
+    """'3+4*2=' -> '(3+4)*2=': the problem whose correct derivation is a+b*c='s left-to-right mistake."""
+    if not is_precedence(prompt):
+        raise ValueError(f"{prompt!r} is not of the form a+b*c= or a-b*c=")
+    return f"({prompt[:3]}){prompt[3:]}"
+
+
+def paren_eval_prompts():
+    """The held-out parenthesised problems (256): the images of the held-out precedence problems, so that a training
+    prompt a+b*c= is never relabelled into a held-out (a+b)*c=."""
+    return [parenthesise(p) for p in eval_prompts() if is_precedence(p)]
+
+
+def sample_paren_prompts(rng, n):
+    """n parenthesised training problems (never held-out ones); rng is a random.Random."""
+    _, prec, _ = _split()
+    return [parenthesise(rng.choice(prec)) for _ in range(n)]
+
+
+def hindsight_prompt(prompt, completion):
+    """Hindsight relabelling (Andrychowicz et al. 2017): the problem a failed attempt did solve, or None. A wrong
+    completion of a+b*c= that is exactly the left-to-right derivation solves (a+b)*c=, exactly."""
+    if not isinstance(completion, str) or not is_precedence(prompt) or reward(prompt, completion) == 1.0:
+        return None
+    target = parenthesise(prompt)
+    return target if completion == demonstration(target) else None
 
 
 def eval_prompts():

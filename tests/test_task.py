@@ -48,6 +48,9 @@ def test_mistake_rate_sets_the_share_of_left_to_right_demonstrations():
     ("4*2=8,3+8=11#11", 1.0, True),          # correct
     ("3+4=7,7*2=14#14", 0.0, True),          # wrong (left to right)
     ("4*2=8,3+8=12#11", 1.0, True),          # the outcome reward reads only the final answer
+    ("4*2=8,3+8=11#11  ", 1.0, False),       # trailing whitespace is allowed after the answer ...
+    ("4*2=8,3+8=11#11\r\n", 1.0, False),     # ... a Windows line end too
+    ("4*2=8,3+8=11#11\t\n ", 1.0, False),
     ("11", 0.0, False),                      # no '#'
     ("#11", 1.0, False),                     # right answer, wrong format
     ("4*2=8,3+8=11 #  11 ", 1.0, False),     # whitespace around the answer is tolerated
@@ -166,3 +169,35 @@ def test_concat_rollouts_pads_so_that_each_row_reads_as_it_did_alone():
                 n = int(part[3][i].sum())
                 torch.testing.assert_close(stacked[k + i, :n], alone[i, :n], rtol=0, atol=1e-5)
     assert torch.equal(both[5], torch.cat([a[5], b[5]])) and torch.equal(both[4], torch.cat([a[4], b[4]]))
+
+
+def test_parenthesised_problems_solve_verify_and_split():
+    assert task.solve("(3+4)*2=") == (["3+4=7", "7*2=14"], 14)
+    assert task.solve("(2-7)*9=", left_to_right=True) == (["2-7=-5", "-5*9=-45"], -45)  # parentheses first, always
+    assert task.demonstration("(9-8)*7=") == "9-8=1,1*7=7#7"
+    assert task.reward("(3+4)*2=", "3+4=7,7*2=14#14") == 1.0 and task.reward("(3+4)*2=", "4*2=8,3+8=11#11") == 0.0
+    for bad in ("(3*4)*2=", "(3+4)+2=", "(3+4*2=", "3+(4*2)="):
+        assert task.reward(bad, "#1") == 0.0                           # not a task prompt: 0, never an exception
+    held = task.paren_eval_prompts()
+    assert len(held) == len(set(held)) == 256 and all(task.is_parenthesised(p) for p in held)
+    for p in held:                                                     # Python's own precedence agrees
+        assert task.answer(p) == eval(p[:-1])
+    drawn = task.sample_paren_prompts(random.Random(0), 3000)
+    assert not set(drawn) & set(held) and len(set(drawn)) > 1000
+    assert task.max_prompt_tokens(Tokenizer()) == 6 and task.max_prompt_tokens(Tokenizer(), parenthesised=True) == 8
+
+
+@pytest.mark.parametrize("prompt, completion, relabelled", [
+    ("3+4*2=", "3+4=7,7*2=14#14", "(3+4)*2="),      # the left-to-right mistake solves the parenthesised problem
+    ("2-3*4=", "2-3=-1,-1*4=-4#-4", "(2-3)*4="),
+    ("3+4*2=", "4*2=8,3+8=11#11", None),             # a correct attempt is kept as it is: nothing to relabel
+    ("3+4*2=", "3+4=7,7*2=15#15", None),             # a slip in the arithmetic solves no problem of ours
+    ("3+4*2=", "3+4=7,7*2=14#14 ", None),            # not exactly the derivation (trailing space)
+    ("3+4+2=", "3+4=7,7+2=10#10", None),             # no precedence to get wrong
+    ("3+4*1=", "3+4=7,7*1=7#7", None),               # left to right, but the answer is right: not a failure
+])
+def test_hindsight_relabels_exactly_the_left_to_right_failures(prompt, completion, relabelled):
+    assert task.hindsight_prompt(prompt, completion) == relabelled
+    if relabelled is not None:
+        assert task.reward(relabelled, completion) == 1.0 and task.reward(prompt, completion) == 0.0
+        assert relabelled not in task.paren_eval_prompts() or prompt in task.eval_prompts()
