@@ -3,6 +3,7 @@
     python bench/kernels.py              # CPU section; the GPU section too when CUDA is available
     python bench/kernels.py --section cpu
     python bench/kernels.py --section gpu
+    python bench/kernels.py --section linear   # linear_logprobs on CPU (heavy: ~8 GB for the naive path)
 
 CPU: peak memory and time of forward + backward of token log-probs, at N = 4096 tokens,
 V = 50257, float32, for the PyTorch path (`kernels.logprobs_torch`) against the naive
@@ -17,6 +18,13 @@ gradient is O(N); peak at most 0.6x the naive path's.
   moment, the gradient of the logits (N*V*4 bytes, the same for both) included. Large tensors
   are mmap'd by glibc and returned on free, so RSS follows live tensors closely. Linux only.
   Time: the median of --repeats further forward + backward steps in the same process.
+
+Linear (CPU, not part of "all"): peak memory and time of forward + backward of log-probs from
+hidden states, at N = 4096 tokens, C = 896 channels, V = 151936 (Qwen2.5-0.5B's LM head), float32,
+for the PyTorch path (`kernels.linear_logprobs_torch`) against the naive
+`torch.log_softmax(hidden @ weight.T, -1).gather(...)`, measured as above (a fresh process per
+variant). "peak extra" includes the gradients of hidden and weight (V*C*4 = 545 MB, the same for
+both). Targets: peak extra <= 0.1x the naive path's; time <= 1.5x.
 
 GPU (when available): forward and forward + backward at N = 16384, V in {50257, 151936},
 bfloat16, for the Triton path (`kernels.logprobs`) against `log_softmax().gather()` in eager
@@ -46,14 +54,19 @@ import torch  # noqa: E402
 import kernels  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-parser.add_argument("--section", choices=["all", "cpu", "gpu"], default="all", help="which benchmarks to run")
+parser.add_argument("--section", choices=["all", "cpu", "gpu", "linear"], default="all",
+                    help="which benchmarks to run (all: cpu and gpu)")
 parser.add_argument("--cpu_n", type=int, default=4096, help="CPU: tokens (rows)")
 parser.add_argument("--cpu_v", type=int, default=50257, help="CPU: vocabulary size")
 parser.add_argument("--gpu_n", type=int, default=16384, help="GPU: tokens (rows)")
 parser.add_argument("--gpu_vs", type=str, default="50257,151936", help="GPU: vocabulary sizes, comma-separated")
 parser.add_argument("--repeats", type=int, default=3, help="CPU: timed steps per variant (median reported)")
 parser.add_argument("--threads", type=int, default=0, help="CPU: torch threads (0: torch's default)")
-parser.add_argument("--_cpu_variant", choices=["naive", "fused"], help=argparse.SUPPRESS)  # child process
+parser.add_argument("--linear_n", type=int, default=4096, help="linear: tokens")
+parser.add_argument("--linear_c", type=int, default=896, help="linear: channels (hidden width)")
+parser.add_argument("--linear_v", type=int, default=151936, help="linear: vocabulary size")
+parser.add_argument("--linear_repeats", type=int, default=1, help="linear: timed steps per variant (median reported)")
+parser.add_argument("--_cpu_variant", choices=["naive", "fused", "linear_naive", "linear_fused"], help=argparse.SUPPRESS)  # child
 
 
 # =============================================================================================
@@ -69,6 +82,11 @@ def fused_logprobs(logits, targets):
     return kernels.logprobs(logits, targets)  # [N]; Triton on CUDA, the PyTorch path on CPU
 
 
+def naive_linear_logprobs(hidden, weight, targets):
+    logits = hidden @ weight.T  # [N, V] float32
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [N]; keeps [N, V]
+
+
 # =============================================================================================
 # CPU: one variant per fresh process.
 # =============================================================================================
@@ -76,26 +94,32 @@ def _status_kib(key):
     return int(re.search(key + r":\s+(\d+) kB", open("/proc/self/status").read()).group(1))
 
 
-def cpu_child(variant, N, V, repeats, threads):
+def cpu_child(variant, N, V, repeats, threads, C=None):
     if threads:
         torch.set_num_threads(threads)
-    fn = naive_logprobs if variant == "naive" else kernels.logprobs_torch
     torch.manual_seed(0)
-    logits = torch.randn(N, V).requires_grad_()  # [N, V] float32, touched
     targets = torch.randint(0, V, (N,))
-    fn(torch.randn(8, V, requires_grad=True), targets[:8]).sum().backward()  # warm up the code paths
+    if variant in ("naive", "fused"):
+        fn = naive_logprobs if variant == "naive" else kernels.logprobs_torch
+        inputs = [torch.randn(N, V).requires_grad_()]  # logits [N, V] float32, touched
+        fn(torch.randn(8, V, requires_grad=True), targets[:8]).sum().backward()  # warm up the code paths
+    else:
+        fn = naive_linear_logprobs if variant == "linear_naive" else kernels.linear_logprobs_torch
+        inputs = [torch.randn(N, C).requires_grad_(), (torch.randn(V, C) / C**0.5).requires_grad_()]  # hidden, weight
+        fn(torch.randn(8, C, requires_grad=True), inputs[1][:300].detach().requires_grad_(), targets[:8] % 300).sum().backward()
 
     rss_before = _status_kib("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak-RSS counter to the current RSS
-    fn(logits, targets).sum().backward()
+    fn(*inputs, targets).sum().backward()
     peak = _status_kib("VmHWM")
 
     times = []
     for _ in range(repeats):
-        logits.grad = None
+        for x in inputs:
+            x.grad = None
         t0 = time.perf_counter()
-        fn(logits, targets).sum().backward()
+        fn(*inputs, targets).sum().backward()
         times.append(time.perf_counter() - t0)
     print(json.dumps({"peak_extra_mib": (peak - rss_before) / 1024, "before_mib": rss_before / 1024,
                       "time_s": statistics.median(times)}))
@@ -126,6 +150,31 @@ def cpu_section(args):
     print(f"   ratio fused/naive: peak extra {fused['peak_extra_mib'] / naive['peak_extra_mib']:.2f}x, "
           f"peak total (process, logits included) {total(fused) / total(naive):.2f}x, "
           f"time {fused['time_s'] / naive['time_s']:.2f}x  (target: peak <= 0.6x)")
+
+
+def linear_section(args):
+    N, C, V = args.linear_n, args.linear_c, args.linear_v
+    threads = args.threads or torch.get_num_threads()
+    logits_mib = N * V * 4 / 2**20
+    print(f"== CPU: forward + backward of log-probs from hidden states, N={N}, C={C}, V={V}, float32, {threads} torch threads")
+    print(f"   hidden {N * C * 4 / 2**20:.0f} MiB, weight {V * C * 4 / 2**20:.0f} MiB (and their gradients, in both "
+          f"variants' peak extra); the naive path's logits {logits_mib:.0f} MiB each")
+    results = {}
+    for variant in ("linear_naive", "linear_fused"):
+        out = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--_cpu_variant", variant, "--cpu_n", str(N), "--cpu_v", str(V),
+             "--linear_c", str(C), "--repeats", str(args.linear_repeats), "--threads", str(args.threads)],
+            capture_output=True, text=True, check=True, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
+        )
+        results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
+    names = {"linear_naive": "naive (h @ W.T).log_softmax.gather", "linear_fused": "kernels.linear_logprobs_torch"}
+    print(f"   {'variant':<36} {'peak extra MiB':>15} {'peak total MiB':>15} {'time s':>8}")
+    for k in ("linear_naive", "linear_fused"):
+        r = results[k]
+        print(f"   {names[k]:<36} {r['peak_extra_mib']:>15.0f} {r['before_mib'] + r['peak_extra_mib']:>15.0f} {r['time_s']:>8.2f}")
+    naive, fused = results["linear_naive"], results["linear_fused"]
+    print(f"   ratio fused/naive: peak extra {fused['peak_extra_mib'] / naive['peak_extra_mib']:.3f}x, "
+          f"time {fused['time_s'] / naive['time_s']:.2f}x  (targets: peak extra <= 0.1x, time <= 1.5x)")
 
 
 # =============================================================================================
@@ -202,11 +251,13 @@ def gpu_section(args):
 if __name__ == "__main__":
     args = parser.parse_args()
     if args._cpu_variant:
-        cpu_child(args._cpu_variant, args.cpu_n, args.cpu_v, args.repeats, args.threads)
+        cpu_child(args._cpu_variant, args.cpu_n, args.cpu_v, args.repeats, args.threads, args.linear_c)
     else:
         print("command: python " + " ".join(sys.argv))
         if args.section in ("all", "cpu"):
             cpu_section(args)
+        if args.section == "linear":
+            linear_section(args)
         if args.section in ("all", "gpu"):
             if torch.cuda.is_available() and kernels.HAS_TRITON:
                 gpu_section(args)

@@ -1,7 +1,12 @@
-"""Plumbing shared by the three kernels: the optional Triton import, dispatch, argument checks,
-and the row bookkeeping that lets both paths read [..., V] logits without copying them.
+"""Plumbing shared by the kernels: the optional Triton import, dispatch, argument checks, the
+temperature range, and the row bookkeeping that lets both paths read [..., V] logits without
+copying them.
 
-Nothing here does any math; the math lives in logprobs.py, kl.py and entropy.py.
+Nothing here does any math; the math lives in logprobs.py, kl.py, entropy.py and
+linear_logprobs.py.
+
+Shapes use the scripts' letters: B batch, T time, V vocabulary, C channels (hidden width),
+N = B * T rows (token positions). The temperature is written `temp`, never T.
 """
 
 import math
@@ -53,10 +58,35 @@ def require_triton(x: torch.Tensor) -> None:
         )
 
 
+# ---------------------------------------------------------------------------------------------
+# Temperatures. Every kernel computes x = logits * (1 / temp) in float32 and scales its gradient
+# by 1 / temp. What breaks first, for logits a model can emit (|logits| <= 65504, float16's
+# largest; real ones are < 100):
+#   - small temp: the gradient ~ 1 / temp overflows float16 (65504) below temp = 1.5e-5; x
+#     itself is rounded to eps32 * |logits| / temp (1e-3 of a nat at |logits| = 20, temp = 1e-3,
+#     as in any float32 log-softmax), and x overflows float32 (inf - inf = NaN) once
+#     |logits| / temp > 3.4e38;
+#   - large temp: the gradient ~ 1 / temp falls below float16's smallest normal number (6.1e-5)
+#     above temp = 1.6e4, and softmax(logits / temp) is uniform to float32 precision.
+# [1e-3, 1e3] stays well inside both limits, and reaches 50 times past the temperatures a sampler
+# uses (0.05 to 20) on either side. Outside it, check_temperature raises instead of returning numbers
+# that float32 cannot stand behind. The training scripts accept a narrower range for sampling
+# (plumbing.MIN_TEMPERATURE, MAX_TEMPERATURE = 0.05, 20), inside this one.
+# ---------------------------------------------------------------------------------------------
+MIN_TEMPERATURE = 1e-3
+MAX_TEMPERATURE = 1e3
+
+
 def check_temperature(temperature) -> float:
+    """temperature as a float, or ValueError if it is outside [MIN_TEMPERATURE, MAX_TEMPERATURE]
+    (NaN included)."""
     temperature = float(temperature)
-    if not (temperature > 0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    if not MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE:  # also False for NaN
+        raise ValueError(
+            f"temperature must lie in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}] (kernels.MIN_TEMPERATURE, "
+            f"kernels.MAX_TEMPERATURE; outside it float32 cannot represent logits / temperature or its "
+            f"gradient faithfully), got {temperature!r}"
+        )
     return temperature
 
 
@@ -67,14 +97,34 @@ def check_logits(logits: torch.Tensor, name: str = "logits") -> None:
         raise ValueError(f"{name} must have a non-empty last (vocabulary) dim, got shape {tuple(logits.shape)}")
 
 
+def check_targets(targets: torch.Tensor, shape, device) -> None:
+    """targets must be integers of the given shape (the inputs' shape less their last dim)."""
+    if tuple(targets.shape) != tuple(shape):
+        raise ValueError(f"targets shape {tuple(targets.shape)} must be the inputs' leading shape {tuple(shape)}")
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+        raise TypeError(f"targets must be an integer tensor, got {targets.dtype}")
+    if targets.device != device:
+        raise ValueError(f"targets are on {targets.device} but the inputs are on {device}")
+
+
+def check_targets_in_range(targets: torch.Tensor, V: int) -> None:
+    """PyTorch path only: raise on a target outside [0, V). (The Triton path does not check, which
+    would cost a device-to-host sync, and returns NaN for that position instead.)"""
+    if targets.numel() > 0:
+        lo, hi = int(targets.min()), int(targets.max())
+        if lo < 0 or hi >= V:
+            raise ValueError(f"target {lo if lo < 0 else hi} is out of range: targets must lie in [0, {V})")
+
+
 # ---------------------------------------------------------------------------------------------
-# Rows. Both paths see logits [..., V] as B*R rows of V unit-stride elements, through a view
-# [B, R, V] with arbitrary strides on B and R. The common case this buys is the RL one,
-# `model(idx)[:, :-1]`: a [B, T-1, V] slice that no 2-D view can describe, which
-# `.reshape(-1, V)` would silently copy (3.3 GB at N = 16k, V = 50k, float32).
+# Rows. Both paths see logits [..., V] as N = B * T rows of V unit-stride elements, through a
+# view [B, T, V] with arbitrary strides on B and T (B: all leading dims merged, T: the one
+# before V). The common case this buys is the RL one, `model(idx)[:, :-1]`: a [B, T-1, V] slice
+# that no 2-D view can describe, which `.reshape(-1, V)` would silently copy (3.3 GB at
+# N = 16k, V = 50k, float32). Kernels find row n at base + (n // T) * stride_b + (n % T) * stride_t.
 # ---------------------------------------------------------------------------------------------
 def as_rows(x: torch.Tensor) -> torch.Tensor:
-    """View x [..., V] as [B, R, V] with stride 1 on V; copy only when no such view exists."""
+    """View x [..., V] as [B, T, V] with stride 1 on V; copy only when no such view exists."""
     V = x.shape[-1]
     if x.dim() <= 2:
         x3 = x.reshape(1, -1, V)  # always a view for 1-D and 2-D tensors
@@ -89,31 +139,31 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     return x3
 
 
-def chunk_ranges(x3: torch.Tensor, max_rows: int):
-    """Split the B*R rows of x3 [B, R, V] into [start, stop) ranges of at most max_rows rows,
-    each inside one b (R >= max_rows) or made of whole b's (R < max_rows), so take_rows can
-    slice it with plain indexing."""
-    B, R, _ = x3.shape
-    if R == 0:
+def chunk_ranges(x3: torch.Tensor, chunk_rows: int):
+    """Split the N = B * T rows of x3 [B, T, V] into [start, stop) ranges of at most chunk_rows
+    rows, each inside one b (T >= chunk_rows) or made of whole b's (T < chunk_rows), so that
+    take_rows can slice it with plain indexing."""
+    B, T, _ = x3.shape
+    if T == 0:
         return []
-    if R >= max_rows or B == 1:
-        return [(b * R + r, b * R + min(r + max_rows, R)) for b in range(B) for r in range(0, R, max_rows)]
-    step = (max_rows // R) * R
-    return [(start, min(start + step, B * R)) for start in range(0, B * R, step)]
+    if T >= chunk_rows or B == 1:
+        return [(b * T + t, b * T + min(t + chunk_rows, T)) for b in range(B) for t in range(0, T, chunk_rows)]
+    step = (chunk_rows // T) * T
+    return [(start, min(start + step, B * T)) for start in range(0, B * T, step)]
 
 
 def take_rows(x3: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    """Rows [start, stop) of x3 [B, R, V] flattened to [B*R, V], as a [stop - start, V] tensor:
+    """Rows [start, stop) of x3 [B, T, V] flattened to [N, V], as a [stop - start, V] tensor:
     a view inside one b, else a copy of just these rows (bounded by the chunk size)."""
-    B, R, V = x3.shape
-    b, r = divmod(start, R)
-    if stop <= (b + 1) * R:
-        return x3[b, r : r + stop - start]
-    return x3[b : stop // R].reshape(-1, V)
+    B, T, V = x3.shape
+    b, t = divmod(start, T)
+    if stop <= (b + 1) * T:
+        return x3[b, t : t + stop - start]
+    return x3[b : stop // T].reshape(-1, V)
 
 
 def rows_per_chunk(V: int, chunk_bytes: int = 32 * 2**20) -> int:
-    """Rows per PyTorch-path chunk: one float32 [rows, V] temporary is about chunk_bytes."""
+    """Rows per PyTorch-path chunk: one float32 [chunk_rows, V] temporary is about chunk_bytes."""
     return max(1, chunk_bytes // (4 * V))
 
 
@@ -125,3 +175,11 @@ def default_block(V: int, max_block: int = 4096) -> int:
 def num_warps(block: int) -> int:
     """Warps per program: 8 for long blocks (each thread then holds <= 16 elements), else 4."""
     return 8 if block >= 2048 else 4
+
+
+def report(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) -> bool:
+    """For the files' `__main__` self-checks: print the max error of got against want and OK/FAIL."""
+    err = (got.double() - want.double()).abs().max().item() if got.numel() else 0.0
+    ok = got.shape == want.shape and torch.allclose(got.double(), want.double(), rtol=rtol, atol=atol)
+    print(f"  {name:<28} max |error| {err:.2e}  {'OK' if ok else 'FAIL'}")
+    return ok

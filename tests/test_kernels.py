@@ -1,4 +1,7 @@
-"""Tests for kernels/: logprobs, kl, entropy, through both the PyTorch and the Triton path.
+"""Tests for kernels/: logprobs, kl, entropy, through both the PyTorch and the Triton path, and
+the edge-case table EDGE_CASES that every function (linear_logprobs too) goes through on both
+paths. (linear_logprobs' own tests: test_linear_logprobs.py; ahead-of-time GPU compilation of
+every kernel: test_kernel_compile.py.)
 
 Every value is checked against a float64 reference written here, straight from the equations
 (never from the code under test), forward and gradient, on fresh random inputs each run (the
@@ -30,6 +33,7 @@ cancels two numbers of size KL), and the float64 reference's own rounding.
 
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -104,14 +108,14 @@ def ref_entropy(logits, temperature):
 def grad_tolerance(name, logits, other, temperature, grad_out):
     """Absolute tolerance per gradient entry, from the size of what it is computed from.
 
-    Each entry is |g| / T times a sum of terms:
+    Each entry is |g| / temp times a sum of terms:
       logprobs  (onehot_v - p_v)                -> size onehot_v + p_v
       kl        p_v (log p_v - log q_v - KL)    -> size p_v (|log p_v| + |log q_v| + KL)
       entropy   -p_v (log p_v + H)              -> size p_v (|log p_v| + H)
     Any float32 evaluation is off by a few float32 epsilons of that size (at the argmax of a
     peaked p, log p - log q - KL cancels two numbers of size KL), so 16 eps32 of it is allowed.
-    The float64 reference has its own floor: its log p = x/T - lse is off by ~eps64 |x/T|, which
-    log_softmax's backward turns into ~eps64 |x/T| |g| / T in every entry; 1e-13 of that is
+    The float64 reference has its own floor: its log p = x/temp - lse is off by ~eps64 |x/temp|, which
+    log_softmax's backward turns into ~eps64 |x/temp| |g| / temp in every entry; 1e-13 of that is
     allowed. A wrong formula or an unwritten entry is off by far more than either."""
     logp = ref_log_softmax(logits, temperature)
     p = logp.exp()
@@ -126,7 +130,7 @@ def grad_tolerance(name, logits, other, temperature, grad_out):
         size = torch.where(p > 0, p * (logp.abs() + h), 0.0)
     xs = [logits] + ([other] if name == "kl" else [])
     x_max = max(x.detach().cpu().double().nan_to_num(neginf=0.0).abs().max().item() for x in xs) / temperature
-    g_t = (grad_out.detach().cpu().double().abs() / temperature).unsqueeze(-1)  # [..., 1] |g| / T
+    g_t = (grad_out.detach().cpu().double().abs() / temperature).unsqueeze(-1)  # [..., 1] |g| / temp
     return (16 * EPS32 * size + 1e-13 * (1 + x_max)) * g_t
 
 
@@ -184,7 +188,7 @@ def check_grad(got, ref, tol):
 
 # Cases: (leading shape, V, dtype, temperature, scale, fraction of -inf entries, small_steps).
 # Every required value appears: V in {1, 2, 7, 1000, 50257} and past 2^17 (primes among them;
-# none a multiple of the Triton block), N in {1, 3, 64}, fp32/bf16/fp16, T in {0.5, 1, 2},
+# none a multiple of the Triton block), N in {1, 3, 64}, fp32/bf16/fp16, temp in {0.5, 1, 2},
 # scales from 1e-3 to 1e4, rows holding -inf, 3-D inputs.
 CASES = [
     ((64,), 1000, torch.float32, 1.0, 1.0, 0.0, False),
@@ -242,9 +246,9 @@ def test_logprobs_hand_worked(impl):
     logits = torch.tensor([[1.0, 2.0, 3.0]], device=dev).log()  # p = [1, 2, 3] / 6
     t = torch.tensor([2], device=dev)
     assert call(impl, "logprobs", logits, t).item() == pytest.approx(math.log(3 / 6), rel=1e-6)
-    # T = 0.5 squares the probabilities: p = [1, 4, 9] / 14
+    # temp = 0.5 squares the probabilities: p = [1, 4, 9] / 14
     assert call(impl, "logprobs", logits, t, temperature=0.5).item() == pytest.approx(math.log(9 / 14), rel=1e-6)
-    # d logp_t / d logits = (onehot - p) / T; uniform p = 1/4, T = 2, .sum() backward (grad 1, stride 0)
+    # d logp_t / d logits = (onehot - p) / temp; uniform p = 1/4, temp = 2, .sum() backward (grad 1, stride 0)
     x = torch.zeros(1, 4, device=dev, requires_grad=True)
     call(impl, "logprobs", x, torch.tensor([1], device=dev), temperature=2.0).sum().backward()
     assert x.grad.tolist()[0] == pytest.approx([-1 / 8, 3 / 8, -1 / 8, -1 / 8], rel=1e-6)
@@ -422,25 +426,215 @@ def test_rows_are_views_for_slices():
     x = torch.randn(2, 7, 11)
     assert as_rows(x[:, :-1]).data_ptr() == x.data_ptr()  # no copy of a sliced [B, T-1, V]
     x3 = as_rows(torch.randn(6, 4, 5))
-    for max_rows in (1, 3, 4, 10, 100):
-        ranges = chunk_ranges(x3, max_rows)
+    for chunk_rows in (1, 3, 4, 10, 100):
+        ranges = chunk_ranges(x3, chunk_rows)
         assert [r for a, b in ranges for r in range(a, b)] == list(range(24))  # every row once, in order
-        assert all(b - a <= max_rows for a, b in ranges)
+        assert all(b - a <= chunk_rows for a, b in ranges)
         for a, b in ranges:
             assert torch.equal(take_rows(x3, a, b), x3.reshape(24, 5)[a:b])
 
 
 # ---------------------------------------------------------------------------------------------
+# The edge-case table: one list of awkward inputs, each with the result the math gives, run
+# through every function on both paths. Each case is two rows: the edge row, and a healthy row
+# (so that a NaN leaking across rows is caught). Expected values are written down, or computed
+# by the plain-Python float64 formulas below (never by the code under test); NaN means the
+# function must return NaN there, never a number.
+# ---------------------------------------------------------------------------------------------
+NAN, INF = float("nan"), float("inf")
+LOG2, LOG3 = math.log(2), math.log(3)
+MIN_T, MAX_T = kernels.MIN_TEMPERATURE, kernels.MAX_TEMPERATURE
+
+
+def _log_softmax(xs, temp):
+    """log softmax(xs / temp) of a list of floats with at least one finite entry, in float64."""
+    xs = [x / temp for x in xs]
+    m = max(xs)
+    lse = m + math.log(sum(math.exp(x - m) for x in xs))
+    return [x - lse for x in xs]
+
+
+def formula_logprobs(logits, target, temp=1.0):
+    """logprob = log p_t, d/d logits = (onehot - p) / temp."""
+    logp = _log_softmax(logits, temp)
+    return logp[target], [((v == target) - math.exp(lp)) / temp for v, lp in enumerate(logp)]
+
+
+def formula_kl(a, b, temp=1.0):
+    """KL = sum_v p_v (log p_v - log q_v) over p_v > 0, d/d a = p (log p - log q - KL) / temp."""
+    logp, logq = _log_softmax(a, temp), _log_softmax(b, temp)
+    kl = sum(math.exp(lp) * (lp - lq) for lp, lq in zip(logp, logq) if lp > -INF)
+    return kl, [math.exp(lp) * (lp - lq - kl) / temp if lp > -INF else 0.0 for lp, lq in zip(logp, logq)]
+
+
+def formula_entropy(logits, temp=1.0):
+    """H = -sum_v p_v log p_v over p_v > 0, d/d logits = -p (log p + H) / temp."""
+    logp = _log_softmax(logits, temp)
+    h = -sum(math.exp(lp) * lp for lp in logp if lp > -INF)
+    return h, [-math.exp(lp) * (lp + h) / temp if lp > -INF else 0.0 for lp in logp]
+
+
+def formula_linear(hidden, weight, targets, temp=1.0):
+    """linear_logprobs from logits = hidden @ weight.T: values, d hidden = dx @ weight and
+    d weight = dx.T @ hidden, with dx = (onehot - p) / temp per row."""
+    values, dx = [], []
+    for h, t in zip(hidden, targets):
+        value, d = formula_logprobs([sum(hc * wc for hc, wc in zip(h, w)) for w in weight], t, temp)
+        values.append(value)
+        dx.append(d)
+    grad_h = [[sum(d[v] * weight[v][c] for v in range(len(weight))) for c in range(len(weight[0]))] for d in dx]
+    grad_w = [[sum(dx[n][v] * hidden[n][c] for n in range(len(hidden))) for c in range(len(weight[0]))] for v in range(len(weight))]
+    return values, grad_h, grad_w
+
+
+def row_case(case_id, fn, edge, value, grad, temp=1.0, atol=(1e-6, 1e-6)):
+    """A case for logprobs / kl / entropy: edge = the edge row's inputs (logits and target, p and
+    q, or logits), with its expected value and gradient row; a healthy row of the same V is
+    appended, with its expectation from the formula. atol: (value, gradient) absolute tolerances."""
+    V = len(edge[0])
+    healthy = {1: ([2.0], [-1.0], 0), 3: ([0.0, 1.0, 3.0], [1.0, 0.0, -1.0], 2)}[V]
+    if fn == "logprobs":
+        rows = [edge, (healthy[0], healthy[2])]
+        ok_value, ok_grad = formula_logprobs(healthy[0], healthy[2], temp)
+    elif fn == "kl":
+        rows = [edge, (healthy[0], healthy[1])]
+        ok_value, ok_grad = formula_kl(healthy[0], healthy[1], temp)
+    else:
+        rows = [edge, (healthy[0],)]
+        ok_value, ok_grad = formula_entropy(healthy[0], temp)
+    inputs = [torch.tensor([r[i] for r in rows]) for i in range(len(edge))]  # logits [2, V] (and q [2, V] or targets [2])
+    return pytest.param(fn, inputs, temp, [[value, ok_value]], [[grad, ok_grad]], atol, id=f"{fn}-{case_id}")
+
+
+def linear_case(case_id, hidden, weight, targets, value=None, grad_h=None, grad_w=None, temp=1.0, atol=(1e-6, 1e-6)):
+    """A case for linear_logprobs(hidden [N, C], weight [V, C], targets [N]); what is not given
+    comes from formula_linear."""
+    if value is None:
+        value, grad_h, grad_w = formula_linear(hidden, weight, targets, temp)
+    C = len(weight[0])
+    inputs = [torch.tensor(hidden).reshape(-1, C), torch.tensor(weight), torch.tensor(targets, dtype=torch.long)]
+    return pytest.param("linear_logprobs", inputs, temp, [value], [grad_h, grad_w], atol, id=f"linear_logprobs-{case_id}")
+
+
+NAN3 = [NAN] * 3
+W3 = [[1.0, 0.0], [-1.0, 1.0], [2.0, -1.0]]  # linear_logprobs: weight [V = 3, C = 2]
+H_OK = [0.5, 1.0]  # a healthy hidden row: logits [0.5, 0.5, 0]
+OK_VALUE, OK_GRAD_H, _ = formula_linear([H_OK], W3, [1])  # its log-prob at target 1, its hidden gradient
+EDGE_CASES = [
+    # --- logprobs: (logits row, target) -> log p_t, gradient row -----------------------------
+    row_case("nan_logit", "logprobs", ([0.0, NAN, 1.0], 0), NAN, NAN3),
+    row_case("pos_inf_logit", "logprobs", ([0.0, INF, 1.0], 0), NAN, NAN3),
+    row_case("pos_inf_target", "logprobs", ([0.0, INF, 1.0], 1), NAN, NAN3),  # inf / inf: undefined
+    row_case("neg_inf_logit", "logprobs", ([0.0, -INF, 0.0], 0), math.log(0.5), [0.5, 0.0, -0.5]),
+    row_case("target_at_neg_inf", "logprobs", ([0.0, -INF, 0.0], 1), -INF, [-0.5, 1.0, -0.5]),
+    row_case("all_neg_inf", "logprobs", ([-INF] * 3, 0), NAN, NAN3),
+    row_case("tiny_temp_argmax", "logprobs", ([0.0, 1.0, 2.0], 0), -2000.0, [1000.0, 0.0, -1000.0], temp=MIN_T),
+    row_case("tiny_temp", "logprobs", ([0.0, 1e-3, 2e-3], 1), *formula_logprobs([0.0, 1e-3, 2e-3], 1, MIN_T), temp=MIN_T, atol=(1e-6, 1e-3)),
+    row_case("huge_temp", "logprobs", ([0.0, 1.0, 2.0], 2), *formula_logprobs([0.0, 1.0, 2.0], 2, MAX_T), temp=MAX_T, atol=(1e-6, 1e-9)),
+    row_case("V1", "logprobs", ([5.0], 0), 0.0, [0.0]),
+    row_case("V1_neg_inf", "logprobs", ([-INF], 0), NAN, [NAN]),
+    # --- kl: (p row, q row) -> KL(p || q), gradient row w.r.t. p ------------------------------
+    row_case("nan_in_p", "kl", ([0.0, NAN, 1.0], [0.0, 0.0, 0.0]), NAN, NAN3),
+    row_case("nan_in_q", "kl", ([0.0, 0.0, 1.0], [0.0, NAN, 0.0]), NAN, NAN3),
+    row_case("pos_inf_in_p", "kl", ([0.0, INF, 1.0], [0.0, 0.0, 0.0]), NAN, NAN3),
+    row_case("pos_inf_in_q", "kl", ([0.0, 0.0, 1.0], [0.0, INF, 1.0]), NAN, NAN3),
+    # p = [1/2, 0, 1/2], q = [1/4, 1/4, 1/2]: KL = 1/2 log 2; gradient p (log p - log q - KL)
+    row_case("neg_inf_in_p", "kl", ([0.0, -INF, 0.0], [0.0, 0.0, LOG2]), LOG2 / 2, [LOG2 / 4, 0.0, -LOG2 / 4]),
+    row_case("zero_in_both", "kl", ([0.0, -INF, 0.0], [0.0, -INF, 0.0]), 0.0, [0.0, 0.0, 0.0]),  # 0 log 0/0 = 0
+    # q = 0 < p: KL = +inf; its gradient p (log p - log q - inf) is NaN there and -inf elsewhere
+    row_case("q_zero_under_p", "kl", ([0.0, 0.0, 0.0], [0.0, -INF, 0.0]), INF, [-INF, NAN, -INF]),
+    row_case("all_neg_inf_p", "kl", ([-INF] * 3, [0.0, 0.0, 0.0]), NAN, NAN3),
+    row_case("all_neg_inf_q", "kl", ([0.0, 0.0, 0.0], [-INF] * 3), NAN, NAN3),
+    # temp 1e-3: p = one-hot at 2, q = one-hot at 0 (up to e^-1000): KL = 2000, gradient 0
+    row_case("tiny_temp_argmax", "kl", ([0.0, 1.0, 2.0], [2.0, 1.0, 0.0]), 2000.0, [0.0, 0.0, 0.0], temp=MIN_T),
+    row_case("tiny_temp", "kl", ([0.0, 1e-3, 2e-3], [2e-3, 0.0, 1e-3]), *formula_kl([0.0, 1e-3, 2e-3], [2e-3, 0.0, 1e-3], MIN_T), temp=MIN_T, atol=(1e-6, 1e-3)),
+    row_case("huge_temp", "kl", ([0.0, 1.0, 2.0], [2.0, 1.0, 0.0]), *formula_kl([0.0, 1.0, 2.0], [2.0, 1.0, 0.0], MAX_T), temp=MAX_T, atol=(3e-7, 1e-9)),
+    row_case("V1", "kl", ([5.0], [-3.0]), 0.0, [0.0]),
+    # --- entropy: (logits row,) -> H, gradient row --------------------------------------------
+    row_case("nan_logit", "entropy", ([0.0, NAN, 1.0],), NAN, NAN3),
+    row_case("pos_inf_logit", "entropy", ([0.0, INF, 1.0],), NAN, NAN3),
+    row_case("neg_inf_logit", "entropy", ([0.0, -INF, LOG3],), *formula_entropy([0.0, -INF, LOG3])),  # p = [1/4, 0, 3/4]
+    row_case("all_neg_inf", "entropy", ([-INF] * 3,), NAN, NAN3),
+    row_case("tiny_temp_argmax", "entropy", ([0.0, 1.0, 2.0],), 0.0, [0.0, 0.0, 0.0], temp=MIN_T),
+    row_case("tiny_temp", "entropy", ([0.0, 1e-3, 2e-3],), *formula_entropy([0.0, 1e-3, 2e-3], MIN_T), temp=MIN_T, atol=(1e-6, 1e-3)),
+    row_case("huge_temp", "entropy", ([0.0, 1.0, 2.0],), *formula_entropy([0.0, 1.0, 2.0], MAX_T), temp=MAX_T, atol=(1e-6, 1e-9)),
+    row_case("V1", "entropy", ([5.0],), 0.0, [0.0]),
+    # --- linear_logprobs: (hidden [2, C], weight [V, C], targets [2]) -> log-probs, d hidden, d weight
+    # a NaN or inf in hidden_0: token 0 NaN (and its hidden gradient), token 1 intact, all of d weight NaN
+    linear_case("nan_hidden", [[NAN, 1.0], H_OK], W3, [0, 1], [NAN, OK_VALUE[0]],
+                [[NAN, NAN], OK_GRAD_H[0]], [[NAN, NAN]] * 3),
+    linear_case("inf_hidden", [[INF, 1.0], H_OK], W3, [0, 1], [NAN, OK_VALUE[0]],
+                [[NAN, NAN], OK_GRAD_H[0]], [[NAN, NAN]] * 3),
+    linear_case("nan_weight", [[0.0, 1.0], H_OK], [[1.0, 0.0], [NAN, 1.0], [2.0, -1.0]], [0, 1], [NAN, NAN],
+                [[NAN, NAN]] * 2, [[NAN, NAN]] * 3),
+    # temp 1e-3, C = 1: logits [0, 1, 2] -> dx = [1000, 0, -1000]; logits [0, .5, 1] at its argmax -> dx = 0
+    linear_case("tiny_temp_argmax", [[1.0], [0.5]], [[0.0], [1.0], [2.0]], [0, 2], [-2000.0, 0.0],
+                [[-2000.0], [0.0]], [[1000.0], [0.0], [-1000.0]], temp=MIN_T),
+    linear_case("huge_temp", [[1.0, 2.0], H_OK], W3, [0, 2], temp=MAX_T, atol=(1e-6, 1e-9)),
+    linear_case("V1", [[1.0, 2.0], H_OK], [[0.3, -0.2]], [0, 0], [0.0, 0.0], [[0.0, 0.0]] * 2, [[0.0, 0.0]]),
+]
+EMPTY_CASES = ["logprobs", "kl", "entropy", "linear_logprobs"]
+
+
+def _run_case(impl, fn, inputs, temp):
+    """Call the function on the case's inputs (moved to the path's device); returns its value and
+    the gradients of value.sum() w.r.t. the differentiable inputs."""
+    dev = device_for(impl)
+    inputs = [x.to(dev) for x in inputs]
+    wrt = inputs[:2] if fn == "linear_logprobs" else inputs[:1]
+    for x in wrt:
+        x.requires_grad_()
+    suffix = "_torch" if impl == "torch_path" else "_triton"
+    value = getattr(kernels, fn + suffix)(*inputs, temp)
+    return value, torch.autograd.grad(value.sum(), wrt)
+
+
+@impl_param
+@pytest.mark.parametrize("fn, inputs, temp, value, grads, atol", EDGE_CASES)
+def test_edge_cases(impl, fn, inputs, temp, value, grads, atol):
+    got, got_grads = _run_case(impl, fn, inputs, temp)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.cpu().double(), torch.tensor(value[0], dtype=torch.float64),
+                               rtol=1e-5, atol=atol[0], equal_nan=True)
+    for g, want in zip(got_grads, grads):
+        torch.testing.assert_close(g.cpu().double(), torch.tensor(want, dtype=torch.float64),
+                                   rtol=1e-5, atol=atol[1], equal_nan=True)
+
+
+@impl_param
+@pytest.mark.parametrize("fn", EMPTY_CASES)
+def test_edge_case_empty(impl, fn):
+    """N = 0 rows: an empty float32 result, empty gradients (linear_logprobs: d weight = 0)."""
+    if fn == "linear_logprobs":
+        inputs = [torch.zeros(0, 4), torch.randn(5, 4), torch.zeros(0, dtype=torch.long)]
+    else:
+        x = torch.zeros(2, 0, 3)
+        inputs = {"logprobs": [x, torch.zeros(2, 0, dtype=torch.long)], "kl": [x, x.clone()], "entropy": [x]}[fn]
+    value, grads = _run_case(impl, fn, inputs, 1.0)
+    assert value.shape == inputs[0].shape[:-1] and value.dtype == torch.float32
+    assert grads[0].shape == inputs[0].shape
+    if fn == "linear_logprobs":
+        assert grads[1].shape == inputs[1].shape and (grads[1] == 0).all()
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, NAN, INF, 1e-30, 0.999 * MIN_T, 1.001 * MAX_T, 1e30])
+def test_temperature_range(bad):
+    """Temperatures outside [MIN_TEMPERATURE, MAX_TEMPERATURE] raise on every function and path,
+    naming the value and the range; the bounds themselves are accepted."""
+    x = torch.randn(2, 5)
+    t = torch.zeros(2, dtype=torch.long)
+    calls = [("logprobs", (x, t)), ("kl", (x, x)), ("entropy", (x,)), ("linear_logprobs", (x, torch.randn(3, 5), t))]
+    for name, args in calls:
+        for suffix in ("", "_torch", "_triton"):
+            with pytest.raises(ValueError, match=rf"temperature must lie in \[0.001, 1000\].*got {re.escape(repr(float(bad)))}"):
+                getattr(kernels, name + suffix)(*args, temperature=bad)
+        for ok in (MIN_T, MAX_T):
+            assert getattr(kernels, name + "_torch")(*args, temperature=ok).isfinite().all()
+
+
+# ---------------------------------------------------------------------------------------------
 # Arguments, dispatch, and Triton being optional.
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])
-def test_temperature_must_be_positive(bad):
-    x = torch.randn(2, 5)
-    for fn, args in [(kernels.logprobs, (x, torch.zeros(2, dtype=torch.long))), (kernels.kl, (x, x)), (kernels.entropy, (x,))]:
-        with pytest.raises(ValueError, match="temperature"):
-            fn(*args, temperature=bad)
-
-
 def test_logprobs_argument_checks():
     x = torch.randn(2, 3, 5)
     with pytest.raises(ValueError, match="targets shape"):
@@ -459,6 +653,8 @@ def test_dispatch():
     assert type(kernels.logprobs(x, torch.zeros(2, dtype=torch.long)).grad_fn).__name__ == f"_Logprobs{expect}Backward"
     assert type(kernels.kl(x, x.detach()).grad_fn).__name__ == f"_KL{expect}Backward"
     assert type(kernels.entropy(x).grad_fn).__name__ == f"_Entropy{expect}Backward"
+    w = torch.randn(3, 5, requires_grad=True)
+    assert type(kernels.linear_logprobs(x, w, torch.zeros(2, dtype=torch.long)).grad_fn).__name__ == f"_LinearLogprobs{expect}Backward"
     if HAS_CUDA and HAS_TRITON:
         y = x.detach().cuda().requires_grad_()
         assert type(kernels.entropy(y).grad_fn).__name__ == "_EntropyTritonBackward"
@@ -480,8 +676,10 @@ def test_pytorch_path_works_without_triton():
         "import torch, kernels\n"
         "assert not kernels.HAS_TRITON\n"
         "x = torch.randn(3, 11, requires_grad=True)\n"
+        "w = torch.randn(5, 11, requires_grad=True)\n"
         "(kernels.logprobs(x, torch.tensor([1, 2, 3])).sum() + kernels.kl(x, x.detach() + 1).sum()"
-        " + kernels.entropy(x).sum()).backward()\n"
+        " + kernels.entropy(x).sum() + kernels.linear_logprobs(x, w, torch.tensor([0, 4, 2])).sum()).backward()\n"
+        "assert w.grad.isfinite().all()\n"
         "assert x.grad.isfinite().all()\n"
         "try:\n    kernels.entropy_triton(x)\nexcept RuntimeError as e:\n    assert 'not installed' in str(e)\n"
         "else:\n    raise AssertionError('entropy_triton ran without triton')\n"
