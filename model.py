@@ -14,9 +14,31 @@ Design choices (each one a deliberate simplification, stated so you can change i
 - Tokenizer: tiktoken. The default, "bytes", is built in code (one token per byte, plus
   <|endoftext|> and <|pad|>) so everything works offline; a named tiktoken encoding such as "gpt2"
   works where tiktoken can load it, with <|pad|> appended.
+- Precision: the logits are float32, always. On a GPU the scripts run the model under bfloat16
+  autocast, but the LM head (the final projection, `GPT.logits`) runs outside it, on the hidden
+  states in float32, and everything after it (log-softmax, log-probs, sampling) sees float32
+  logits. Rounded to bfloat16, a logit near 20 moves in steps of 0.125, and which way it rounds can
+  depend on the shape of the batch it was computed in (the matmuls pick their kernels by shape), so
+  the log-probs of the same tokens, scored once for the whole batch at sampling time and again in
+  micro-batches for the update, would disagree with no weight change: a PPO/GRPO ratio that is not 1
+  at the first update (verl-project/verl#6280 measured up to 60 % of tokens outside a [0.9, 1.1]
+  band in bfloat16 and none in float32; MiniMax 2025, arXiv 2506.13585, section 4, made the same
+  fix, an FP32 LM head, for their training and inference probabilities). The transformer body stays
+  in bfloat16 (its residual stream is float32 already: autocast only rounds the matmuls).
+  Cost, on a GPU only: the logits take 4 bytes per entry instead of 2, i.e. B*T*V*2 bytes more
+  (nothing at this project's V = 258; 5 GiB more for 16384 positions at V = 151936, and as much
+  again for their gradient in training), and the head's matmul runs in float32. On a CPU nothing
+  changes: there is no autocast, everything is float32 already.
+- Sampling: `generate` keeps a KV cache, so each new token costs one position's work, not the
+  whole sequence's. With compile=True the per-token step (`GPT.decode_step`) has shapes that never
+  change (a preallocated cache, the new key and value written at a slot given as a tensor,
+  attention over every slot with the empty ones masked) and runs under torch.compile, as a CUDA
+  graph on a GPU: one compiled graph serves every step of every call with the same number of rows
+  and of cache slots (the prompt plus max_new_tokens, rounded up to a multiple of 16).
 
 Shapes: B batch, T time, C channels, V vocabulary, nh heads, hs head size.
 """
+import contextlib
 import math
 import os
 from dataclasses import asdict, dataclass, fields
@@ -110,7 +132,13 @@ class GPTConfig:
 
 
 class KVCache:
-    """Keys and values of every layer for sampling, plus which cached positions are real tokens."""
+    """Keys and values of every layer for sampling, plus which cached positions are real tokens.
+
+    Used in two ways. Appending (the model's forward with a cache, the eager sampler): each call writes
+    its chunk at slot `length` and attention reads the first `length` slots, so shapes grow every step.
+    Static (GPT.decode_step, generate(compile=True)): every tensor is allocated up front and keeps its
+    shape; a step writes at a slot given as a tensor and attends over all max_len slots, the ones not
+    filled yet masked out by key_mask, so one compiled graph serves every step."""
 
     def __init__(self, n_layer, batch_size, max_len, device):
         self.k = [None] * n_layer        # each (B, nh, max_len, hs), allocated at first use
@@ -119,6 +147,27 @@ class KVCache:
         self.next_pos = torch.zeros(batch_size, dtype=torch.long, device=device)  # position of the next real token
         self.length = 0                  # cached time steps, padding included
         self.max_len = max_len
+
+    @classmethod
+    def preallocated(cls, n_layer, batch_size, max_len, n_head, head_size, dtype, device):
+        """A static cache: keys and values allocated now, as zeros. An empty slot must hold a finite number:
+        its attention weight is exactly 0, and 0 * NaN (what torch.empty may hold) would be NaN."""
+        cache = cls(n_layer, batch_size, max_len, device)
+        shape = (batch_size, n_head, max_len, head_size)
+        cache.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
+        cache.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
+        return cache
+
+    def reset(self):
+        """Empty the cache for another batch of the same size, in place: the same memory, so a compiled graph (a
+        CUDA graph on a GPU) that reads and writes these tensors finds them where it left them."""
+        for t in self.tensors():
+            t.zero_()
+        self.length = 0
+
+    def tensors(self):
+        """Every tensor the static decode step reads or writes in place."""
+        return [*self.k, *self.v, self.key_mask, self.next_pos]
 
 
 class CausalSelfAttention(nn.Module):
@@ -129,11 +178,15 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.dropout = config.dropout
 
-    def forward(self, x, attn_mask, cache=None, layer=0):
+    def forward(self, x, attn_mask, cache=None, layer=0, slot=None):
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        if cache is not None:  # write this chunk's keys and values, then attend over everything cached
+        if cache is not None and slot is not None:  # static shapes (GPT.decode_step): write at `slot`, read every slot
+            cache.k[layer].index_copy_(2, slot, k)
+            cache.v[layer].index_copy_(2, slot, v)
+            k, v = cache.k[layer], cache.v[layer]  # (B, nh, max_len, hs)
+        elif cache is not None:  # write this chunk's keys and values, then attend over everything cached
             if cache.k[layer] is None:
                 shape = (B, self.n_head, cache.max_len, C // self.n_head)
                 cache.k[layer] = torch.empty(shape, dtype=k.dtype, device=k.device)
@@ -158,8 +211,8 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(config.n_embd, 4 * config.n_embd), nn.GELU(),
                                  nn.Linear(4 * config.n_embd, config.n_embd), nn.Dropout(config.dropout))
 
-    def forward(self, x, attn_mask, cache=None, layer=0):
-        x = x + self.attn(self.ln_1(x), attn_mask, cache, layer)
+    def forward(self, x, attn_mask, cache=None, layer=0, slot=None):
+        x = x + self.attn(self.ln_1(x), attn_mask, cache, layer, slot)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -178,6 +231,7 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():  # GPT-2: scale residual projections by 1/sqrt(2 * n_layer)
             if name.endswith("c_proj.weight") or name.endswith("mlp.2.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        self._static_caches = {}  # generate(compile=True)'s caches, one per (rows, slots, dtype, device): see static_cache
 
     @staticmethod
     def _init_weights(module):
@@ -220,19 +274,71 @@ class GPT(nn.Module):
             cache.length += T
         return self.ln_f(x)
 
+    def logits(self, x):
+        """Logits (..., V) float32 from final hidden states x (..., C): the LM head runs outside autocast, on x in
+        float32, so that the logits never carry bfloat16 rounding (module docstring: Precision)."""
+        with autocast_off(x.device.type):
+            return self.lm_head(x.float())
+
     def forward(self, idx, mask=None, cache=None):
-        """Logits (B, T, V): position t predicts token t + 1."""
-        return self.lm_head(self.hidden(idx, mask, cache))
+        """Logits (B, T, V) float32: position t predicts token t + 1."""
+        return self.logits(self.hidden(idx, mask, cache))
+
+    def decode_step(self, idx, cache, slot):
+        """The sampler's per-token step with shapes that never change, for torch.compile (generate(compile=True)).
+
+        idx (N, 1) each row's newest token (all real); cache a static KVCache (KVCache.preallocated) holding
+        everything before it; slot (1,) int64, the cache slot it goes to (the same for every row). Writes its
+        keys and values at `slot`, attends over all max_len slots with the empty ones masked out, and returns
+        the logits (N, V) float32 of the token after it; marks the slot real and advances each row's position.
+        The same computation as self(idx, ones, cache)[:, -1] on an appending cache, except that attention
+        sums over max_len slots instead of the filled ones: the extra terms are exactly 0, but the sums may be
+        ordered differently. The caller advances slot and checks block_size (the positions live on the device)."""
+        cache.key_mask.index_fill_(1, slot, True)                  # (N, L) the new token is real in every row
+        x = self.drop(self.wte(idx) + self.wpe(cache.next_pos[:, None]))  # (N, 1, C)
+        attn_mask = cache.key_mask[:, None, None, :]               # (N, 1, 1, L) every filled slot, no later one
+        for i, block in enumerate(self.blocks):
+            x = block(x, attn_mask, cache, i, slot)
+        cache.next_pos.add_(1)
+        return self.logits(self.ln_f(x))[:, -1]                    # (N, V)
+
+    def static_cache(self, batch_size, max_len, device):
+        """generate(compile=True)'s cache for batch_size rows and max_len slots, emptied. It is kept on the model and
+        reused by every later call with the same shape, dtype and device, so the compiled step (and on a GPU its
+        CUDA graph, which reads and writes these tensors in place) is reused as it is, without re-recording. Memory
+        held: 2 * n_layer * batch_size * max_len * n_embd numbers per shape in use."""
+        device = torch.device(device)
+        autocast = torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type)
+        dtype = torch.get_autocast_dtype(device.type) if autocast else self.wte.weight.dtype  # what c_attn returns
+        key = (batch_size, max_len, dtype, device)
+        if key not in self._static_caches:
+            c = self.config
+            cache = KVCache.preallocated(c.n_layer, batch_size, max_len, c.n_head, c.n_embd // c.n_head, dtype, device)
+            if device.type == "cuda":                              # CUDA graphs may write into these in place
+                for t in cache.tensors():
+                    torch._dynamo.mark_static_address(t)
+            self._static_caches[key] = cache
+        cache = self._static_caches[key]
+        cache.reset()
+        return cache
 
     @torch.no_grad()
     def generate(self, prompt, prompt_mask, max_new_tokens, eos_id, pad_id=None, num_samples=1,
-                 temperature=1.0, top_k=None, generator=None):
+                 temperature=1.0, top_k=None, generator=None, compile=False):
         """Sample completions with a KV cache.
 
         prompt (B, Tp) left-padded token ids, prompt_mask (B, Tp) 1 on real tokens.
         Each prompt gets num_samples completions on consecutive rows (prompt i -> rows i*G .. i*G+G-1).
         temperature 0 means greedy. top_k keeps the k most likely tokens (None: the full softmax,
         which RL needs so that sampling matches the log-probs it trains on).
+        compile=True runs each new token through decode_step under torch.compile (compiled_decode_step: a
+        CUDA graph on a GPU) on a static cache kept on the model (static_cache); the prompt still goes through
+        the eager forward. The first call of each batch size compiles (tens of seconds); the draws from
+        `generator` are the same as without it, so the tokens are identical unless a compiled logit differs
+        from the eager one in its last bits exactly where that decides a token (a near-tie for greedy, a draw
+        on a boundary of the sampling distribution; under bfloat16 autocast, bfloat16 rounding). In train mode
+        with dropout the two differ (dropout draws its own random numbers in a compiled graph); the scripts
+        sample in eval mode.
         Returns tokens (B*G, Tn) with pad_id after each EOS, mask (B*G, Tn) float (1.0 on tokens
         through the first EOS, 0 after), and truncated (B*G,) bool (no EOS within max_new_tokens).
         Tn <= max_new_tokens: sampling stops once every row has ended.
@@ -245,7 +351,13 @@ class GPT(nn.Module):
         idx = prompt.repeat_interleave(num_samples, dim=0)              # (B*G, Tp)
         idx_mask = prompt_mask.repeat_interleave(num_samples, dim=0)
         N = idx.size(0)
-        cache = KVCache(self.config.n_layer, N, idx.size(1) + max_new_tokens, idx.device)
+        if compile:   # slots rounded up to a multiple of 16, so that prompts a little longer or shorter share a graph
+            cache = self.static_cache(N, -(-(idx.size(1) + max_new_tokens) // 16) * 16, idx.device)
+            step = compiled_decode_step(idx.device.type)
+            slot = torch.full((1,), idx.size(1), dtype=torch.long, device=idx.device)  # the slot of token 0
+            longest = int(idx_mask.sum(1).max())                        # real tokens in the longest prompt
+        else:
+            cache = KVCache(self.config.n_layer, N, idx.size(1) + max_new_tokens, idx.device)
         logits = self(idx, idx_mask, cache)[:, -1, :]                   # (N, V) predicts the first new token
         tokens = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=idx.device)
         mask = torch.zeros(N, max_new_tokens, device=idx.device)
@@ -264,8 +376,38 @@ class GPT(nn.Module):
             done = done | (nxt == eos_id)
             if done.all() or t == max_new_tokens - 1:
                 break
-            logits = self(tokens[:, t:t + 1], torch.ones(N, 1, device=idx.device), cache)[:, -1, :]
+            if compile:
+                if longest + t + 1 > self.config.block_size:            # the eager forward's check, on the host
+                    raise ValueError(f"a sequence of {longest + t + 1} real tokens exceeds block_size = "
+                                     f"{self.config.block_size}; shorten it or build the model with a larger block_size")
+                if idx.device.type == "cuda":
+                    torch.compiler.cudagraph_mark_step_begin()          # the last step's output may be overwritten
+                logits = step(self, tokens[:, t:t + 1].clone(memory_format=torch.contiguous_format), cache, slot)
+                slot = slot + 1
+            else:
+                logits = self(tokens[:, t:t + 1], torch.ones(N, 1, device=idx.device), cache)[:, -1, :]
         return tokens[:, :t + 1], mask[:, :t + 1], ~done
+
+
+_compiled_steps = {}  # device type -> GPT.decode_step under torch.compile, made at first use, shared by every model
+
+
+def compiled_decode_step(device_type):
+    """GPT.decode_step under torch.compile, one per process and device type, called as step(model, idx, cache, slot).
+    One graph per shape (dynamic=False: a new batch size compiles anew), no graph breaks (fullgraph); on CUDA, mode
+    "reduce-overhead" also records each graph as a CUDA graph, so a step is one launch instead of one per kernel."""
+    if device_type not in _compiled_steps:
+        mode = "reduce-overhead" if device_type == "cuda" else None
+        _compiled_steps[device_type] = torch.compile(GPT.decode_step, dynamic=False, fullgraph=True, mode=mode)
+    return _compiled_steps[device_type]
+
+
+def autocast_off(device_type):
+    """A context with autocast off on `device_type`, so that what runs inside computes in the tensors' own dtype
+    (nothing to switch off where this torch has no autocast for the device)."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 class ScalarGPT(nn.Module):

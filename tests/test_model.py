@@ -1,5 +1,5 @@
 """model.py: tokenizer, KV-cache sampling against full recomputation, padding, EOS handling,
-the scalar head and checkpoints."""
+float32 logits under autocast, the compiled sampler against the eager one, the scalar head and checkpoints."""
 import os
 import random
 
@@ -176,6 +176,114 @@ def test_sequence_longer_than_block_size_is_a_clear_error():
 def test_bad_config_is_a_clear_error():
     with pytest.raises(ValueError, match="n_head = 3"):
         GPTConfig(n_embd=32, n_head=3)
+
+
+# -----------------------------------------------------------------------------
+# Precision: the logits are float32 even under bfloat16 autocast
+
+def test_logits_are_float32_even_under_bfloat16_autocast():
+    """The LM head runs outside autocast, on the hidden states in float32: the logits are their float32
+    projection, not its bfloat16 rounding (which moves a logit of 20 by up to 0.06). CPU autocast stands in for
+    the GPU's here: the switch is the same."""
+    model = peaked_model(13)
+    x = torch.randint(0, 256, (3, 9))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = model.hidden(x)
+        logits = model(x)
+        bf16_head = model.lm_head(h)                                    # the head under autocast: what it was
+    assert logits.dtype == torch.float32 and bf16_head.dtype == torch.bfloat16
+    want = h.detach().double() @ model.lm_head.weight.detach().double().T   # float64, from the same hidden states
+    assert (logits.detach().double() - want).abs().max() < 1e-4 * want.abs().max()
+    assert (bf16_head.detach().double() - want).abs().max() > 1e-3 * want.abs().max()   # bf16 would be far off
+    logits.sum().backward()                                             # and it trains: the gradient goes through
+    assert model.wte.weight.grad is not None and torch.isfinite(model.wte.weight.grad).all()
+
+
+def test_logits_without_autocast_are_exactly_the_plain_projection():
+    """On the CPU (no autocast) the float32 head changes nothing, bit for bit: the results that were measured
+    before it stay what they were."""
+    model = peaked_model(14)
+    tok = Tokenizer()
+    p, m = tok.encode_batch(["3+4*2=", "1=", "9-8*7+6="])
+    with torch.no_grad():
+        assert torch.equal(model(p, m), model.lm_head(model.hidden(p, m)))
+
+
+# -----------------------------------------------------------------------------
+# The compiled sampler (generate(compile=True)) against the eager one
+
+def compilation_unavailable():
+    """Why torch.compile cannot run here (e.g. no C++ compiler for the CPU backend), or None if it can."""
+    torch._dynamo.reset()
+    try:
+        torch.compile(lambda x: x * 2 + 1)(torch.ones(3))
+    except Exception as e:  # noqa: BLE001 - any failure of a trivial compile means compiling is unavailable
+        return f"torch.compile is unavailable here: {type(e).__name__}: {str(e)[:200]}"
+    return None
+
+
+def sampler_case(device):
+    """A tiny random model (2 layers, so that layers read their own cache) over a 16-token vocabulary whose
+    logits are a few units apart: temperature sampling is neither uniform nor deterministic and EOS (14) comes
+    up often enough to end some rows. Four prompts of 7, 3, 1 and 5 real tokens, left-padded with 15."""
+    torch.manual_seed(15)
+    model = GPT(GPTConfig(vocab_size=16, block_size=32, n_layer=2, n_head=2, n_embd=32)).to(device).eval()
+    with torch.no_grad():
+        model.wte.weight.mul_(5.0)
+    g = torch.Generator().manual_seed(16)
+    prompt, pmask = torch.full((4, 7), 15), torch.zeros(4, 7)
+    for i, n in enumerate([7, 3, 1, 5]):
+        prompt[i, 7 - n:] = torch.randint(0, 14, (n,), generator=g)
+        pmask[i, 7 - n:] = 1.0
+    return model, prompt.to(device), pmask.to(device)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch's own
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (the compiled step then runs as a CUDA graph)"))])
+def test_compiled_sampler_gives_the_eager_samplers_tokens(device):
+    """Greedy, temperature 1 and temperature 0.7 with top-k, each from the same generator seed: the compiled
+    sampler returns exactly the eager sampler's tokens, masks and truncation flags, over prompts of different
+    lengths (left padding) with 3 samples each. Every call after the first reuses its one compiled graph (the
+    static cache is emptied and refilled in place, and stale contents would change the tokens)."""
+    from torch._dynamo.utils import counters
+    model, p, m = sampler_case(device)
+    eos, pad = 14, 15
+
+    def both(seed, **kw):
+        runs = []
+        for compile in (False, True):
+            g = torch.Generator(device=device).manual_seed(seed)
+            runs.append(model.generate(p, m, 20, eos, pad, num_samples=3, generator=g, compile=compile, **kw))
+        return runs
+
+    try:
+        eager, compiled = both(17, temperature=0.0)                     # the first compiled call compiles
+    except Exception:
+        reason = compilation_unavailable()
+        if reason:
+            pytest.skip(reason)
+        raise
+    graphs = counters["stats"]["unique_graphs"]
+    ended = truncated = 0
+    for seed, kw in [(17, dict(temperature=0.0)), (18, dict(temperature=1.0)), (19, dict(temperature=1.0)),
+                     (20, dict(temperature=0.7, top_k=5))]:
+        eager, compiled = both(seed, **kw)
+        for a, b in zip(eager, compiled):
+            assert torch.equal(a, b), (seed, kw)
+        ended, truncated = ended + int((~eager[2]).sum()), truncated + int(eager[2].sum())
+    assert ended > 0 and truncated > 0                                  # rows ending in EOS and rows cut off: both
+    assert counters["stats"]["unique_graphs"] == graphs                 # no recompilation after the first call
+
+
+def test_compiled_sampler_refuses_a_sequence_longer_than_block_size_as_the_eager_one_does():
+    """The positions live on the device inside the compiled step, so the sampler checks block_size on the host,
+    with the eager forward's message (before anything is compiled)."""
+    model = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=1, n_embd=16)).eval()
+    prompt = torch.randint(0, 14, (2, 8))
+    for compile in (False, True):
+        with pytest.raises(ValueError, match="a sequence of 9 real tokens exceeds block_size = 8"):
+            model.generate(prompt, torch.ones(2, 8), 3, eos_id=-1, pad_id=15, temperature=0, compile=compile)
 
 
 # -----------------------------------------------------------------------------
