@@ -324,7 +324,7 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, prompt, prompt_mask, max_new_tokens, eos_id, pad_id=None, num_samples=1,
-                 temperature=1.0, top_k=None, generator=None, compile=False):
+                 temperature=1.0, top_k=None, generator=None, compile=None):
         """Sample completions with a KV cache.
 
         prompt (B, Tp) left-padded token ids, prompt_mask (B, Tp) 1 on real tokens.
@@ -332,8 +332,9 @@ class GPT(nn.Module):
         temperature 0 means greedy. top_k keeps the k most likely tokens (None: the full softmax,
         which RL needs so that sampling matches the log-probs it trains on).
         compile=True runs each new token through decode_step under torch.compile (compiled_decode_step: a
-        CUDA graph on a GPU) on a static cache kept on the model (static_cache); the prompt still goes through
-        the eager forward. The first call of each batch size compiles (tens of seconds); the draws from
+        CUDA graph on a GPU; None, the default, reads the model's compile_sampler attribute, which the
+        scripts' --compile sets) on a static cache kept on the model (static_cache); the prompt still goes
+        through the eager forward. The first call of each batch size compiles (tens of seconds); the draws from
         `generator` are the same as without it, so the tokens are identical unless a compiled logit differs
         from the eager one in its last bits exactly where that decides a token (a near-tie for greedy, a draw
         on a boundary of the sampling distribution; under bfloat16 autocast, bfloat16 rounding). In train mode
@@ -348,6 +349,8 @@ class GPT(nn.Module):
         if temperature < 0:
             raise ValueError(f"temperature = {temperature}; it must be >= 0 (0 = greedy)")
         pad_id = eos_id if pad_id is None else pad_id
+        if compile is None:   # the model's default: the scripts' --compile sets policy.compile_sampler
+            compile = getattr(self, "compile_sampler", False)
         idx = prompt.repeat_interleave(num_samples, dim=0)              # (B*G, Tp)
         idx_mask = prompt_mask.repeat_interleave(num_samples, dim=0)
         N = idx.size(0)
