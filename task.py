@@ -204,6 +204,50 @@ def reward(prompt, completion, format_weight=0.0):
 
 
 # -----------------------------------------------------------------------------
+# Step labels: which steps of a completion are right (the exact labels of prm.py's process reward model)
+
+_STEP = re.compile(rf"^({_NUM})([+\-*])({_NUM})=({_NUM})$")
+
+
+def split_steps(completion):
+    """A completion's steps: the pieces between the ','s, the last one carrying the final answer.
+    '4*2=8,3+8=11#11' -> ['4*2=8', '3+8=11#11']."""
+    return completion.split(",")
+
+
+def _equation(step):
+    """'4*2=8' -> (4, '*', 2, 8), or None when the text is not one operation and its result."""
+    m = _STEP.match(step)
+    return None if m is None else (int(m[1]), m[2], int(m[3]), int(m[4]))
+
+
+def step_labels(prompt, completion):
+    """One 0/1 label per step of `completion` (split_steps): 1 when the steps up to and including it are the start
+    of the correct derivation of `prompt`, else 0. The correct derivation is task.solve's: operator precedence
+    respected (the multiplication first, then left to right), each step one operation with its right result,
+    operands in the derivation's order. The final step must also end with the right answer ('#r', trailing
+    whitespace allowed as the verifier does), and a step with '#' must be the final one. Once a step is wrong, every
+    later step is too (a prefix with a wrong step starts no correct derivation).
+    So on 9+8*1= the left-to-right '9+8=17,17*1=17#17' gets [0, 0] although its answer is right: the first step
+    breaks precedence. Never raises: a prompt that is not a task problem gives all 0, a non-string completion []."""
+    if not isinstance(completion, str):
+        return []
+    steps = split_steps(completion)
+    try:
+        correct, result = solve(prompt)
+    except (ValueError, TypeError):
+        return [0] * len(steps)
+    labels, good = [], True
+    for i, step in enumerate(steps):
+        final = i == len(correct) - 1                            # the derivation's last step: it carries the answer
+        equation, hashes = step.split("#", 1)[0], step.count("#")
+        good = (good and i < len(correct) and _equation(equation) == _equation(correct[i])
+                and hashes == int(final) and (not final or parse_answer(step) == result))
+        labels.append(int(good))
+    return labels
+
+
+# -----------------------------------------------------------------------------
 # Evaluation and preference pairs (these need a model; the model comes from model.py)
 
 @torch.no_grad()
