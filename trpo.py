@@ -1,0 +1,363 @@
+"""
+TRPO: Trust Region Policy Optimization, with the verifier as the reward.
+
+In plain words: each update moves the policy as far as it can in the direction that raises the reward,
+but no further than a fixed distance from the policy that sampled the batch, the distance being the mean
+KL(pi_old || pi_new) over the batch's token positions (at most delta, --max_kl). No learning rate: the
+step length comes from delta. The direction is the natural gradient F^-1 g, the policy gradient g
+corrected by the curvature F of that KL (the Fisher information matrix), found by conjugate gradient
+without ever forming F; then a backtracking line search checks the true KL and the true gain and halves
+the step until both hold. PPO (Schulman et al. 2017) replaced all of this by a clipped ratio and Adam;
+this file shows what it replaced, and `python bench/trpo_compare.py` what it costs.
+
+Schulman, Levine, Moritz, Jordan, Abbeel 2015, "Trust Region Policy Optimization", arXiv 1502.05477
+(section 6, the practical algorithm; appendix C, the step). For a batch of B completions y_i with
+advantages A_i, and positions (i, t) over every completion token (N of them),
+
+    L(theta)    = 1/N sum_it ratio_it(theta) A_i,        ratio_it = pi_theta(y_it | s_it) / pi_old(y_it | s_it)
+    KLbar(theta) = 1/N sum_it KL(pi_old(. | s_it) || pi_theta(. | s_it))    (exact, summed over the vocabulary)
+    maximise L(theta) subject to KLbar(theta) <= delta
+
+The step (appendix C): at theta_old, L ~ L_old + g.s and KLbar ~ 1/2 s^T F s, with
+
+    g = grad L(theta_old) = 1/N sum_it A_i grad log pi_theta(y_it | s_it)           (the policy gradient)
+    F = Hessian of KLbar at theta_old                                               (the Fisher matrix)
+    x = (F + damping I)^-1 g         by conjugate gradient; F v by double back-propagation of KLbar
+    s = sqrt(2 delta / x^T (F + damping I) x) * x                                   (the full step: 1/2 s^T F s = delta)
+    theta = theta_old + 0.5^j s,  j = 0, 1, ..., --backtracks: the first j with KLbar(theta) <= delta and
+            L(theta) > L(theta_old) is taken; if none passes, no step (theta stays theta_old)
+
+The surrogate's gain is logged against the first-order prediction g.s ("improve_ratio"), the KL of the
+accepted step against delta (a step over delta is a "violation": the line search makes them impossible, and
+the run counts them), and the seconds spent in conjugate gradient and line search against the rest.
+
+The rollout and the reward are rloo.py's: k completions per prompt at the sampling temperature, scored by the
+verifier, minus a KL-to-reference penalty in the reward (R_i = r_i - beta * sum_t KL_it, the per-token
+estimate of KL(pi_theta || pi_ref) on the sampled tokens, a number with no gradient), and the leave-one-out
+baseline A_i = R_i - 1/(k-1) sum_{j != i} R_j. Every token of completion i gets the advantage A_i.
+
+Deviations from the paper, and choices it leaves open:
+- Advantages. The paper estimates them from returns with a learned value function as the baseline (a second
+  network fitted by regression each iteration). Here each prompt gets k samples and each sample's baseline is
+  the mean reward of the other k - 1 (RLOO): with one reward per completion that baseline is free and
+  unbiased, and a critic would add a second model, its optimiser and its own errors to a file meant to show
+  the trust region. One completion is one action for the advantage; the ratio is per token.
+- The constraint is the mean KL over sampled positions, as in the paper's practical algorithm (its theory
+  uses the maximum), computed exactly over the vocabulary at each position.
+- Two KLs. kernels.kl (the fused exact KL) gives a gradient to its first argument only, refuses a second
+  argument that requires grad, and its backward is once_differentiable: the Hessian cannot go through it.
+  mean_kl below is the same KL(pi_old || pi_theta) written with torch.log_softmax, twice differentiable in
+  theta (pi_old detached): its Hessian at theta_old is F. It drives the Fisher-vector products; kernels.kl
+  (no gradient) measures the constraint in the line search and in the log. The tests check they agree.
+- Damping: (F + damping I) in place of F (--damping). F is singular here (far more parameters than
+  positions x vocabulary), and conjugate gradient on a singular or ill-conditioned matrix returns huge
+  components along directions the KL barely sees; the damping bounds them (a direction with curvature below
+  `damping` is treated as having curvature `damping`). The full step is scaled with the damped matrix, so
+  its predicted KL is at most delta. Damping is not in the paper; it is in common TRPO implementations.
+- Line search: halve the step at most --backtracks times; accept the first that keeps KLbar <= delta and
+  improves L at all (the paper: "until the objective improves" and the constraint holds).
+- Fisher-vector products run attention with PyTorch's math backend (torch.nn.attention.sdpa_kernel): the
+  fused CPU and GPU attention kernels have no double backward.
+- No optimiser object: the parameters are one flat vector theta, updated by hand (theta_old + step).
+  Nothing like Adam's moments exists, so a checkpoint holds weights, step and random states only.
+- Under torchrun the gradient, every Fisher-vector product and the line search's KL and gain are sums of the
+  ranks' shares (run.all_sum), so every rank computes the same step. --grad_accum splits the gradient and
+  line-search passes into micro-batches; the Fisher-vector products keep every micro-batch's graph for the
+  conjugate-gradient iterations (the memory of the whole batch).
+- Small scale: a 0.8M-parameter policy on arithmetic; the verifier's reward, not a learned one.
+
+Shapes: P prompts per step, G completions per prompt, B = P*G rows, Tn completion tokens, V vocabulary,
+D parameters (theta is a flat (D,) vector).
+
+Run:
+    python trpo.py                       # from out/sft.pt (trained first if missing); a few minutes on 2 CPU cores
+    python trpo.py --max_kl 0.05         # a larger trust region
+    python trpo.py --resume              # continue from out/trpo.pt up to --steps
+    python bench/trpo_compare.py         # seconds and KL per update: TRPO against PPO and GRPO
+Metrics: one JSON object per log step in out/trpo/metrics.jsonl; checkpoint out/trpo.pt.
+"""
+import math
+import time
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.utils import parameters_to_vector
+
+import task
+from kernels import entropy, kl, logprobs
+from model import completion_logits
+from plumbing import SFT_PATH, TEMPERATURE, Float, Int, Run, add_run_flags, parser
+
+
+# -----------------------------------------------------------------------------
+# The reward and the advantages (rloo.py's): KL to the reference in the reward, leave-one-out baseline
+
+def kl_penalty(logp, ref_logp, estimator="k1"):
+    """Per-token estimate of KL(pi_theta || pi_ref) from tokens sampled from pi_theta (Schulman 2020,
+    "Approximating KL Divergence"). logp, ref_logp (B, T) -> (B, T), with log r = log pi_ref - log pi_theta:
+    k1 = -log r, k2 = (log r)^2 / 2, k3 = (r - 1) - log r."""
+    log_r = ref_logp - logp
+    if estimator == "k1":
+        return -log_r
+    if estimator == "k2":
+        return 0.5 * log_r ** 2
+    if estimator == "k3":
+        return torch.exp(log_r) - log_r - 1
+    raise ValueError(f"kl estimator {estimator!r} is unknown; allowed: 'k1', 'k2', 'k3'")
+
+
+def leave_one_out_advantages(rewards, k):
+    """rewards (P*k,) flat, k consecutive samples per prompt -> (P*k,): A_i = R_i - 1/(k-1) sum_{j != i} R_j."""
+    if k < 2:
+        raise ValueError(f"k = {k}; the leave-one-out baseline needs k >= 2 samples per prompt")
+    if rewards.dim() != 1 or rewards.numel() % k:
+        raise ValueError(f"rewards of shape {tuple(rewards.shape)} cannot be split into groups of k = {k}")
+    R = rewards.view(-1, k)                                            # (P, k)
+    baseline = (R.sum(dim=1, keepdim=True) - R) / (k - 1)              # 1/(k-1) sum_{j != i} R_j
+    return (R - baseline).view(-1)                                     # (P*k,)
+
+
+# -----------------------------------------------------------------------------
+# The trust region: surrogate, KL, Fisher-vector products, conjugate gradient, the step
+
+def surrogate(logp, old_logp, advantages, mask, num_tokens=None):
+    """L = 1/N sum_it ratio_it A_i over completion tokens (the objective TRPO maximises; a gain, not a loss).
+    logp, old_logp (B, T); advantages (B,); mask (B, T). num_tokens: N when this batch is a part of the step's
+    (a micro-batch, a rank's share): the result is then this part's share of L. At theta = theta_old its
+    gradient is the policy gradient 1/N sum_it A_i grad log pi_theta(y_it)."""
+    ratio = torch.exp(torch.where(mask > 0, logp - old_logp, 0.0))    # (B, T) pi_theta / pi_old
+    N = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
+    return torch.where(mask > 0, ratio * advantages[:, None], 0.0).sum() / N
+
+
+def mean_kl(old_logits, logits, mask, temperature=1.0, num_tokens=None):
+    """KLbar = 1/N sum_it KL(pi_old(. | s_it) || pi_theta(. | s_it)), exact over the vocabulary, twice
+    differentiable in `logits` (kernels.kl is not: its backward is once_differentiable). old_logits, logits
+    (B, T, V); old_logits carries no gradient; mask (B, T); num_tokens as in `surrogate`. Scalar."""
+    real = mask[..., None] > 0                                         # (B, T, 1): padding rows become uniform
+    up = lambda x: x.to(torch.promote_types(x.dtype, torch.float32))   # float32 at least (float64 stays float64)
+    old_logp = torch.log_softmax(torch.where(real, up(old_logits.detach()), 0.0) / temperature, dim=-1)  # log pi_old
+    new_logp = torch.log_softmax(torch.where(real, up(logits), 0.0) / temperature, dim=-1)  # (B, T, V) log pi_theta
+    kl_t = (old_logp.exp() * (old_logp - new_logp)).sum(-1)            # (B, T) sum_v p_old (log p_old - log p_theta)
+    N = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
+    return torch.where(mask > 0, kl_t, 0.0).sum() / N
+
+
+def flat_grad(y, params, **kwargs):
+    """d y / d params as one flat (D,) vector (zeros for a parameter y does not depend on)."""
+    grads = torch.autograd.grad(y, params, allow_unused=True, **kwargs)
+    return torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for g, p in zip(grads, params)])
+
+
+def fisher_vector_product(kl_grad, params, v, damping=0.0):
+    """(F + damping I) v, F the Hessian of KLbar at theta_old, without forming F: kl_grad is grad KLbar (D,),
+    built with create_graph=True at theta_old; F v = grad (kl_grad . v), a second back-propagation."""
+    return flat_grad(kl_grad @ v, params, retain_graph=True) + damping * v        # (D,)
+
+
+def conjugate_gradient(fvp, b, iters=10, residual_tol=1e-10):
+    """x approximately solving F x = b for a symmetric positive definite F known only through fvp: v -> F v
+    (flat tensors). Hestenes-Stiefel conjugate gradient from x = 0: at most `iters` products F v; stops early
+    once r.r < residual_tol (r = b - F x, the residual) or a direction has no positive curvature. Exact after
+    n iterations for an n x n F, in exact arithmetic."""
+    x = torch.zeros_like(b)
+    r = b.clone()                                                      # r = b - F x, with x = 0
+    p = r.clone()                                                      # the search direction
+    rr = r @ r
+    for _ in range(iters):
+        if rr < residual_tol:
+            break
+        Fp = fvp(p)
+        pFp = p @ Fp
+        if pFp <= 0:                                                   # F not positive definite along p: stop
+            break
+        alpha = rr / pFp                                               # minimises the quadratic along p
+        x = x + alpha * p
+        r = r - alpha * Fp
+        rr_new = r @ r
+        p = r + (rr_new / rr) * p                                      # F-conjugate to the previous directions
+        rr = rr_new
+    return x
+
+
+def natural_gradient_step(g, fvp, max_kl, cg_iters=10, stats=None, residual_tol=1e-10):
+    """TRPO's full step (appendix C): x = F^-1 g by conjugate_gradient, then s = sqrt(2 max_kl / x^T F x) * x,
+    the longest step along x whose quadratic KL model 1/2 s^T F s equals max_kl. Returns (full_step (D,),
+    expected_improvement = g . s, the first-order gain of the surrogate). A zero gradient gives a zero step.
+    stats: a dict to fill with "cg_residual" (|g - F x| / |g|, the true relative residual) and "xFx";
+    residual_tol: conjugate_gradient's."""
+    x = conjugate_gradient(fvp, g, iters=cg_iters, residual_tol=residual_tol)   # (D,) approximately F^-1 g
+    Fx = fvp(x)
+    xFx = x @ Fx
+    if stats is not None:
+        stats["cg_residual"] = ((g - Fx).norm() / g.norm().clamp(min=1e-30)).item()
+        stats["xFx"] = xFx.item()
+    if xFx <= 0:                                                       # g = 0 (every advantage 0): nothing to gain
+        return torch.zeros_like(g), 0.0
+    full_step = torch.sqrt(2 * max_kl / xFx) * x                       # s = sqrt(2 delta / x^T F x) x
+    return full_step, (g @ full_step).item()                           # g . s = sqrt(2 delta g^T F^-1 g)
+
+
+def backtracking_line_search(try_step, max_kl, backtracks):
+    """TRPO's line search (appendix C): try the fractions 1, 1/2, 1/4, ..., 1/2^backtracks of the full step and take
+    the first whose measured KL is at most max_kl and whose measured gain of the surrogate is positive.
+    try_step(frac) -> (kl, gain) at theta_old + frac * s, measured exactly (not the quadratic model).
+    Returns (frac, kl, gain, halvings, kl_full): the accepted fraction (0.0 and kl = gain = 0 when none passed:
+    no step), the halvings tried, and the KL of the full step (how far the quadratic model was off)."""
+    kl_full = None
+    for j in range(backtracks + 1):
+        frac = 0.5 ** j
+        kl_new, gain = try_step(frac)
+        kl_full = kl_new if j == 0 else kl_full
+        if kl_new <= max_kl and gain > 0:                              # inside the trust region, and better
+            return frac, kl_new, gain, j, kl_full
+    return 0.0, 0.0, 0.0, backtracks, kl_full
+
+
+def set_flat_params(params, theta):
+    """Write the flat vector theta (D,) into the parameters, in parameters_to_vector's order: the update by hand."""
+    with torch.no_grad():
+        for p, chunk in zip(params, torch.split(theta, [p.numel() for p in params])):
+            p.copy_(chunk.view_as(p))
+
+
+# -----------------------------------------------------------------------------
+# Hyperparameters
+
+def parse_args(argv=None):
+    p = parser(__doc__)
+    g = p.add_argument_group("algorithm")
+    g.add_argument("--max_kl", type=Float(gt=0), default=0.02, help="delta: the trust region, mean KL(pi_old || pi_new) per token")
+    g.add_argument("--damping", type=Float(ge=0), default=0.1, help="conjugate gradient solves (F + damping I) x = g")
+    g.add_argument("--cg_iters", type=Int(ge=1), default=10, help="conjugate gradient iterations (Fisher-vector products)")
+    g.add_argument("--backtracks", type=Int(ge=0), default=10, help="most halvings of the step in the line search")
+    g.add_argument("--group_size", type=Int(ge=2), default=8, help="k (G in the code): completions sampled per prompt")
+    g.add_argument("--beta", type=Float(ge=0), default=0.04, help="weight of the KL-to-reference penalty in the reward")
+    g.add_argument("--kl_estimator", default="k1", choices=["k1", "k2", "k3"], help="per-token KL estimate in the reward")
+    g.add_argument("--format_weight", type=Float(ge=0), default=0.0, help="reward bonus for a well-formed completion")
+    g = p.add_argument_group("sampling")
+    g.add_argument("--steps", type=Int(ge=1), default=40, help="TRPO updates (one batch of rollouts each)")
+    g.add_argument("--prompts_per_step", type=Int(ge=1), default=32, help="P: prompts drawn per step")
+    g.add_argument("--temperature", type=TEMPERATURE, default=1.0, help="sampling temperature; log-probs use the same")
+    g.add_argument("--max_new_tokens", type=Int(ge=1), default=task.MAX_NEW_TOKENS, help="longest completion")
+    g.add_argument("--precedence_share", type=Float(ge=0, le=1), default=0.5, help="share of a+b*c / a-b*c prompts")
+    g = add_run_flags(p, "trpo", log_every=5, eval_every=10)
+    g.add_argument("--init", default=SFT_PATH, help="SFT checkpoint: the starting policy and the frozen reference")
+    return p.parse_args(argv)
+
+
+def main(args):
+    run = Run("trpo", args, batch_flag="prompts_per_step")  # device, seeds, lock, log, resume, torchrun: plumbing.py
+    policy, tok = run.load_policy(args.init)        # the policy starts as the SFT policy ...
+    ref, _ = run.load_policy(args.init)             # ... which stays frozen as the reference
+    ref.requires_grad_(False)
+    run.check_lengths(policy, tok, args.max_new_tokens)
+    ckpt = run.resume(policy)                       # no optimiser: the update is written out below
+    violations = ckpt.get("violations", 0) if ckpt else 0             # accepted steps with KL > delta, so far
+    params = list(policy.parameters())              # theta, in parameters_to_vector's order
+    P, G, temp, delta = args.prompts_per_step, args.group_size, args.temperature, args.max_kl
+    run.print(f"TRPO: {policy.num_params() / 1e6:.2f}M parameters on {run.device}, {args.steps} steps of {P} prompts x "
+              f"{G} samples, max_kl {delta}, damping {args.damping}, {args.cg_iters} CG iterations, beta {args.beta}")
+    if run.step == 0:
+        run.log_start(run.evaluate(policy, tok))
+
+    while run.training():
+        # 1. rollout: G = k completions per prompt at the sampling temperature, scored by the verifier
+        t_start = time.perf_counter()
+        prompts = run.shard(task.sample_prompts(run.rng, P, args.precedence_share))   # this rank's share
+        with run.autocast:
+            prompt, prompt_mask, tokens, mask, truncated, rewards = task.rollout(policy, tok, prompts, G, temp,
+                                                                                 args.max_new_tokens, args.format_weight,
+                                                                                 run.gen)  # (B, Tp), (B, Tn), (B,)
+        run.samples += P * G
+        t_rollout = time.perf_counter() - t_start
+        batches = [(rows, (prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])) for rows, _ in run.micro_batches(len(mask))]
+
+        # 2. score without gradient: pi_old's logits (kept: the KL is measured against them), log-probs of old and ref
+        old_logits, old_logp, ref_logp = [], torch.zeros_like(mask), torch.zeros_like(mask)   # (B, Tn) each
+        n_tokens = run.all_sum(mask.sum())                                         # N, over every rank
+        kl_ref = ent = 0.0
+        for rows, b in batches:
+            with torch.no_grad(), run.autocast:
+                logits, ref_logits = completion_logits(policy, *b), completion_logits(ref, *b)   # (b, Tn, V)
+            old_logits.append(logits)
+            old_logp[rows], ref_logp[rows] = logprobs(logits, b[2], temp), logprobs(ref_logits, b[2], temp)
+            kl_ref += torch.where(b[3] > 0, kl(logits, ref_logits, temp), 0.0).sum() / n_tokens  # KL(pi || pi_ref)
+            ent += torch.where(b[3] > 0, entropy(logits, temp), 0.0).sum() / n_tokens
+
+        # 3. advantages: KL to the reference in the reward, the other k - 1 samples are the baseline
+        kl_t = kl_penalty(old_logp, ref_logp, args.kl_estimator)                     # (B, Tn)
+        scores = rewards - args.beta * torch.where(mask > 0, kl_t, 0.0).sum(1)       # R_i = r_i - beta * sum_t KL_it
+        advantages = leave_one_out_advantages(scores, G)                             # (B,)
+
+        # 4. the policy gradient g = grad L(theta_old), one flat vector, summed over micro-batches and ranks
+        g = 0.0
+        for rows, b in batches:
+            with run.autocast:
+                logp = logprobs(completion_logits(policy, *b), b[2], temp)             # (b, Tn) log pi_theta
+            part = surrogate(logp, old_logp[rows], advantages[rows], b[3], num_tokens=n_tokens)
+            run.check_finite(part, f"lower --max_kl (now {delta})")
+            g = g + flat_grad(part, params)
+        g = run.all_sum(g)                                                            # (D,)
+
+        # 5. the natural gradient: x = (F + damping I)^-1 g by conjugate gradient, F v by double back-propagation
+        #    of KLbar at theta_old; the full step s = sqrt(2 delta / x^T F x) x
+        t_cg = time.perf_counter()
+        kl_grads = []
+        with sdpa_kernel(SDPBackend.MATH), run.autocast:                              # attention with a double backward
+            for (rows, b), old in zip(batches, old_logits):
+                kl_part = mean_kl(old, completion_logits(policy, *b), b[3], temp, num_tokens=n_tokens)
+                kl_grads.append(flat_grad(kl_part, params, create_graph=True))        # grad KLbar: 0 here, its graph kept
+        fvp = lambda v: run.all_sum(sum(fisher_vector_product(kg, params, v) for kg in kl_grads)) + args.damping * v
+        stats = {}
+        full_step, expected = natural_gradient_step(g, fvp, delta, args.cg_iters, stats)
+        del kl_grads, fvp
+        t_cg = time.perf_counter() - t_cg
+
+        # 6. line search: theta_old + 0.5^j s for j = 0..backtracks; the first with KLbar <= delta and a gain is taken
+        t_ls = time.perf_counter()
+        theta_old = parameters_to_vector(params).detach().clone()                    # (D,)
+        L_old = run.all_sum(torch.where(mask > 0, advantages[:, None], 0.0).sum() / n_tokens).item()  # L(theta_old) = mean A
+
+        def try_step(frac):                         # exact KLbar and gain of L at theta = theta_old + frac * s
+            set_flat_params(params, theta_old + frac * full_step)
+            kl_sum = L_new = 0.0
+            for (rows, b), old in zip(batches, old_logits):
+                with torch.no_grad(), run.autocast:
+                    logits = completion_logits(policy, *b)                            # (b, Tn, V) under pi_theta
+                kl_sum += torch.where(b[3] > 0, kl(old, logits, temp), 0.0).sum() / n_tokens   # KL(pi_old || pi_theta)
+                L_new += surrogate(logprobs(logits, b[2], temp), old_logp[rows], advantages[rows], b[3], n_tokens)
+            return run.all_sum(kl_sum).item(), run.all_sum(L_new).item() - L_old
+        frac, kl_step, gain, halvings, kl_full = backtracking_line_search(try_step, delta, args.backtracks)
+        set_flat_params(params, theta_old + frac * full_step)                         # the update, by hand
+        violations += kl_step > delta                                                 # 0 by construction
+        t_ls = time.perf_counter() - t_ls
+        run.step += 1
+        run.tokens += int(n_tokens)
+
+        # 7. log, evaluate, checkpoint (every number over all ranks)
+        if run.log_due():
+            groups, t_step = rewards.view(-1, G), time.perf_counter() - t_start
+            metrics = {"reward_mean": run.mean(rewards), "reward_std": run.std(rewards),
+                       "zero_var_groups": run.mean((groups == groups[:, :1]).all(1).float()),
+                       "kl_step": kl_step, "kl_full_step": kl_full, "violations": violations, "accepted": float(frac > 0),
+                       "backtracks": halvings, "improvement": gain, "expected_improvement": frac * expected,  # g . (frac s)
+                       "improve_ratio": gain / (frac * expected) if frac * expected > 0 else 0.0,
+                       "cg_residual": stats["cg_residual"], "grad_norm": g.norm().item(), "step_norm": frac * full_step.norm().item(),
+                       "kl_exact": run.all_sum(kl_ref).item(), f"kl_{args.kl_estimator}": run.masked_mean(kl_t, mask),
+                       "entropy": run.all_sum(ent).item(), "completion_len": run.mean(mask.sum(1)),
+                       "truncated": run.mean(truncated.float()), "t_rollout": t_rollout, "t_cg": t_cg,
+                       "t_linesearch": t_ls, "t_rest": t_step - t_cg - t_ls - t_rollout, "t_step": t_step}
+            if run.eval_due():
+                metrics.update(run.evaluate(policy, tok))
+            run.log(metrics, f"reward {metrics['reward_mean']:.3f} | kl step {kl_step:.4f} / {delta} (full {kl_full:.4f}, "
+                             f"{halvings} halvings{'' if frac else ': no step'}) | gain {gain:.4f} / {frac * expected:.4f} "
+                             f"| cg res {stats['cg_residual']:.2f} | s: cg {t_cg:.1f} ls {t_ls:.1f} other "
+                             f"{t_step - t_cg - t_ls:.1f}", tokens=True)
+        if run.eval_due():
+            run.save(policy, violations=violations)
+    run.finish(policy, tok, violations=violations)
+
+
+if __name__ == "__main__":
+    main(parse_args())
