@@ -21,6 +21,8 @@ Sections (each prints a markdown table and writes it, with its raw numbers, unde
 Run:
     python bench/early_experience.py --section cold_start           # about 2 minutes on 2 CPU cores (+ SFT if missing)
     python bench/early_experience.py --section distribution_shift   # builds the GRPO (and EI) policies if missing
+    python bench/early_experience.py --section hindsight            # two expert-iteration runs, about 3 minutes
+    python bench/early_experience.py --section warm_buffer          # three expert-iteration runs (one shared)
     python bench/early_experience.py                                # every section
 """
 import argparse
@@ -154,7 +156,64 @@ def distribution_shift(args):
     write("distribution_shift", "\n".join(lines), {k: {c: list(v) for c, v in r.items()} for k, r in results.items()})
 
 
-SECTIONS = {"cold_start": cold_start, "distribution_shift": distribution_shift}
+# -----------------------------------------------------------------------------
+# 3. and 4. Hindsight relabelling and a warm buffer: expert_iteration.py with and without them
+
+def ei_runs(args, variants):
+    """{name: (metrics log, final policy path)} of expert_iteration.py runs from the SFT policy, one per variant
+    (name, extra flags), with the same seed and rounds, so the same number of completions sampled."""
+    build_missing(os.path.join(ROOT, args.sft), os.path.join(ROOT, SFT_PATH), ["sft.py"])
+    runs = {}
+    for name, slug, flags in variants:
+        out = os.path.join(OUT, "expert_iteration", slug)
+        log, ckpt = os.path.join(ROOT, out, "expert_iteration", "metrics.jsonl"), os.path.join(ROOT, out, "expert_iteration.pt")
+        if not (os.path.exists(log) and os.path.exists(ckpt)):
+            run(["expert_iteration.py", "--init", os.path.join(ROOT, args.sft), "--out", out, "--seed", str(args.seed), *flags])
+        runs[name] = (metrics(log), ckpt)
+    return runs
+
+
+def greedy_accuracy(model, tok, prompts):
+    completions = task.complete(model, tok, prompts, temperature=0.0)
+    return sum(task.reward(p, c) for p, c in zip(prompts, completions)) / len(prompts)
+
+
+def hindsight(args):
+    runs = ei_runs(args, [("expert iteration", "plain", []), ("expert iteration --hindsight", "hindsight", ["--hindsight"])])
+    device = pick_device(args.device)
+    paren = task.paren_eval_prompts()
+    sft, tok, _ = load_model(os.path.join(ROOT, args.sft), device, "gpt")
+    rows = {"SFT policy": {"plain": runs["expert iteration"][0][0]["eval_accuracy"], "paren": greedy_accuracy(sft, tok, paren),
+                           "samples": 0, "relabelled": 0}}
+    for name, (log, ckpt) in runs.items():
+        model, tok, _ = load_model(ckpt, device, "gpt")
+        rows[name] = {"plain": log[-1]["eval_accuracy"], "paren": greedy_accuracy(model, tok, paren),
+                      "samples": log[-1]["samples"], "relabelled": sum(r.get("relabelled", 0) for r in log[1:])}
+    lines = ["| policy | completions sampled | relabelled examples fine-tuned on | held-out a+b*c etc. (512) | "
+             f"held-out (a+b)*c, never asked ({len(paren)}) |", "| --- | ---: | ---: | ---: | ---: |"]
+    lines += [f"| {n} | {r['samples']:,} | {r['relabelled']:,} | {r['plain']:.3f} | {r['paren']:.3f} |" for n, r in rows.items()]
+    write("hindsight", "\n".join(lines), rows)
+
+
+def warm_buffer(args):
+    runs = ei_runs(args, [("no demonstrations", "plain", []), ("--demos 0.25", "demos25", ["--demos", "0.25"]),
+                          ("--demos 0.5", "demos50", ["--demos", "0.5"])])
+    first = next(iter(runs.values()))[0][0]
+    lines = ["| expert iteration | demonstrations fine-tuned on | held-out precedence: start -> end | "
+             "held-out others: start -> lowest -> end | held-out all: end |", "| --- | ---: | ---: | ---: | ---: |"]
+    rows = {}
+    for name, (log, _) in runs.items():
+        evals = [r for r in log if "eval_accuracy" in r]
+        rows[name] = {"demos": sum(r.get("demos", 0) for r in log[1:]), "precedence": [r["eval_accuracy_precedence"] for r in evals],
+                      "other": [r["eval_accuracy_other"] for r in evals], "all": evals[-1]["eval_accuracy"]}
+        r = rows[name]
+        lines.append(f"| {name} | {r['demos']:,} | {first['eval_accuracy_precedence']:.3f} -> {r['precedence'][-1]:.3f} | "
+                     f"{first['eval_accuracy_other']:.3f} -> {min(r['other']):.3f} -> {r['other'][-1]:.3f} | {r['all']:.3f} |")
+    write("warm_buffer", "\n".join(lines), rows)
+
+
+SECTIONS = {"cold_start": cold_start, "distribution_shift": distribution_shift, "hindsight": hindsight,
+            "warm_buffer": warm_buffer}
 
 
 def main():
