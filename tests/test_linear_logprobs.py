@@ -29,27 +29,13 @@ import torch
 
 import kernels
 from kernels import HAS_TRITON, TRITON_INTERPRET
+from test_kernels import fresh_seed, nan_filled_empty  # noqa: F401  (the same autouse fixtures: NaN-filled torch.empty, a fresh seed)
 
 HAS_CUDA = torch.cuda.is_available()
 TRITON_HERE = HAS_TRITON and (HAS_CUDA or TRITON_INTERPRET)
 IMPLS = ["torch_path"] + (["triton_path"] if TRITON_HERE else [])
 EPS32 = torch.finfo(torch.float32).eps
 EPS = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}  # unit roundoff of each dtype
-
-
-@pytest.fixture(autouse=True)
-def nan_filled_empty():
-    was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)  # torch.empty -> NaN: unwritten outputs show
-    yield
-    torch.use_deterministic_algorithms(was)
-
-
-@pytest.fixture(autouse=True)
-def fresh_seed():
-    seed = int(os.environ.get("KERNELS_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
-    print(f"seed {seed} (replay with KERNELS_TEST_SEED={seed})")
-    torch.manual_seed(seed)
 
 
 def device_for(impl):
