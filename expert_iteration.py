@@ -67,7 +67,7 @@ then fine-tunes on the kept ones: the README compares methods by completions sam
 Shapes: P prompts per round, N samples per prompt (the best-of-N's N), B = P*N samples; T time, V vocabulary.
 
 Run:
-    python expert_iteration.py                   # from out/sft.pt (trained first if missing); about a minute on 2 idle CPU cores
+    python expert_iteration.py                   # from out/sft.pt (trained first if missing); about 2 minutes on 2 CPU cores
     python expert_iteration.py --restart         # every round from the SFT weights, on everything kept so far (ReST-EM style)
     python expert_iteration.py --select rm       # Llama 2's rejection sampling: the reward model's best of N (builds out/rm.pt)
     python expert_iteration.py --hindsight       # also learn (a+b)*c= from the left-to-right failures on a+b*c=

@@ -70,7 +70,7 @@ Shapes: P prompts per step, G completions per prompt, B = P*G rows, Tn completio
 D parameters (theta is a flat (D,) vector).
 
 Run:
-    python trpo.py                       # from out/sft.pt (trained first if missing); a few minutes on 2 CPU cores
+    python trpo.py                       # from out/sft.pt (trained first if missing); about 9 minutes on one CPU core
     python trpo.py --max_kl 0.05         # a larger trust region
     python trpo.py --resume              # continue from out/trpo.pt up to --steps
     python bench/trpo_compare.py         # seconds and KL per update: TRPO against PPO and GRPO
