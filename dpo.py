@@ -169,7 +169,7 @@ def main(args):
     sources = {s: sum(p["source"] == s for p in train_pairs) for s in sorted({p["source"] for p in train_pairs})}
     run.print(f"DPO: {model.num_params() / 1e6:.2f}M parameters on {run.device}, {len(train_pairs)} pairs {sources}, "
               f"{args.steps} steps of {args.batch_size}, beta {args.beta}")
-    if run.step == 0 and run.is_main:
+    if not args.resume and run.is_main:             # a fresh run: the starting policy is step 0
         e = {**run.evaluate(model, tok), **evaluate_pairs(model, reference, tok, eval_pairs, *eval_ref, args.beta,
                                                           run.device, run.autocast)}
         run.log_start(e, f"{pairs_line(e)} (the SFT policy)")
@@ -188,14 +188,14 @@ def main(args):
         n_pairs = run.all_sum(len(idx))
         optimizer.zero_grad(set_to_none=True)
         loss, parts = 0.0, []
-        for rows, last in run.micro_batches(len(idx)):
+        for rows in run.micro_batches(len(idx), train_model):
             policy_chosen, policy_rejected = pair_logprobs(train_model, [pairs[j] for j in rows.tolist()], tok, run.device,
                                                            run.autocast)  # (b,), (b,)
             losses, chosen_rewards, rejected_rewards = dpo_loss(policy_chosen, policy_rejected, ref_chosen[rows],
                                                                 ref_rejected[rows], args.beta)
             part = losses.sum() / n_pairs                                    # this part's share of L_DPO
             run.check_finite(part, f"lower --lr (now {args.lr})")
-            run.backward(part, last, train_model)
+            part.backward()
             loss, parts = loss + part.item(), parts + [(policy_chosen.detach(), policy_rejected.detach(),
                                                         chosen_rewards.detach(), rejected_rewards.detach())]
         policy_chosen, policy_rejected, chosen_rewards, rejected_rewards = (torch.cat(x) for x in zip(*parts))  # (B,) each

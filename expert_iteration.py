@@ -252,7 +252,7 @@ def main(args):
               f"{P} prompts x {N} samples, select {'the verifier-accepted' if args.select == 'verifier' else 'the reward model best-of-N'}"
               f" (at most {args.max_per_prompt} distinct per prompt), {args.epochs} epochs per round, "
               f"{'from the SFT weights on all data so far (--restart)' if args.restart else 'continuing from the current policy'}")
-    if run.step == 0:
+    if not args.resume:                             # a fresh run: the starting policy is step 0
         run.log_start(run.evaluate(policy, tok))
 
     while run.training():
@@ -298,13 +298,13 @@ def main(args):
             n_tokens = run.all_sum(loss_mask.sum())                                  # the whole batch's
             optimizer.zero_grad(set_to_none=True)
             loss = 0.0
-            for rows, last in run.micro_batches(len(tokens)):
+            for rows in run.micro_batches(len(tokens), train_policy):
                 with run.autocast:
                     logits = train_policy(tokens[rows, :-1], attn[rows, :-1])       # (b, T-1, V)
                 logp = logprobs(logits, tokens[rows, 1:])                            # (b, T-1) log pi(y_t | x, y_<t)
                 part = -masked_mean(logp, loss_mask[rows], n_tokens)                 # this part's share of the mean NLL
                 run.check_finite(part, f"lower --lr (now {args.lr})")
-                run.backward(part, last, train_policy)
+                part.backward()
                 loss += part.item()
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
             optimizer.step()

@@ -83,7 +83,7 @@ Metrics: one JSON object per log step in out/grpo/metrics.jsonl (README: metrics
 import torch
 
 import task
-from kernels import entropy, kl, logprobs
+from kernels import entropy, kl, kl_penalty, logprobs
 from model import completion_logits, masked_mean
 from plumbing import SFT_PATH, TEMPERATURE, Float, Int, Run, add_run_flags, parser
 
@@ -113,22 +113,6 @@ def grpo_advantages(rewards, group_size, eps=1e-6, scale_by_std=True, std="popul
         advantages = advantages / (sd + eps)
     all_equal = (r == r[:, :1]).all(dim=1, keepdim=True)               # (P, 1) no signal in this group
     return torch.where(all_equal, torch.zeros_like(advantages), advantages).view(-1)  # (P*G,)
-
-
-def kl_penalty(logp, ref_logp, estimator="k3", clamp=None):
-    """Per-token estimate of KL(pi_theta || pi_ref) from tokens sampled from pi_theta (see the docstring
-    above for what each estimator's gradient does). logp, ref_logp (B, T) -> (B, T). clamp: if given,
-    log r is clamped to [-clamp, clamp] first (as verl and OpenRLHF do)."""
-    log_r = ref_logp - logp                                            # log r = log pi_ref - log pi_theta
-    if clamp is not None:
-        log_r = log_r.clamp(-clamp, clamp)
-    if estimator == "k1":
-        return -log_r
-    if estimator == "k2":
-        return 0.5 * log_r ** 2
-    if estimator == "k3":
-        return torch.exp(log_r) - log_r - 1                            # (r - 1) - log r
-    raise ValueError(f"kl estimator {estimator!r} is unknown; allowed: 'k1', 'k2', 'k3'")
 
 
 def grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps=0.2, beta=0.04, eps_high=None,
@@ -271,7 +255,7 @@ def main(args):
     run.print(f"GRPO: {policy.num_params() / 1e6:.2f}M parameters on {run.device}, {args.steps} steps of {P} prompts x {G} "
               f"samples, beta {args.beta} ({args.kl_estimator}), mu {args.mu}, {args.ratio_level} ratio, {args.loss_type} loss"
               f"{', dynamic sampling' if args.dynamic_sampling else ''}")
-    if run.step == 0:
+    if not args.resume:                             # a fresh run: the starting policy is step 0
         run.log_start(run.evaluate(policy, tok))
 
     while run.training():
@@ -295,7 +279,7 @@ def main(args):
         old_logp, ref_logp = torch.zeros_like(mask), torch.zeros_like(mask)      # (B, Tn)
         n_seqs, n_tokens = run.all_sum(len(mask)), run.all_sum(mask.sum())        # the step's, over every rank
         kl_exact = ent = 0.0
-        for rows, _ in run.micro_batches(len(mask)):
+        for rows in run.micro_batches(len(mask)):
             with torch.no_grad(), run.autocast:
                 logits = completion_logits(policy, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])  # (b, Tn, V)
                 ref_logits = completion_logits(ref, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
@@ -311,7 +295,7 @@ def main(args):
         for epoch in range(args.mu):
             optimizer.zero_grad(set_to_none=True)
             loss, stats = 0.0, {}
-            for rows, last in run.micro_batches(len(mask)):
+            for rows in run.micro_batches(len(mask), train_policy):
                 with run.autocast:
                     logits = completion_logits(train_policy, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
                 logp = logprobs(logits, tokens[rows], temp)                        # (b, Tn) log pi_theta
@@ -322,7 +306,7 @@ def main(args):
                                              ratio_level=args.ratio_level, loss_type=args.loss_type,
                                              num_seqs=n_seqs, num_tokens=n_tokens)
                 run.check_finite(part, f"lower --lr (now {args.lr})")
-                run.backward(part, last, train_policy)
+                part.backward()
                 loss, stats = loss + part.item(), {k: stats.get(k, 0.0) + v for k, v in part_stats.items()}
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
             optimizer.step()

@@ -10,10 +10,14 @@ What it holds:
 - one run per output folder: a lock file, taken over when the process that left it is dead;
 - building a missing prerequisite checkpoint (the SFT policy, the reward model) where it is then
   loaded from, whatever the working directory;
+- every check that can run before the first expensive step runs there (a --resume without a usable
+  checkpoint, a missing or unreadable checkpoint flag, lengths against the model that would be built);
 - resume: weights, optimiser, step, random states, and the checks that the checkpoint is the one
   this run would have written (same script, same --init, --steps not below its step);
-- the metrics log kept consistent with the checkpoint: a step's metrics are written before the
-  checkpoint that covers it, and on resume the log is cut back to the checkpoint's step;
+- the metrics log kept consistent with the checkpoint: nothing on disk is removed or rewritten until
+  every check has passed; a fresh run then replaces the folder's earlier checkpoint and log together;
+  a step's metrics are written before the checkpoint that covers it; on resume the log is cut back
+  to the checkpoint's step;
 - Ctrl-C (or SIGTERM): the step in progress finishes, a checkpoint is written, and one line says
   how to resume;
 - held-out evaluation and the summary line;
@@ -38,12 +42,11 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import task
-from model import CheckpointError, Tokenizer, fingerprint, load_checkpoint, save_checkpoint
+from model import CheckpointError, GPTConfig, Tokenizer, fingerprint, load_checkpoint, save_checkpoint
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 SFT_PATH = os.path.join("out", "sft.pt")   # default --init of every script that starts from the SFT policy
 RM_PATH = os.path.join("out", "rm.pt")     # default --rm of ppo.py
-MIN_TEMPERATURE, MAX_TEMPERATURE = 0.05, 20.0  # sampling temperatures the scripts accept (see Float below)
 
 
 # -----------------------------------------------------------------------------
@@ -82,7 +85,9 @@ class Int(_Number):
     kind, noun = int, "an integer"
 
 
-TEMPERATURE = Float(ge=MIN_TEMPERATURE, le=MAX_TEMPERATURE)  # below, sampling turns into argmax; above, into noise
+# The --temperature flags: below 0.05 sampling is argmax, above 20 noise (kernels accept a wider range, 1e-3 to 1e3,
+# the one float32 can represent: kernels.MIN_TEMPERATURE, kernels.MAX_TEMPERATURE)
+TEMPERATURE = Float(ge=0.05, le=20.0)
 
 
 def parser(doc):
@@ -149,6 +154,10 @@ def lr_schedule(step, lr, warmup, total=None):
 # -----------------------------------------------------------------------------
 # Checkpoints: built when missing, loaded with one error line for any problem
 
+TORCHRUN_VARIABLES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                      "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT"}
+
+
 def build_missing(path, default, command, device=None):
     """If `path` is missing and is the flag's `default`, build it by running `command` (a script and its flags)
     with --out set to the folder of `path`, so it is written exactly where it is then loaded from, whatever the
@@ -161,7 +170,9 @@ def build_missing(path, default, command, device=None):
     if device is not None:
         cmd += ["--device", device]
     print(f"{path} not found: building it first with `python {' '.join(command)}`", flush=True)
-    if subprocess.run(cmd).returncode != 0 or not os.path.exists(path):
+    # one process: a child that inherited torchrun's variables would wait forever for a process group of WORLD_SIZE
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES and not k.startswith("TORCHELASTIC_")}
+    if subprocess.run(cmd, env=env).returncode != 0 or not os.path.exists(path):
         raise SystemExit(f"error: building {path} with {command[0]} failed (its output is above)")
 
 
@@ -251,9 +262,9 @@ class Run:
         run = Run("grpo", args)
         policy, tok = run.load_policy(args.init)
         optimizer = ...
-        run.resume(policy, optimizer)
-        if run.step == 0:
-            run.log_start(run.evaluate(policy, tok))   # held-out accuracy of the starting policy
+        run.resume(policy, optimizer)                 # with --resume
+        if not args.resume:
+            run.log_start(run.evaluate(policy, tok))   # held-out accuracy of the starting policy: step 0
         while run.training():                         # False at the step limit or after Ctrl-C
             ...                                       # the algorithm's step, then run.step += 1
             if run.eval_due(): metrics.update(run.evaluate(policy, tok))
@@ -277,6 +288,9 @@ class Run:
                                  f"--grad_accum {k} micro-batches; allowed: a multiple of {self.world} of at least "
                                  f"{self.world * k}")
         self.device = pick_device(args.device)
+        self.ckpt_path = os.path.join(args.out, f"{name}.pt")
+        self.metrics_path = os.path.join(args.out, name, "metrics.jsonl")
+        self._check_inputs()                                                # before anything is built, locked or written
         if self.world > 1:
             if self.device.startswith("cuda"):
                 self.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
@@ -287,12 +301,10 @@ class Run:
         seed_everything(args.seed)
         self.rng = random.Random(args.seed)                                 # draws the prompts
         self.gen = torch.Generator(device=self.device).manual_seed(args.seed + self.rank)  # draws the completions
-        self.ckpt_path = os.path.join(args.out, f"{name}.pt")
-        self.metrics_path = os.path.join(args.out, name, "metrics.jsonl")
         self.step, self.before, self.last_eval, self.eval_step = 0, None, None, -1
         self.tokenizer_name = None
         self.sources = {}                                                   # abspath -> fingerprint of what was loaded
-        self.interrupted = False
+        self.interrupted, self.current = False, 0                            # current: the step in progress
         self.t0, self.t_log, self.tokens = None, time.time(), 0  # t0: the first training step; tokens: counted by the script
         self.samples = 0                       # completions drawn from a policy so far (counted by the script, resumed)
         self.lock = None
@@ -301,19 +313,55 @@ class Run:
                 raise SystemExit(f"error: --out {args.out} is a file; it must be a folder (it is created if missing)")
             try:
                 os.makedirs(os.path.dirname(self.metrics_path), exist_ok=True)
+                self.lock = OutputLock(os.path.join(args.out, f"{name}.lock"))
             except OSError as e:
                 raise SystemExit(f"error: cannot write to --out {args.out} ({e.strerror})") from None
-            self.lock = OutputLock(os.path.join(args.out, f"{name}.lock"))
             atexit.register(self.close)                                      # released however the process ends
             for f in os.listdir(args.out):                                   # orphans of a save that was killed
                 if f.startswith(f"{os.path.basename(self.ckpt_path)}.tmp"):
                     os.remove(os.path.join(args.out, f))
-            if not args.resume:
-                open(self.metrics_path, "w").close()                         # a fresh run starts a fresh log
+            # The log is not touched here: a fresh run replaces the folder's earlier run in log_start, once every
+            # check has passed; a resumed run cuts it back to its checkpoint in resume.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._stop)
 
-    # ---- prerequisites and models
+    # ---- checks before any work, prerequisites and models
+
+    CHECKPOINT_FLAGS = {"init": (SFT_PATH, "sft.py"), "rm": (RM_PATH, "reward_model.py")}  # flag: (default, maker)
+
+    def _check_inputs(self):
+        """What can be refused before anything is built, locked or written: a --resume with no usable checkpoint to
+        resume, a checkpoint flag naming a missing file (other than the default, which is built) or an unreadable one."""
+        args = self.args
+        if args.resume:
+            self.resume_ckpt = self._read_checkpoint(self.ckpt_path, "--resume")
+            if self.resume_ckpt.get("script") != self.script:
+                written_by = self.resume_ckpt.get("script")
+                raise SystemExit(f"error: {self.ckpt_path} was written by "
+                                 f"{written_by + '.py' if written_by else 'an older version of this project'}, not by "
+                                 f"{self.script}.py; it cannot be resumed here")
+            if self.resume_ckpt["step"] > self.total_steps:
+                raise SystemExit(f"error: {self.ckpt_path} is at step {self.resume_ckpt['step']}, past this run's limit "
+                                 f"of {self.total_steps} steps; pass a larger limit to train on")
+        for flag, (default, maker) in self.CHECKPOINT_FLAGS.items():
+            path = getattr(args, flag, None)
+            if path is None or (not os.path.exists(path) and os.path.abspath(path) == os.path.abspath(default)):
+                continue                                                    # absent flag, or a default built later
+            if not os.path.exists(path):
+                raise SystemExit(f"error: --{flag}: no checkpoint at {path}; train one with `python {maker}` or pass "
+                                 f"another path")
+            self._read_checkpoint(path, f"--{flag}")
+
+    @staticmethod
+    def _read_checkpoint(path, flag):
+        """The checkpoint dict at `path` (read on the CPU), or one error line naming the flag and the problem."""
+        if not os.path.exists(path):
+            hint = "; run without --resume" if flag == "--resume" else ""
+            raise SystemExit(f"error: {flag}, but there is no checkpoint at {path}{hint}")
+        try:
+            return load_checkpoint(path, "cpu")[1]
+        except (CheckpointError, ValueError) as e:
+            raise SystemExit(f"error: {flag}: {e}") from None
 
     def load(self, path, kind="gpt", expect=None):
         """load_model on this run's device, remembering what was loaded (resume checks it). Returns (model, tok)."""
@@ -324,6 +372,8 @@ class Run:
 
     def load_policy(self, path):
         """(policy, tokenizer) from an SFT checkpoint; out/sft.pt is built first if it is the missing default."""
+        if not os.path.exists(path) and hasattr(self.args, "max_new_tokens"):  # refuse now, not after building it
+            self._check_fits(task.max_prompt_tokens(Tokenizer()), self.args.max_new_tokens, GPTConfig().block_size)
         if self.is_main:
             build_missing(path, SFT_PATH, ["sft.py"], self.args.device)
         self.barrier()
@@ -341,11 +391,14 @@ class Run:
     def check_lengths(self, model, tok, max_new_tokens, parenthesised=False):
         """The longest prompt plus max_new_tokens must fit the model's context: checked before any work.
         parenthesised: the run also uses the parenthesised problems (longer prompts)."""
-        longest = task.max_prompt_tokens(tok, parenthesised)
-        if longest + max_new_tokens > model.config.block_size:
+        self._check_fits(task.max_prompt_tokens(tok, parenthesised), max_new_tokens, model.config.block_size)
+
+    @staticmethod
+    def _check_fits(longest, max_new_tokens, block_size):
+        if longest + max_new_tokens > block_size:
             raise SystemExit(f"error: --max_new_tokens {max_new_tokens} does not fit: the longest prompt has {longest} "
-                             f"tokens and the model's context (block_size) is {model.config.block_size}; allowed: "
-                             f"--max_new_tokens <= {model.config.block_size - longest}")
+                             f"tokens and the model's context (block_size) is {block_size}; allowed: "
+                             f"--max_new_tokens <= {block_size - longest}")
 
     # ---- resume
 
@@ -356,16 +409,7 @@ class Run:
         args = self.args
         if not args.resume:
             return None
-        if not os.path.exists(self.ckpt_path):
-            raise SystemExit(f"error: --resume, but there is no checkpoint at {self.ckpt_path}; run without --resume")
-        try:
-            _, ckpt = load_checkpoint(self.ckpt_path, "cpu")
-        except CheckpointError as e:
-            raise SystemExit(f"error: {e}") from None
-        written_by = ckpt.get("script")
-        if written_by != self.script:
-            raise SystemExit(f"error: {self.ckpt_path} was written by {written_by or 'an older version of this project'}"
-                             f"{'.py' if written_by else ''}, not by {self.script}.py; it cannot be resumed here")
+        ckpt = self.resume_ckpt                                             # read and checked in _check_inputs
         saved = ckpt.get("args") or {}
         for path, print_ in (ckpt.get("sources") or {}).items():     # the checkpoints it was trained from
             if self.sources.get(path) != print_:
@@ -373,9 +417,6 @@ class Run:
                 raise SystemExit(f"error: {self.ckpt_path} was trained from {path}, which {now} (flags --init/--rm: "
                                  f"{saved.get('init')}, {saved.get('rm')}); resume with the same checkpoints, or "
                                  f"start afresh without --resume (or with another --out)")
-        if ckpt["step"] > self.total_steps:
-            raise SystemExit(f"error: {self.ckpt_path} is at step {ckpt['step']}, past this run's limit of "
-                             f"{self.total_steps} steps; pass a larger limit to train on")
         ignore = {"resume", "steps", "epochs", "log_every", "eval_every", "device"}
         changed = [f"--{k} {saved[k]} -> {v}" for k, v in vars(args).items() if k in saved and k not in ignore and saved[k] != v]
         try:
@@ -428,7 +469,9 @@ class Run:
             self.t0 = self.t_log = time.time()
         if self.world > 1:
             self.interrupted = bool(self.all_sum(float(self.interrupted)).item())
-        return self.step < self.total_steps and not self.interrupted
+        going = self.step < self.total_steps and not self.interrupted
+        self.current = self.step + 1 if going else self.step                # what a Ctrl-C now would finish
+        return going
 
     def _due(self, every):
         return self.step % every == 0 or self.step == self.total_steps
@@ -460,9 +503,20 @@ class Run:
         return dict(self.last_eval)
 
     def log_start(self, evaluation, what="the SFT policy"):
-        """Step 0 of a fresh run: keep the starting policy's evaluation as `before` and log it."""
+        """Step 0 of a fresh run (scripts call it when not --resume), every check passed: the folder's earlier run is
+        replaced now, its checkpoint first (a fresh log is never paired with an older run's checkpoint), then its log;
+        the starting policy's evaluation is kept as `before` and logged."""
+        if self.is_main:
+            if os.path.exists(self.ckpt_path):
+                os.remove(self.ckpt_path)
+                self.print(f"a fresh run: the earlier run in {self.args.out} ({self.ckpt_path} and its log) is replaced")
+            open(self.metrics_path, "w").close()
         self.before = dict(evaluation)
-        self.log(self.before, what)
+        # what the run's numbers depend on beyond its flags: on a CPU the thread count changes the order of float
+        # reductions, and an RL run that differs in one bit can diverge from there
+        setting = {"device": self.device, "threads": torch.get_num_threads(), "world": self.world,
+                   "torch": torch.__version__}
+        self.log({**self.before, **setting}, what)
 
     def log(self, metrics, line, tokens=False):
         """Print `step N | line` (plus held-out accuracy on eval steps) and append `metrics` as one JSON line.
@@ -500,17 +554,17 @@ class Run:
         if not self.is_main:                                                # rank 0 reports (and saves, below)
             if self.interrupted and getattr(self, "saved_step", None) != self.step:
                 self.save(model, optimizer, **extra)
-            self.close()
+            self.close(finished=True)
             if self.interrupted:
                 raise SystemExit(130)
             return
         if self.interrupted:
             if getattr(self, "saved_step", None) != self.step:
                 self.save(model, optimizer, **extra)
-            argv = [a for a in sys.argv[1:] if a != "--resume"]
+            argv = [a for a in sys.argv[1:] if a != "--resume"] + ["--resume"]
             self.print(f"stopped at step {self.step} of {self.total_steps}; checkpoint {self.ckpt_path} (step {self.step}); "
-                       f"continue with: python {self.script}.py {' '.join(argv + ['--resume'])}")
-            self.close()
+                       f"continue with: {self.launcher()} {self.script}.py {' '.join(argv)}")
+            self.close(finished=True)
             raise SystemExit(130)
         if summary is None:
             if self.eval_step != self.step:                                 # e.g. resumed at the step limit
@@ -522,26 +576,51 @@ class Run:
                        f"{final['eval_accuracy_other']:.3f}) | sampled pass@1 {b('eval_pass_at_1')}{final['eval_pass_at_1']:.3f}")
         samples = f" | {self.samples:,} completions sampled" if self.samples else ""
         self.print(f"done: {self.step} steps in {time.time() - self.t0:.0f}s | {summary}{samples} | wrote {self.ckpt_path}")
-        self.close()
+        self.close(finished=True)
 
-    def close(self):
+    def launcher(self):
+        """The command that started this process: python, or torchrun with its process counts."""
+        if self.world == 1:
+            return "python"
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        if local == self.world:
+            return f"torchrun --standalone --nproc_per_node {local}"
+        return f"torchrun --nnodes {self.world // local} --nproc_per_node {local} <this run's rendezvous flags>"
+
+    def close(self, finished=False):
+        """Release the lock and, under torchrun, tear the process group down before the interpreter exits (gloo's
+        threads outliving it abort the process at exit). finished: every rank is here, so they first wait for each
+        other, and none destroys the group while another still uses it."""
         if self.lock is not None:
             self.lock.release()
         if self.world > 1 and dist.is_initialized():
+            if finished:
+                dist.barrier()
             dist.destroy_process_group()
 
     def _stop(self, signum, frame):
         """First Ctrl-C (or SIGTERM): finish the step, checkpoint, exit. A second Ctrl-C aborts at once."""
         self.interrupted = True
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        self.print(f"\n{signal.Signals(signum).name}: stopping after step {self.step + 1} and writing a checkpoint "
+        when = f"after step {self.current}" if self.current else "before the first step"
+        self.print(f"\n{signal.Signals(signum).name}: stopping {when} and writing a checkpoint "
                    f"(Ctrl-C again to abort without one)")
 
     def check_finite(self, loss, hint):
-        """A NaN or infinite loss stops the run with one line (the last checkpoint is kept)."""
-        if not torch.isfinite(loss):
+        """A NaN or infinite loss stops the run with one line (the last checkpoint is kept). Under torchrun every rank
+        learns whether any rank's loss is bad, so that they stop together: a rank that left alone would leave the
+        others waiting for it in the next collective."""
+        bad = torch.zeros(self.world, device=self.device)
+        bad[self.rank] = (~torch.isfinite(loss.detach())).float()
+        bad = self.all_sum(bad)                                             # (world,) 1 where a rank's loss is bad
+        if bad.any():
+            ranks = bad.nonzero().flatten().tolist()
             self.close()
-            raise SystemExit(f"error: the loss is {loss.item()} at step {self.step + 1}; {hint} (the last checkpoint, "
+            if not self.is_main:
+                raise SystemExit(1)                                         # rank 0 says why
+            where = f" on rank {', '.join(map(str, ranks))} of {self.world}" if self.world > 1 else ""
+            value = f" {loss.item()}" if ranks[0] == 0 else " not finite"
+            raise SystemExit(f"error: the loss is{value}{where} at step {self.step + 1}; {hint} (the last checkpoint, "
                              f"if any, is {self.ckpt_path})")
 
     # ---- more than one process (torchrun): shares, global sums, DDP, micro-batches
@@ -562,19 +641,18 @@ class Run:
         dist.all_reduce(x)
         return x
 
-    def mean(self, x):
-        """The mean of x's elements over every rank's x (x.mean() in one process): for logged metrics."""
-        return (self.all_sum(x.sum()) / self.all_sum(x.numel())).item()
+    def mean(self, x, mask=None):
+        """For logged metrics, a float: the mean of x's elements over every rank's x (x.mean() in one process), or
+        with a mask, of the elements where mask is 1 (model.masked_mean(x, mask) in one process)."""
+        if mask is None:
+            return (self.all_sum(x.sum()) / self.all_sum(x.numel())).item()
+        return (self.all_sum(torch.where(mask > 0, x, 0.0).sum()) / self.all_sum(mask.sum()).clamp(min=1)).item()
 
     def std(self, x):
         """The population std of x's elements over every rank's x (x.std(unbiased=False) in one process)."""
         if self.world == 1:
             return x.std(unbiased=False).item()
         return math.sqrt(self.mean((x - self.mean(x)) ** 2))
-
-    def masked_mean(self, x, mask):
-        """The mean of x where mask is 1, over every rank's x (model.masked_mean in one process), as a float."""
-        return (self.all_sum(torch.where(mask > 0, x, 0.0).sum()) / self.all_sum(mask.sum()).clamp(min=1)).item()
 
     def ddp(self, model):
         """The model wrapped in DistributedDataParallel, for the training forward and backward, or the model itself
@@ -586,20 +664,24 @@ class Run:
         wrapped.register_comm_hook(None, _allreduce_sum)
         return wrapped
 
-    def micro_batches(self, n):
-        """Row indices of the --grad_accum micro-batches of an n-row batch: [(rows, last), ...]."""
-        parts = torch.tensor_split(torch.arange(n, device=self.device), self.args.grad_accum)
-        return [(rows, i == len(parts) - 1) for i, rows in enumerate(parts)]
+    def micro_batches(self, n, *ddp_models):
+        """The row indices of each --grad_accum micro-batch of an n-row batch, one at a time:
 
-    def backward(self, loss, last, *models):
-        """loss.backward(); under DDP the gradients are summed over ranks only after the last micro-batch."""
-        if self.world > 1 and not last:
-            with contextlib.ExitStack() as stack:
-                for m in models:
-                    stack.enter_context(m.no_sync())
+            for rows in run.micro_batches(B, train_policy):
+                loss = ...(train_policy(x[rows]) ...)       # forward and backward both inside the loop body
                 loss.backward()
-        else:
-            loss.backward()
+
+        Under torchrun, the gradients of `ddp_models` are summed over ranks once, after the last micro-batch: every
+        earlier one runs inside their no_sync(). The forward must be inside it too, not only the backward: DDP decides
+        at forward time whether the backward that follows all-reduces. Without models (scoring under no_grad) it only
+        splits the rows."""
+        parts = torch.tensor_split(torch.arange(n, device=self.device), self.args.grad_accum)
+        for i, rows in enumerate(parts):
+            with contextlib.ExitStack() as stack:
+                if self.world > 1 and i < len(parts) - 1:
+                    for m in ddp_models:
+                        stack.enter_context(m.no_sync())
+                yield rows
 
     def barrier(self):
         if self.world > 1:

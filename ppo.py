@@ -251,7 +251,7 @@ def main(args):
               f"{policy.num_params() / 1e6:.2f}M parameters on {run.device}, reward {args.reward}, critic from "
               f"{args.critic_init}, {args.steps} steps of {args.batch_size} prompts, beta {beta}"
               f"{f' (adaptive, target KL {args.kl_target})' if args.adaptive_kl else ''}")
-    if run.step == 0:
+    if not args.resume:                             # a fresh run: the starting policy is step 0
         e = run.evaluate(policy, tok)
         e["eval_rm_score"] = rm_score_greedy(policy, rm, tok, eval_set, run.device, run.autocast) if rm and run.is_main else None
         run.log_start(e)
@@ -271,7 +271,7 @@ def main(args):
         old_logp, ref_logp, old_values = torch.zeros_like(mask), torch.zeros_like(mask), torch.zeros_like(mask)  # (B, Tn)
         kl_exact = torch.zeros(len(mask), device=run.device)                        # (B,) exact KL per completion
         with torch.no_grad():
-            for rows, _ in run.micro_batches(len(mask)):
+            for rows in run.micro_batches(len(mask)):
                 old_logits = token_logits(policy, seq[rows], seq_mask[rows], Tp, run.autocast)  # (b, Tn, V)
                 ref_logits = token_logits(ref, seq[rows], seq_mask[rows], Tp, run.autocast)
                 old_logp[rows] = logprobs(old_logits, tokens[rows], temp)            # log pi_old(y_t | s_t)
@@ -296,7 +296,7 @@ def main(args):
                 n_mb = run.all_sum(mask[mb].sum())                                   # the minibatch's tokens, all ranks
                 optimizer.zero_grad(set_to_none=True)
                 mb_stats = dict.fromkeys(stats, 0.0)
-                for rows, last in run.micro_batches(len(mb)):
+                for rows in run.micro_batches(len(mb), train_policy, train_critic):
                     i, m = mb[rows], mask[mb[rows]]                                  # (b,) sample indices, (b, Tn)
                     logits = token_logits(train_policy, seq[i], seq_mask[i], Tp, run.autocast)  # (b, Tn, V)
                     logp = logprobs(logits, tokens[i], temp)                        # (b, Tn)
@@ -307,7 +307,7 @@ def main(args):
                     pg_loss, vf_loss = masked_mean(pg_tok, m, n_mb), masked_mean(vf_tok, m, n_mb)
                     loss = pg_loss + args.vf_coef * vf_loss - args.ent_coef * ent   # PPO eq. 9
                     run.check_finite(loss, f"lower --lr (now {args.lr}) or --critic_lr (now {args.critic_lr})")
-                    run.backward(loss, last, train_policy, train_critic)
+                    loss.backward()
                     with torch.no_grad():
                         log_ratio = logp - old_logp[i]
                         for k, v in (("pg_loss", pg_loss), ("vf_loss", vf_loss), ("entropy", ent),
@@ -331,9 +331,9 @@ def main(args):
 
         # 5. log, evaluate, checkpoint (every number over all ranks)
         if run.log_due():
-            ret_mean = run.masked_mean(returns, mask)
-            err_mean = run.masked_mean(returns - old_values, mask)
-            var = lambda x, mean: run.masked_mean((x - mean) ** 2, mask)             # population variance over all ranks
+            ret_mean = run.mean(returns, mask)
+            err_mean = run.mean(returns - old_values, mask)
+            var = lambda x, mean: run.mean((x - mean) ** 2, mask)             # population variance over all ranks
             metrics = {"rm_score": run.mean(rm_score) if rm is not None else None, "gold_accuracy": run.mean(gold),
                        "kl": kl_mean, "kl_k1": run.mean(torch.where(mask > 0, old_logp - ref_logp, 0.0).sum(1)),
                        "beta": beta, "explained_variance": 1 - var(returns - old_values, err_mean) / max(var(returns, ret_mean), 1e-8),

@@ -325,7 +325,7 @@ def train(args, kind):
               f"held-out, {'outcome' if kind == 'orm' else args.labels} labels, {args.epochs} epochs x "
               f"{steps_per_epoch} steps of {args.batch_size}")
     final, final_step = {}, -1                      # the latest held-out evaluation, and its step
-    if run.step == 0:
+    if not args.resume:                             # a fresh run: the starting policy is step 0
         start = evaluate_verifier(model, tok, eval_set, kind, run.device, run.autocast) if run.is_main else {}
         if mc is not None:
             agreement = label_agreement(train_set, mc)
@@ -355,12 +355,12 @@ def train(args, kind):
         n_steps = run.all_sum(step_mask.sum())
         optimizer.zero_grad(set_to_none=True)
         loss, right = 0.0, 0.0
-        for rows, last in run.micro_batches(len(batch)):
+        for rows in run.micro_batches(len(batch), train_model):
             with run.autocast:
                 logits = step_logits(train_model, tokens[rows], attn[rows], positions[rows], step_mask[rows])  # (b, S)
             part = prm_loss(logits.float(), labels[rows], step_mask[rows], n_steps)
             run.check_finite(part, f"lower --lr (now {args.lr})")
-            run.backward(part, last, train_model)
+            part.backward()
             hit = (logits.detach() > 0) == (labels[rows] > 0.5)                 # p > 1/2 where the label is
             loss, right = loss + part.item(), right + torch.where(step_mask[rows] > 0, hit.float(), 0.0).sum()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)

@@ -112,7 +112,7 @@ def main(args):
     run.print(f"reward model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters on {run.device}, "
               f"{len(train_pairs)} training and {len(eval_pairs)} held-out pairs (cached in {args.out}/pairs_*.json), "
               f"{args.epochs} epochs x {steps_per_epoch} steps of {args.batch_size} pairs")
-    if run.step == 0:
+    if not args.resume:                             # a fresh run: the starting policy is step 0
         e = evaluate_pairs(model, tok, eval_pairs, run.device, run.autocast) if run.is_main else {"eval_pair_accuracy": 0.0}
         run.log_start(e, f"held-out pair accuracy {e['eval_pair_accuracy']:.3f} (the head starts at zero: all ties)")
 
@@ -131,12 +131,12 @@ def main(args):
         n_pairs = run.all_sum(len(batch))
         optimizer.zero_grad(set_to_none=True)
         loss, margins = 0.0, []
-        for rows, last in run.micro_batches(len(batch)):
+        for rows in run.micro_batches(len(batch), train_model):
             with run.autocast:
                 r_c, r_r = score_pairs(train_model, tok, [batch[j] for j in rows.tolist()], run.device)  # (b,), (b,)
             part = bradley_terry_loss(r_c.float(), r_r.float(), args.margin).sum() / n_pairs
             run.check_finite(part, f"lower --lr (now {args.lr})")
-            run.backward(part, last, train_model)
+            part.backward()
             loss, margins = loss + part.item(), margins + [(r_c - r_r).detach()]
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         optimizer.step()

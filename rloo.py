@@ -41,7 +41,7 @@ Metrics: one JSON object per log step in out/rloo/metrics.jsonl; checkpoint out/
 import torch
 
 import task
-from kernels import entropy, kl, logprobs
+from kernels import entropy, kl, kl_penalty, logprobs
 from model import completion_logits, masked_mean
 from plumbing import SFT_PATH, TEMPERATURE, Float, Int, Run, add_run_flags, parser
 
@@ -60,19 +60,6 @@ def rloo_advantages(rewards, k):
     R = rewards.view(-1, k)                                            # (P, k)
     baseline = (R.sum(dim=1, keepdim=True) - R) / (k - 1)              # 1/(k-1) sum_{j != i} R_j
     return (R - baseline).view(-1)                                     # (P*k,)
-
-
-def kl_penalty(logp, ref_logp, estimator="k1"):
-    """Per-token estimate of KL(pi_theta || pi_ref) from tokens sampled from pi_theta.
-    logp, ref_logp (B, T) -> (B, T)."""
-    log_r = ref_logp - logp                                            # log r = log pi_ref - log pi_theta
-    if estimator == "k1":
-        return -log_r
-    if estimator == "k2":
-        return 0.5 * log_r ** 2
-    if estimator == "k3":
-        return torch.exp(log_r) - log_r - 1                            # (r - 1) - log r
-    raise ValueError(f"kl estimator {estimator!r} is unknown; allowed: 'k1', 'k2', 'k3'")
 
 
 def rloo_loss(logp, advantages, mask, num_seqs=None):
@@ -124,7 +111,7 @@ def main(args):
     P, G, temp = args.prompts_per_step, args.group_size, args.temperature
     run.print(f"RLOO: {policy.num_params() / 1e6:.2f}M parameters on {run.device}, {args.steps} steps of "
               f"{P} prompts x {G} samples, beta {args.beta} ({args.kl_estimator})")
-    if run.step == 0:
+    if not args.resume:                             # a fresh run: the starting policy is step 0
         run.log_start(run.evaluate(policy, tok))
 
     while run.training():
@@ -140,7 +127,7 @@ def main(args):
         old_logp, ref_logp = torch.zeros_like(mask), torch.zeros_like(mask)      # (B, Tn)
         n_seqs, n_tokens = run.all_sum(len(mask)), run.all_sum(mask.sum())        # the step's, over every rank
         kl_exact = ent = 0.0
-        for rows, _ in run.micro_batches(len(mask)):
+        for rows in run.micro_batches(len(mask)):
             with torch.no_grad(), run.autocast:
                 logits = completion_logits(policy, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])  # (b, Tn, V)
                 ref_logits = completion_logits(ref, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
@@ -156,13 +143,13 @@ def main(args):
         # 4. one on-policy REINFORCE step, over the --grad_accum micro-batches, normalised by the whole step's counts
         optimizer.zero_grad(set_to_none=True)
         loss, stats = 0.0, {}
-        for rows, last in run.micro_batches(len(mask)):
+        for rows in run.micro_batches(len(mask), train_policy):
             with run.autocast:
                 logits = completion_logits(train_policy, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
             logp = logprobs(logits, tokens[rows], temp)                            # (b, Tn) log pi_theta
             part, part_stats = rloo_loss(logp, advantages[rows], mask[rows], num_seqs=n_seqs)
             run.check_finite(part, f"lower --lr (now {args.lr})")
-            run.backward(part, last, train_policy)
+            part.backward()
             loss, stats = loss + part.item(), {k: stats.get(k, 0.0) + v for k, v in part_stats.items()}
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
         optimizer.step()
@@ -174,7 +161,7 @@ def main(args):
             groups = rewards.view(-1, G)
             metrics = {"loss": run.all_sum(loss).item(), "reward_mean": run.mean(rewards), "reward_std": run.std(rewards),
                        "zero_var_groups": run.mean((groups == groups[:, :1]).all(1).float()),
-                       "kl_exact": run.all_sum(kl_exact).item(), f"kl_{args.kl_estimator}": run.masked_mean(kl_t, mask),
+                       "kl_exact": run.all_sum(kl_exact).item(), f"kl_{args.kl_estimator}": run.mean(kl_t, mask),
                        "entropy": run.all_sum(ent).item(), "completion_len": run.mean(mask.sum(1)),
                        "truncated": run.mean(truncated.float()), "grad_norm": grad_norm.item(),
                        "seq_logp": run.all_sum(stats["seq_logp"]).item()}

@@ -65,7 +65,7 @@ def main(args):
     run.resume(model, optimizer)
     train_model = run.ddp(model)                    # DistributedDataParallel under torchrun, else the model itself
     run.print(f"SFT: {model.num_params() / 1e6:.2f}M parameters on {run.device}, {args.steps} steps of {args.batch_size}")
-    if run.step == 0:
+    if not args.resume:                             # a fresh run: random init is step 0
         run.log_start(run.evaluate(model, tok), "random init")
 
     model.train()
@@ -81,13 +81,13 @@ def main(args):
         n_tokens = run.all_sum(loss_mask.sum())
         optimizer.zero_grad(set_to_none=True)
         loss = 0.0
-        for rows, last in run.micro_batches(len(tokens)):
+        for rows in run.micro_batches(len(tokens), train_model):
             with run.autocast:
                 logits = train_model(tokens[rows, :-1], attn[rows, :-1])    # (b, T-1, V)
             logp = logprobs(logits, tokens[rows, 1:])                        # (b, T-1) float32: log pi(y_t | .)
             part = -masked_mean(logp, loss_mask[rows], n_tokens)             # this part's share of the mean NLL
             run.check_finite(part, f"lower --lr (now {args.lr})")
-            run.backward(part, last, train_model)
+            part.backward()
             loss += part.item()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         optimizer.step()

@@ -84,26 +84,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.utils import parameters_to_vector
 
 import task
-from kernels import entropy, kl, logprobs
+from kernels import entropy, kl, kl_penalty, logprobs
 from model import completion_logits
 from plumbing import SFT_PATH, TEMPERATURE, Float, Int, Run, add_run_flags, parser
 
 
 # -----------------------------------------------------------------------------
 # The reward and the advantages (rloo.py's): KL to the reference in the reward, leave-one-out baseline
-
-def kl_penalty(logp, ref_logp, estimator="k1"):
-    """Per-token estimate of KL(pi_theta || pi_ref) from tokens sampled from pi_theta (Schulman 2020,
-    "Approximating KL Divergence"). logp, ref_logp (B, T) -> (B, T), with log r = log pi_ref - log pi_theta:
-    k1 = -log r, k2 = (log r)^2 / 2, k3 = (r - 1) - log r."""
-    log_r = ref_logp - logp
-    if estimator == "k1":
-        return -log_r
-    if estimator == "k2":
-        return 0.5 * log_r ** 2
-    if estimator == "k3":
-        return torch.exp(log_r) - log_r - 1
-    raise ValueError(f"kl estimator {estimator!r} is unknown; allowed: 'k1', 'k2', 'k3'")
 
 
 def leave_one_out_advantages(rewards, k):
@@ -258,7 +245,7 @@ def main(args):
     P, G, temp, delta = args.prompts_per_step, args.group_size, args.temperature, args.max_kl
     run.print(f"TRPO: {policy.num_params() / 1e6:.2f}M parameters on {run.device}, {args.steps} steps of {P} prompts x "
               f"{G} samples, max_kl {delta}, damping {args.damping}, {args.cg_iters} CG iterations, beta {args.beta}")
-    if run.step == 0:
+    if not args.resume:                             # a fresh run: the starting policy is step 0
         run.log_start(run.evaluate(policy, tok))
 
     while run.training():
@@ -271,7 +258,7 @@ def main(args):
                                                                                  run.gen)  # (B, Tp), (B, Tn), (B,)
         run.samples += P * G
         t_rollout = time.perf_counter() - t_start
-        batches = [(rows, (prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])) for rows, _ in run.micro_batches(len(mask))]
+        batches = [(rows, (prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])) for rows in run.micro_batches(len(mask))]
 
         # 2. score without gradient: pi_old's logits (kept: the KL is measured against them), log-probs of old and ref
         old_logits, old_logp, ref_logp = [], torch.zeros_like(mask), torch.zeros_like(mask)   # (B, Tn) each
@@ -344,7 +331,7 @@ def main(args):
                        "backtracks": halvings, "improvement": gain, "expected_improvement": frac * expected,  # g . (frac s)
                        "improve_ratio": gain / (frac * expected) if frac * expected > 0 else 0.0,
                        "cg_residual": stats["cg_residual"], "grad_norm": g.norm().item(), "step_norm": frac * full_step.norm().item(),
-                       "kl_exact": run.all_sum(kl_ref).item(), f"kl_{args.kl_estimator}": run.masked_mean(kl_t, mask),
+                       "kl_exact": run.all_sum(kl_ref).item(), f"kl_{args.kl_estimator}": run.mean(kl_t, mask),
                        "entropy": run.all_sum(ent).item(), "completion_len": run.mean(mask.sum(1)),
                        "truncated": run.mean(truncated.float()), "t_rollout": t_rollout, "t_cg": t_cg,
                        "t_linesearch": t_ls, "t_rest": t_step - t_cg - t_ls - t_rollout, "t_step": t_step}

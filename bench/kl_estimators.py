@@ -3,7 +3,7 @@ The KL estimators k1, k2 and k3 measured: how well each estimates KL(pi_theta ||
 pi_theta, and which gradient each gives when used as a loss, for policies at increasing distance from the reference.
 grpo.py's docstring makes the claims; this measures them.
 
-The estimators (Schulman 2020, "Approximating KL Divergence"; grpo.kl_penalty, the object under test), per token y
+The estimators (Schulman 2020, "Approximating KL Divergence"; kernels.kl_penalty, the object under test), per token y
 sampled from pi_theta, log r = log pi_ref(y) - log pi_theta(y):
     k1 = -log r,   k2 = (log r)^2 / 2,   k3 = (r - 1) - log r.
 
@@ -48,7 +48,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import task                                                 # noqa: E402  (after the path is set)
-from grpo import kl_penalty                                 # noqa: E402  the estimators under test
+from kernels import kl_penalty                              # noqa: E402  the estimators under test
 from kernels import kl                                      # noqa: E402  the exact per-position KL
 from model import completion_logits                         # noqa: E402
 from plumbing import SFT_PATH, load_model                   # noqa: E402

@@ -1,12 +1,14 @@
 """Fused, exact kernels for the token log-prob path of RL on language models.
 
-    from kernels import logprobs, kl, entropy, linear_logprobs
+    from kernels import logprobs, kl, entropy, linear_logprobs, kl_penalty
 
     logprobs(logits, targets, temp=1.0) -> float32 [...]   log softmax(logits / temp)[targets]
     kl(logits_p, logits_q, temp=1.0)    -> float32 [...]   exact KL(softmax(p/temp) || softmax(q/temp)) over V
     entropy(logits, temp=1.0)           -> float32 [...]   H(softmax(logits / temp)) = -sum p log p
     linear_logprobs(hidden, weight, targets, temp=1.0)
                                         -> float32 [...]   log softmax((hidden @ weight.T) / temp)[targets]
+    kl_penalty(logp, ref_logp, estimator) -> [...]         one-sample k1/k2/k3 estimates of KL from sampled
+                                                           tokens' log-probs (plain PyTorch; kl_penalty.py)
 
 Shapes use the scripts' letters: B batch, T time, V vocabulary, C channels (hidden width),
 N = B * T token positions; the temperature is `temp`. logits are [..., V] in float32, bfloat16
@@ -55,11 +57,12 @@ purpose, so that each file reads top to bottom on its own (and copies out with c
 from .common import HAS_TRITON, MAX_TEMPERATURE, MIN_TEMPERATURE, TRITON_INTERPRET
 from .entropy import entropy, entropy_reference, entropy_torch, entropy_triton
 from .kl import kl, kl_reference, kl_torch, kl_triton
+from .kl_penalty import kl_penalty
 from .linear_logprobs import linear_logprobs, linear_logprobs_reference, linear_logprobs_torch, linear_logprobs_triton
 from .logprobs import logprobs, logprobs_reference, logprobs_torch, logprobs_triton
 
 __all__ = [
-    "logprobs", "kl", "entropy", "linear_logprobs",
+    "logprobs", "kl", "entropy", "linear_logprobs", "kl_penalty",
     "logprobs_torch", "kl_torch", "entropy_torch", "linear_logprobs_torch",
     "logprobs_triton", "kl_triton", "entropy_triton", "linear_logprobs_triton",
     "logprobs_reference", "kl_reference", "entropy_reference", "linear_logprobs_reference",

@@ -57,6 +57,12 @@ def fixed_ppo_rollout(policy, tok, prompts, temperature, max_new_tokens, generat
 
 
 def sgd(params, lr=None, **kwargs):
+    """SGD at lr 0.1 in place of AdamW; the first optimiser made (the policy's) records the starting weights, in
+    model.parameters() order, to $DDP_WORKER_INIT, for the test to subtract (sft.py starts from random weights)."""
+    params = list(params)
+    path = os.environ.get("DDP_WORKER_INIT")
+    if path and int(os.environ.get("RANK", 0)) == 0 and not os.path.exists(path):
+        torch.save([p.detach().cpu().clone() for p in params], path)
     optimizer = torch.optim.SGD(params, lr=0.1)
     for group in optimizer.param_groups:
         group["lr"] = 0.1
@@ -69,4 +75,7 @@ if __name__ == "__main__":
     torch.optim.AdamW = sgd
     if sys.argv[1] == "ppo":
         script.rollout = fixed_ppo_rollout
+    if os.environ.get("DDP_WORKER_NAN_RANK") == os.environ.get("RANK", "0"):    # this rank's log-probs are NaN
+        logprobs = script.logprobs
+        script.logprobs = lambda *a, **k: logprobs(*a, **k) * float("nan")
     script.main(script.parse_args(sys.argv[2:]))

@@ -23,8 +23,8 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch(args, nproc, timeout=300):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+def launch(args, nproc, timeout=300, env=None):
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, **(env or {})}
     env["OMP_NUM_THREADS"] = "1"                     # two processes on two cores
     if nproc == 1:
         cmd = [sys.executable, *args]
@@ -37,14 +37,15 @@ def launch(args, nproc, timeout=300):
 def update(script, flags, out, nproc=1, grad_accum=1):
     """One update step of `script` on fixed rollouts, SGD in place of AdamW: (the change of every weight, the step's
     logged metrics)."""
+    os.makedirs(out)
+    start = os.path.join(out, "start.pt")            # the starting weights, recorded by the worker
     p = launch([WORKER, script, *flags, "--steps", "1", "--log_every", "1", "--eval_every", "1", "--eval_n", "1",
-                "--grad_accum", str(grad_accum), "--out", out], nproc)
+                "--grad_accum", str(grad_accum), "--out", out], nproc, env={"DDP_WORKER_INIT": start})
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     name = "rm" if script == "reward_model" else script
-    _, ckpt = load_checkpoint(os.path.join(out, f"{name}.pt"))
-    _, init = load_checkpoint(flags[flags.index("--init") + 1])
+    model, _ = load_checkpoint(os.path.join(out, f"{name}.pt"))
     rows = [json.loads(line) for line in open(os.path.join(out, name, "metrics.jsonl"))]
-    return {k: ckpt["model"][k] - init["model"][k] for k in init["model"]}, rows[-1]
+    return {k: p.detach() - p0 for (k, p), p0 in zip(model.named_parameters(), torch.load(start))}, rows[-1]
 
 
 def assert_same_update(a, b, keys):
@@ -57,26 +58,43 @@ def assert_same_update(a, b, keys):
         assert mb[k] == pytest.approx(ma[k], rel=1e-5, abs=1e-7), (k, ma[k], mb[k])
 
 
+# Every micro-batch of every rank carries gradient: all prompts are precedence problems (--precedence_share 1), on
+# which the fixed rollouts' left-to-right completions are wrong, so every group has a reward spread (no group with
+# all advantages 0, which would hide a micro-batch whose gradient is counted twice).
+RL = ["--prompts_per_step", "4", "--group_size", "4", "--precedence_share", "1"]
 CASES = {
-    "grpo seq": ("grpo", ["--loss_agg", "seq", "--mu", "2"]),
-    "grpo token": ("grpo", ["--loss_agg", "token", "--mu", "2"]),
-    "grpo dr_grpo": ("grpo", ["--loss_agg", "dr_grpo", "--mu", "2"]),
-    "reinforce++": ("reinforce", ["--baseline", "reinforce_pp"]),
-    "ppo": ("ppo", ["--reward", "verifier", "--minibatches", "1", "--ppo_epochs", "2", "--batch_size", "8"]),
+    "sft": ("sft", ["--batch_size", "8", "--n_layer", "1", "--n_head", "2", "--n_embd", "32"],
+            ["loss", "grad_norm"]),
+    "grpo seq": ("grpo", RL + ["--loss_agg", "seq", "--mu", "2"], ["loss", "grad_norm", "kl_exact", "reward_mean"]),
+    "grpo token": ("grpo", RL + ["--loss_agg", "token", "--mu", "2"], ["loss", "grad_norm", "kl_exact"]),
+    "grpo dr_grpo": ("grpo", RL + ["--loss_agg", "dr_grpo", "--mu", "2"], ["loss", "grad_norm", "kl_exact"]),
+    "reinforce++": ("reinforce", RL + ["--baseline", "reinforce_pp"], ["loss", "grad_norm", "kl_exact"]),
+    "ppo": ("ppo", ["--reward", "verifier", "--minibatches", "1", "--ppo_epochs", "2", "--batch_size", "8",
+                    "--precedence_share", "1"], ["pg_loss", "vf_loss", "approx_kl", "gold_accuracy", "kl"]),
+    "dpo": ("dpo", ["--batch_size", "8", "--n_pairs", "64"], ["loss", "grad_norm", "reward_margin"]),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_two_processes_and_grad_accum_make_the_same_update_as_one_process(case, tiny_sft, tmp_path):
-    script, flags = CASES[case]
-    flags = flags + ["--init", tiny_sft] + ([] if script == "ppo" else ["--prompts_per_step", "4", "--group_size", "4"])
-    keys = ["loss", "grad_norm", "kl_exact", "reward_mean"] if script != "ppo" else ["pg_loss", "vf_loss", "approx_kl", "gold_accuracy", "kl"]
-    keys = [k for k in keys if k != "grad_norm" or script != "ppo"]
+    """1 process, 1 process x 2 micro-batches, 2 processes x 2 micro-batches: the same update. The last is where DDP
+    must not all-reduce before the last micro-batch (an early all-reduce counts the first micro-batch twice)."""
+    script, flags, keys = CASES[case]
+    flags = flags + (["--init", tiny_sft] if script != "sft" else [])
     one = update(script, flags, str(tmp_path / "one"))
-    two = update(script, flags, str(tmp_path / "two"), nproc=2)
     accum = update(script, flags, str(tmp_path / "accum"), grad_accum=2)
-    assert_same_update(one, two, keys)
+    two_accum = update(script, flags, str(tmp_path / "two_accum"), nproc=2, grad_accum=2)
     assert_same_update(one, accum, keys)
+    assert_same_update(one, two_accum, keys)
+
+
+def test_a_nan_loss_on_one_rank_stops_every_rank(tiny_sft, tmp_path):
+    """Rank 1 alone sees a NaN loss: both ranks stop at once with one message (a rank that left alone would leave
+    the other waiting in the next all-reduce until the backend's timeout, here the test's)."""
+    p = launch([WORKER, "grpo", *RL, "--steps", "2", "--init", tiny_sft, "--out", str(tmp_path)], nproc=2,
+               timeout=120, env={"DDP_WORKER_NAN_RANK": "1"})
+    assert p.returncode != 0
+    assert p.stderr.count("the loss is not finite on rank 1 of 2 at step 1") == 1, p.stderr[-3000:]  # rank 0 says it
 
 
 def test_torchrun_grpo_writes_from_rank_0_and_resumes(tiny_sft, tmp_path):

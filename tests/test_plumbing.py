@@ -94,7 +94,116 @@ TINY_RL = ["--prompts_per_step", "4", "--group_size", "2", "--log_every", "1", "
 def test_max_new_tokens_past_the_context_is_refused_before_any_work(script, tiny_sft, tmp_path):
     p = run_script(f"{script}.py", TINY_RL + ["--max_new_tokens", "60", "--init", tiny_sft, "--out", str(tmp_path)])
     refused(p, "--max_new_tokens 60", "block_size", "<= 58")
-    assert open(tmp_path / script / "metrics.jsonl").read() == ""     # not even the step-0 evaluation ran
+    assert not os.path.exists(tmp_path / script / "metrics.jsonl")    # not even the step-0 evaluation ran
+
+
+def run_elsewhere(cwd, script, args, timeout=120):
+    """Run a script from the folder `cwd` (where out/sft.pt, the default --init, is missing): a run that started
+    building it would print so and take minutes; the timeout says it did not."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, os.path.join(ROOT, script), *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def test_what_can_be_refused_at_start_is_refused_before_building_a_prerequisite(tmp_path):
+    """out/sft.pt is the missing default here: each of these is refused without building it first."""
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(os.urandom(2000))
+    cases = [("trpo.py", ["--max_new_tokens", "100000"], ["--max_new_tokens 100000", "<= "]),
+             ("trpo.py", ["--resume"], ["--resume", "no checkpoint at"]),
+             ("grpo.py", ["--resume", "--out", str(tmp_path / "x")], ["--resume", "no checkpoint at"]),
+             ("expert_iteration.py", ["--select", "rm", "--rm", str(junk)], ["--rm", "junk.pt"]),
+             ("ppo.py", ["--rm", str(tmp_path / "missing.pt")], ["--rm", "no checkpoint at", "missing.pt"])]
+    for script, args, words in cases:
+        p = run_elsewhere(tmp_path, script, args)
+        refused(p, *words)
+        assert "building it first" not in p.stdout, (script, args)
+        assert not os.path.exists(tmp_path / "out" / "sft.pt")
+
+
+def write_run(out, steps, tiny_sft):
+    assert run_script("grpo.py", TINY_RL + ["--steps", str(steps), "--init", tiny_sft, "--out", out]).returncode == 0
+    return {f: open(os.path.join(out, f), "rb").read() for f in ("grpo.pt", os.path.join("grpo", "metrics.jsonl"))}
+
+
+def test_a_refused_run_leaves_the_folders_earlier_run_untouched(tiny_sft, tmp_path):
+    out = str(tmp_path)
+    earlier = write_run(out, 2, tiny_sft)
+    for args in (["--init", str(tmp_path / "missing.pt")], ["--init", tiny_sft, "--max_new_tokens", "60"],
+                 ["--init", tiny_sft, "--device", "tpu"], ["--init", tiny_sft, "--resume", "--steps", "1"]):
+        p = run_script("grpo.py", TINY_RL + args + ["--out", out])
+        assert p.returncode != 0, args
+        assert {f: open(os.path.join(out, f), "rb").read() for f in earlier} == earlier, args
+    p = run_script("grpo.py", TINY_RL + ["--init", tiny_sft, "--resume", "--steps", "3", "--out", out])
+    assert p.returncode == 0 and steps_logged(out) == [0, 1, 2, 3], p.stderr     # the earlier run resumes
+
+
+def test_a_fresh_run_killed_before_its_first_checkpoint_leaves_no_older_checkpoint_beside_its_log(tiny_sft, tmp_path):
+    """A fresh run replaces the folder's earlier run once its checks pass: killed before it saves, its log is never
+    paired with the earlier run's checkpoint (a --resume then says there is nothing to resume)."""
+    out = str(tmp_path)
+    write_run(out, 3, tiny_sft)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.Popen([sys.executable, "grpo.py", "--prompts_per_step", "4", "--group_size", "2", "--log_every", "2",
+                          "--eval_every", "1000", "--eval_n", "8", "--steps", "1000", "--init", tiny_sft, "--out", out],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    for line in p.stdout:
+        if line.startswith("step     2"):
+            break
+    p.kill()
+    p.wait()
+    assert not os.path.exists(os.path.join(out, "grpo.pt"))
+    logged = steps_logged(out)                                         # this run logs even steps, the earlier every step
+    assert logged[:2] == [0, 2] and all(s % 2 == 0 for s in logged), logged
+    refused(run_script("grpo.py", TINY_RL + ["--init", tiny_sft, "--resume", "--steps", "5", "--out", out]),
+            "no checkpoint at")
+
+
+def test_ctrl_c_during_the_starting_evaluation_then_resume_logs_step_0_once(tiny_sft, tmp_path):
+    out = str(tmp_path)
+    flags = ["--prompts_per_step", "2", "--group_size", "2", "--log_every", "1", "--eval_every", "1000",
+             "--init", tiny_sft, "--out", out]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.Popen([sys.executable, "grpo.py", *flags, "--steps", "1000"], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env)
+    for line in p.stdout:                                             # the start line; the evaluation of all 512 follows
+        if line.startswith("GRPO:"):
+            break
+    p.send_signal(signal.SIGINT)
+    stdout, stderr = p.communicate(timeout=120)
+    assert p.returncode == 130, stderr
+    assert "stopping before the first step" in stdout and "stopped at step 0" in stdout, stdout
+    p = run_script("grpo.py", flags + ["--steps", "2", "--resume"])
+    assert p.returncode == 0, p.stderr
+    assert steps_logged(out) == [0, 1, 2]
+
+
+def test_the_resume_command_is_torchruns_under_torchrun(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    launcher = lambda world: plumbing.Run.launcher(type("R", (), {"world": world})())
+    assert launcher(1) == "python"
+    assert launcher(4) == "torchrun --standalone --nproc_per_node 4"
+    assert launcher(8).startswith("torchrun --nnodes 2 --nproc_per_node 4")
+
+
+def test_a_prerequisite_is_built_as_one_process_under_torchrun(monkeypatch, tmp_path):
+    """build_missing's child must not inherit torchrun's variables: it would wait for a process group that never
+    forms."""
+    seen = {}
+
+    def fake_run(cmd, env=None):
+        seen["env"] = env
+        open(tmp_path / "sft.pt", "w").close()
+        return subprocess.CompletedProcess(cmd, 0)
+
+    for k, v in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "x",
+                 "MASTER_PORT": "1", "TORCHELASTIC_RUN_ID": "r", "GROUP_RANK": "0", "ROLE_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(plumbing.subprocess, "run", fake_run)
+    path = str(tmp_path / "sft.pt")
+    plumbing.build_missing(path, path, ["sft.py"])
+    assert seen["env"] is not None and "PATH" in seen["env"]
+    assert not [k for k in seen["env"] if k in plumbing.TORCHRUN_VARIABLES or k.startswith("TORCHELASTIC_")]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -161,6 +270,7 @@ def test_ctrl_c_stops_cleanly_and_resume_logs_each_step_once(tiny_sft, tmp_path)
     last = stdout.strip().splitlines()[-1]
     assert last.startswith("stopped at step ") and "--resume" in last and "grpo.pt" in last, last
     stopped = int(last.split()[3])
+    assert f"SIGINT: stopping after step {stopped} and" in stdout, stdout    # the message named the step it stopped at
     assert load_checkpoint(os.path.join(out, "grpo.pt"))[1]["step"] == stopped
     assert steps_logged(out) == list(range(stopped + 1))
     # a kill between logging a step and checkpointing it: the log runs ahead of the checkpoint, a line cut short
