@@ -14,7 +14,7 @@ log-ratio): the loss is -log sigmoid(beta * h), which only reaches 0 as h -> inf
 prefer y_w over y_l every time (deterministic preferences, as ours: a correct answer always beats a
 wrong one) nothing stops h from growing: the KL regularisation that beta stands for is not enforced
 (Azar et al. 2023, section 4.2). ipo.py replaces the loss with a squared one that has a finite
-target; `diff dpo.py ipo.py` shows the difference, and `python bench/dpo_ipo_margin.py` measures it.
+target; `diff dpo.py ipo.py` shows the difference, and `python experiments/dpo_ipo_margin.py` measures it.
 
 The data: task.preference_dataset, one pair per training prompt, sampled from the SFT policy and
 labelled by the verifier (chosen correct, rejected wrong; a side the samples lack is the
@@ -34,7 +34,7 @@ Choices the paper leaves open, and deviations from it:
   and several epochs over a small dataset, where the paper makes one pass over a large one.
 - Defaults: lr 3e-5 for 100 steps (about 3 epochs), then stop. On deterministic preferences DPO's
   held-out accuracy rises, peaks and then falls as h keeps growing and the chosen log-probs start
-  to fall (`python bench/dpo_ipo_margin.py` trains at lr 1e-4 for 200 steps; the README gives its
+  to fall (`python experiments/dpo_ipo_margin.py` trains at lr 1e-4 for 200 steps; the README gives its
   figures); the default stops before that. ipo.py runs with the same settings.
 - Metrics the paper does not define: implicit-reward accuracy and margin (on the training batch and on
   the held-out pairs), the policy's log-probs of chosen and rejected (the chosen ones usually fall

@@ -49,7 +49,7 @@ Where the papers differ and what this file does (every choice a flag):
   did from its third round on (STaR and ReST-EM train on the latest round's samples only). The default
   continues from the current policy and its optimiser on the latest round's data: the cheaper, online
   form, whose cost per round stays constant.
-- Two additions, off by default, for bench/early_experience.py. --hindsight (Andrychowicz et al. 2017, arXiv
+- Two additions, off by default, for experiments/early_experience.py. --hindsight (Andrychowicz et al. 2017, arXiv
   1707.01495): a failed attempt is kept as a correct demonstration of the problem it did solve; here a failed
   a+b*c= attempt that is exactly the left-to-right derivation is kept for (a+b)*c=, a problem never asked (not
   deduplicated against the round's own successes: the problems differ). --demos s: expert demonstrations (the

@@ -53,7 +53,7 @@ The GRPO family, as options (each a clear branch in grpo_advantages, grpo_loss o
   reward penalty ramping from 0 to -1 over the last N tokens of --max_new_tokens). DAPO also drops the KL term
   (--beta 0).
 At mu = 1 the ratio is 1 and every option above gives the same gradient as GRPO (CISPO's weight and GSPO's
-s_i are 1): they differ only with --mu > 1. `python bench/grpo_family.py` compares them at --mu 4.
+s_i are 1): they differ only with --mu > 1. `python experiments/grpo_family.py` compares them at --mu 4.
 
 Deviations from the papers, and choices the papers leave open:
 - Loss aggregation: default as DeepSeekMath (token mean within each completion, then the mean over

@@ -16,7 +16,7 @@ infinite, so DPO drives h up without bound and the KL regularisation beta stands
 (Azar et al., section 4.2). IPO regresses h onto a finite target instead: with preference
 probability 1 the optimum is h = 1/(2 tau) (5 nats of log-ratio for tau = 0.1), and pairs past it are
 pulled back. In DPO's units the implicit reward is tau * (log pi - log pi_ref) and its margin settles
-near 1/2. `diff dpo.py ipo.py` shows the difference; `python bench/dpo_ipo_margin.py` measures it.
+near 1/2. `diff dpo.py ipo.py` shows the difference; `python experiments/dpo_ipo_margin.py` measures it.
 
 The data: task.preference_dataset, one pair per training prompt, sampled from the SFT policy and
 labelled by the verifier (chosen correct, rejected wrong; a side the samples lack is the
@@ -39,7 +39,7 @@ Choices the paper leaves open, and deviations from it:
 - AdamW with linear warm-up then a constant learning rate, several epochs over a small dataset.
 - Defaults: lr 3e-5 for 100 steps (about 3 epochs), the same as dpo.py so the two runs compare.
   Trained longer, IPO's h settles near its target and held-out accuracy holds where DPO's
-  collapses (bench/dpo_ipo_margin.py).
+  collapses (experiments/dpo_ipo_margin.py).
 - Metrics the paper does not define: implicit-reward accuracy and margin tau * h (on the training
   batch and on the held-out pairs), the policy's log-probs of chosen and rejected, the exact
   KL(pi || pi_ref) summed over the tokens of the held-out chosen completions (teacher-forced, through

@@ -38,7 +38,7 @@ Settings:
                         ratio 1 is the policy gradient -A grad log pi. It overrides --ppo_epochs, --minibatches,
                         --clip_eps and --clip_value (the start-up line says so).
     --reward verifier   PPO on the task's verifiable reward (1 correct / 0 wrong) instead of the reward model.
-    --beta 0 --steps N  no KL anchor: the over-optimisation run (python bench/overoptimisation.py runs it into
+    --beta 0 --steps N  no KL anchor: the over-optimisation run (python experiments/overoptimisation.py runs it into
                         out/ppo/overopt/ and tabulates reward-model score against gold accuracy and KL).
 
 Defaults (beta 0.3, 40 steps of 64 prompts, lr 1e-4): on the default task, held-out greedy accuracy peaks

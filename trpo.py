@@ -8,7 +8,7 @@ step length comes from delta. The direction is the natural gradient F^-1 g, the 
 corrected by the curvature F of that KL (the Fisher information matrix), found by conjugate gradient
 without ever forming F; then a backtracking line search checks the true KL and the true gain and halves
 the step until both hold. PPO (Schulman et al. 2017) replaced all of this by a clipped ratio and Adam;
-this file shows what it replaced, and `python bench/trpo_compare.py` what it costs.
+this file shows what it replaced, and `python experiments/trpo_compare.py` what it costs.
 
 Schulman, Levine, Moritz, Jordan, Abbeel 2015, "Trust Region Policy Optimization", arXiv 1502.05477
 (section 6, the practical algorithm; appendix C, the step). For a batch of B completions y_i with
@@ -73,7 +73,7 @@ Run:
     python trpo.py                       # from out/sft.pt (trained first if missing); about 9 minutes on one CPU core
     python trpo.py --max_kl 0.05         # a larger trust region
     python trpo.py --resume              # continue from out/trpo.pt up to --steps
-    python bench/trpo_compare.py         # seconds and KL per update: TRPO against PPO and GRPO
+    python experiments/trpo_compare.py         # seconds and KL per update: TRPO against PPO and GRPO
 Metrics: one JSON object per log step in out/trpo/metrics.jsonl; checkpoint out/trpo.pt.
 """
 import math

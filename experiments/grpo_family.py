@@ -10,9 +10,9 @@ tokens whose gradient the clip removed; for CISPO the share whose weight was tru
 (DAPO's dynamic sampling draws more), and wall time.
 
 Run:
-    python bench/grpo_family.py                    # seed 0, about 6 minutes on 2 CPU cores (out/sft.pt built first if missing)
-    python bench/grpo_family.py --seeds 0 1 2      # mean and spread over three seeds
-    python bench/grpo_family.py --table_only       # re-print the table from the runs already there
+    python experiments/grpo_family.py                    # seed 0, about 6 minutes on 2 CPU cores (out/sft.pt built first if missing)
+    python experiments/grpo_family.py --seeds 0 1 2      # mean and spread over three seeds
+    python experiments/grpo_family.py --table_only       # re-print the table from the runs already there
 """
 import argparse
 import json

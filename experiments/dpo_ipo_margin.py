@@ -13,8 +13,8 @@ This runs dpo.py and ipo.py one after the other with the same settings (longer t
 higher learning rate, so that the asymptote shows in a few minutes) into out/dpo/margin and out/ipo/margin, then
 prints a markdown table from their metrics.jsonl. About 5 minutes per run on 2 otherwise idle CPU cores.
 
-    python bench/dpo_ipo_margin.py                 # run both, then print the table
-    python bench/dpo_ipo_margin.py --no_run        # only print the table from an earlier run
+    python experiments/dpo_ipo_margin.py                 # run both, then print the table
+    python experiments/dpo_ipo_margin.py --no_run        # only print the table from an earlier run
 """
 import argparse
 import json

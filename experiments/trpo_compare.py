@@ -26,8 +26,8 @@ step, averaged over the minibatches and epochs: it misses the move of the last s
 update's KL); GRPO at --mu 1 logs none (its approx_kl is taken before its only step, where the ratio is 1: 0).
 
 Run:
-    python bench/trpo_compare.py                  # N = 10 updates each, seed 0: about 10 minutes on 2 idle CPU cores
-    python bench/trpo_compare.py --table_only     # print the table again from the runs in out/trpo_compare
+    python experiments/trpo_compare.py                  # N = 10 updates each, seed 0: about 10 minutes on 2 idle CPU cores
+    python experiments/trpo_compare.py --table_only     # print the table again from the runs in out/trpo_compare
 Writes out/trpo_compare/<algorithm>/ (runs, checkpoints) and out/trpo_compare/table.md.
 """
 import argparse
@@ -162,7 +162,7 @@ def main():
     rollout = {"GRPO": rollout_seconds(init_path(args), 32, 8), "PPO": rollout_seconds(init_path(args), 256, 1)}
     fmt_kl = lambda xs: f"{statistics.median(xs):.4f} (max {max(xs):.4f})"
     lines = [f"N = {args.updates} updates of 256 completions each, seed {args.seed}, from {args.init}; "
-             f"`python bench/trpo_compare.py{'' if args.updates == 10 else f' --updates {args.updates}'}`", "",
+             f"`python experiments/trpo_compare.py{'' if args.updates == 10 else f' --updates {args.updates}'}`", "",
              "| algorithm | s per update (rollout included) | rollout s | update s (without rollout) | "
              "exact KL(pi_old \\|\\| pi_new) per token, median over updates (max) | the script's own logged KL, median (max) | "
              f"held-out greedy accuracy, before -> after {args.updates} updates |",

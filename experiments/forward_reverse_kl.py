@@ -19,7 +19,7 @@ it lets the policy drop some of the reference's modes (answers) as long as what 
 reference. The claim sometimes read that reverse KL is mode-covering is the wrong way round; the figure shows it.
 
 Run:
-    python bench/forward_reverse_kl.py        # a few seconds; writes results/forward_reverse_kl.png
+    python experiments/forward_reverse_kl.py        # a few seconds; writes results/forward_reverse_kl.png
 """
 import argparse
 import math
@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # -----------------------------------------------------------------------------
-# Pure functions (tested in tests/test_bench.py)
+# Pure functions (tested in tests/test_experiments.py)
 
 def support(n=41, half_width=8.0):
     """n equally spaced points on [-half_width, half_width], float64."""
@@ -140,7 +140,7 @@ def main():
     axes[2].legend(fontsize=8)
     for ax in axes:
         ax.grid(alpha=0.3)
-    fig.suptitle("fitting one Gaussian to two peaks (python bench/forward_reverse_kl.py)", fontsize=10)
+    fig.suptitle("fitting one Gaussian to two peaks (python experiments/forward_reverse_kl.py)", fontsize=10)
     fig.tight_layout()
     path = os.path.join(ROOT, args.out) if not os.path.isabs(args.out) else args.out
     os.makedirs(os.path.dirname(path), exist_ok=True)

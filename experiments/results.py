@@ -29,10 +29,10 @@ Outputs, in results/ (results/quick/ with --quick):
 Each process's output goes to D/<name>.log; its wall and CPU time (all attempts) to D/<name>.time.json.
 
 Run:
-    python bench/results.py                          # 3 seeds x every script: about 40 minutes on 2 idle CPU cores
-    python bench/results.py --seeds 0 --only grpo    # one seed, one script (and the SFT policy it starts from)
-    python bench/results.py --table_only             # rebuild the table and figures from the runs already there
-    python bench/results.py --quick                  # the whole pipeline on tiny settings, into results/quick/ (~3 min)
+    python experiments/results.py                          # 3 seeds x every script: about 40 minutes on 2 idle CPU cores
+    python experiments/results.py --seeds 0 --only grpo    # one seed, one script (and the SFT policy it starts from)
+    python experiments/results.py --table_only             # rebuild the table and figures from the runs already there
+    python experiments/results.py --quick                  # the whole pipeline on tiny settings, into results/quick/ (~3 min)
 """
 import argparse
 import importlib
@@ -119,7 +119,7 @@ def step_limit(module, argv):
 
 
 # -----------------------------------------------------------------------------
-# Reading runs (pure functions, tested in tests/test_bench.py)
+# Reading runs (pure functions, tested in tests/test_experiments.py)
 
 def read_metrics(path):
     """The rows of a metrics.jsonl (a list of dicts); a last line cut short by a kill is dropped; [] if no file."""
@@ -339,7 +339,7 @@ def figures(results, labels, out_dir):
             ax.set(title=title, xlabel=xlabel, ylabel="held-out greedy accuracy")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8, loc="best")
-        fig.suptitle("held-out greedy accuracy: mean over seeds, min-max shaded (python bench/results.py)", fontsize=10)
+        fig.suptitle("held-out greedy accuracy: mean over seeds, min-max shaded (python experiments/results.py)", fontsize=10)
         fig.tight_layout()
         path = os.path.join(out_dir, file)
         fig.savefig(path, dpi=120)
@@ -371,7 +371,7 @@ def report(scripts, seeds, runs_dir, out_dir, quick):
               f" (sft.py: `--seed S --out D`), D = "
               f"{os.path.relpath(runs_dir, ROOT)}/seedS. Wall time: the script's own (first step to last evaluation) / "
               f"the whole process (start-up and step-0 evaluation included; every attempt of a resumed run, while the script's "
-              f"own counts from its last resume). Regenerate: `python bench/results.py{' --quick' if quick else ''}`.")
+              f"own counts from its last resume). Regenerate: `python experiments/results.py{' --quick' if quick else ''}`.")
     text = "\n\n".join([header, md] + notes) + "\n"
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "results.md"), "w") as f:

@@ -32,8 +32,8 @@ Outputs: the table printed and written to results/kl_estimators.md, the numbers 
 figure to results/kl_estimators.png.
 
 Run:
-    python bench/kl_estimators.py                # about 3 minutes on 2 CPU cores (out/sft.pt built first if missing)
-    python bench/kl_estimators.py --table_only   # redo the measurements on the checkpoints already there, no training
+    python experiments/kl_estimators.py                # about 3 minutes on 2 CPU cores (out/sft.pt built first if missing)
+    python experiments/kl_estimators.py --table_only   # redo the measurements on the checkpoints already there, no training
 """
 import argparse
 import json
@@ -57,7 +57,7 @@ ESTIMATORS = ("k1", "k2", "k3")
 
 
 # -----------------------------------------------------------------------------
-# Pure functions (tested in tests/test_bench.py on enumerable categoricals)
+# Pure functions (tested in tests/test_experiments.py on enumerable categoricals)
 
 def exact_kls(logits, ref_logits):
     """Per position, over the vocabulary: (KL(pi_theta || pi_ref), KL(pi_ref || pi_theta)), each (...), differentiable
@@ -234,7 +234,7 @@ def figure(rows, path):
         ax.set(xlabel="exact KL(pi_theta || pi_ref) per token (GRPO, beta 0, along training)", xscale="log")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle("KL estimators k1, k2, k3 against the exact KL (python bench/kl_estimators.py)", fontsize=10)
+    fig.suptitle("KL estimators k1, k2, k3 against the exact KL (python experiments/kl_estimators.py)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

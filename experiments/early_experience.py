@@ -19,11 +19,11 @@ Sections (each prints a markdown table and writes it, with its raw numbers, unde
                       data): accuracy on precedence problems and on the others (forgetting).
 
 Run:
-    python bench/early_experience.py --section cold_start           # about 2 minutes on 2 CPU cores (+ SFT if missing)
-    python bench/early_experience.py --section distribution_shift   # builds the GRPO (and EI) policies if missing
-    python bench/early_experience.py --section hindsight            # two expert-iteration runs, about 3 minutes
-    python bench/early_experience.py --section warm_buffer          # three expert-iteration runs (one shared)
-    python bench/early_experience.py                                # every section
+    python experiments/early_experience.py --section cold_start           # about 2 minutes on 2 CPU cores (+ SFT if missing)
+    python experiments/early_experience.py --section distribution_shift   # builds the GRPO (and EI) policies if missing
+    python experiments/early_experience.py --section hindsight            # two expert-iteration runs, about 3 minutes
+    python experiments/early_experience.py --section warm_buffer          # three expert-iteration runs (one shared)
+    python experiments/early_experience.py                                # every section
 """
 import argparse
 import json

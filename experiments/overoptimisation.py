@@ -10,8 +10,8 @@ a markdown table against KL(pi || pi_ref): the reward model's mean score and the
 greedy completions on the held-out prompts, and the same pair on the training rollouts.
 
 Run:
-    python bench/overoptimisation.py                 # about 10 minutes on 2 CPU cores
-    python bench/overoptimisation.py --table_only    # re-print the table from out/ppo/overopt/ppo/metrics.jsonl
+    python experiments/overoptimisation.py                 # about 10 minutes on 2 CPU cores
+    python experiments/overoptimisation.py --table_only    # re-print the table from out/ppo/overopt/ppo/metrics.jsonl
 """
 import argparse
 import json

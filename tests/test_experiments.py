@@ -1,4 +1,4 @@
-"""The pure functions of bench/results.py, bench/kl_estimators.py and bench/forward_reverse_kl.py: hand-worked values,
+"""The pure functions of experiments/results.py, experiments/kl_estimators.py and experiments/forward_reverse_kl.py: hand-worked values,
 float64 references written here from the definitions, and exact expectations over small enumerable categoricals
 (where E_{y ~ p}[...] is a finite sum). The sweeps themselves are benchmarks, not tests; results.py's table and
 figures are checked end to end on a synthetic runs folder (--table_only)."""
@@ -12,14 +12,14 @@ import torch
 
 from conftest import ROOT, refused, run_script
 
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.insert(0, os.path.join(ROOT, "experiments"))
 import forward_reverse_kl as frk  # noqa: E402
 import kl_estimators as kle  # noqa: E402
 import results  # noqa: E402
 
 
 # -----------------------------------------------------------------------------
-# bench/results.py
+# experiments/results.py
 
 def test_read_metrics_drops_a_cut_line_and_a_missing_file_is_empty(tmp_path):
     path = tmp_path / "metrics.jsonl"
@@ -130,7 +130,7 @@ def test_table_only_end_to_end_on_synthetic_runs(tmp_path):
         write_run(folder, "grpo", 50, 10, [0.6, 0.7, 0.75, 0.8, 0.85, end])
         if seed == 0:                                                          # rloo: one seed only
             write_run(folder, "rloo", 50, 10, [0.6] * 5 + [end])
-    p = run_script("bench/results.py", ["--table_only", "--seeds", "0", "1", "--dir", str(tmp_path)])
+    p = run_script("experiments/results.py", ["--table_only", "--seeds", "0", "1", "--dir", str(tmp_path)])
     assert p.returncode == 0, p.stderr
     md = (tmp_path / "results.md").read_text()
     assert "| GRPO | 0.600 +- 0.000 -> **0.850 +- 0.071** [0.800, 0.900] |" in md
@@ -143,12 +143,12 @@ def test_table_only_end_to_end_on_synthetic_runs(tmp_path):
 
 
 def test_bad_input_is_refused(tmp_path):
-    refused(run_script("bench/results.py", ["--only", "nosuchscript", "--dir", str(tmp_path)]), "--only", "nosuchscript")
-    refused(run_script("bench/results.py", ["--table_only", "--dir", str(tmp_path)]), "no finished runs")
+    refused(run_script("experiments/results.py", ["--only", "nosuchscript", "--dir", str(tmp_path)]), "--only", "nosuchscript")
+    refused(run_script("experiments/results.py", ["--table_only", "--dir", str(tmp_path)]), "no finished runs")
 
 
 # -----------------------------------------------------------------------------
-# bench/kl_estimators.py, on enumerable categoricals
+# experiments/kl_estimators.py, on enumerable categoricals
 
 def categorical(V=7, positions=3, scale=1.5, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -232,7 +232,7 @@ def test_per_completion_never_reads_padding():
 
 
 # -----------------------------------------------------------------------------
-# bench/forward_reverse_kl.py
+# experiments/forward_reverse_kl.py
 
 def test_kl_divergence_and_the_distributions_against_float64():
     x = frk.support()
