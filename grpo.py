@@ -199,7 +199,7 @@ def informative_groups(batch, G):
     last; returns the same tuple with fewer rows."""
     r = batch[-1].view(-1, G)                                                        # (P, G) rewards
     keep = (r != r[:, :1]).any(1).repeat_interleave(G)                               # (P*G,) bool
-    return tuple(x[keep] for x in batch)
+    return type(batch)(*(x[keep] for x in batch))
 
 
 # -----------------------------------------------------------------------------
@@ -269,8 +269,8 @@ def main(args):
             kept, rounds = kept + [informative_groups(batch, G) if args.dynamic_sampling else batch], rounds + 1
             short = run.all_sum(float(sum(len(b[-1]) for b in kept) < len(prompts) * G)).item() > 0  # any rank short
         if sum(len(b[-1]) for b in kept) > 0:                                      # else: the last batch, all A = 0
-            batch = tuple(x[:len(prompts) * G] for x in task.concat_rollouts(kept, tok.pad_id))
-        prompt, prompt_mask, tokens, mask, truncated, rewards = batch              # (B, Tp), (B, Tn), (B,); B = P*G
+            batch = task.Rollout(*(x[:len(prompts) * G] for x in task.concat_rollouts(kept, tok.pad_id)))
+        prompt, prompt_mask, tokens, mask, truncated, rewards, _ = batch              # (B, Tp), (B, Tn), (B,); B = P*G
         if args.overlong_buffer > 0:                                               # DAPO's overlong punishment
             rewards = rewards + overlong_penalty(mask.sum(1), args.max_new_tokens, args.overlong_buffer)
         run.samples += rounds * P * G

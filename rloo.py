@@ -118,7 +118,7 @@ def main(args):
         # 1. rollout: G = k completions per prompt at the sampling temperature, scored by the verifier
         prompts = run.shard(task.sample_prompts(run.rng, P, args.precedence_share))   # this rank's share
         with run.autocast:
-            prompt, prompt_mask, tokens, mask, truncated, rewards = task.rollout(policy, tok, prompts, G, temp,
+            prompt, prompt_mask, tokens, mask, truncated, rewards, _ = task.rollout(policy, tok, prompts, G, temp,
                                                                                  args.max_new_tokens, args.format_weight,
                                                                                  run.gen)  # (B, Tp), (B, Tn), (B,); B = P*G
         run.samples += P * G

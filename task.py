@@ -31,6 +31,7 @@ import os
 import random
 import re
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 
@@ -268,34 +269,46 @@ def complete(model, tokenizer, prompts, num_samples=1, temperature=0.0, max_new_
     return (texts, ids) if return_ids else texts
 
 
+class Rollout(NamedTuple):
+    """A batch of sampled completions, a prompt's G samples on consecutive rows (B = P*G rows)."""
+    prompt: torch.Tensor         # (B, Tp) prompt ids, left-padded
+    prompt_mask: torch.Tensor    # (B, Tp) 1.0 on prompt tokens
+    tokens: torch.Tensor         # (B, Tn) completion ids, right-padded
+    mask: torch.Tensor           # (B, Tn) 1.0 on completion tokens, through each EOS
+    truncated: torch.Tensor      # (B,) bool: no EOS within max_new_tokens
+    rewards: torch.Tensor        # (B,) float32: the verifier's reward (correct + format_weight * well formed)
+    correct: torch.Tensor        # (B,) bool: the final answer is right (the reward without the format bonus)
+
+
 @torch.no_grad()
 def rollout(policy, tokenizer, prompts, group_size, temperature, max_new_tokens=MAX_NEW_TOKENS, format_weight=0.0,
             generator=None):
     """The rollout of the RL scripts: group_size completions per prompt at `temperature` (the full softmax, no
-    top-k), scored by the verifier, a prompt's samples on consecutive rows. For P prompts and G = group_size,
-    returns prompt, prompt_mask (P*G, Tp) left-padded; tokens, mask (P*G, Tn), mask 1.0 through each EOS;
-    truncated (P*G,) bool (no EOS within max_new_tokens); rewards (P*G,) float32, on the policy's device."""
+    top-k), scored by the verifier, a prompt's samples on consecutive rows; a Rollout on the policy's device."""
     device = next(policy.parameters()).device
     prompt, prompt_mask = tokenizer.encode_batch(prompts, device)                     # (P, Tp)
     tokens, mask, truncated = policy.generate(prompt, prompt_mask, max_new_tokens, tokenizer.eos_id, tokenizer.pad_id,
                                               num_samples=group_size, temperature=temperature, generator=generator)
     completions = tokenizer.decode_completions(tokens, mask)
-    rewards = torch.tensor([reward(prompts[i // group_size], c, format_weight) for i, c in enumerate(completions)],
-                           device=device)                                             # (P*G,)
     G = group_size
-    return prompt.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0), tokens, mask, truncated, rewards
+    rewards = torch.tensor([reward(prompts[i // G], c, format_weight) for i, c in enumerate(completions)],
+                           device=device)                                             # (P*G,)
+    correct = torch.tensor([reward(prompts[i // G], c) == 1.0 for i, c in enumerate(completions)], device=device)
+    return Rollout(prompt.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0), tokens, mask, truncated,
+                   rewards, correct)
 
 
 def concat_rollouts(batches, pad_id):
-    """Stack rollout tuples (task.rollout's: prompt, prompt_mask, tokens, mask, truncated, rewards): prompts
-    left-padded and completions right-padded to the longest, so that each row reads exactly as it did alone
-    (padding is masked out of attention and positions)."""
-    Tp, Tn = max(b[0].size(1) for b in batches), max(b[2].size(1) for b in batches)
+    """Stack Rollouts: prompts left-padded and completions right-padded to the longest, so that each row reads
+    exactly as it did alone (padding is masked out of attention and positions)."""
+    Tp, Tn = max(b.prompt.size(1) for b in batches), max(b.tokens.size(1) for b in batches)
     left = lambda x, n, v: torch.nn.functional.pad(x, (n - x.size(1), 0), value=v)
     right = lambda x, n, v: torch.nn.functional.pad(x, (0, n - x.size(1)), value=v)
-    return (torch.cat([left(b[0], Tp, pad_id) for b in batches]), torch.cat([left(b[1], Tp, 0.0) for b in batches]),
-            torch.cat([right(b[2], Tn, pad_id) for b in batches]), torch.cat([right(b[3], Tn, 0.0) for b in batches]),
-            torch.cat([b[4] for b in batches]), torch.cat([b[5] for b in batches]))
+    return Rollout(torch.cat([left(b.prompt, Tp, pad_id) for b in batches]),
+                   torch.cat([left(b.prompt_mask, Tp, 0.0) for b in batches]),
+                   torch.cat([right(b.tokens, Tn, pad_id) for b in batches]),
+                   torch.cat([right(b.mask, Tn, 0.0) for b in batches]),
+                   *(torch.cat([b[i] for b in batches]) for i in (4, 5, 6)))
 
 
 def evaluate(model, tokenizer, prompts=None, num_samples=4, temperature=1.0, seed=0):

@@ -94,7 +94,7 @@ def update_kl(old_path, new_path, prompts, seed):
     """Exact KL(pi_old || pi_new) per completion token, on completions sampled from pi_old (one per prompt, T = 1)."""
     old, tok, _ = load_model(old_path, "cpu")
     new, _, _ = load_model(new_path, "cpu")
-    prompt, prompt_mask, tokens, mask, _, _ = task.rollout(old, tok, prompts, 1, 1.0,
+    prompt, prompt_mask, tokens, mask, *_ = task.rollout(old, tok, prompts, 1, 1.0,
                                                            generator=torch.Generator().manual_seed(seed))
     batch = (prompt, prompt_mask, tokens, mask)
     per_token = kl(completion_logits(old, *batch), completion_logits(new, *batch))      # (B, Tn)

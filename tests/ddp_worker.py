@@ -44,9 +44,13 @@ def fixed_rollout(policy, tokenizer, prompts, group_size, temperature, max_new_t
     prompt, prompt_mask = tokenizer.encode_batch(prompts, device)
     tokens, mask, truncated = fixed_tokens(tokenizer, prompts, group_size, device)
     completions = tokenizer.decode_completions(tokens, mask)
-    rewards = torch.tensor([task.reward(prompts[i // group_size], c) for i, c in enumerate(completions)], device=device)
+    rewards = torch.tensor([task.reward(prompts[i // group_size], c, format_weight) for i, c in enumerate(completions)],
+                           device=device)
+    correct = torch.tensor([task.reward(prompts[i // group_size], c) == 1.0 for i, c in enumerate(completions)],
+                           device=device)
     G = group_size
-    return prompt.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0), tokens, mask, truncated, rewards
+    return task.Rollout(prompt.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0), tokens, mask, truncated,
+                        rewards, correct)
 
 
 def fixed_ppo_rollout(policy, tok, prompts, temperature, max_new_tokens, generator, device, autocast):
