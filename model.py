@@ -252,7 +252,7 @@ class GPT(nn.Module):
         start = 0 if cache is None else cache.length
         offset = 0 if cache is None else cache.next_pos[:, None]
         pos = (offset + real.long().cumsum(1) - 1).clamp(min=0)    # (B, T) position of each real token
-        if pos.max() >= self.config.block_size:
+        if pos.numel() and pos.max() >= self.config.block_size:     # (an empty batch: a rank's empty micro-batch)
             raise ValueError(f"a sequence of {int(pos.max()) + 1} real tokens exceeds block_size = "
                              f"{self.config.block_size}; shorten it or build the model with a larger block_size")
         if cache is None:

@@ -1,58 +1,40 @@
 """
 REINFORCE with a choice of baselines, and REINFORCE++, with the verifier as the reward.
 
-Williams 1992, "Simple Statistical Gradient-Following Algorithms for Connectionist Reinforcement
-Learning" (Machine Learning 8); REINFORCE++: Hu 2025, "REINFORCE++: A Simple and Efficient Approach
-for Aligning Large Language Models", arXiv 2501.03262. The policy-gradient theorem with the whole
-completion y_i as one action and a baseline b that does not depend on y_i:
+The policy-gradient theorem with the whole completion y_i as one action: raise the log-probability of each sample
+in proportion to its reward minus a baseline b that does not depend on it. No value network, no ratio.
 
-    R_i = r_i - beta * sum_t KL_it                                  (KL to the reference in the reward)
-    A_i = R_i - b,       grad J = E[ A_i * grad log pi(y_i | x) ],  log pi(y_i | x) = sum_t log pi(y_it | .)
-    L = -1/B sum_i sum_t A_it * log pi_theta(y_it | .)              (A_it = A_i for sequence-level baselines)
-
+Williams 1992, "Simple Statistical Gradient-Following Algorithms for Connectionist Reinforcement Learning" (Machine
+Learning 8); REINFORCE++: Hu 2025, arXiv 2501.03262.
+    R_i = r_i - beta * sum_t KL_it                                   (KL to the reference in the reward; k1 default)
+    A_i = R_i - b,    L = -1/B sum_i sum_t A_it log pi_theta(y_it | .)    (A_it = A_i for sequence-level baselines)
 --baseline picks b:
     none            b = 0: vanilla REINFORCE, unbiased, with the variance problem the baselines fix
-    moving_average  b = exponential moving average of the mean R of earlier batches (--ema_decay)
-    batch_mean      b = mean R of this batch. It includes sample i itself, so b depends on y_i and the
-                    estimate is biased by a factor (1 - 1/B) (the leave-one-out baseline of rloo.py removes it)
-    reinforce_pp    REINFORCE++: per-token rewards, the k1 KL penalty on every token and the outcome
-                    reward on the last, r_t = -beta * KL_t + r_i * [t = last]; returns-to-go
-                    G_t = sum_{s >= t} r_s (gamma = 1); advantages normalised over the whole batch,
-                    A_t = (G_t - mean) / (std + eps) with the mean and std over every completion token.
+    moving_average  b = an exponential moving average of the mean R of earlier batches (--ema_decay)
+    batch_mean      b = this batch's mean R; it includes sample i itself, so the estimate is biased by a factor
+                    (1 - 1/B) (rloo.py's leave-one-out baseline removes it)
+    reinforce_pp    REINFORCE++: r_t = -beta KL_t + r_i [t = last], returns-to-go G_t = sum_{s >= t} r_s (gamma 1),
+                    A_t = (G_t - mean) / (std + eps) over every completion token of the batch
 
-KL_it is a per-token estimate of KL(pi_theta || pi_ref) on the sampled token (Schulman 2020), with
-log r = log pi_ref(y) - log pi_theta(y):
-    k1 = -log r                 unbiased for KL(pi_theta || pi_ref) (REINFORCE++'s: the log-ratio)
-    k2 = (log r)^2 / 2          biased, low variance, >= 0
-    k3 = (r - 1) - log r        unbiased, low variance, >= 0
-In the reward it is a number (no gradient flows through it); the exact per-token
-KL(pi_theta || pi_ref) over the whole vocabulary (kernels.kl) is logged beside it.
+Deviations and choices the papers leave open:
+- One on-policy step per batch: REINFORCE++'s clipped ratio is 1 there, the clip never binds: left out.
+- The loss sums a completion's tokens and averages over completions, REINFORCE++ included (its code averages tokens).
+- Several samples per prompt (--group_size, so the sibling scripts' runs compare); no baseline here uses the groups.
+- The reward is the task's verifier (1 correct, 0 otherwise; --format_weight adds a format bonus).
+- Small scale: a 0.8M-parameter policy, AdamW at a constant learning rate.
 
-Deviations from the papers, and choices they leave open:
-- One gradient step per batch of rollouts: on-policy, no ratio. REINFORCE++ is written with PPO's
-  clipped ratio and several passes; with one on-policy pass the ratio is 1, the clip never binds
-  and the gradient is the same, so it is left out.
-- The loss sums over the tokens of a completion and averages over completions (the REINFORCE
-  estimator of log pi(y | x)) for every baseline, REINFORCE++ included (its code averages tokens).
-- Several samples per prompt (--group_size, as in the sibling scripts, so that the runs compare);
-  none of these baselines looks at the groups.
-- The reward is the task's verifier (1 correct, 0 otherwise, optional --format_weight).
-- Small scale: a 0.8M-parameter policy on arithmetic, AdamW at a constant learning rate.
-
-Shapes: P prompts per step, G completions per prompt, B = P*G completions (the rows of every (B, T) tensor the
-loss functions take), T time (Tp prompt tokens, Tn completion tokens), V vocabulary.
-
+Shapes: P prompts, G completions per prompt, B = P*G rows; T time (Tp prompt, Tn completion tokens).
 Run:
-    python reinforce.py                          # REINFORCE++ from out/sft.pt (trained first if missing); about 1 min on 2 idle CPU cores
-    python reinforce.py --baseline none          # vanilla REINFORCE: watch the grad norm
-    python reinforce.py --resume                 # continue from out/reinforce.pt up to --steps
-Metrics: one JSON object per log step in out/reinforce/metrics.jsonl; checkpoint out/reinforce.pt.
+    python reinforce.py                      # REINFORCE++ from out/sft.pt (built first if missing); about 1 minute
+    python reinforce.py --baseline none      # vanilla REINFORCE: watch grad_norm
+    python reinforce.py --resume             # continue from out/reinforce.pt up to --steps
+Metrics: out/reinforce/metrics.jsonl (docs/metrics.md says what each means); checkpoint out/reinforce.pt.
 """
 import torch
 
 import task
 from kernels import entropy, kl, kl_penalty, logprobs
-from model import completion_logits, masked_mean
+from model import completion_logits
 from plumbing import SFT_PATH, TEMPERATURE, Float, Int, Run, add_run_flags, parser
 
 
@@ -63,16 +45,14 @@ BASELINES = ("none", "moving_average", "batch_mean", "reinforce_pp")
 
 
 def batch_mean(x, all_sum=None):
-    """The mean of x over the whole batch. all_sum: when the batch is split over processes (torchrun), a function that sums a tensor over them
-    (plumbing.Run.all_sum), so that the statistics are the whole batch's; None: this batch is the whole batch."""
+    """x's mean over the whole batch; all_sum sums a tensor over processes (Run.all_sum) when it is split over them."""
     all_sum = all_sum or (lambda v: v)
     return all_sum(x.sum()) / all_sum(torch.tensor(float(x.numel()), device=x.device))
 
 
 def baseline_advantages(rewards, baseline, moving_average=None, all_sum=None):
-    """Sequence-level advantages A_i = R_i - b. rewards (B,) -> (B,). baseline: "none" (b = 0),
-    "moving_average" (b = moving_average, a float from earlier batches; None means no history yet: b = 0),
-    "batch_mean" (b = mean of this batch; all_sum: see batch_mean)."""
+    """A_i = R_i - b, rewards (B,) -> (B,); b: 0 ("none"), moving_average (a float; None before any batch: 0), or
+    the batch's mean ("batch_mean"; all_sum: see batch_mean)."""
     if baseline == "none":
         return rewards.clone()
     if baseline == "moving_average":
@@ -89,11 +69,7 @@ def update_moving_average(moving_average, rewards, decay, all_sum=None):
 
 
 def reinforce_pp_advantages(rewards, kl_t, mask, beta, eps=1e-8, all_sum=None):
-    """REINFORCE++ token advantages (B, T). rewards (B,) outcome rewards; kl_t (B, T) per-token KL estimate;
-    mask (B, T) 1.0 on completion tokens (a prefix of each row). r_t = -beta * kl_t, plus the outcome reward
-    on each row's last token; G_t = sum_{s >= t} r_s; A = (G - mean) / (std + eps) over all masked tokens of the
-    batch. all_sum: when the batch is split over processes (torchrun), a function that sums a tensor over them
-    (plumbing.Run.all_sum), so that the statistics are the whole batch's; None: this batch is the whole batch."""
+    """REINFORCE++ token advantages (B, T): rewards (B,); kl_t, mask (B, T), mask a prefix of each row."""
     all_sum = all_sum or (lambda v: v)
     real = mask > 0                                                     # (B, T) bool
     r = torch.where(real, -beta * kl_t, 0.0)                            # (B, T) per-token KL penalty
@@ -107,16 +83,14 @@ def reinforce_pp_advantages(rewards, kl_t, mask, beta, eps=1e-8, all_sum=None):
 
 
 def reinforce_loss(logp, advantages, mask, num_seqs=None):
-    """The REINFORCE loss: -1/B sum_i sum_t A_it * log pi_theta(y_it | .). logp (B, T) log-probs of the sampled
-    tokens (with grad); advantages (B,) one per completion, or (B, T) one per token; mask (B, T) 1.0 on
-    completion tokens. num_seqs: the whole step's number of completions when this batch is a part of it (a
-    micro-batch or one rank's share): the loss is then this part's share. Returns (loss scalar, dict of float metrics)."""
+    """-1/B sum_i sum_t A_it log pi_theta(y_it | .) and its metrics (detached tensors). logp, mask (B, T); advantages
+    (B,) per completion or (B, T) per token. num_seqs: the step's count when this batch is a part of it."""
     real = mask > 0                                                    # values at masked positions are never read
     A = advantages[:, None] if advantages.dim() == 1 else advantages   # (B, 1) or (B, T)
     A, logp = torch.where(real, A, 0.0), torch.where(real, logp, 0.0)  # (B, T) each
     n_seqs = mask.size(0) if num_seqs is None else num_seqs
     loss = -(A * logp).sum(dim=1).sum() / n_seqs
-    return loss, {"seq_logp": (logp.sum(dim=1).sum() / n_seqs).item()}
+    return loss, {"seq_logp": logp.detach().sum(dim=1).sum() / n_seqs}
 
 
 # -----------------------------------------------------------------------------
@@ -129,7 +103,7 @@ def parse_args(argv=None):
     g.add_argument("--ema_decay", type=Float(ge=0, lt=1), default=0.9, help="decay of the moving-average baseline")
     g.add_argument("--group_size", type=Int(ge=1), default=8, help="G: completions sampled per prompt")
     g.add_argument("--beta", type=Float(ge=0), default=0.04, help="weight of the KL-to-reference penalty in the reward")
-    g.add_argument("--kl_estimator", default="k1", choices=["k1", "k2", "k3"], help="per-token KL estimate in the reward")
+    g.add_argument("--kl_estimator", default="k1", choices=["k1", "k2", "k3"], help="per-token KL estimate (reward)")
     g.add_argument("--format_weight", type=Float(ge=0), default=0.0, help="reward bonus for a well-formed completion")
     g = p.add_argument_group("sampling")
     g.add_argument("--steps", type=Int(ge=1), default=50, help="RL steps (one batch of rollouts each)")
@@ -147,7 +121,7 @@ def parse_args(argv=None):
 
 
 def main(args):
-    run = Run("reinforce", args, batch_flag="prompts_per_step")  # device, seeds, lock, log, resume, torchrun: plumbing.py
+    run = Run("reinforce", args, batch_flag="prompts_per_step")  # device, seeds, lock, log, resume, torchrun
     policy, tok = run.load_policy(args.init)        # the policy starts as the SFT policy ...
     ref, _ = run.load_policy(args.init)             # ... which stays frozen as the reference
     ref.requires_grad_(False)
@@ -166,9 +140,8 @@ def main(args):
         # 1. rollout: G completions per prompt at the sampling temperature, scored by the verifier
         prompts = run.shard(task.sample_prompts(run.rng, P, args.precedence_share))   # this rank's share
         with run.autocast:
-            prompt, prompt_mask, tokens, mask, truncated, rewards, _ = task.rollout(policy, tok, prompts, G, temp,
-                                                                                 args.max_new_tokens, args.format_weight,
-                                                                                 run.gen)  # (B, Tp), (B, Tn), (B,); B = P*G
+            batch = task.rollout(policy, tok, prompts, G, temp, args.max_new_tokens, args.format_weight, run.gen)
+        prompt, prompt_mask, tokens, mask, truncated, rewards, _ = batch     # (B, Tp), (B, Tn), (B,); B = P*G
         run.samples += P * G
 
         # 2. score without gradient: sampling-time and reference log-probs, the exact KL and entropy (for the log)
@@ -177,19 +150,20 @@ def main(args):
         kl_exact = ent = 0.0
         for rows in run.micro_batches(len(mask)):
             with torch.no_grad(), run.autocast:
-                logits = completion_logits(policy, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])  # (b, Tn, V)
+                logits = completion_logits(policy, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
                 ref_logits = completion_logits(ref, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
-            old_logp[rows], ref_logp[rows] = logprobs(logits, tokens[rows], temp), logprobs(ref_logits, tokens[rows], temp)
-            kl_exact += torch.where(mask[rows] > 0, kl(logits, ref_logits, temp), 0.0).sum() / n_tokens  # KL(pi || pi_ref)
+            old_logp[rows] = logprobs(logits, tokens[rows], temp)
+            ref_logp[rows] = logprobs(ref_logits, tokens[rows], temp)
+            kl_exact += torch.where(mask[rows] > 0, kl(logits, ref_logits, temp), 0.0).sum() / n_tokens  # KL(pi||ref)
             ent += torch.where(mask[rows] > 0, entropy(logits, temp), 0.0).sum() / n_tokens
 
         # 3. advantages: KL to the reference in the reward, minus the baseline (statistics over every rank's batch)
         kl_t = kl_penalty(old_logp, ref_logp, args.kl_estimator)                     # (B, Tn)
         if args.baseline == "reinforce_pp":
-            advantages = reinforce_pp_advantages(rewards, kl_t, mask, args.beta, all_sum=run.all_sum)  # (B, Tn) per token
+            advantages = reinforce_pp_advantages(rewards, kl_t, mask, args.beta, all_sum=run.all_sum)  # (B, Tn)
         else:
             scores = rewards - args.beta * torch.where(mask > 0, kl_t, 0.0).sum(1)   # R_i = r_i - beta * sum_t KL_it
-            advantages = baseline_advantages(scores, args.baseline, moving_average, all_sum=run.all_sum)  # (B,)
+            advantages = baseline_advantages(scores, args.baseline, moving_average, run.all_sum)     # (B,)
             moving_average = update_moving_average(moving_average, scores, args.ema_decay, all_sum=run.all_sum)
 
         # 4. one on-policy REINFORCE step, over the --grad_accum micro-batches, normalised by the whole step's counts
@@ -202,7 +176,8 @@ def main(args):
             part, part_stats = reinforce_loss(logp, advantages[rows], mask[rows], num_seqs=n_seqs)
             run.check_finite(part, f"lower --lr (now {args.lr})")
             part.backward()
-            loss, stats = loss + part.item(), {k: stats.get(k, 0.0) + v for k, v in part_stats.items()}
+            loss = loss + part.detach()
+            stats = {k: stats.get(k, 0.0) + v for k, v in part_stats.items()}
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
         optimizer.step()
         run.step += 1
@@ -211,7 +186,8 @@ def main(args):
         # 5. log, evaluate, checkpoint (every number over all ranks)
         if run.log_due():
             groups = rewards.view(-1, G)
-            metrics = {"loss": run.all_sum(loss).item(), "reward_mean": run.mean(rewards), "reward_std": run.std(rewards),
+            metrics = {"loss": run.all_sum(loss).item(), "reward_mean": run.mean(rewards),
+                       "reward_std": run.std(rewards),
                        "zero_var_groups": run.mean((groups == groups[:, :1]).all(1).float()),
                        "kl_exact": run.all_sum(kl_exact).item(), f"kl_{args.kl_estimator}": run.mean(kl_t, mask),
                        "entropy": run.all_sum(ent).item(), "completion_len": run.mean(mask.sum(1)),
@@ -220,8 +196,8 @@ def main(args):
             if run.eval_due():
                 metrics.update(run.evaluate(policy, tok))
             run.log(metrics, f"reward {metrics['reward_mean']:.3f} | zero-var {metrics['zero_var_groups']:.2f} | kl "
-                             f"{metrics['kl_exact']:.4f} | ent {metrics['entropy']:.3f} | len {metrics['completion_len']:.1f} "
-                             f"| gnorm {metrics['grad_norm']:.3f}", tokens=True)
+                             f"{metrics['kl_exact']:.4f} | ent {metrics['entropy']:.3f} | len "
+                             f"{metrics['completion_len']:.1f} | gnorm {metrics['grad_norm']:.3f}", tokens=True)
         if run.eval_due():
             run.save(policy, optimizer, moving_average=moving_average)
     run.finish(policy, tok, optimizer, moving_average=moving_average)

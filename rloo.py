@@ -1,48 +1,35 @@
 """
 RLOO: REINFORCE Leave-One-Out, with the verifier as the reward.
 
-Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from
-Human Feedback in LLMs", arXiv 2402.14740 (the leave-one-out baseline is Kool et al. 2019, "Buy 4
-REINFORCE Samples, Get a Baseline for Free!"). No value function and no ratio: each prompt gets k
-sampled completions, and each completion's baseline is the mean reward of the other k - 1,
+REINFORCE with a better baseline and nothing else: no value network, no ratio, no clip. Each prompt gets k samples,
+and each one's baseline is the mean reward of the other k - 1, which does not depend on the sample itself, so the
+gradient estimate stays unbiased. The whole completion is one action: all its tokens get the same advantage.
 
-    R_i = r_i - beta * sum_t KL_it                                  (KL to the reference in the reward)
-    A_i = R_i - 1/(k-1) sum_{j != i} R_j  =  k/(k-1) * (R_i - mean_j R_j)
-    grad J = 1/k sum_i A_i * grad log pi(y_i | x),   log pi(y_i | x) = sum_t log pi(y_it | x, y_i<t)
+Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from Human Feedback in
+LLMs", arXiv 2402.14740 (the baseline: Kool et al. 2019, "Buy 4 REINFORCE Samples, Get a Baseline for Free!"):
+    R_i = r_i - beta * sum_t KL_it                                   (the KL to the reference in the reward)
+    A_i = R_i - 1/(k-1) sum_{j != i} R_j  =  k/(k-1) (R_i - mean_j R_j)
+    L = -1/(N k) sum_i A_i sum_t log pi_theta(y_it | x, y_i<t)      over the batch's N prompts
+KL_it: a per-token estimate (kernels.kl_penalty; k1, the log-ratio, by default), a number: no gradient flows through it.
 
-so the loss is L = -1/(N k) sum_i A_i sum_t log pi_theta(y_it | .) over the batch's N prompts. The
-baseline of sample i does not depend on sample i, so the estimate stays unbiased, unlike a mean that
-includes it. The whole completion is one action (the paper's point: no per-token credit assignment).
+Deviations and choices the paper leaves open:
+- One gradient step per batch of rollouts (on-policy, as the paper), the batch not split into minibatches.
+- The reward is the task's verifier (1 correct, 0 otherwise; --format_weight adds a format bonus), not a reward model.
+- Small scale: a 0.8M-parameter policy, AdamW at a constant learning rate.
 
-KL_it is a per-token estimate of KL(pi_theta || pi_ref) on the sampled token (Schulman 2020), with
-log r = log pi_ref(y) - log pi_theta(y):
-    k1 = -log r                 unbiased for KL(pi_theta || pi_ref) (the paper's: the log-ratio)
-    k2 = (log r)^2 / 2          biased, low variance, >= 0
-    k3 = (r - 1) - log r        unbiased, low variance, >= 0
-In the reward it is a number (no gradient flows through it); the exact per-token
-KL(pi_theta || pi_ref) over the whole vocabulary (kernels.kl) is logged beside it.
-
-Deviations from the paper, and choices it leaves open:
-- One gradient step per batch of rollouts (on-policy), as the paper; the batch is not split into
-  minibatches.
-- The reward is the task's verifier (1 correct, 0 otherwise, optional --format_weight), not a
-  learned reward model.
-- Small scale: a 0.8M-parameter policy on arithmetic, AdamW at a constant learning rate.
-
-Shapes: P prompts per step, G completions per prompt, B = P*G completions (the rows of every (B, T) tensor the
-loss functions take), T time (Tp prompt tokens, Tn completion tokens), V vocabulary.
+Shapes: P prompts, G = k completions per prompt, B = P*G rows; T time (Tp prompt, Tn completion tokens).
 
 Run:
-    python rloo.py                       # from out/sft.pt (trained first if missing); about 1 min on 2 idle CPU cores
-    python rloo.py --resume              # continue from out/rloo.pt up to --steps
-    python rloo.py --group_size 2        # the smallest group: each sample's baseline is the other's reward
-Metrics: one JSON object per log step in out/rloo/metrics.jsonl; checkpoint out/rloo.pt.
+    python rloo.py                     # from out/sft.pt (built first if missing); about 1 minute on 2 CPU cores
+    python rloo.py --resume            # continue from out/rloo.pt up to --steps
+    python rloo.py --group_size 2      # the smallest group: each sample's baseline is the other's reward
+Metrics: out/rloo/metrics.jsonl (docs/metrics.md says what each means); checkpoint out/rloo.pt.
 """
 import torch
 
 import task
 from kernels import entropy, kl, kl_penalty, logprobs
-from model import completion_logits, masked_mean
+from model import completion_logits
 from plumbing import SFT_PATH, TEMPERATURE, Float, Int, Run, add_run_flags, parser
 
 
@@ -53,7 +40,7 @@ def rloo_advantages(rewards, k):
     """rewards (P*k,) flat, k consecutive samples per prompt -> advantages (P*k,):
     A_i = R_i - 1/(k-1) sum_{j != i} R_j, each sample's baseline the mean of its k - 1 siblings."""
     if k < 2:
-        raise ValueError(f"k = {k}; RLOO needs k >= 2 samples per prompt (a sample's baseline is the mean of the others)")
+        raise ValueError(f"k = {k}; RLOO needs k >= 2 samples per prompt (a sample's baseline is the others' mean)")
     if rewards.dim() != 1 or rewards.numel() % k:
         raise ValueError(f"rewards of shape {tuple(rewards.shape)} cannot be split into groups of k = {k}; "
                          f"need a flat tensor whose length is a multiple of k")
@@ -63,15 +50,13 @@ def rloo_advantages(rewards, k):
 
 
 def rloo_loss(logp, advantages, mask, num_seqs=None):
-    """The REINFORCE loss with sequence-level advantages: -1/B sum_i A_i sum_t log pi_theta(y_it | .).
-    logp (B, T) log-probs of the sampled tokens (with grad); advantages (B,); mask (B, T) 1.0 on
-    completion tokens (values at masked positions are never read). num_seqs: the whole step's number of
-    completions when this batch is a part of it (a micro-batch or one rank's share): the loss is then this part's
-    share. Returns (loss scalar, dict of float metrics)."""
+    """The REINFORCE loss with sequence-level advantages, -1/B sum_i A_i sum_t log pi_theta(y_it | .), and its metrics
+    (detached tensors). logp (B, T) log-probs of the sampled tokens (with grad); advantages (B,); mask (B, T) 1.0 on
+    completion tokens (values elsewhere never read). num_seqs: the step's count when this batch is a part of it."""
     seq_logp = torch.where(mask > 0, logp, 0.0).sum(dim=1)             # (B,) log pi(y_i | x)
     n_seqs = mask.size(0) if num_seqs is None else num_seqs
     loss = -(advantages * seq_logp).sum() / n_seqs
-    return loss, {"seq_logp": (seq_logp.sum() / n_seqs).item()}
+    return loss, {"seq_logp": seq_logp.detach().sum() / n_seqs}
 
 
 # -----------------------------------------------------------------------------
@@ -82,7 +67,7 @@ def parse_args(argv=None):
     g = p.add_argument_group("algorithm")
     g.add_argument("--group_size", type=Int(ge=2), default=8, help="k (G in the code): completions sampled per prompt")
     g.add_argument("--beta", type=Float(ge=0), default=0.04, help="weight of the KL-to-reference penalty in the reward")
-    g.add_argument("--kl_estimator", default="k1", choices=["k1", "k2", "k3"], help="per-token KL estimate in the reward")
+    g.add_argument("--kl_estimator", default="k1", choices=["k1", "k2", "k3"], help="per-token KL estimate (reward)")
     g.add_argument("--format_weight", type=Float(ge=0), default=0.0, help="reward bonus for a well-formed completion")
     g = p.add_argument_group("sampling")
     g.add_argument("--steps", type=Int(ge=1), default=50, help="RL steps (one batch of rollouts each)")
@@ -118,9 +103,8 @@ def main(args):
         # 1. rollout: G = k completions per prompt at the sampling temperature, scored by the verifier
         prompts = run.shard(task.sample_prompts(run.rng, P, args.precedence_share))   # this rank's share
         with run.autocast:
-            prompt, prompt_mask, tokens, mask, truncated, rewards, _ = task.rollout(policy, tok, prompts, G, temp,
-                                                                                 args.max_new_tokens, args.format_weight,
-                                                                                 run.gen)  # (B, Tp), (B, Tn), (B,); B = P*G
+            batch = task.rollout(policy, tok, prompts, G, temp, args.max_new_tokens, args.format_weight, run.gen)
+        prompt, prompt_mask, tokens, mask, truncated, rewards, _ = batch     # (B, Tp), (B, Tn), (B,); B = P*G
         run.samples += P * G
 
         # 2. score without gradient: sampling-time and reference log-probs, the exact KL and entropy (for the log)
@@ -129,10 +113,11 @@ def main(args):
         kl_exact = ent = 0.0
         for rows in run.micro_batches(len(mask)):
             with torch.no_grad(), run.autocast:
-                logits = completion_logits(policy, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])  # (b, Tn, V)
+                logits = completion_logits(policy, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
                 ref_logits = completion_logits(ref, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
-            old_logp[rows], ref_logp[rows] = logprobs(logits, tokens[rows], temp), logprobs(ref_logits, tokens[rows], temp)
-            kl_exact += torch.where(mask[rows] > 0, kl(logits, ref_logits, temp), 0.0).sum() / n_tokens  # KL(pi || pi_ref)
+            old_logp[rows] = logprobs(logits, tokens[rows], temp)
+            ref_logp[rows] = logprobs(ref_logits, tokens[rows], temp)
+            kl_exact += torch.where(mask[rows] > 0, kl(logits, ref_logits, temp), 0.0).sum() / n_tokens  # KL(pi||ref)
             ent += torch.where(mask[rows] > 0, entropy(logits, temp), 0.0).sum() / n_tokens
 
         # 3. advantages: KL to the reference in the reward, the other k - 1 samples are the baseline
@@ -150,7 +135,8 @@ def main(args):
             part, part_stats = rloo_loss(logp, advantages[rows], mask[rows], num_seqs=n_seqs)
             run.check_finite(part, f"lower --lr (now {args.lr})")
             part.backward()
-            loss, stats = loss + part.item(), {k: stats.get(k, 0.0) + v for k, v in part_stats.items()}
+            loss = loss + part.detach()
+            stats = {k: stats.get(k, 0.0) + v for k, v in part_stats.items()}
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
         optimizer.step()
         run.step += 1
@@ -159,7 +145,8 @@ def main(args):
         # 5. log, evaluate, checkpoint (every number over all ranks)
         if run.log_due():
             groups = rewards.view(-1, G)
-            metrics = {"loss": run.all_sum(loss).item(), "reward_mean": run.mean(rewards), "reward_std": run.std(rewards),
+            metrics = {"loss": run.all_sum(loss).item(), "reward_mean": run.mean(rewards),
+                       "reward_std": run.std(rewards),
                        "zero_var_groups": run.mean((groups == groups[:, :1]).all(1).float()),
                        "kl_exact": run.all_sum(kl_exact).item(), f"kl_{args.kl_estimator}": run.mean(kl_t, mask),
                        "entropy": run.all_sum(ent).item(), "completion_len": run.mean(mask.sum(1)),
@@ -168,8 +155,8 @@ def main(args):
             if run.eval_due():
                 metrics.update(run.evaluate(policy, tok))
             run.log(metrics, f"reward {metrics['reward_mean']:.3f} | zero-var {metrics['zero_var_groups']:.2f} | kl "
-                             f"{metrics['kl_exact']:.4f} | ent {metrics['entropy']:.3f} | len {metrics['completion_len']:.1f} "
-                             f"| gnorm {metrics['grad_norm']:.3f}", tokens=True)
+                             f"{metrics['kl_exact']:.4f} | ent {metrics['entropy']:.3f} | len "
+                             f"{metrics['completion_len']:.1f} | gnorm {metrics['grad_norm']:.3f}", tokens=True)
         if run.eval_due():
             run.save(policy, optimizer)
     run.finish(policy, tok, optimizer)

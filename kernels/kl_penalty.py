@@ -13,8 +13,10 @@ penalises only when it is a reward: RLOO, REINFORCE++, PPO, TRPO put it there), 
 of KL(pi_theta || pi_ref), and k3's is the gradient of KL(pi_ref || pi_theta), the other direction,
 which agrees with it near pi_ref (tests/test_kl_penalty.py measures all three; experiments/ has the
 bias and variance study). k3 grows like e^|log r| where pi_theta puts far less mass than pi_ref, so
-one token can dominate a loss: `clamp` limits log r to [-clamp, clamp] first, as verl's and
-OpenRLHF's k3 do (TRL's does not); a clamped token gives no KL gradient.
+one token can dominate a loss: `clamp` limits log r to [-clamp, clamp] first, and a clamped token
+gives no KL gradient. Peers bound it elsewhere: verl's k3 ("low_var_kl") clamps log r to [-20, 20]
+and then the estimate itself to at most 10; OpenRLHF clamps the estimate (any of k1, k2, k3) to
+[-10, 10]; TRL does neither.
 """
 import torch
 

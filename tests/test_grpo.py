@@ -1,6 +1,7 @@
 """grpo.py: advantages, KL estimators and the clipped loss against float64 references written here from
 DeepSeekMath's equations (arXiv 2402.03300, eqs. 3-4) and Schulman's KL estimators; hand-derived
 gradients; the script end to end (smoke, resume, bad input); and a short learning run."""
+import inspect
 import json
 import math
 import os
@@ -8,8 +9,11 @@ import os
 import pytest
 import torch
 
+import task
 from conftest import refused, run_script
-from grpo import grpo_advantages, grpo_loss, informative_groups, overlong_penalty
+import grpo
+import kernels
+from grpo import dynamic_sampling_keep, grpo_advantages, grpo_loss, overlong_penalty
 from model import load_checkpoint
 
 
@@ -69,8 +73,8 @@ def ref_loss(logp, old_logp, ref_logp, adv, mask, clip_eps, beta, eps_high, esti
     return total / (B * (max_tokens or T))
 
 
-def random_batch(B=5, T=7, seed=None):
-    g = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
+def random_batch(B=5, T=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
     logp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
     old = logp + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)  # ratios on both sides of the clip
     ref = logp + 0.5 * torch.randn(B, T, generator=g, dtype=torch.float64)
@@ -94,12 +98,13 @@ def test_hand_worked_group_of_eight():
 
 @pytest.mark.parametrize("G", [2, 3, 8, 16])
 def test_advantages_match_reference_on_random_rewards(G):
-    rewards = torch.rand(7 * G)
+    rewards = torch.rand(7 * G, generator=torch.Generator().manual_seed(G))
     rewards[:G] = (rewards[:G] > 0.5).float()                       # binary rewards, as the verifier gives
     for scale in (True, False):
         got = grpo_advantages(rewards, G, scale_by_std=scale).double()
         assert torch.allclose(got, ref_advantages(rewards.tolist(), G, scale_by_std=scale), atol=1e-5)
-        assert torch.allclose(got.view(-1, G).sum(1), torch.zeros(7, dtype=torch.float64), atol=1e-5)  # zero mean per group
+        # zero mean per group
+        assert torch.allclose(got.view(-1, G).sum(1), torch.zeros(7, dtype=torch.float64), atol=1e-5)
 
 
 def test_equal_rewards_give_zero_never_nan():
@@ -108,7 +113,7 @@ def test_equal_rewards_give_zero_never_nan():
     assert torch.isfinite(a).all()
     assert (a[:9] == 0).all()                                       # three groups without signal: exactly 0
     assert a[10] > 0 and a[9] < 0 and a[11] < 0                     # the mixed group is untouched
-    assert (grpo_advantages(torch.rand(5), 1) == 0).all()           # a group of one has no relative advantage
+    assert (grpo_advantages(torch.tensor([0.3, 0.1, 0.7]), 1) == 0).all()   # a group of one: no relative advantage
 
 
 def test_sample_std_hand_worked_and_against_reference():
@@ -117,7 +122,7 @@ def test_sample_std_hand_worked_and_against_reference():
     r = torch.tensor([1.0, 0.0, 0.0, 0.0])
     assert grpo_advantages(r, 4, eps=0.0)[0].item() == pytest.approx(math.sqrt(3), rel=1e-6)
     assert grpo_advantages(r, 4, eps=0.0, std="sample")[0].item() == pytest.approx(1.5, rel=1e-6)
-    rewards = torch.rand(6 * 5)
+    rewards = torch.rand(6 * 5, generator=torch.Generator().manual_seed(0))
     got = grpo_advantages(rewards, 5, std="sample").double()
     assert torch.allclose(got, ref_advantages(rewards.tolist(), 5, kind="sample"), atol=1e-5)
     ratio = grpo_advantages(rewards, 5, eps=0.0, std="sample") / grpo_advantages(rewards, 5, eps=0.0)
@@ -176,13 +181,12 @@ def test_gspo_one_ratio_per_completion_hand_worked():
     # one completion of 2 tokens with log ratios 0.2 and -0.1: s = exp(0.05); A = 1; clip 0.2 does not bind
     logp = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
     old = torch.tensor([[-1.2, -1.9]], dtype=torch.float64)
-    loss, stats = grpo_loss(logp, old, logp.detach(), torch.ones(1, dtype=torch.float64), torch.ones(1, 2, dtype=torch.float64),
-                            beta=0.0, ratio_level="sequence")
+    one, ones = torch.ones(1, dtype=torch.float64), torch.ones(1, 2, dtype=torch.float64)
+    loss, stats = grpo_loss(logp, old, logp.detach(), one, ones, beta=0.0, ratio_level="sequence")
     assert loss.item() == pytest.approx(-math.exp(0.05))            # -s * A on each token, averaged
     g, = torch.autograd.grad(loss, logp)
     assert torch.allclose(g, torch.full((1, 2), -math.exp(0.05) / 2, dtype=torch.float64))  # d s / d logp_t = s / |o|
-    far = grpo_loss(logp, old - 1.0, logp.detach(), torch.ones(1, dtype=torch.float64), torch.ones(1, 2, dtype=torch.float64),
-                    beta=0.0, ratio_level="sequence")               # s = exp(1.05) > 1.2: clipped, no gradient
+    far = grpo_loss(logp, old - 1.0, logp.detach(), one, ones, beta=0.0, ratio_level="sequence")  # s = e^1.05: clipped
     assert far[1]["clip_frac"] == 1.0 and torch.autograd.grad(far[0], logp)[0].abs().sum() == 0
     with pytest.raises(ValueError, match="'cispo'"):
         grpo_loss(logp, old, old, torch.ones(1), torch.ones(1, 2), ratio_level="sequence", loss_type="cispo")
@@ -208,11 +212,73 @@ def test_overlong_penalty_hand_worked():
     assert got.tolist() == [0.0, 0.0, -0.25, -0.5, -1.0, -1.0, -1.0]
 
 
-def test_dynamic_sampling_keeps_exactly_the_groups_with_a_reward_spread():
-    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0])     # groups of 3: all right, mixed, all wrong
-    rows = torch.arange(9)
-    kept_rows, kept_rewards = informative_groups((rows, rewards), 3)
-    assert kept_rows.tolist() == [3, 4, 5] and kept_rewards.tolist() == [0.0, 1.0, 0.0]
+def test_overlong_penalty_never_hides_a_nan():
+    got = overlong_penalty(torch.tensor([float("nan"), 17.0]), max_len=20, buffer=4)
+    assert math.isnan(got[0]) and got[1] == -0.25
+
+
+def ref_keep(correct, G):
+    """DAPO eq. 11 by counting: a group is kept when 0 < #correct < G."""
+    keep = []
+    for g in range(len(correct) // G):
+        n = sum(int(c) for c in correct[g * G:(g + 1) * G])
+        keep += [0 < n < G] * G
+    return keep
+
+
+def test_dynamic_sampling_keeps_exactly_the_groups_with_0_lt_correct_lt_G():
+    correct = torch.tensor([1, 1, 1, 0, 1, 0, 0, 0, 0])                    # groups of 3: all right, mixed, all wrong
+    assert dynamic_sampling_keep(correct, 3).tolist() == [False] * 3 + [True] * 3 + [False] * 3
+    g = torch.Generator().manual_seed(0)
+    for G in (2, 3, 8):
+        correct = torch.rand(20 * G, generator=g) < torch.rand(20, generator=g).repeat_interleave(G)  # varied groups
+        assert dynamic_sampling_keep(correct, G).tolist() == ref_keep(correct.tolist(), G)
+        assert dynamic_sampling_keep(correct.float(), G).tolist() == ref_keep(correct.tolist(), G)
+
+
+def test_a_format_bonus_never_makes_an_all_wrong_group_informative():
+    """With --format_weight 0.5, an all-wrong group whose completions differ only in format has a reward spread (0 and
+    0.5) but no correct answer: eq. 11 drops it. A filter on the rewards would keep it."""
+    prompt = "3+4*2="
+    completions = ["3+4=7,7*2=14#14", "14", "3+4=7,7*2=14#14", "x"]           # all wrong; two well formed
+    rewards = torch.tensor([task.reward(prompt, c, 0.5) for c in completions])
+    correct = torch.tensor([task.reward(prompt, c) == 1.0 for c in completions])
+    assert rewards.tolist() == [0.5, 0.0, 0.5, 0.0] and not correct.any()
+    assert not dynamic_sampling_keep(correct, 4).any()
+
+
+def test_at_mu_1_gspo_and_cispo_give_grpos_gradient_and_the_other_options_do_not():
+    """The claim the docstring makes, measured: with the ratio exactly 1 (old = logp.detach()), GSPO's sequence ratio
+    and CISPO's clipped weight are 1, so the gradient is GRPO's; the sample std, the token and Dr. GRPO aggregations
+    change it."""
+    logp, _, ref, adv, mask = random_batch(seed=3)
+
+    def grad(**kwargs):
+        lp = logp.clone().requires_grad_(True)
+        loss, _ = grpo_loss(lp, lp.detach(), ref, kwargs.pop("advantages", adv), mask, max_tokens=9, **kwargs)
+        return torch.autograd.grad(loss, lp)[0]
+
+    base = grad()
+    assert torch.allclose(grad(ratio_level="sequence"), base, atol=1e-12)
+    assert torch.allclose(grad(loss_type="cispo"), base, atol=1e-12)
+    for other in (dict(loss_agg="token"), dict(loss_agg="dr_grpo"), dict(advantages=adv * math.sqrt(4 / 5))):
+        assert not torch.allclose(grad(**other), base, atol=1e-6), other
+
+
+def test_the_loss_runs_when_copied_with_torch_and_kl_penalty_alone():
+    """What a user copying grpo_loss gets: its source and its helpers', plus kernels.kl_penalty's, executed in a fresh
+    namespace that holds only torch. It must run and agree with the imported function."""
+    namespace = {"torch": torch}
+    for f in (kernels.kl_penalty, grpo.gspo_ratio, grpo.cispo_terms, grpo.aggregate, grpo.grpo_loss,
+              grpo.grpo_advantages):
+        exec(inspect.getsource(f), namespace)
+    logp, old, ref, adv, mask = random_batch(seed=4)
+    for kwargs in (dict(), dict(ratio_level="sequence"), dict(loss_type="cispo", loss_agg="token")):
+        got, got_stats = namespace["grpo_loss"](logp, old, ref, adv, mask, **kwargs)
+        want, want_stats = grpo_loss(logp, old, ref, adv, mask, **kwargs)
+        assert torch.equal(got, want) and all(torch.equal(got_stats[k], want_stats[k]) for k in want_stats)
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0])
+    assert torch.equal(namespace["grpo_advantages"](rewards, 3), grpo_advantages(rewards, 3))
 
 
 def test_gradient_is_the_hand_derived_one_inside_and_outside_the_clip():
@@ -231,7 +297,8 @@ def test_gradient_is_the_hand_derived_one_inside_and_outside_the_clip():
     # the KL part alone (A = 0): d/dlogp [e^(ref - logp) - (ref - logp) - 1] = 1 - e^(ref - logp), over |o| tokens
     lp = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
     ref = torch.tensor([[-1.5, -1.0]], dtype=torch.float64)
-    loss, _ = grpo_loss(lp, lp.detach(), ref, torch.zeros(1, dtype=torch.float64), torch.ones(1, 2, dtype=torch.float64), beta=0.1)
+    zero, ones = torch.zeros(1, dtype=torch.float64), torch.ones(1, 2, dtype=torch.float64)
+    loss, _ = grpo_loss(lp, lp.detach(), ref, zero, ones, beta=0.1)
     g, = torch.autograd.grad(loss, lp)
     assert torch.allclose(g, 0.1 * (1 - torch.exp(ref - lp.detach())) / 2, atol=1e-12)
 
@@ -260,7 +327,7 @@ def test_edge_cases_one_token_and_fully_masked_rows():
     g, = torch.autograd.grad(loss, lp)
     assert (g[1] == 0).all() and (g[0, 1:] == 0).all() and (g[0, 0] != 0)  # masked tokens get no gradient
     extreme = torch.full((2, 3), -30.0, dtype=torch.float64)         # tiny probabilities, ratio 1
-    loss, _ = grpo_loss(extreme, extreme, extreme + 5, torch.ones(2, dtype=torch.float64), torch.ones(2, 3, dtype=torch.float64))
+    loss, _ = grpo_loss(extreme, extreme, extreme + 5, torch.ones(2, dtype=torch.float64), torch.ones_like(extreme))
     assert torch.isfinite(loss)
     with pytest.raises(ValueError, match="'mean'"):
         grpo_loss(logp, old, ref, adv, mask, loss_agg="mean")
@@ -301,7 +368,8 @@ def test_script_runs_end_to_end_and_resumes(tiny_sft, tmp_path):
 
 
 def test_script_runs_gspo_cispo_and_dapo_options(tiny_sft, tmp_path):
-    common = ["--prompts_per_step", "4", "--group_size", "4", "--log_every", "1", "--eval_every", "100", "--eval_n", "8",
+    common = ["--prompts_per_step", "4", "--group_size", "4", "--log_every", "1", "--eval_every", "100",
+              "--eval_n", "8",
               "--steps", "2", "--mu", "2", "--init", tiny_sft]
     p = run_script("grpo.py", common + ["--out", str(tmp_path / "a"), "--loss_type", "cispo", "--loss_agg", "token",
                                         "--dynamic_sampling", "--max_sample_rounds", "3", "--overlong_buffer", "4"])
@@ -316,12 +384,24 @@ def test_script_runs_gspo_cispo_and_dapo_options(tiny_sft, tmp_path):
     assert "sequence ratio" in p.stdout and math.isfinite(read_metrics(str(tmp_path / "b"))[-1]["clip_frac"])
 
 
+def test_dynamic_sampling_with_fewer_kept_rows_than_micro_batches(tiny_sft, tmp_path):
+    """One round of dynamic sampling keeps one group of 2 rows at step 1 (seed 0), split into 4 micro-batches: two of
+    them are empty, and still run (under torchrun every rank must run the same number of forward/backward passes)."""
+    out = str(tmp_path)
+    p = run_script("grpo.py", ["--dynamic_sampling", "--max_sample_rounds", "1", "--grad_accum", "4",
+                               "--prompts_per_step", "4", "--group_size", "2", "--steps", "2", "--log_every", "1",
+                               "--eval_every", "100", "--eval_n", "8", "--seed", "0", "--init", tiny_sft, "--out", out])
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert read_metrics(out)[1]["groups_kept"] == 1                  # 2 rows for 4 micro-batches
+
+
 def test_script_rejects_bad_settings_with_a_message(tmp_path):
     p = run_script("grpo.py", ["--group_size", "1", "--out", str(tmp_path)])
     refused(p, "--group_size", "1")
     p = run_script("grpo.py", ["--temperature", "0", "--out", str(tmp_path)])
     refused(p, "--temperature", "0")
-    refused(run_script("grpo.py", ["--overlong_buffer", "30", "--out", str(tmp_path)]), "--overlong_buffer 30", "--max_new_tokens 24")
+    refused(run_script("grpo.py", ["--overlong_buffer", "30", "--out", str(tmp_path)]), "--overlong_buffer 30",
+            "--max_new_tokens 24")
     p = run_script("grpo.py", ["--init", str(tmp_path / "missing.pt"), "--out", str(tmp_path)])
     assert p.returncode != 0 and "no checkpoint at" in p.stderr
 
@@ -335,7 +415,8 @@ def test_grpo_raises_the_training_reward(tiny_sft, tmp_path):
     out = str(tmp_path)
     p = run_script("grpo.py", ["--steps", "30", "--prompts_per_step", "16", "--group_size", "8", "--lr", "5e-4",
                                "--temperature", "2.0", "--format_weight", "1.0", "--log_every", "1",
-                               "--eval_every", "1000", "--eval_n", "16", "--seed", "0", "--init", tiny_sft, "--out", out])
+                               "--eval_every", "1000", "--eval_n", "16", "--seed", "0", "--init", tiny_sft,
+                               "--out", out])
     assert p.returncode == 0, p.stderr
     rewards = [r["reward_mean"] for r in read_metrics(out) if "reward_mean" in r]
     assert len(rewards) == 30

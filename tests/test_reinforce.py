@@ -1,5 +1,6 @@
 """reinforce.py: the baselines, REINFORCE++'s per-token returns and global normalisation, and the REINFORCE loss,
 against float64 references written here from Williams 1992 and Hu 2025 (arXiv 2501.03262); the script end to end."""
+import inspect
 import json
 import math
 import os
@@ -7,9 +8,27 @@ import os
 import pytest
 import torch
 
+import kernels
+import reinforce
 from conftest import refused, run_script
 from model import load_checkpoint
 from reinforce import baseline_advantages, reinforce_loss, reinforce_pp_advantages, update_moving_average
+
+
+def test_the_loss_and_advantages_run_when_copied_with_torch_alone():
+    """What a user copying them gets: the functions' source executed in a fresh namespace holding only torch."""
+    namespace = {"torch": torch}
+    for f in (kernels.kl_penalty, reinforce.batch_mean, reinforce.reinforce_pp_advantages, reinforce.reinforce_loss):
+        exec(inspect.getsource(f), namespace)
+    g = torch.Generator().manual_seed(1)
+    logp, kl_t = -torch.rand(4, 5, generator=g), torch.rand(4, 5, generator=g)
+    mask = torch.tensor([[1.0] * 5, [1.0] * 2 + [0.0] * 3, [1.0] + [0.0] * 4, [1.0] * 4 + [0.0]])
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    A = namespace["reinforce_pp_advantages"](rewards, kl_t, mask, 0.04)
+    assert torch.equal(A, reinforce_pp_advantages(rewards, kl_t, mask, 0.04))
+    got, got_stats = namespace["reinforce_loss"](logp, A, mask)
+    want, want_stats = reinforce_loss(logp, A, mask)
+    assert torch.equal(got, want) and torch.equal(got_stats["seq_logp"], want_stats["seq_logp"])
 
 
 def test_baselines_hand_worked():
@@ -60,8 +79,9 @@ def test_reinforce_pp_hand_worked():
     # beta 0: G_t is the outcome reward on every token; two rows of 2 and 1 tokens with rewards 1 and 0:
     # values 1, 1, 0 -> mean 2/3, std sqrt(2/9) -> (1/3)/0.4714 = 0.7071, -(2/3)/0.4714 = -1.4142
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]], dtype=torch.float64)
-    got = reinforce_pp_advantages(torch.tensor([1.0, 0.0], dtype=torch.float64), torch.zeros(2, 2, dtype=torch.float64), mask, 0.0)
-    assert torch.allclose(got, torch.tensor([[0.70710678, 0.70710678], [-1.41421356, 0.0]], dtype=torch.float64), atol=1e-6)
+    f64 = dict(dtype=torch.float64)
+    got = reinforce_pp_advantages(torch.tensor([1.0, 0.0], **f64), torch.zeros(2, 2, **f64), mask, 0.0)
+    assert torch.allclose(got, torch.tensor([[0.70710678, 0.70710678], [-1.41421356, 0.0]], **f64), atol=1e-6)
 
 
 @pytest.mark.parametrize("per_token", [False, True])
@@ -93,7 +113,8 @@ def test_script_runs_end_to_end_and_resumes(tiny_sft, tmp_path, baseline):
     assert [r["step"] for r in rows] == [0, 1, 2] and "eval_accuracy" in rows[2]
     for key in ("reward_mean", "kl_exact", "kl_k1", "entropy", "completion_len", "grad_norm", "tokens_per_sec"):
         assert key in rows[1] and math.isfinite(rows[1][key]), key
-    p = run_script("reinforce.py", TINY + ["--steps", "3", "--baseline", baseline, "--init", tiny_sft, "--out", out, "--resume"])
+    p = run_script("reinforce.py", TINY + ["--steps", "3", "--baseline", baseline, "--init", tiny_sft, "--out", out,
+                                           "--resume"])
     assert p.returncode == 0, p.stderr
     assert "resuming from" in p.stdout
     _, ckpt = load_checkpoint(os.path.join(out, "reinforce.pt"))

@@ -1,5 +1,6 @@
 """rloo.py: the leave-one-out advantages and the REINFORCE loss against float64 references written here from
 Ahmadian et al. 2024 (arXiv 2402.14740), hand-worked examples, gradients, and the script end to end."""
+import inspect
 import json
 import math
 import os
@@ -7,9 +8,25 @@ import os
 import pytest
 import torch
 
+import rloo
 from conftest import refused, run_script
 from model import load_checkpoint
 from rloo import rloo_advantages, rloo_loss
+
+
+def test_the_loss_and_advantages_run_when_copied_with_torch_alone():
+    """What a user copying them gets: the functions' source executed in a fresh namespace holding only torch."""
+    namespace = {"torch": torch}
+    for f in (rloo.rloo_advantages, rloo.rloo_loss):
+        exec(inspect.getsource(f), namespace)
+    g = torch.Generator().manual_seed(1)
+    rewards, logp = torch.rand(8, generator=g), -torch.rand(8, 5, generator=g)
+    mask = (torch.arange(5)[None, :] < torch.randint(1, 6, (8, 1), generator=g)).float()
+    A = namespace["rloo_advantages"](rewards, 4)
+    assert torch.equal(A, rloo_advantages(rewards, 4))
+    got, got_stats = namespace["rloo_loss"](logp, A, mask)
+    want, want_stats = rloo_loss(logp, A, mask)
+    assert torch.equal(got, want) and torch.equal(got_stats["seq_logp"], want_stats["seq_logp"])
 
 
 def ref_advantages(rewards, k):
@@ -36,7 +53,8 @@ def test_advantages_match_reference_and_the_closed_form(k):
     got = rloo_advantages(rewards, k)
     assert torch.allclose(got, ref_advantages(rewards.tolist(), k), atol=1e-12)
     R = rewards.view(-1, k)
-    assert torch.allclose(got.view(-1, k), k / (k - 1) * (R - R.mean(1, keepdim=True)), atol=1e-12)  # k/(k-1) (R_i - mean)
+    # k/(k-1) (R_i - mean)
+    assert torch.allclose(got.view(-1, k), k / (k - 1) * (R - R.mean(1, keepdim=True)), atol=1e-12)
 
 
 def test_k_below_two_and_bad_shapes_are_errors():

@@ -1,0 +1,91 @@
+"""
+GSM8K-style grade-school word problems from a local JSONL file (Cobbe et al. 2021, "Training Verifiers to Solve Math
+Word Problems", arXiv 2110.14168): one object per line, {"question": ..., "answer": "... #### 42"}, the format GSM8K
+ships in. The user provides the file (`--data path.jsonl`); nothing is downloaded. A tiny model of ours cannot solve
+these: the task is for real checkpoints (`--init <Hugging Face folder>`).
+
+    prompt       Question: Tom has 3 apples and buys 4 more. How many apples does he have?\nAnswer:
+    completion   Tom has 3 + 4 = 7 apples. #### 7<|endoftext|>
+
+Verifier (`score_gsm8k`): the completion's answer is the text in <answer>...</answer> if there is one, else the
+number after the last '####', else the last number in the text; numbers compare after normalising ("1,234",
+"$1234", "1234.00" and "1234" are equal; "-3" and "3" are not). It never raises.
+"""
+import json
+import os
+import re
+from decimal import Decimal, InvalidOperation
+
+_NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?")
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
+
+
+def normalise(text):
+    """A number's text as a Decimal ('1,234.50' -> 1234.5, '$7' -> 7), or None if it is not one number."""
+    if not isinstance(text, str):
+        return None
+    text = text.strip().rstrip(".").replace(",", "").replace("$", "")
+    if not re.fullmatch(r"-?\d+(?:\.\d+)?", text) or len(text) > 40:
+        return None
+    try:
+        return Decimal(text).normalize()
+    except InvalidOperation:
+        return None
+
+
+def last_number(text):
+    """The last number written in `text` (commas and a '$' allowed), normalised; None if there is none."""
+    numbers = _NUMBER.findall(text) if isinstance(text, str) else []
+    return normalise(numbers[-1]) if numbers else None
+
+
+def extract_answer(completion):
+    """The answer a completion gives: in <answer>...</answer>, else after the last '####', else its last number."""
+    if not isinstance(completion, str):
+        return None
+    tags = _ANSWER_TAG.findall(completion)
+    if tags:
+        return normalise(tags[-1]) if normalise(tags[-1]) is not None else last_number(tags[-1])
+    if "####" in completion:
+        return last_number(completion.rsplit("####", 1)[1])
+    return last_number(completion)
+
+
+def score_gsm8k(completion, truth):
+    """True when the completion's answer (extract_answer) equals `truth` (a number or its text). Never raises."""
+    truth = normalise(str(truth)) if not isinstance(truth, Decimal) else truth
+    answer = extract_answer(completion)
+    return truth is not None and answer is not None and answer == truth
+
+
+def load(path):
+    """The problems of a GSM8K-style JSONL file: (problems, skipped). Each problem is {"question", "solution",
+    "number"}, number the Decimal after '####' in the answer. A line whose answer has no parsable number is skipped
+    and counted. Anything else wrong is a ValueError naming the file and the line."""
+    if not os.path.isfile(path):
+        raise ValueError(f"--data {path}: no such file (a GSM8K-style JSONL file, one "
+                         f'{{"question": ..., "answer": "... #### 42"}} per line)')
+    problems, skipped = [], 0
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--data {path}: cannot be read ({e})") from None
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            raise ValueError(f"--data {path}, line {i}: not a JSON object") from None
+        if not isinstance(row, dict) or not isinstance(row.get("question"), str) or not isinstance(row.get("answer"), str):
+            raise ValueError(f"--data {path}, line {i}: needs a string \"question\" and a string \"answer\"")
+        number = last_number(row["answer"].rsplit("####", 1)[1]) if "####" in row["answer"] else None
+        if number is None:
+            skipped += 1
+            continue
+        solution = row["answer"].rsplit("####", 1)[0].strip()
+        problems.append({"question": row["question"].strip(), "solution": solution, "number": number})
+    if not problems:
+        raise ValueError(f"--data {path}: no problem with a parsable answer after '####' ({skipped} skipped)")
+    return problems, skipped
