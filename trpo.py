@@ -1,83 +1,40 @@
 """
 TRPO: Trust Region Policy Optimization, with the verifier as the reward.
 
-In plain words: each update moves the policy as far as it can in the direction that raises the reward,
-but no further than a fixed distance from the policy that sampled the batch, the distance being the mean
-KL(pi_old || pi_new) over the batch's token positions (at most delta, --max_kl). No learning rate: the
-step length comes from delta. The direction is the natural gradient F^-1 g, the policy gradient g
-corrected by the curvature F of that KL (the Fisher information matrix), found by conjugate gradient
-without ever forming F; then a backtracking line search checks the true KL and the true gain and halves
-the step until both hold. PPO (Schulman et al. 2017) replaced all of this by a clipped ratio and Adam;
-this file shows what it replaced, and `python experiments/trpo_compare.py` what it costs.
+Each update moves the policy as far as it can in the direction that raises the reward, but no further than a fixed
+distance from the policy that sampled the batch: the mean KL(pi_old || pi_new) over the batch's token positions, at
+most delta (--max_kl). No learning rate and no optimiser: the step length comes from delta. The direction is the
+natural gradient F^-1 g, the policy gradient corrected by the curvature F of that KL (the Fisher matrix), found by
+conjugate gradient without forming F; a backtracking line search then checks the true KL and gain. PPO replaced all
+of this by a clipped ratio and Adam: this file shows what it replaced (experiments/trpo_compare.py, what it costs).
 
-Schulman, Levine, Moritz, Jordan, Abbeel 2015, "Trust Region Policy Optimization", arXiv 1502.05477
-(section 6, the practical algorithm; appendix C, the step). For a batch of B completions y_i with
-advantages A_i, and positions (i, t) over every completion token (N of them),
+Schulman et al. 2015, "Trust Region Policy Optimization", arXiv 1502.05477 (section 6; appendix C, the step):
+    L(theta)     = 1/N sum_it ratio_it(theta) A_i,      ratio_it = pi_theta(y_it | s_it) / pi_old(y_it | s_it)
+    KLbar(theta) = 1/N sum_it KL(pi_old(. | s_it) || pi_theta(. | s_it))        (exact over the vocabulary)
+    maximise L subject to KLbar <= delta:   g = grad L(theta_old),  F = Hessian of KLbar at theta_old,
+    x = (F + damping I)^-1 g (conjugate gradient),  s = sqrt(2 delta / x^T (F + damping I) x) x,
+    theta = theta_old + 0.5^j s for the first j with KLbar <= delta and L(theta) > L(theta_old); else no step.
+The rollout, reward and baseline are rloo.py's: R_i = r_i - beta sum_t KL_it to the reference, A_i leave-one-out.
 
-    L(theta)    = 1/N sum_it ratio_it(theta) A_i,        ratio_it = pi_theta(y_it | s_it) / pi_old(y_it | s_it)
-    KLbar(theta) = 1/N sum_it KL(pi_old(. | s_it) || pi_theta(. | s_it))    (exact, summed over the vocabulary)
-    maximise L(theta) subject to KLbar(theta) <= delta
+Deviations and choices the paper leaves open:
+- Advantages from the leave-one-out baseline over k samples per prompt, not a learned value function.
+- The constraint is the mean KL over sampled positions (the paper's practical algorithm), exact at each position.
+- Damping: F + damping I in place of the singular F (common TRPO implementations do so; the paper does not).
+- The line search accepts any gain at all within delta, halving at most --backtracks times.
+- Under torchrun the gradient, every Fisher-vector product and the line search's KL and gain are sums of the ranks'
+  shares, so every rank takes the same step.
+- Small scale: a 0.8M-parameter policy; the verifier's reward, not a learned one.
 
-The step (appendix C): at theta_old, L ~ L_old + g.s and KLbar ~ 1/2 s^T F s, with
-
-    g = grad L(theta_old) = 1/N sum_it A_i grad log pi_theta(y_it | s_it)           (the policy gradient)
-    F = Hessian of KLbar at theta_old                                               (the Fisher matrix)
-    x = (F + damping I)^-1 g         by conjugate gradient; F v by double back-propagation of KLbar
-    s = sqrt(2 delta / x^T (F + damping I) x) * x                                   (the full step: 1/2 s^T F s = delta)
-    theta = theta_old + 0.5^j s,  j = 0, 1, ..., --backtracks: the first j with KLbar(theta) <= delta and
-            L(theta) > L(theta_old) is taken; if none passes, no step (theta stays theta_old)
-
-The surrogate's gain is logged against the first-order prediction g.s ("improve_ratio"), the KL of the
-accepted step against delta (a step over delta is a "violation": the line search makes them impossible, and
-the run counts them), and the seconds spent in conjugate gradient and line search against the rest.
-
-The rollout and the reward are rloo.py's: k completions per prompt at the sampling temperature, scored by the
-verifier, minus a KL-to-reference penalty in the reward (R_i = r_i - beta * sum_t KL_it, the per-token
-estimate of KL(pi_theta || pi_ref) on the sampled tokens, a number with no gradient), and the leave-one-out
-baseline A_i = R_i - 1/(k-1) sum_{j != i} R_j. Every token of completion i gets the advantage A_i.
-
-Deviations from the paper, and choices it leaves open:
-- Advantages. The paper estimates them from returns with a learned value function as the baseline (a second
-  network fitted by regression each iteration). Here each prompt gets k samples and each sample's baseline is
-  the mean reward of the other k - 1 (RLOO): with one reward per completion that baseline is free and
-  unbiased, and a critic would add a second model, its optimiser and its own errors to a file meant to show
-  the trust region. One completion is one action for the advantage; the ratio is per token.
-- The constraint is the mean KL over sampled positions, as in the paper's practical algorithm (its theory
-  uses the maximum), computed exactly over the vocabulary at each position.
-- Two KLs. kernels.kl (the fused exact KL) gives a gradient to its first argument only, refuses a second
-  argument that requires grad, and its backward is once_differentiable: the Hessian cannot go through it.
-  mean_kl below is the same KL(pi_old || pi_theta) written with torch.log_softmax, twice differentiable in
-  theta (pi_old detached): its Hessian at theta_old is F. It drives the Fisher-vector products; kernels.kl
-  (no gradient) measures the constraint in the line search and in the log. The tests check they agree.
-- Damping: (F + damping I) in place of F (--damping). F is singular here (far more parameters than
-  positions x vocabulary), and conjugate gradient on a singular or ill-conditioned matrix returns huge
-  components along directions the KL barely sees; the damping bounds them (a direction with curvature below
-  `damping` is treated as having curvature `damping`). The full step is scaled with the damped matrix, so
-  its predicted KL is at most delta. Damping is not in the paper; it is in common TRPO implementations.
-- Line search: halve the step at most --backtracks times; accept the first that keeps KLbar <= delta and
-  improves L at all (the paper: "until the objective improves" and the constraint holds).
-- Fisher-vector products run attention with PyTorch's math backend (torch.nn.attention.sdpa_kernel): the
-  fused CPU and GPU attention kernels have no double backward.
-- No optimiser object: the parameters are one flat vector theta, updated by hand (theta_old + step).
-  Nothing like Adam's moments exists, so a checkpoint holds weights, step and random states only.
-- Under torchrun the gradient, every Fisher-vector product and the line search's KL and gain are sums of the
-  ranks' shares (run.all_sum), so every rank computes the same step. --grad_accum splits the gradient and
-  line-search passes into micro-batches; the Fisher-vector products keep every micro-batch's graph for the
-  conjugate-gradient iterations (the memory of the whole batch).
-- Small scale: a 0.8M-parameter policy on arithmetic; the verifier's reward, not a learned one.
-
-Shapes: P prompts per step, G completions per prompt, B = P*G rows, Tn completion tokens, V vocabulary,
-D parameters (theta is a flat (D,) vector).
+Shapes: P prompts, G completions per prompt, B = P*G rows, Tn completion tokens, V vocabulary, D parameters.
 
 Run:
-    python trpo.py                       # from out/sft.pt (trained first if missing); about 9 minutes on one CPU core
-    python trpo.py --max_kl 0.05         # a larger trust region
-    python trpo.py --resume              # continue from out/trpo.pt up to --steps
-    python experiments/trpo_compare.py         # seconds and KL per update: TRPO against PPO and GRPO
-Metrics: one JSON object per log step in out/trpo/metrics.jsonl; checkpoint out/trpo.pt.
+    python trpo.py                    # from out/sft.pt (built first if missing); about 9 minutes on one CPU core
+    python trpo.py --max_kl 0.05      # a larger trust region
+    python trpo.py --resume           # continue from out/trpo.pt up to --steps
+Metrics: out/trpo/metrics.jsonl (docs/metrics.md says what each means); checkpoint out/trpo.pt.
 """
-import math
 import time
+from typing import NamedTuple
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -90,15 +47,15 @@ from plumbing import SFT_PATH, TEMPERATURE, Float, Int, Run, add_run_flags, pars
 
 
 # -----------------------------------------------------------------------------
-# The reward and the advantages (rloo.py's): KL to the reference in the reward, leave-one-out baseline
+# The advantages (rloo.py's): the leave-one-out baseline
 
-
-def leave_one_out_advantages(rewards, k):
+def rloo_advantages(rewards, k):
     """rewards (P*k,) flat, k consecutive samples per prompt -> (P*k,): A_i = R_i - 1/(k-1) sum_{j != i} R_j."""
     if k < 2:
-        raise ValueError(f"k = {k}; the leave-one-out baseline needs k >= 2 samples per prompt")
+        raise ValueError(f"k = {k}; RLOO needs k >= 2 samples per prompt (a sample's baseline is the others' mean)")
     if rewards.dim() != 1 or rewards.numel() % k:
-        raise ValueError(f"rewards of shape {tuple(rewards.shape)} cannot be split into groups of k = {k}")
+        raise ValueError(f"rewards of shape {tuple(rewards.shape)} cannot be split into groups of k = {k}; "
+                         f"need a flat tensor whose length is a multiple of k")
     R = rewards.view(-1, k)                                            # (P, k)
     baseline = (R.sum(dim=1, keepdim=True) - R) / (k - 1)              # 1/(k-1) sum_{j != i} R_j
     return (R - baseline).view(-1)                                     # (P*k,)
@@ -108,19 +65,19 @@ def leave_one_out_advantages(rewards, k):
 # The trust region: surrogate, KL, Fisher-vector products, conjugate gradient, the step
 
 def surrogate(logp, old_logp, advantages, mask, num_tokens=None):
-    """L = 1/N sum_it ratio_it A_i over completion tokens (the objective TRPO maximises; a gain, not a loss).
-    logp, old_logp (B, T); advantages (B,); mask (B, T). num_tokens: N when this batch is a part of the step's
-    (a micro-batch, a rank's share): the result is then this part's share of L. At theta = theta_old its
-    gradient is the policy gradient 1/N sum_it A_i grad log pi_theta(y_it)."""
+    """L = 1/N sum_it ratio_it A_i over completion tokens (maximised: a gain, not a loss); logp, old_logp, mask
+    (B, T), advantages (B,); num_tokens: N when this batch is a part of the step's. At theta_old its gradient is the
+    policy gradient 1/N sum_it A_i grad log pi_theta(y_it)."""
     ratio = torch.exp(torch.where(mask > 0, logp - old_logp, 0.0))    # (B, T) pi_theta / pi_old
     N = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
     return torch.where(mask > 0, ratio * advantages[:, None], 0.0).sum() / N
 
 
 def mean_kl(old_logits, logits, mask, temperature=1.0, num_tokens=None):
-    """KLbar = 1/N sum_it KL(pi_old(. | s_it) || pi_theta(. | s_it)), exact over the vocabulary, twice
-    differentiable in `logits` (kernels.kl is not: its backward is once_differentiable). old_logits, logits
-    (B, T, V); old_logits carries no gradient; mask (B, T); num_tokens as in `surrogate`. Scalar."""
+    """KLbar = 1/N sum_it KL(pi_old(. | s_it) || pi_theta(. | s_it)), exact over the vocabulary and twice
+    differentiable in `logits`, so that its Hessian at theta_old is F (kernels.kl, once_differentiable and
+    refusing a second argument with grad, cannot; it measures the constraint instead, and the tests check the two
+    agree). old_logits, logits (B, T, V), old_logits without gradient; mask (B, T). Scalar."""
     real = mask[..., None] > 0                                         # (B, T, 1): padding rows become uniform
     up = lambda x: x.to(torch.promote_types(x.dtype, torch.float32))   # float32 at least (float64 stays float64)
     old_logp = torch.log_softmax(torch.where(real, up(old_logits.detach()), 0.0) / temperature, dim=-1)  # log pi_old
@@ -144,15 +101,16 @@ def fisher_vector_product(kl_grad, params, v, damping=0.0):
 
 def conjugate_gradient(fvp, b, iters=10, residual_tol=1e-10):
     """x approximately solving F x = b for a symmetric positive definite F known only through fvp: v -> F v
-    (flat tensors). Hestenes-Stiefel conjugate gradient from x = 0: at most `iters` products F v; stops early
-    once r.r < residual_tol (r = b - F x, the residual) or a direction has no positive curvature. Exact after
-    n iterations for an n x n F, in exact arithmetic."""
+    (flat tensors). Hestenes-Stiefel conjugate gradient from x = 0: at most `iters` products F v; stops early once
+    r.r < residual_tol * b.b (r = b - F x; relative, so that x scales with b whatever its size) or a direction has
+    no positive curvature."""
     x = torch.zeros_like(b)
     r = b.clone()                                                      # r = b - F x, with x = 0
     p = r.clone()                                                      # the search direction
     rr = r @ r
+    stop = residual_tol * rr                                           # |r|^2 <= tol |b|^2
     for _ in range(iters):
-        if rr < residual_tol:
+        if rr <= stop:
             break
         Fp = fvp(p)
         pFp = p @ Fp
@@ -168,11 +126,9 @@ def conjugate_gradient(fvp, b, iters=10, residual_tol=1e-10):
 
 
 def natural_gradient_step(g, fvp, max_kl, cg_iters=10, stats=None, residual_tol=1e-10):
-    """TRPO's full step (appendix C): x = F^-1 g by conjugate_gradient, then s = sqrt(2 max_kl / x^T F x) * x,
-    the longest step along x whose quadratic KL model 1/2 s^T F s equals max_kl. Returns (full_step (D,),
-    expected_improvement = g . s, the first-order gain of the surrogate). A zero gradient gives a zero step.
-    stats: a dict to fill with "cg_residual" (|g - F x| / |g|, the true relative residual) and "xFx";
-    residual_tol: conjugate_gradient's."""
+    """TRPO's full step (appendix C): x = F^-1 g by conjugate_gradient, s = sqrt(2 max_kl / x^T F x) x, whose
+    quadratic KL model 1/2 s^T F s is max_kl. Returns (s (D,), g . s, the first-order gain); a zero gradient gives
+    a zero step. stats: a dict to fill with "cg_residual" (|g - F x| / |g|) and "xFx"."""
     x = conjugate_gradient(fvp, g, iters=cg_iters, residual_tol=residual_tol)   # (D,) approximately F^-1 g
     Fx = fvp(x)
     xFx = x @ Fx
@@ -185,20 +141,28 @@ def natural_gradient_step(g, fvp, max_kl, cg_iters=10, stats=None, residual_tol=
     return full_step, (g @ full_step).item()                           # g . s = sqrt(2 delta g^T F^-1 g)
 
 
+class LineSearch(NamedTuple):
+    frac: float        # the accepted fraction of the full step; 0.0: no step
+    kl: float          # the measured KL of the accepted step (0.0 for no step)
+    gain: float        # the measured gain of the surrogate (0.0 for no step)
+    halvings: int      # halvings tried
+    kl_full: float     # the measured KL of the full step: how far the quadratic model was off
+    nan_trials: int    # trials whose KL or gain was NaN (all of them: the step was not a number)
+
+
 def backtracking_line_search(try_step, max_kl, backtracks):
-    """TRPO's line search (appendix C): try the fractions 1, 1/2, 1/4, ..., 1/2^backtracks of the full step and take
-    the first whose measured KL is at most max_kl and whose measured gain of the surrogate is positive.
-    try_step(frac) -> (kl, gain) at theta_old + frac * s, measured exactly (not the quadratic model).
-    Returns (frac, kl, gain, halvings, kl_full): the accepted fraction (0.0 and kl = gain = 0 when none passed:
-    no step), the halvings tried, and the KL of the full step (how far the quadratic model was off)."""
-    kl_full = None
+    """TRPO's line search (appendix C): try the fractions 1, 1/2, ..., 1/2^backtracks of the full step and take the
+    first whose measured KL is at most max_kl and whose measured gain is positive. try_step(frac) -> (kl, gain) at
+    theta_old + frac * s, measured exactly (not the quadratic model). Returns a LineSearch."""
+    kl_full, nan_trials = None, 0
     for j in range(backtracks + 1):
         frac = 0.5 ** j
         kl_new, gain = try_step(frac)
         kl_full = kl_new if j == 0 else kl_full
+        nan_trials += kl_new != kl_new or gain != gain                 # NaN compares unequal to itself
         if kl_new <= max_kl and gain > 0:                              # inside the trust region, and better
-            return frac, kl_new, gain, j, kl_full
-    return 0.0, 0.0, 0.0, backtracks, kl_full
+            return LineSearch(frac, kl_new, gain, j, kl_full, nan_trials)
+    return LineSearch(0.0, 0.0, 0.0, backtracks, kl_full, nan_trials)
 
 
 def set_flat_params(params, theta):
@@ -214,13 +178,15 @@ def set_flat_params(params, theta):
 def parse_args(argv=None):
     p = parser(__doc__)
     g = p.add_argument_group("algorithm")
-    g.add_argument("--max_kl", type=Float(gt=0), default=0.02, help="delta: the trust region, mean KL(pi_old || pi_new) per token")
-    g.add_argument("--damping", type=Float(ge=0), default=0.1, help="conjugate gradient solves (F + damping I) x = g")
-    g.add_argument("--cg_iters", type=Int(ge=1), default=10, help="conjugate gradient iterations (Fisher-vector products)")
+    g.add_argument("--max_kl", type=Float(gt=0), default=0.02,
+                   help="delta: the trust region, mean KL(pi_old || pi_new) per token")
+    g.add_argument("--damping", type=Float(ge=0), default=0.1,
+                   help="conjugate gradient solves (F + damping I) x = g: every curvature is raised by damping")
+    g.add_argument("--cg_iters", type=Int(ge=1), default=10, help="conjugate gradient iterations (F v products)")
     g.add_argument("--backtracks", type=Int(ge=0), default=10, help="most halvings of the step in the line search")
     g.add_argument("--group_size", type=Int(ge=2), default=8, help="k (G in the code): completions sampled per prompt")
     g.add_argument("--beta", type=Float(ge=0), default=0.04, help="weight of the KL-to-reference penalty in the reward")
-    g.add_argument("--kl_estimator", default="k1", choices=["k1", "k2", "k3"], help="per-token KL estimate in the reward")
+    g.add_argument("--kl_estimator", default="k1", choices=["k1", "k2", "k3"], help="per-token KL estimate (reward)")
     g.add_argument("--format_weight", type=Float(ge=0), default=0.0, help="reward bonus for a well-formed completion")
     g = p.add_argument_group("sampling")
     g.add_argument("--steps", type=Int(ge=1), default=40, help="TRPO updates (one batch of rollouts each)")
@@ -233,6 +199,11 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def logits_of(model, part):
+    """(b, Tn, V) completion logits of a micro-batch `part` (a task.Rollout's rows) under `model`."""
+    return completion_logits(model, part.prompt, part.prompt_mask, part.tokens, part.mask)
+
+
 def main(args):
     run = Run("trpo", args, batch_flag="prompts_per_step")  # device, seeds, lock, log, resume, torchrun: plumbing.py
     policy, tok = run.load_policy(args.init)        # the policy starts as the SFT policy ...
@@ -243,8 +214,8 @@ def main(args):
     violations = ckpt.get("violations", 0) if ckpt else 0             # accepted steps with KL > delta, so far
     params = list(policy.parameters())              # theta, in parameters_to_vector's order
     P, G, temp, delta = args.prompts_per_step, args.group_size, args.temperature, args.max_kl
-    run.print(f"TRPO: {policy.num_params() / 1e6:.2f}M parameters on {run.device}, {args.steps} steps of {P} prompts x "
-              f"{G} samples, max_kl {delta}, damping {args.damping}, {args.cg_iters} CG iterations, beta {args.beta}")
+    run.print(f"TRPO: {policy.num_params() / 1e6:.2f}M parameters on {run.device}, {args.steps} steps of {P} prompts "
+              f"x {G} samples, max_kl {delta}, damping {args.damping}, {args.cg_iters} CG iterations, beta {args.beta}")
     if not args.resume:                             # a fresh run: the starting policy is step 0
         run.log_start(run.evaluate(policy, tok))
 
@@ -253,48 +224,49 @@ def main(args):
         t_start = time.perf_counter()
         prompts = run.shard(task.sample_prompts(run.rng, P, args.precedence_share))   # this rank's share
         with run.autocast:
-            prompt, prompt_mask, tokens, mask, truncated, rewards, _ = task.rollout(policy, tok, prompts, G, temp,
-                                                                                 args.max_new_tokens, args.format_weight,
-                                                                                 run.gen)  # (B, Tp), (B, Tn), (B,)
+            batch = task.rollout(policy, tok, prompts, G, temp, args.max_new_tokens, args.format_weight, run.gen)
+        mask, rewards = batch.mask, batch.rewards                                  # (B, Tn), (B,)
         run.samples += P * G
         t_rollout = time.perf_counter() - t_start
-        batches = [(rows, (prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])) for rows in run.micro_batches(len(mask))]
+        parts = [(rows, task.Rollout(*(x[rows] for x in batch))) for rows in run.micro_batches(len(mask))]
 
         # 2. score without gradient: pi_old's logits (kept: the KL is measured against them), log-probs of old and ref
         old_logits, old_logp, ref_logp = [], torch.zeros_like(mask), torch.zeros_like(mask)   # (B, Tn) each
         n_tokens = run.all_sum(mask.sum())                                         # N, over every rank
         kl_ref = ent = 0.0
-        for rows, b in batches:
+        for rows, b in parts:
             with torch.no_grad(), run.autocast:
-                logits, ref_logits = completion_logits(policy, *b), completion_logits(ref, *b)   # (b, Tn, V)
+                logits, ref_logits = logits_of(policy, b), logits_of(ref, b)      # (b, Tn, V)
             old_logits.append(logits)
-            old_logp[rows], ref_logp[rows] = logprobs(logits, b[2], temp), logprobs(ref_logits, b[2], temp)
-            kl_ref += torch.where(b[3] > 0, kl(logits, ref_logits, temp), 0.0).sum() / n_tokens  # KL(pi || pi_ref)
-            ent += torch.where(b[3] > 0, entropy(logits, temp), 0.0).sum() / n_tokens
+            old_logp[rows], ref_logp[rows] = logprobs(logits, b.tokens, temp), logprobs(ref_logits, b.tokens, temp)
+            kl_ref += torch.where(b.mask > 0, kl(logits, ref_logits, temp), 0.0).sum() / n_tokens  # KL(pi || pi_ref)
+            ent += torch.where(b.mask > 0, entropy(logits, temp), 0.0).sum() / n_tokens
 
         # 3. advantages: KL to the reference in the reward, the other k - 1 samples are the baseline
         kl_t = kl_penalty(old_logp, ref_logp, args.kl_estimator)                     # (B, Tn)
         scores = rewards - args.beta * torch.where(mask > 0, kl_t, 0.0).sum(1)       # R_i = r_i - beta * sum_t KL_it
-        advantages = leave_one_out_advantages(scores, G)                             # (B,)
+        advantages = rloo_advantages(scores, G)                                      # (B,)
 
         # 4. the policy gradient g = grad L(theta_old), one flat vector, summed over micro-batches and ranks
         g = 0.0
-        for rows, b in batches:
+        for rows, b in parts:
             with run.autocast:
-                logp = logprobs(completion_logits(policy, *b), b[2], temp)             # (b, Tn) log pi_theta
-            part = surrogate(logp, old_logp[rows], advantages[rows], b[3], num_tokens=n_tokens)
+                logp = logprobs(logits_of(policy, b), b.tokens, temp)                # (b, Tn) log pi_theta
+            part = surrogate(logp, old_logp[rows], advantages[rows], b.mask, num_tokens=n_tokens)
             run.check_finite(part, f"lower --max_kl (now {delta})")
             g = g + flat_grad(part, params)
         g = run.all_sum(g)                                                            # (D,)
 
         # 5. the natural gradient: x = (F + damping I)^-1 g by conjugate gradient, F v by double back-propagation
-        #    of KLbar at theta_old; the full step s = sqrt(2 delta / x^T F x) x
+        #    of KLbar at theta_old (F is singular here, far more parameters than positions x vocabulary: the damping
+        #    raises every curvature by `damping`, which bounds the components along directions the KL barely sees);
+        #    attention runs on the math backend, the fused kernels have no double backward
         t_cg = time.perf_counter()
         kl_grads = []
-        with sdpa_kernel(SDPBackend.MATH), run.autocast:                              # attention with a double backward
-            for (rows, b), old in zip(batches, old_logits):
-                kl_part = mean_kl(old, completion_logits(policy, *b), b[3], temp, num_tokens=n_tokens)
-                kl_grads.append(flat_grad(kl_part, params, create_graph=True))        # grad KLbar: 0 here, its graph kept
+        with sdpa_kernel(SDPBackend.MATH), run.autocast:
+            for (rows, b), old in zip(parts, old_logits):
+                kl_part = mean_kl(old, logits_of(policy, b), b.mask, temp, num_tokens=n_tokens)
+                kl_grads.append(flat_grad(kl_part, params, create_graph=True))        # grad KLbar: 0 here, graph kept
         fvp = lambda v: run.all_sum(sum(fisher_vector_product(kg, params, v) for kg in kl_grads)) + args.damping * v
         stats = {}
         full_step, expected = natural_gradient_step(g, fvp, delta, args.cg_iters, stats)
@@ -304,43 +276,53 @@ def main(args):
         # 6. line search: theta_old + 0.5^j s for j = 0..backtracks; the first with KLbar <= delta and a gain is taken
         t_ls = time.perf_counter()
         theta_old = parameters_to_vector(params).detach().clone()                    # (D,)
-        L_old = run.all_sum(torch.where(mask > 0, advantages[:, None], 0.0).sum() / n_tokens).item()  # L(theta_old) = mean A
+        L_old = run.all_sum(torch.where(mask > 0, advantages[:, None], 0.0).sum() / n_tokens).item()  # L = mean A
 
         def try_step(frac):                         # exact KLbar and gain of L at theta = theta_old + frac * s
             set_flat_params(params, theta_old + frac * full_step)
             kl_sum = L_new = 0.0
-            for (rows, b), old in zip(batches, old_logits):
+            for (rows, b), old in zip(parts, old_logits):
                 with torch.no_grad(), run.autocast:
-                    logits = completion_logits(policy, *b)                            # (b, Tn, V) under pi_theta
-                kl_sum += torch.where(b[3] > 0, kl(old, logits, temp), 0.0).sum() / n_tokens   # KL(pi_old || pi_theta)
-                L_new += surrogate(logprobs(logits, b[2], temp), old_logp[rows], advantages[rows], b[3], n_tokens)
+                    logits = logits_of(policy, b)                                     # (b, Tn, V) under pi_theta
+                kl_sum += torch.where(b.mask > 0, kl(old, logits, temp), 0.0).sum() / n_tokens   # KL(pi_old||pi)
+                L_new += surrogate(logprobs(logits, b.tokens, temp), old_logp[rows], advantages[rows], b.mask, n_tokens)
             return run.all_sum(kl_sum).item(), run.all_sum(L_new).item() - L_old
-        frac, kl_step, gain, halvings, kl_full = backtracking_line_search(try_step, delta, args.backtracks)
-        set_flat_params(params, theta_old + frac * full_step)                         # the update, by hand
-        violations += kl_step > delta                                                 # 0 by construction
+        finite = bool(torch.isfinite(full_step).all())
+        if finite:
+            ls = backtracking_line_search(try_step, delta, args.backtracks)
+        else:                                       # inf or NaN (reachable with --damping 0): refused untried
+            ls = LineSearch(0.0, 0.0, 0.0, 0, float("nan"), 0)
+        set_flat_params(params, theta_old + ls.frac * full_step if ls.frac > 0 else theta_old)   # the update
+        violations += ls.kl > delta                                                   # 0 by construction
         t_ls = time.perf_counter() - t_ls
         run.step += 1
         run.tokens += int(n_tokens)
 
         # 7. log, evaluate, checkpoint (every number over all ranks)
         if run.log_due():
-            groups, t_step = rewards.view(-1, G), time.perf_counter() - t_start
+            groups, t_step, frac = rewards.view(-1, G), time.perf_counter() - t_start, ls.frac
+            why = "" if frac else (": no step, the step was not finite" if not finite else
+                                   ": no step, every trial was NaN" if ls.nan_trials == args.backtracks + 1 else
+                                   ": no step")
             metrics = {"reward_mean": run.mean(rewards), "reward_std": run.std(rewards),
                        "zero_var_groups": run.mean((groups == groups[:, :1]).all(1).float()),
-                       "kl_step": kl_step, "kl_full_step": kl_full, "violations": violations, "accepted": float(frac > 0),
-                       "backtracks": halvings, "improvement": gain, "expected_improvement": frac * expected,  # g . (frac s)
-                       "improve_ratio": gain / (frac * expected) if frac * expected > 0 else 0.0,
-                       "cg_residual": stats["cg_residual"], "grad_norm": g.norm().item(), "step_norm": frac * full_step.norm().item(),
+                       "kl_step": ls.kl, "kl_full_step": ls.kl_full, "violations": violations,
+                       "accepted": float(frac > 0), "backtracks": ls.halvings, "nan_trials": ls.nan_trials,
+                       "finite_step": float(finite), "improvement": ls.gain,
+                       "expected_improvement": frac * expected,                          # g . (frac s)
+                       "improve_ratio": ls.gain / (frac * expected) if frac * expected > 0 else 0.0,
+                       "cg_residual": stats["cg_residual"], "grad_norm": g.norm().item(),
+                       "step_norm": frac * full_step.norm().item(),
                        "kl_exact": run.all_sum(kl_ref).item(), f"kl_{args.kl_estimator}": run.mean(kl_t, mask),
                        "entropy": run.all_sum(ent).item(), "completion_len": run.mean(mask.sum(1)),
-                       "truncated": run.mean(truncated.float()), "t_rollout": t_rollout, "t_cg": t_cg,
+                       "truncated": run.mean(batch.truncated.float()), "t_rollout": t_rollout, "t_cg": t_cg,
                        "t_linesearch": t_ls, "t_rest": t_step - t_cg - t_ls - t_rollout, "t_step": t_step}
             if run.eval_due():
                 metrics.update(run.evaluate(policy, tok))
-            run.log(metrics, f"reward {metrics['reward_mean']:.3f} | kl step {kl_step:.4f} / {delta} (full {kl_full:.4f}, "
-                             f"{halvings} halvings{'' if frac else ': no step'}) | gain {gain:.4f} / {frac * expected:.4f} "
-                             f"| cg res {stats['cg_residual']:.2f} | s: cg {t_cg:.1f} ls {t_ls:.1f} other "
-                             f"{t_step - t_cg - t_ls:.1f}", tokens=True)
+            run.log(metrics, f"reward {metrics['reward_mean']:.3f} | kl step {ls.kl:.4f} / {delta} (full "
+                             f"{ls.kl_full:.4f}, {ls.halvings} halvings{why}) | gain {ls.gain:.4f} / "
+                             f"{frac * expected:.4f} | cg res {stats['cg_residual']:.2f} | s: cg {t_cg:.1f} ls "
+                             f"{t_ls:.1f} other {t_step - t_cg - t_ls:.1f}", tokens=True)
         if run.eval_due():
             run.save(policy, violations=violations)
     run.finish(policy, tok, violations=violations)

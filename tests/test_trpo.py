@@ -7,6 +7,8 @@ input)."""
 import json
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,10 +16,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.utils import parameters_to_vector
 
 import kernels
-from conftest import refused, run_script
+from conftest import ROOT, refused, run_script
 from model import GPT, GPTConfig, load_checkpoint
-from trpo import (conjugate_gradient, fisher_vector_product, flat_grad, leave_one_out_advantages, mean_kl,
-                  natural_gradient_step, set_flat_params, surrogate)
+from trpo import (LineSearch, backtracking_line_search, conjugate_gradient, fisher_vector_product, flat_grad, mean_kl,
+                  natural_gradient_step, rloo_advantages, set_flat_params, surrogate)
 
 f64 = torch.float64
 
@@ -113,7 +115,8 @@ def test_natural_gradient_step_matches_the_reference(n, max_kl):
         F = random_spd(n, seed, cond=50.0)
         g = torch.randn(n, generator=torch.Generator().manual_seed(seed), dtype=f64)
         stats = {}
-        step, expected = natural_gradient_step(g, CountingProduct(F), max_kl, cg_iters=4 * n, stats=stats, residual_tol=0.0)
+        step, expected = natural_gradient_step(g, CountingProduct(F), max_kl, cg_iters=4 * n, stats=stats,
+                                               residual_tol=0.0)
         want_step, want_expected = reference_step(F, g, max_kl)
         assert torch.allclose(step, want_step, rtol=1e-8, atol=1e-12)
         assert expected == pytest.approx(want_expected, rel=1e-8)
@@ -131,7 +134,8 @@ def test_a_truncated_solve_still_lands_on_the_trust_region_boundary():
     assert (0.5 * step @ F @ step).item() == pytest.approx(0.02, rel=1e-10)
     assert expected > 0 and expected <= reference_step(F, g, 0.02)[1] + 1e-12   # the exact solve gains the most
     x = step / math.sqrt(2 * 0.02 / stats["xFx"])
-    assert stats["cg_residual"] == pytest.approx(((g - F @ x).norm() / g.norm()).item(), rel=1e-8) and stats["cg_residual"] > 1e-3
+    assert stats["cg_residual"] == pytest.approx(((g - F @ x).norm() / g.norm()).item(), rel=1e-8)
+    assert stats["cg_residual"] > 1e-3
 
 
 def test_natural_gradient_is_invariant_to_a_linear_reparameterisation():
@@ -145,6 +149,37 @@ def test_natural_gradient_is_invariant_to_a_linear_reparameterisation():
     assert torch.allclose(M @ s_phi, s_theta, atol=1e-8) and e_phi == pytest.approx(e_theta, rel=1e-8)
     plain = M @ (M.T @ g)                                           # the plain gradient step in phi, mapped back
     assert (plain @ g / (plain.norm() * g.norm())).item() < 0.99    # is not along g: it depends on the coordinates
+
+
+@pytest.mark.parametrize("scale", [1e-9, 1e-6, 1e-3, 1e3, 1e6])
+def test_the_natural_gradient_step_does_not_depend_on_the_gradients_scale(scale):
+    """s = sqrt(2 delta / x^T F x) x is invariant to g -> c g when x scales with g: conjugate gradient must stop on a
+    residual relative to |g|. An absolute tolerance (r.r < 1e-10) returned no step at all for |g| near 1e-6."""
+    F = random_spd(30, 7, cond=1e3)
+    g = torch.randn(30, generator=torch.Generator().manual_seed(5), dtype=f64)
+    step, expected = natural_gradient_step(g, CountingProduct(F), 0.02, cg_iters=10)
+    scaled, scaled_expected = natural_gradient_step(scale * g, CountingProduct(F), 0.02, cg_iters=10)
+    assert torch.allclose(scaled, step, rtol=1e-9, atol=0) and step.norm() > 0
+    assert scaled_expected == pytest.approx(scale * expected, rel=1e-9)       # g . s scales with g
+    x_small = conjugate_gradient(CountingProduct(F), scale * g, iters=10)
+    assert torch.allclose(x_small, scale * conjugate_gradient(CountingProduct(F), g, iters=10), rtol=1e-9, atol=0)
+
+
+def test_the_line_search_takes_the_first_fraction_inside_the_region_with_a_gain():
+    seen = []
+
+    def try_step(frac):                              # the KL falls as the square of the fraction; the gain is linear
+        seen.append(frac)
+        return 0.08 * frac ** 2, 0.3 * frac - 0.05
+    ls = backtracking_line_search(try_step, 0.02, 10)
+    assert seen == [1.0, 0.5] and ls == LineSearch(0.5, 0.02, pytest.approx(0.1), 1, 0.08, 0)
+    ls = backtracking_line_search(lambda frac: (0.0, -1.0), 0.02, 3)        # never a gain: no step, every fraction
+    assert ls.frac == 0.0 and ls.halvings == 3 and ls.nan_trials == 0
+
+
+def test_a_line_search_whose_every_trial_is_nan_says_so():
+    ls = backtracking_line_search(lambda frac: (float("nan"), float("nan")), 0.02, 4)
+    assert ls.frac == 0.0 and ls.nan_trials == 5 and math.isnan(ls.kl_full)
 
 
 def test_a_zero_gradient_gives_no_step():
@@ -275,7 +310,8 @@ def test_fisher_vector_product_equals_the_exact_fisher_of_the_model():
         v = torch.randn(F.size(0), generator=torch.Generator().manual_seed(seed), dtype=f64)
         got = fisher_vector_product(kl_grad, params, v)
         assert torch.allclose(got, F @ v, rtol=1e-8, atol=1e-10)
-        assert torch.allclose(fisher_vector_product(kl_grad, params, v, damping=0.3), F @ v + 0.3 * v, rtol=1e-8, atol=1e-10)
+        damped = fisher_vector_product(kl_grad, params, v, damping=0.3)
+        assert torch.allclose(damped, F @ v + 0.3 * v, rtol=1e-8, atol=1e-10)
         assert (v @ got).item() >= 0                                # positive semi-definite
 
 
@@ -312,12 +348,12 @@ def test_set_flat_params_round_trips_and_keeps_tied_weights():
 # Reward and advantages (rloo.py's)
 
 def test_leave_one_out_hand_worked():
-    a = leave_one_out_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5]), 2)
+    a = rloo_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5]), 2)
     assert torch.allclose(a, torch.tensor([1.0, -1.0, -1.0, 1.0, 0.0, 0.0]))   # k = 2: the other sample's reward
-    a = leave_one_out_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 4)         # baselines 1/3, 2/3, 2/3, 1/3
+    a = rloo_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 4)                  # baselines 1/3, 2/3, 2/3, 1/3
     assert torch.allclose(a, torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3]))
     with pytest.raises(ValueError, match="k = 1"):
-        leave_one_out_advantages(torch.rand(4), 1)
+        rloo_advantages(torch.rand(4), 1)
 
 
 # -----------------------------------------------------------------------------
@@ -368,3 +404,23 @@ def test_script_rejects_bad_settings_with_a_message(tmp_path):
     refused(run_script("trpo.py", ["--damping", "-1", "--out", str(tmp_path)]), "--damping", "-1")
     p = run_script("trpo.py", ["--init", str(tmp_path / "missing.pt"), "--out", str(tmp_path)])
     assert p.returncode != 0 and "no checkpoint at" in p.stderr
+
+
+def test_a_step_that_is_not_finite_is_refused_and_the_weights_stay_theta_old(tiny_sft, tmp_path):
+    """natural_gradient_step made to return an infinite step (what --damping 0 can give): the update must be no step at
+    all, the weights exactly the starting ones; writing theta_old + 0 * s would have written NaN (0 * inf)."""
+    out = str(tmp_path)
+    code = (f"import sys, torch, trpo\n"
+            f"def inf_step(g, fvp, max_kl, cg_iters=10, stats=None, residual_tol=1e-10):\n"
+            f"    stats.update(cg_residual=0.0, xFx=1.0)\n"
+            f"    return torch.full_like(g, float('inf')), 1.0\n"
+            f"trpo.natural_gradient_step = inf_step\n"
+            f"trpo.main(trpo.parse_args({TINY + ['--steps', '1', '--init', tiny_sft, '--out', out]!r}))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "no step, the step was not finite" in p.stdout
+    after, start = load_checkpoint(os.path.join(out, "trpo.pt"))[1]["model"], load_checkpoint(tiny_sft)[1]["model"]
+    assert all(torch.equal(after[k], start[k]) for k in start)
+    row = read_metrics(out)[1]
+    assert row["finite_step"] == 0.0 and row["accepted"] == 0.0
