@@ -1,33 +1,29 @@
 """
 Bradley-Terry reward model: the proxy reward that classic RLHF optimises with PPO (ppo.py).
 
-Ouyang et al. 2022, "Training language models to follow instructions with human feedback"
-(InstructGPT), arXiv 2203.02155, eq. 1; the preference model is Bradley and Terry (1952).
-The model is the shared transformer with a scalar head (model.ScalarGPT), initialised from the SFT
-policy, its head at zero. Its score r(x, y) is read at the last real token of prompt + completion + EOS.
-Trained on pairs (x, y_chosen, y_rejected) to make the chosen completion score higher:
+The shared transformer with a scalar head (model.ScalarGPT), initialised from the SFT policy with its head at zero,
+trained on pairs (x, y_chosen, y_rejected) so that the chosen completion scores higher. Its score r(x, y) is read
+at the last real token of prompt + completion + EOS. The pairs come from the verifier (the chosen is correct, the
+rejected wrong), so the labels are noiseless; the model is still a proxy: it only ever saw SFT-like completions.
 
+Ouyang et al. 2022, "Training language models to follow instructions with human feedback" (InstructGPT), arXiv
+2203.02155, eq. 1; the preference model is Bradley and Terry (1952):
     P(y_c > y_r | x) = sigmoid(r(x, y_c) - r(x, y_r))
-    L = - E_(x, y_c, y_r) [ log sigmoid(r(x, y_c) - r(x, y_r) - m) ]        (m: optional margin, default 0)
+    L = -E[ log sigmoid(r(x, y_c) - r(x, y_r) - m) ]              (m: an optional margin, as Llama 2; default 0)
 
-Pairs: task.preference_dataset(sft_policy) (cached in out/pairs_train.json and out/pairs_eval.json,
-shared with dpo.py and ipo.py): the chosen completion is correct, the rejected one is wrong (sampled
-from the SFT policy where it made a mistake, else a synthetic mistake). Held-out pairs are on the 512
-held-out prompts. Reported: held-out pairwise accuracy (share of pairs with r_c > r_r) and mean margin
-r_c - r_r, overall and per pair source. The pairs come from a verifier, not from people, so the
-labels are noiseless; the reward model is still a proxy: it only ever saw SFT-like completions.
+Deviations from InstructGPT:
+- One pair per prompt (task.preference_dataset, shared with dpo.py and ipo.py), not all K-choose-2 comparisons.
+- No reward normalisation (ppo.py uses the raw score).
+- The scored sequence ends with the EOS, as PPO's rollouts score it; the completion is the token ids sampled
+  (task.pair_batch), exactly the sequence PPO scores.
+Reported: held-out pair accuracy (r_c > r_r) and mean margin r_c - r_r, overall and per pair source.
 
-Deviations from InstructGPT: one pair per prompt instead of all K-choose-2 comparisons from K ranked
-samples (their batching trick); no reward normalisation here (ppo.py uses the raw score); the
-scored sequence ends with the EOS token (the PPO rollouts score prompt + completion through EOS too,
-so the reward model sees the same kind of sequence in training and in use). The prompt is encoded on
-its own and the completion is the token ids that were sampled (task.pair_batch), exactly the sequence
-PPO's rollouts score: with a BPE tokenizer, encoding prompt + completion as one string could differ.
+Shapes: B pairs per step, scored as 2B rows; T tokens.
 
 Run:
     python reward_model.py             # under a minute on 2 CPU cores (once out/sft.pt exists); writes out/rm.pt
     python reward_model.py --resume    # continue from out/rm.pt up to --epochs
-Metrics: one JSON object per log step in out/rm/metrics.jsonl (held-out pair accuracy as "eval_pair_accuracy").
+Metrics: out/rm/metrics.jsonl (docs/metrics.md says what each means).
 """
 import random
 
@@ -93,7 +89,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.batch_size > args.n_train:
         p.error(f"--batch_size {args.batch_size} exceeds --n_train {args.n_train}; it must be at most n_train")
-    args.steps = args.epochs * (args.n_train // args.batch_size)   # derived: total steps (a last partial batch is dropped)
+    # derived: total steps (a last partial batch is dropped)
+    args.steps = args.epochs * (args.n_train // args.batch_size)
     return args
 
 
@@ -104,7 +101,8 @@ def main(args):
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     run.resume(model, optimizer)
     train_model = run.ddp(model)                    # DistributedDataParallel under torchrun, else the model itself
-    train_pairs, eval_pairs = task.preference_dataset(sft, tok, n_train=args.n_train, seed=args.seed, cache_dir=args.out)
+    train_pairs, eval_pairs = task.preference_dataset(sft, tok, n_train=args.n_train, seed=args.seed,
+                                                      cache_dir=args.out)
     eval_pairs = eval_pairs[:args.eval_n]
     run.samples = 4 * len(train_pairs)              # the pairs' cost: 4 completions sampled per training prompt
     del sft
@@ -112,8 +110,10 @@ def main(args):
     run.print(f"reward model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters on {run.device}, "
               f"{len(train_pairs)} training and {len(eval_pairs)} held-out pairs (cached in {args.out}/pairs_*.json), "
               f"{args.epochs} epochs x {steps_per_epoch} steps of {args.batch_size} pairs")
-    if not args.resume:                             # a fresh run: the starting policy is step 0
-        e = evaluate_pairs(model, tok, eval_pairs, run.device, run.autocast) if run.is_main else {"eval_pair_accuracy": 0.0}
+    if not args.resume:                             # a fresh run: the untrained head is step 0
+        e = {"eval_pair_accuracy": 0.0}
+        if run.is_main:
+            e = evaluate_pairs(model, tok, eval_pairs, run.device, run.autocast)
         run.log_start(e, f"held-out pair accuracy {e['eval_pair_accuracy']:.3f} (the head starts at zero: all ties)")
 
     model.train()
@@ -156,10 +156,13 @@ def main(args):
             run.log(metrics, line)
         if run.eval_due():
             run.save(model, optimizer, scored="prompt+completion+EOS")
-    final = evaluate_pairs(model, tok, eval_pairs, run.device, run.autocast) if run.is_main else {"eval_pair_accuracy": 0.0, "eval_margin": 0.0}
-    per_source = ", ".join(f"{k.split('/', 1)[1]} {v:.3f}" for k, v in final.items() if k.startswith("eval_pair_accuracy/"))
-    run.finish(model, tok, optimizer, summary=f"held-out pair accuracy {final['eval_pair_accuracy']:.3f} ({per_source}) "
-                                              f"| mean margin {final['eval_margin']:+.2f}")
+    final = {"eval_pair_accuracy": 0.0, "eval_margin": 0.0}
+    if run.is_main:
+        final = evaluate_pairs(model, tok, eval_pairs, run.device, run.autocast)
+    per_source = ", ".join(f"{k.split('/', 1)[1]} {v:.3f}" for k, v in final.items()
+                           if k.startswith("eval_pair_accuracy/"))
+    run.finish(model, tok, optimizer, summary=f"held-out pair accuracy {final['eval_pair_accuracy']:.3f} "
+                                              f"({per_source}) | mean margin {final['eval_margin']:+.2f}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 against hand-worked cases and a float64 reference with autograd, the KL-penalised
 reward, the adaptive KL controller, and the script end to end (PPO, A2C, verifier reward, resume)."""
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -14,6 +15,25 @@ from conftest import ROOT, refused, run_script
 spec = importlib.util.spec_from_file_location("ppo", os.path.join(ROOT, "ppo.py"))
 ppo = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(ppo)  # importing runs nothing: the training is under __main__
+
+
+def test_the_losses_and_gae_run_when_copied_with_torch_alone():
+    """What a user copying them gets: the functions' source executed in a fresh namespace holding only torch."""
+    namespace = {"torch": torch}
+    for f in (ppo.gae, ppo.kl_penalised_rewards, ppo.masked_whiten, ppo.ppo_policy_loss, ppo.ppo_value_loss):
+        exec(inspect.getsource(f), namespace)
+    g = torch.Generator().manual_seed(2)
+    logp, old, ref = (-torch.rand(3, 5, generator=g) for _ in range(3))
+    values, old_values = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)
+    mask = torch.tensor([[1.0] * 5, [1.0] * 3 + [0.0] * 2, [1.0] + [0.0] * 4])
+    score = torch.tensor([1.0, -0.5, 0.2])
+    for name, args in (("kl_penalised_rewards", (score, old, ref, mask, 0.1)),
+                       ("gae", (ppo.kl_penalised_rewards(score, old, ref, mask, 0.1), old_values, mask, 1.0, 0.9)),
+                       ("masked_whiten", (values, mask)), ("ppo_policy_loss", (logp, old, values, 0.2)),
+                       ("ppo_value_loss", (values, old_values, values.flip(1), 0.2))):
+        got, want = namespace[name](*args), getattr(ppo, name)(*args)
+        got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
+        assert all(torch.equal(x, y) for x, y in zip(got, want)), name
 
 
 # -----------------------------------------------------------------------------
@@ -69,7 +89,8 @@ def test_gae_lambda_zero_is_one_step_td_and_lambda_one_is_monte_carlo():
     for b, L in enumerate(lengths):
         for t in range(L):
             v_next = values[b, t + 1].item() if t + 1 < L else 0.0
-            assert adv0[b, t].item() == pytest.approx(rewards[b, t].item() + gamma * v_next - values[b, t].item(), abs=1e-12)
+            assert adv0[b, t].item() == pytest.approx(rewards[b, t].item() + gamma * v_next - values[b, t].item(),
+                                                      abs=1e-12)
             mc = sum(gamma ** k * rewards[b, t + k].item() for k in range(L - t))   # discounted return to the end
             assert adv1[b, t].item() == pytest.approx(mc - values[b, t].item(), abs=1e-12)
         assert (adv0[b, L:] == 0).all() and (adv1[b, L:] == 0).all()
@@ -106,16 +127,19 @@ def test_kl_penalised_reward_puts_the_score_on_the_last_real_token():
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
     score = torch.tensor([2.0, -1.0])
     r = ppo.kl_penalised_rewards(score, logp, ref_logp, mask, beta=0.1)
-    expected = torch.tensor([[-0.1 * 0.5, -0.1 * -1.0, 0.0 + 2.0, 0.0],    # the score at t = 2, not at the padding t = 3
+    # the score at t = 2, not at the padding t = 3
+    expected = torch.tensor([[-0.1 * 0.5, -0.1 * -1.0, 0.0 + 2.0, 0.0],
                              [-0.1 * 1.0 - 1.0, 0.0, 0.0, 0.0]])          # a single-token completion
     torch.testing.assert_close(r, expected)
 
 
 def test_adaptive_kl_controller_hand_worked():
     # Ziegler et al.: e = clip(KL / target - 1, -0.2, 0.2); beta *= 1 + e * n / horizon
-    assert ppo.adaptive_kl_beta(0.1, 3.0, 2.0, 10000, 64) == pytest.approx(0.1 * (1 + 0.2 * 64 / 10000))   # clipped at +0.2
+    # clipped at +0.2
+    assert ppo.adaptive_kl_beta(0.1, 3.0, 2.0, 10000, 64) == pytest.approx(0.1 * (1 + 0.2 * 64 / 10000))
     assert ppo.adaptive_kl_beta(0.1, 1.8, 2.0, 10000, 64) == pytest.approx(0.1 * (1 - 0.1 * 64 / 10000))
-    assert ppo.adaptive_kl_beta(0.1, 0.0, 2.0, 100, 100) == pytest.approx(0.1 * 0.8)                      # clipped at -0.2
+    # clipped at -0.2
+    assert ppo.adaptive_kl_beta(0.1, 0.0, 2.0, 100, 100) == pytest.approx(0.1 * 0.8)
     assert ppo.adaptive_kl_beta(0.1, 2.0, 2.0, 100, 100) == pytest.approx(0.1)
 
 
@@ -198,7 +222,8 @@ def test_value_loss_hand_worked_and_against_reference():
     # random inputs against the formula; clip = inf is the plain squared error
     v = torch.randn(50, dtype=torch.float64)
     old, R = torch.randn(50, dtype=torch.float64), torch.randn(50, dtype=torch.float64)
-    ref = [0.5 * max((a - r) ** 2, (o + min(max(a - o, -0.3), 0.3) - r) ** 2) for a, o, r in zip(v.tolist(), old.tolist(), R.tolist())]
+    ref = [0.5 * max((a - r) ** 2, (o + min(max(a - o, -0.3), 0.3) - r) ** 2)
+           for a, o, r in zip(v.tolist(), old.tolist(), R.tolist())]
     torch.testing.assert_close(ppo.ppo_value_loss(v, old, R, 0.3), torch.tensor(ref, dtype=torch.float64))
     torch.testing.assert_close(ppo.ppo_value_loss(v, old, R, math.inf), 0.5 * (v - R) ** 2)
 
@@ -206,7 +231,8 @@ def test_value_loss_hand_worked_and_against_reference():
 # -----------------------------------------------------------------------------
 # The script end to end
 
-TINY = ["--batch_size", "8", "--minibatches", "2", "--ppo_epochs", "2", "--log_every", "1", "--eval_every", "2", "--eval_n", "16"]
+TINY = ["--batch_size", "8", "--minibatches", "2", "--ppo_epochs", "2", "--log_every", "1", "--eval_every", "2",
+        "--eval_n", "16"]
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +252,8 @@ def test_ppo_runs_end_to_end_and_resumes(tiny_sft, tiny_rm, tmp_path):
     assert "held-out greedy accuracy" in p.stdout and "done: 2 steps" in p.stdout
     rows = [json.loads(line) for line in open(os.path.join(out, "ppo", "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [0, 1, 2]
-    for key in ("rm_score", "gold_accuracy", "kl", "clip_frac", "approx_kl", "vf_loss", "explained_variance", "entropy"):
+    for key in ("rm_score", "gold_accuracy", "kl", "clip_frac", "approx_kl", "vf_loss", "explained_variance",
+                "entropy"):
         assert math.isfinite(rows[1][key]), key
     assert "eval_accuracy" in rows[0] and "eval_accuracy" in rows[2]
     from model import load_checkpoint
@@ -247,7 +274,13 @@ def test_a2c_and_verifier_reward_settings_run(tiny_sft, tmp_path):
     assert "A2C" in p.stdout and "critic from sft" in p.stdout
     rows = [json.loads(line) for line in open(os.path.join(out, "ppo", "metrics.jsonl"))]
     assert rows[1]["epochs_done"] == 1 and rows[1]["clip_frac"] == 0.0
-    assert rows[1]["beta"] != 0.05  # the adaptive controller moved beta from its start
+    # the adaptive controller (Ziegler et al. 2019, section 2.2), written here: after each batch of B episodes,
+    # e = clip(KL / KL_target - 1, -0.2, 0.2) and beta <- beta (1 + e B / horizon), from the default beta 0.3
+    B, target, horizon, beta = int(TINY[TINY.index("--batch_size") + 1]), 2.0, 640, 0.3
+    for r in rows[1:]:
+        beta *= 1 + min(max(r["kl"] / target - 1, -0.2), 0.2) * B / horizon
+        assert r["beta"] == pytest.approx(beta, rel=1e-12)
+    assert rows[-1]["beta"] != 0.3                                     # it moved
 
 
 def test_ppo_rejects_bad_settings_with_a_message(tmp_path):
