@@ -1,51 +1,36 @@
 """
-Direct Preference Optimisation (DPO): preference learning without a reward model or an RL loop.
+DPO: Direct Preference Optimisation, preference learning without a reward model or an RL loop.
 
-Rafailov, Sharma, Mitchell, Ermon, Manning, Finn (2023), "Direct Preference Optimization: Your
-Language Model is Secretly a Reward Model", arXiv 2305.18290, equation 7:
+The policy's log-ratio to the frozen SFT reference, beta log(pi / pi_ref), is an implicit reward: DPO fits it to
+the preference pairs with the Bradley-Terry loss a reward model would be trained with, so the policy that minimises
+it is the KL-regularised optimum for the reward the preferences imply. No sampling, no reward model, no value.
 
-    L_DPO = - log sigmoid( beta * [ (log pi(y_w|x) - log pi_ref(y_w|x)) - (log pi(y_l|x) - log pi_ref(y_l|x)) ] )
+Rafailov et al. 2023, "Direct Preference Optimization: Your Language Model is Secretly a Reward Model", arXiv
+2305.18290, eq. 7, with y_w the chosen completion and y_l the rejected one:
+    h = (log pi(y_w|x) - log pi_ref(y_w|x)) - (log pi(y_l|x) - log pi_ref(y_l|x))     (the log-ratio margin, nats)
+    L_DPO = -log sigmoid(beta h)
+The loss reaches 0 only as h -> infinity: when the data prefer y_w every time (deterministic preferences, as ours)
+nothing stops h from growing, and the KL regularisation beta stands for is not enforced (Azar et al. 2023, section
+4.2); ipo.py replaces the loss with one that has a finite target (`diff dpo.py ipo.py`).
 
-y_w is the chosen (preferred) completion, y_l the rejected one, pi_ref the frozen SFT policy. The
-implicit reward of a completion is r(x, y) = beta * (log pi(y|x) - log pi_ref(y|x)); DPO is the
-Bradley-Terry loss on these rewards, so the policy that minimises it is the KL-regularised optimum
-for the reward the preferences imply. Write h = (pi_c - ref_c) - (pi_r - ref_r) (in nats of
-log-ratio): the loss is -log sigmoid(beta * h), which only reaches 0 as h -> infinity. When the data
-prefer y_w over y_l every time (deterministic preferences, as ours: a correct answer always beats a
-wrong one) nothing stops h from growing: the KL regularisation that beta stands for is not enforced
-(Azar et al. 2023, section 4.2). ipo.py replaces the loss with a squared one that has a finite
-target; `diff dpo.py ipo.py` shows the difference, and `python experiments/dpo_ipo_margin.py` measures it.
+The data: task.preference_dataset, one pair per training prompt, sampled from the SFT policy and labelled by the
+verifier (chosen correct, rejected wrong; a side the samples lack is the demonstration or a synthetic mistake: the
+pair's "source"), cached in out/pairs_*.json and shared by reward_model.py, dpo.py and ipo.py. On precedence problems
+the rejected side is mostly the SFT policy's own left-to-right path, which differs from the chosen one from its first
+token: the preference that teaches precedence.
 
-The data: task.preference_dataset, one pair per training prompt, sampled from the SFT policy and
-labelled by the verifier (chosen correct, rejected wrong; a side the samples lack is the
-demonstration or a synthetic mistake: the pair's "source"), cached in out/pairs_*.json and shared
-with reward_model.py and ipo.py. On precedence problems (a+b*c) the rejected side is mostly the SFT
-policy's own left-to-right path and the chosen side the correct path, and the two differ from their
-first token: that is the preference that teaches precedence.
+Deviations and choices the paper leaves open:
+- log pi(y|x) sums the completion's token log-probs and its EOS, at temperature 1, the tokens as sampled
+  (task.pair_batch); --seq_logp mean averages them instead (length-normalised, as TRL's IPO and Tulu 3's DPO).
+- The reference log-probs are computed once, before training (pi_ref is frozen), and again on --resume.
+- AdamW, a linear warm-up then constant; lr 3e-5 for 100 steps (3 epochs of a small dataset) in both files.
 
-Choices the paper leaves open, and deviations from it:
-- log pi(y|x) is the sum of the token log-probs of the completion and its final EOS (the EOS is
-  part of what the policy generates and both sides of a pair end with it), through kernels.logprobs
-  at temperature 1, the temperature the pairs were sampled at. A sampled side is scored as the
-  token ids that were sampled (task.pair_batch), not as its decoded text encoded again.
-- The reference log-probs are computed once, before training, for every pair (kept in memory and
-  recomputed on --resume): pi_ref is frozen, so they never change.
-- AdamW with linear warm-up then a constant learning rate (the paper: RMSprop, warm-up, constant),
-  and several epochs over a small dataset, where the paper makes one pass over a large one.
-- Defaults: lr 3e-5 for 100 steps (about 3 epochs), then stop. On deterministic preferences DPO's
-  held-out accuracy rises, peaks and then falls as h keeps growing and the chosen log-probs start
-  to fall (`python experiments/dpo_ipo_margin.py` trains at lr 1e-4 for 200 steps; the README gives its
-  figures); the default stops before that. ipo.py runs with the same settings.
-- Metrics the paper does not define: implicit-reward accuracy and margin (on the training batch and on
-  the held-out pairs), the policy's log-probs of chosen and rejected (the chosen ones usually fall
-  too, a known property of DPO), the exact KL(pi || pi_ref) summed over the tokens of the held-out
-  chosen completions (teacher-forced, through kernels.kl; not on samples), and held-out greedy
-  accuracy of generations, scored by the verifier.
+Shapes: B pairs per step, scored as 2B rows (chosen rows, then rejected rows); T tokens; V vocabulary.
 
 Run:
-    python dpo.py                     # trains out/sft.pt first if it is missing; writes out/dpo.pt
+    python dpo.py                     # builds out/sft.pt first if it is missing; writes out/dpo.pt
     python dpo.py --resume            # continue from out/dpo.pt up to --steps
-Metrics: one JSON object per log step in out/dpo/metrics.jsonl.
+Metrics: out/dpo/metrics.jsonl (docs/metrics.md says what each means).
 """
 import random
 
@@ -61,15 +46,15 @@ from plumbing import SFT_PATH, Float, Int, Run, add_run_flags, parser
 # The algorithm
 
 def sequence_logprobs(token_logp, mask, average=False):
-    """log pi(y|x) per sequence: token_logp (B, T) float32, mask (B, T) 1.0 on completion tokens.
-    Sum over the completion's tokens (average=True: their mean, length-normalised)."""
+    """log pi(y|x) per sequence: token_logp, mask (B, T), mask 1.0 on completion tokens -> (B,), their sum
+    (average=True: their mean, length-normalised)."""
     total = torch.where(mask > 0, token_logp, 0.0).sum(-1)                  # (B,) masked values never leak
     return total / mask.sum(-1).clamp(min=1.0) if average else total
 
 
 def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=0.1):
-    """DPO loss per pair (Rafailov et al. 2023, eq. 7) and the implicit rewards; all inputs (B,) sequence log-probs.
-    Returns (losses (B,), chosen_rewards (B,), rejected_rewards (B,)), with r = beta * (log pi - log pi_ref)."""
+    """DPO loss per pair (eq. 7) and the implicit rewards; inputs (B,) sequence log-probs. Returns (losses (B,),
+    chosen_rewards (B,), rejected_rewards (B,)), r = beta * (log pi - log pi_ref)."""
     chosen_rewards = beta * (policy_chosen - ref_chosen)                     # r(x, y_w) = beta log pi/pi_ref
     rejected_rewards = beta * (policy_rejected - ref_rejected)               # r(x, y_l)
     losses = -F.logsigmoid(chosen_rewards - rejected_rewards)                # -log sigmoid(beta * h)
@@ -91,7 +76,8 @@ def pair_logprobs(model, pairs, tok, device, autocast, average=False):
 @torch.no_grad()
 def reference_logprobs(reference, pairs, tok, device, autocast, average=False, chunk=256):
     """pair_logprobs of every pair under the frozen reference, in chunks: (chosen (N,), rejected (N,))."""
-    parts = [pair_logprobs(reference, pairs[i:i + chunk], tok, device, autocast, average) for i in range(0, len(pairs), chunk)]
+    parts = [pair_logprobs(reference, pairs[i:i + chunk], tok, device, autocast, average)
+             for i in range(0, len(pairs), chunk)]
     return torch.cat([c for c, _ in parts]), torch.cat([r for _, r in parts])
 
 
@@ -103,12 +89,13 @@ def batch_indices(step, n_pairs, batch_size, seed):
 
 
 @torch.no_grad()
-def evaluate_pairs(model, reference, tok, pairs, ref_chosen, ref_rejected, beta, device, autocast, chunk=256):
-    """Held-out pair metrics: the DPO loss, implicit-reward accuracy and margin, the policy's log-probs of chosen
-    and rejected, and the exact KL(pi || pi_ref) summed over the tokens of the chosen completions (teacher-forced)."""
+def evaluate_pairs(model, reference, tok, pairs, ref_chosen, ref_rejected, beta, device, autocast, average=False,
+                   chunk=256):
+    """Held-out pair metrics: the loss, implicit-reward accuracy and margin, the policy's log-probs of chosen and
+    rejected, and the exact KL(pi || pi_ref) summed over the tokens of the chosen completions (teacher-forced)."""
     was_training = model.training
     model.eval()
-    chosen, rejected = reference_logprobs(model, pairs, tok, device, autocast, chunk=chunk)
+    chosen, rejected = reference_logprobs(model, pairs, tok, device, autocast, average, chunk)
     losses, r_c, r_r = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta)
     kls = []
     for i in range(0, len(pairs), chunk):
@@ -135,7 +122,10 @@ def parse_args(argv=None):
     p = parser(__doc__)
     g = p.add_argument_group("algorithm")
     g.add_argument("--beta", type=Float(gt=0), default=0.1, help="DPO beta: strength of the implicit KL regularisation")
-    g.add_argument("--n_pairs", type=Int(ge=1), default=2048, help="training pairs (2048 shares the cache with reward_model.py)")
+    g.add_argument("--seq_logp", choices=("sum", "mean"), default="sum",
+                   help="log pi(y|x): the sum over the completion's tokens (the paper) or their mean")
+    g.add_argument("--n_pairs", type=Int(ge=1), default=2048,
+                   help="training pairs (2048 shares the cache with reward_model.py)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=Int(ge=1), default=100, help="optimisation steps")
     g.add_argument("--batch_size", type=Int(ge=1), default=64, help="preference pairs per step")
@@ -161,17 +151,21 @@ def main(args):
     train_model = run.ddp(model)                    # DistributedDataParallel under torchrun, else the model itself
     # The data: pairs sampled from the reference policy (cached on disk), and their reference log-probs, computed
     # once (pi_ref is frozen).
-    train_pairs, eval_pairs = task.preference_dataset(reference, tok, n_train=args.n_pairs, seed=args.seed, cache_dir=args.out)
+    train_pairs, eval_pairs = task.preference_dataset(reference, tok, n_train=args.n_pairs, seed=args.seed,
+                                                      cache_dir=args.out)
     eval_pairs = eval_pairs[:args.eval_n]
     run.samples = 4 * len(train_pairs)              # the pairs' cost: 4 completions sampled per training prompt
-    ref_chosen_all, ref_rejected_all = reference_logprobs(reference, train_pairs, tok, run.device, run.autocast)  # (N,)
-    eval_ref = reference_logprobs(reference, eval_pairs, tok, run.device, run.autocast)
+    average = args.seq_logp == "mean"
+    ref_chosen_all, ref_rejected_all = reference_logprobs(reference, train_pairs, tok, run.device, run.autocast,
+                                                          average)  # (N,), (N,)
+    eval_ref = reference_logprobs(reference, eval_pairs, tok, run.device, run.autocast, average)
     sources = {s: sum(p["source"] == s for p in train_pairs) for s in sorted({p["source"] for p in train_pairs})}
-    run.print(f"DPO: {model.num_params() / 1e6:.2f}M parameters on {run.device}, {len(train_pairs)} pairs {sources}, "
-              f"{args.steps} steps of {args.batch_size}, beta {args.beta}")
+    run.print(f"DPO: {model.num_params() / 1e6:.2f}M parameters on {run.device}, {len(train_pairs)} pairs "
+              f"{sources}, {args.steps} steps of {args.batch_size}, log pi {args.seq_logp}, "
+              f"beta {args.beta}")
     if not args.resume and run.is_main:             # a fresh run: the starting policy is step 0
         e = {**run.evaluate(model, tok), **evaluate_pairs(model, reference, tok, eval_pairs, *eval_ref, args.beta,
-                                                          run.device, run.autocast)}
+                                                          run.device, run.autocast, average)}
         run.log_start(e, f"{pairs_line(e)} (the SFT policy)")
 
     model.train()
@@ -182,23 +176,24 @@ def main(args):
         idx = run.shard(batch_indices(run.step, len(train_pairs), args.batch_size, args.seed))  # this rank's share
         pairs = [train_pairs[i] for i in idx]
 
-        # 2. the DPO loss on the policy's sequence log-probs against the reference's: the mean over every rank's pairs,
+        # 2. the loss on the policy's sequence log-probs against the reference's: the mean over every rank's pairs,
         #    over the --grad_accum micro-batches
         ref_chosen, ref_rejected = ref_chosen_all[idx], ref_rejected_all[idx]  # (B,), (B,)
         n_pairs = run.all_sum(len(idx))
         optimizer.zero_grad(set_to_none=True)
         loss, parts = 0.0, []
         for rows in run.micro_batches(len(idx), train_model):
-            policy_chosen, policy_rejected = pair_logprobs(train_model, [pairs[j] for j in rows.tolist()], tok, run.device,
-                                                           run.autocast)  # (b,), (b,)
+            policy_chosen, policy_rejected = pair_logprobs(train_model, [pairs[j] for j in rows.tolist()], tok,
+                                                           run.device, run.autocast, average)  # (b,), (b,)
             losses, chosen_rewards, rejected_rewards = dpo_loss(policy_chosen, policy_rejected, ref_chosen[rows],
                                                                 ref_rejected[rows], args.beta)
-            part = losses.sum() / n_pairs                                    # this part's share of L_DPO
+            part = losses.sum() / n_pairs                                    # this part's share of the loss
             run.check_finite(part, f"lower --lr (now {args.lr})")
             part.backward()
-            loss, parts = loss + part.item(), parts + [(policy_chosen.detach(), policy_rejected.detach(),
-                                                        chosen_rewards.detach(), rejected_rewards.detach())]
-        policy_chosen, policy_rejected, chosen_rewards, rejected_rewards = (torch.cat(x) for x in zip(*parts))  # (B,) each
+            loss = loss + part.detach()
+            parts.append((policy_chosen.detach(), policy_rejected.detach(), chosen_rewards.detach(),
+                          rejected_rewards.detach()))
+        policy_chosen, policy_rejected, chosen_rewards, rejected_rewards = (torch.cat(x) for x in zip(*parts))  # (B,)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         optimizer.step()
         run.step += 1
@@ -221,7 +216,8 @@ def main(args):
                     f"{metrics['chosen_logp']:.2f} rejected {metrics['rejected_logp']:.2f}")
             if run.eval_due() and run.is_main:
                 metrics.update(run.evaluate(model, tok))
-                metrics.update(evaluate_pairs(model, reference, tok, eval_pairs, *eval_ref, args.beta, run.device, run.autocast))
+                metrics.update(evaluate_pairs(model, reference, tok, eval_pairs, *eval_ref, args.beta, run.device,
+                                              run.autocast, average))
                 line += " | " + pairs_line(metrics)
             run.log(metrics, line)
         if run.eval_due():

@@ -1,54 +1,36 @@
 """
-Identity Preference Optimisation (IPO): DPO's offline setting with a loss that cannot over-fit
-deterministic preferences.
+IPO: Identity Preference Optimisation, DPO's offline setting with a loss that cannot over-fit preferences.
 
-Azar, Rowland, Piot, Guo, Calandriello, Valko, Munos (2023), "A General Theoretical Paradigm to
-Understand Learning from Human Feedback", arXiv 2310.12036, section 5 (the sampled IPO loss):
+DPO's data, reference and implicit reward, tau log(pi / pi_ref), with a squared loss in place of the logistic one:
+each pair's log-ratio margin h is pulled to a finite target, 1/(2 tau), and no further, which is what preferences
+that never flip need. No sampling, no reward model, no value.
 
-    h     = (log pi(y_w|x) - log pi_ref(y_w|x)) - (log pi(y_l|x) - log pi_ref(y_l|x))
-    L_IPO = ( h - 1 / (2 tau) )^2
+Azar et al. 2023, "A General Theoretical Paradigm to Understand Learning from Human Feedback", arXiv 2310.12036,
+section 5 (the sampled IPO loss), with y_w the chosen completion and y_l the rejected one:
+    h = (log pi(y_w|x) - log pi_ref(y_w|x)) - (log pi(y_l|x) - log pi_ref(y_l|x))     (the log-ratio margin, nats)
+    L_IPO = (h - 1/(2 tau))^2
+With preference probability 1 the optimum is h = 1/(2 tau), 5 nats of log-ratio for tau = 0.1, where DPO's loss
+only reaches 0 as h -> infinity (Azar et al., section 4.2); in DPO's units the implicit reward margin settles near
+1/2 (`diff dpo.py ipo.py`).
 
-y_w is the chosen (preferred) completion, y_l the rejected one, pi_ref the frozen SFT policy, tau the
-strength of the KL regularisation (DPO's beta). Why it exists: DPO's loss -log sigmoid(beta * h) only
-reaches 0 as h -> infinity. When the data prefer y_w over y_l every time (deterministic preferences,
-as ours: a correct answer always beats a wrong one) the Bradley-Terry reward gap that fits them is
-infinite, so DPO drives h up without bound and the KL regularisation beta stands for is not enforced
-(Azar et al., section 4.2). IPO regresses h onto a finite target instead: with preference
-probability 1 the optimum is h = 1/(2 tau) (5 nats of log-ratio for tau = 0.1), and pairs past it are
-pulled back. In DPO's units the implicit reward is tau * (log pi - log pi_ref) and its margin settles
-near 1/2. `diff dpo.py ipo.py` shows the difference; `python experiments/dpo_ipo_margin.py` measures it.
+The data: task.preference_dataset, one pair per training prompt, sampled from the SFT policy and labelled by the
+verifier (chosen correct, rejected wrong; a side the samples lack is the demonstration or a synthetic mistake: the
+pair's "source"), cached in out/pairs_*.json and shared by reward_model.py, dpo.py and ipo.py. On precedence problems
+the rejected side is mostly the SFT policy's own left-to-right path, which differs from the chosen one from its first
+token: the preference that teaches precedence.
 
-The data: task.preference_dataset, one pair per training prompt, sampled from the SFT policy and
-labelled by the verifier (chosen correct, rejected wrong; a side the samples lack is the
-demonstration or a synthetic mistake: the pair's "source"), cached in out/pairs_*.json and shared
-with reward_model.py and dpo.py. On precedence problems (a+b*c) the rejected side is mostly the SFT
-policy's own left-to-right path and the chosen side the correct path, and the two differ from their
-first token: that is the preference that teaches precedence.
+Deviations and choices the paper leaves open:
+- log pi(y|x) sums the completion's token log-probs and its EOS, at temperature 1, the tokens as sampled
+  (task.pair_batch); --seq_logp mean averages them instead (length-normalised, as TRL's IPO and Tulu 3's DPO).
+- The reference log-probs are computed once, before training (pi_ref is frozen), and again on --resume.
+- AdamW, a linear warm-up then constant; lr 3e-5 for 100 steps (3 epochs of a small dataset) in both files.
 
-Choices the paper leaves open, and deviations from it:
-- log pi(y|x) is the sum of the token log-probs of the completion and its final EOS (the EOS is
-  part of what the policy generates and both sides of a pair end with it), through kernels.logprobs
-  at temperature 1, the temperature the pairs were sampled at. A sampled side is scored as the
-  token ids that were sampled (task.pair_batch). `--seq_logp mean` averages over the
-  tokens instead (as Hugging Face TRL's IPO does): then h and the target 1/(2 tau) are per token.
-  The default is the sum, the paper's log pi(y|x): it keeps h in the same units as dpo.py's, so the
-  two files differ only in the loss, and our chosen and rejected completions have similar lengths,
-  the case length normalisation is meant for.
-- The reference log-probs are computed once, before training, for every pair (kept in memory and
-  recomputed on --resume): pi_ref is frozen, so they never change.
-- AdamW with linear warm-up then a constant learning rate, several epochs over a small dataset.
-- Defaults: lr 3e-5 for 100 steps (about 3 epochs), the same as dpo.py so the two runs compare.
-  Trained longer, IPO's h settles near its target and held-out accuracy holds where DPO's
-  collapses (experiments/dpo_ipo_margin.py).
-- Metrics the paper does not define: implicit-reward accuracy and margin tau * h (on the training
-  batch and on the held-out pairs), the policy's log-probs of chosen and rejected, the exact
-  KL(pi || pi_ref) summed over the tokens of the held-out chosen completions (teacher-forced, through
-  kernels.kl; not on samples), and held-out greedy accuracy of generations, scored by the verifier.
+Shapes: B pairs per step, scored as 2B rows (chosen rows, then rejected rows); T tokens; V vocabulary.
 
 Run:
-    python ipo.py                     # trains out/sft.pt first if it is missing; writes out/ipo.pt
+    python ipo.py                     # builds out/sft.pt first if it is missing; writes out/ipo.pt
     python ipo.py --resume            # continue from out/ipo.pt up to --steps
-Metrics: one JSON object per log step in out/ipo/metrics.jsonl.
+Metrics: out/ipo/metrics.jsonl (docs/metrics.md says what each means).
 """
 import random
 
@@ -63,15 +45,15 @@ from plumbing import SFT_PATH, Float, Int, Run, add_run_flags, parser
 # The algorithm
 
 def sequence_logprobs(token_logp, mask, average=False):
-    """log pi(y|x) per sequence: token_logp (B, T) float32, mask (B, T) 1.0 on completion tokens.
-    Sum over the completion's tokens (average=True: their mean, length-normalised)."""
+    """log pi(y|x) per sequence: token_logp, mask (B, T), mask 1.0 on completion tokens -> (B,), their sum
+    (average=True: their mean, length-normalised)."""
     total = torch.where(mask > 0, token_logp, 0.0).sum(-1)                  # (B,) masked values never leak
     return total / mask.sum(-1).clamp(min=1.0) if average else total
 
 
 def ipo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, tau=0.1):
-    """IPO loss per pair (Azar et al. 2023, the sampled loss of section 5) and the implicit rewards; all inputs (B,) sequence log-probs.
-    Returns (losses (B,), chosen_rewards (B,), rejected_rewards (B,)), with r = tau * (log pi - log pi_ref)."""
+    """IPO loss per pair (section 5) and the implicit rewards; inputs (B,) sequence log-probs. Returns (losses (B,),
+    chosen_rewards (B,), rejected_rewards (B,)), r = tau * (log pi - log pi_ref)."""
     chosen_logratio = policy_chosen - ref_chosen                             # log pi(y_w)/pi_ref(y_w)
     rejected_logratio = policy_rejected - ref_rejected                       # log pi(y_l)/pi_ref(y_l)
     h = chosen_logratio - rejected_logratio                                  # (B,)
@@ -94,7 +76,8 @@ def pair_logprobs(model, pairs, tok, device, autocast, average=False):
 @torch.no_grad()
 def reference_logprobs(reference, pairs, tok, device, autocast, average=False, chunk=256):
     """pair_logprobs of every pair under the frozen reference, in chunks: (chosen (N,), rejected (N,))."""
-    parts = [pair_logprobs(reference, pairs[i:i + chunk], tok, device, autocast, average) for i in range(0, len(pairs), chunk)]
+    parts = [pair_logprobs(reference, pairs[i:i + chunk], tok, device, autocast, average)
+             for i in range(0, len(pairs), chunk)]
     return torch.cat([c for c, _ in parts]), torch.cat([r for _, r in parts])
 
 
@@ -108,8 +91,8 @@ def batch_indices(step, n_pairs, batch_size, seed):
 @torch.no_grad()
 def evaluate_pairs(model, reference, tok, pairs, ref_chosen, ref_rejected, tau, device, autocast, average=False,
                    chunk=256):
-    """Held-out pair metrics: the IPO loss, implicit-reward accuracy and margin, the policy's log-probs of chosen
-    and rejected, and the exact KL(pi || pi_ref) summed over the tokens of the chosen completions (teacher-forced)."""
+    """Held-out pair metrics: the loss, implicit-reward accuracy and margin, the policy's log-probs of chosen and
+    rejected, and the exact KL(pi || pi_ref) summed over the tokens of the chosen completions (teacher-forced)."""
     was_training = model.training
     model.eval()
     chosen, rejected = reference_logprobs(model, pairs, tok, device, autocast, average, chunk)
@@ -138,9 +121,11 @@ def pairs_line(e):
 def parse_args(argv=None):
     p = parser(__doc__)
     g = p.add_argument_group("algorithm")
-    g.add_argument("--tau", type=Float(gt=0), default=0.1, help="IPO tau: strength of the KL regularisation; target h = 1/(2 tau)")
-    g.add_argument("--seq_logp", choices=("sum", "mean"), default="sum", help="log pi(y|x): sum over the completion's tokens (the paper) or their mean (TRL)")
-    g.add_argument("--n_pairs", type=Int(ge=1), default=2048, help="training pairs (2048 shares the cache with reward_model.py)")
+    g.add_argument("--tau", type=Float(gt=0), default=0.1, help="IPO tau: the KL strength; the target h is 1/(2 tau)")
+    g.add_argument("--seq_logp", choices=("sum", "mean"), default="sum",
+                   help="log pi(y|x): the sum over the completion's tokens (the paper) or their mean")
+    g.add_argument("--n_pairs", type=Int(ge=1), default=2048,
+                   help="training pairs (2048 shares the cache with reward_model.py)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=Int(ge=1), default=100, help="optimisation steps")
     g.add_argument("--batch_size", type=Int(ge=1), default=64, help="preference pairs per step")
@@ -166,15 +151,18 @@ def main(args):
     train_model = run.ddp(model)                    # DistributedDataParallel under torchrun, else the model itself
     # The data: pairs sampled from the reference policy (cached on disk), and their reference log-probs, computed
     # once (pi_ref is frozen).
-    train_pairs, eval_pairs = task.preference_dataset(reference, tok, n_train=args.n_pairs, seed=args.seed, cache_dir=args.out)
+    train_pairs, eval_pairs = task.preference_dataset(reference, tok, n_train=args.n_pairs, seed=args.seed,
+                                                      cache_dir=args.out)
     eval_pairs = eval_pairs[:args.eval_n]
     run.samples = 4 * len(train_pairs)              # the pairs' cost: 4 completions sampled per training prompt
     average = args.seq_logp == "mean"
-    ref_chosen_all, ref_rejected_all = reference_logprobs(reference, train_pairs, tok, run.device, run.autocast, average)  # (N,)
+    ref_chosen_all, ref_rejected_all = reference_logprobs(reference, train_pairs, tok, run.device, run.autocast,
+                                                          average)  # (N,), (N,)
     eval_ref = reference_logprobs(reference, eval_pairs, tok, run.device, run.autocast, average)
     sources = {s: sum(p["source"] == s for p in train_pairs) for s in sorted({p["source"] for p in train_pairs})}
-    run.print(f"IPO: {model.num_params() / 1e6:.2f}M parameters on {run.device}, {len(train_pairs)} pairs {sources}, "
-              f"{args.steps} steps of {args.batch_size}, tau {args.tau} (target h {1 / (2 * args.tau):.1f}), log pi = {args.seq_logp}")
+    run.print(f"IPO: {model.num_params() / 1e6:.2f}M parameters on {run.device}, {len(train_pairs)} pairs "
+              f"{sources}, {args.steps} steps of {args.batch_size}, log pi {args.seq_logp}, "
+              f"tau {args.tau} (target h {0.5 / args.tau:.1f})")
     if not args.resume and run.is_main:             # a fresh run: the starting policy is step 0
         e = {**run.evaluate(model, tok), **evaluate_pairs(model, reference, tok, eval_pairs, *eval_ref, args.tau,
                                                           run.device, run.autocast, average)}
@@ -188,23 +176,24 @@ def main(args):
         idx = run.shard(batch_indices(run.step, len(train_pairs), args.batch_size, args.seed))  # this rank's share
         pairs = [train_pairs[i] for i in idx]
 
-        # 2. the IPO loss on the policy's sequence log-probs against the reference's: the mean over every rank's pairs,
+        # 2. the loss on the policy's sequence log-probs against the reference's: the mean over every rank's pairs,
         #    over the --grad_accum micro-batches
         ref_chosen, ref_rejected = ref_chosen_all[idx], ref_rejected_all[idx]  # (B,), (B,)
         n_pairs = run.all_sum(len(idx))
         optimizer.zero_grad(set_to_none=True)
         loss, parts = 0.0, []
         for rows in run.micro_batches(len(idx), train_model):
-            policy_chosen, policy_rejected = pair_logprobs(train_model, [pairs[j] for j in rows.tolist()], tok, run.device,
-                                                           run.autocast, average)  # (b,), (b,)
+            policy_chosen, policy_rejected = pair_logprobs(train_model, [pairs[j] for j in rows.tolist()], tok,
+                                                           run.device, run.autocast, average)  # (b,), (b,)
             losses, chosen_rewards, rejected_rewards = ipo_loss(policy_chosen, policy_rejected, ref_chosen[rows],
                                                                 ref_rejected[rows], args.tau)
-            part = losses.sum() / n_pairs                                    # this part's share of L_IPO
+            part = losses.sum() / n_pairs                                    # this part's share of the loss
             run.check_finite(part, f"lower --lr (now {args.lr})")
             part.backward()
-            loss, parts = loss + part.item(), parts + [(policy_chosen.detach(), policy_rejected.detach(),
-                                                        chosen_rewards.detach(), rejected_rewards.detach())]
-        policy_chosen, policy_rejected, chosen_rewards, rejected_rewards = (torch.cat(x) for x in zip(*parts))  # (B,) each
+            loss = loss + part.detach()
+            parts.append((policy_chosen.detach(), policy_rejected.detach(), chosen_rewards.detach(),
+                          rejected_rewards.detach()))
+        policy_chosen, policy_rejected, chosen_rewards, rejected_rewards = (torch.cat(x) for x in zip(*parts))  # (B,)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         optimizer.step()
         run.step += 1
@@ -227,8 +216,8 @@ def main(args):
                     f"{metrics['chosen_logp']:.2f} rejected {metrics['rejected_logp']:.2f}")
             if run.eval_due() and run.is_main:
                 metrics.update(run.evaluate(model, tok))
-                metrics.update(evaluate_pairs(model, reference, tok, eval_pairs, *eval_ref, args.tau, run.device, run.autocast,
-                                              average))
+                metrics.update(evaluate_pairs(model, reference, tok, eval_pairs, *eval_ref, args.tau, run.device,
+                                              run.autocast, average))
                 line += " | " + pairs_line(metrics)
             run.log(metrics, line)
         if run.eval_due():

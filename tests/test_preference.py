@@ -2,6 +2,7 @@
 papers' equations, hand-worked examples, degenerate cases, and each script end to
 end (smoke, resume, a tiny run whose implicit-reward accuracy rises above chance)."""
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -82,12 +83,26 @@ def test_ipo_loss_and_gradient_match_the_float64_reference(B):
         torch.testing.assert_close(a[1].grad, -2 * w * (h - 1 / (2 * tau)))
 
 
+def test_the_losses_run_when_copied_with_torch_alone():
+    """What a user copying dpo_loss or ipo_loss gets: the source executed in a fresh namespace with only torch (and
+    torch.nn.functional as F); `diff dpo.py ipo.py` shows them side by side."""
+    g = torch.Generator().manual_seed(4)
+    pc, pr, rc, rr = (-10 * torch.rand(6, generator=g) for _ in range(4))
+    for module, name in ((dpo, "dpo_loss"), (ipo, "ipo_loss")):
+        namespace = {"torch": torch, "F": torch.nn.functional}
+        exec(inspect.getsource(getattr(module, name)), namespace)
+        got, want = namespace[name](pc, pr, rc, rr, 0.2), getattr(module, name)(pc, pr, rc, rr, 0.2)
+        assert all(torch.equal(x, y) for x, y in zip(got, want))
+
+
 def test_float32_inputs_agree_with_float64():
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
     pc, pr, rc, rr = random_logps(256, gen)
     f32 = [x.float() for x in (pc, pr, rc, rr)]
-    torch.testing.assert_close(dpo.dpo_loss(*f32, 0.1)[0].double(), dpo_reference(pc, pr, rc, rr, 0.1), rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(ipo.ipo_loss(*f32, 0.1)[0].double(), ipo_reference(pc, pr, rc, rr, 0.1), rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(dpo.dpo_loss(*f32, 0.1)[0].double(), dpo_reference(pc, pr, rc, rr, 0.1), rtol=1e-4,
+                               atol=1e-5)
+    torch.testing.assert_close(ipo.ipo_loss(*f32, 0.1)[0].double(), ipo_reference(pc, pr, rc, rr, 0.1), rtol=1e-4,
+                               atol=1e-3)
 
 
 def test_hand_worked_examples():
@@ -106,7 +121,8 @@ def test_hand_worked_examples():
 
 def test_degenerate_cases():
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
-    y, ref = -torch.rand(5, generator=gen, dtype=torch.float64) * 20, -torch.rand(5, generator=gen, dtype=torch.float64) * 20
+    y, ref = -torch.rand(5, generator=gen, dtype=torch.float64) * 20, -torch.rand(5, generator=gen,
+                                                                                  dtype=torch.float64) * 20
     # identical chosen and rejected: h = 0, so DPO gives log 2 and IPO 1/(4 tau^2), whatever the policy
     for beta in (0.1, 1.0):
         torch.testing.assert_close(dpo.dpo_loss(y, y, ref, ref, beta)[0], torch.full_like(y, math.log(2)))
@@ -158,7 +174,8 @@ def test_sequence_logprobs_sum_and_mean():
 # -----------------------------------------------------------------------------
 # The scripts, end to end
 
-TINY = ["--batch_size", "8", "--n_pairs", "128", "--log_every", "1", "--eval_every", "2", "--eval_n", "16", "--seed", "3"]
+TINY = ["--batch_size", "8", "--n_pairs", "128", "--log_every", "1", "--eval_every", "2", "--eval_n", "16", "--seed",
+        "3"]
 
 
 @pytest.mark.parametrize("script", ["dpo", "ipo"])
@@ -172,7 +189,8 @@ def test_script_runs_resumes_and_learns(script, tiny_sft, tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert "eval_accuracy" in rows[0] and "eval_accuracy" in rows[2] and "loss" in rows[1]
     assert rows[0]["eval_reward_margin"] == 0.0 and rows[0]["eval_kl"] == pytest.approx(0.0, abs=1e-5)  # policy = ref
-    assert rows[1]["loss"] == pytest.approx(math.log(2) if script == "dpo" else 25.0, rel=1e-3)  # step 1 starts at h = 0
+    # step 1 starts at h = 0
+    assert rows[1]["loss"] == pytest.approx(math.log(2) if script == "dpo" else 25.0, rel=1e-3)
     _, ckpt = load_checkpoint(os.path.join(out, f"{script}.pt"), kind="gpt", tokenizer=Tokenizer())
     assert ckpt["step"] == 2
 
@@ -184,8 +202,9 @@ def test_script_runs_resumes_and_learns(script, tiny_sft, tmp_path):
     assert [json.loads(line)["step"] for line in open(os.path.join(out, script, "metrics.jsonl"))] == [0, 1, 2, 3]
 
     # a tiny training run (same pairs, fresh start): the implicit reward learns to rank chosen above rejected
-    p = run_script(f"{script}.py", ["--init", tiny_sft, "--out", out, "--steps", "40", "--batch_size", "16", "--n_pairs", "128",
-                                    "--lr", "1e-4", "--log_every", "10", "--eval_every", "40", "--eval_n", "256", "--seed", "3"])
+    p = run_script(f"{script}.py", ["--init", tiny_sft, "--out", out, "--steps", "40", "--batch_size", "16",
+                                    "--n_pairs", "128", "--lr", "1e-4", "--log_every", "10", "--eval_every", "40",
+                                    "--eval_n", "256", "--seed", "3"])
     assert p.returncode == 0, p.stderr
     rows = [json.loads(line) for line in open(os.path.join(out, script, "metrics.jsonl"))]
     assert rows[0]["eval_reward_accuracy"] == 0.0          # at the start every implicit reward is 0: no pair ranked
@@ -193,7 +212,8 @@ def test_script_runs_resumes_and_learns(script, tiny_sft, tmp_path):
     assert rows[-1]["eval_reward_accuracy"] > 0.55              # held-out pairs (256): above chance
 
 
-@pytest.mark.parametrize("script,bad,words", [("dpo", ["--beta", "0"], ["--beta", "0"]), ("ipo", ["--tau", "-1"], ["--tau", "-1"]),
+@pytest.mark.parametrize("script,bad,words", [("dpo", ["--beta", "0"], ["--beta", "0"]),
+                                              ("ipo", ["--tau", "-1"], ["--tau", "-1"]),
                                               ("ipo", ["--seq_logp", "max"], ["invalid choice: 'max'"]),
                                               ("dpo", ["--batch_size", "100", "--n_pairs", "10"], ["--batch_size 100"]),
                                               ("dpo", ["--warmup", "-1"], ["--warmup", "-1"])])
