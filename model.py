@@ -231,7 +231,8 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():  # GPT-2: scale residual projections by 1/sqrt(2 * n_layer)
             if name.endswith("c_proj.weight") or name.endswith("mlp.2.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
-        self._static_caches = {}  # generate(compile=True)'s caches, one per (rows, slots, dtype, device): see static_cache
+        # generate(compile=True)'s caches, one per (rows, slots, dtype, device): see static_cache
+        self._static_caches = {}
 
     @staticmethod
     def _init_weights(module):
@@ -382,7 +383,8 @@ class GPT(nn.Module):
             if compile:
                 if longest + t + 1 > self.config.block_size:            # the eager forward's check, on the host
                     raise ValueError(f"a sequence of {longest + t + 1} real tokens exceeds block_size = "
-                                     f"{self.config.block_size}; shorten it or build the model with a larger block_size")
+                                     f"{self.config.block_size}; shorten it or build the model with a larger "
+                                     f"block_size")
                 if idx.device.type == "cuda":
                     torch.compiler.cudagraph_mark_step_begin()          # the last step's output may be overwritten
                 logits = step(self, tokens[:, t:t + 1].clone(memory_format=torch.contiguous_format), cache, slot)
@@ -459,6 +461,29 @@ def completion_logits(model, prompt, prompt_mask, tokens, mask):
     return model(idx[:, :-1], attn[:, :-1])[:, prompt.size(1) - 1:]    # (B, Tn, V)
 
 
+def left_pad(seqs, pad_id, device="cpu"):
+    """Token-id lists -> left-padded tokens (B, T) and mask (B, T), as generate takes its prompts."""
+    T = max(len(s) for s in seqs)
+    tokens = torch.tensor([[pad_id] * (T - len(s)) + list(s) for s in seqs], dtype=torch.long, device=device)
+    mask = torch.tensor([[0.0] * (T - len(s)) + [1.0] * len(s) for s in seqs], device=device)
+    return tokens, mask
+
+
+def pad_steps(rows, fill=0.0, dtype=torch.float32, device="cpu"):
+    """Lists of per-step values -> (B, S) tensor padded with `fill`, and the (B, S) step mask (S >= 1)."""
+    S = max(1, max(len(r) for r in rows))
+    values = torch.tensor([list(r) + [fill] * (S - len(r)) for r in rows], dtype=dtype, device=device)
+    mask = torch.tensor([[1.0] * len(r) + [0.0] * (S - len(r)) for r in rows], device=device)
+    return values, mask
+
+
+def scores_at(model, tokens, attn, positions, step_mask):
+    """A ScalarGPT's output at given positions: tokens, attn (B, T); positions, step_mask (B, S) -> (B, S), 0 where
+    the step mask is 0 (a verifier reading its score at each step's last token)."""
+    r = model(tokens, attn)                                            # (B, T) one score per position
+    return torch.where(step_mask > 0, r.gather(1, positions), 0.0)    # (B, S)
+
+
 def masked_mean(x, mask, count=None):
     """Mean of x over the positions where mask is 1 -> a 0-dim tensor (0 when the mask is empty).
     Selects with the mask rather than multiplying by it, so a NaN or inf at a masked position never leaks.
@@ -507,8 +532,10 @@ def load_checkpoint(path, device="cpu", kind=None, tokenizer=None):
         ckpt = torch.load(path, map_location=device, weights_only=True)
     except Exception as e:
         raise CheckpointError(f"checkpoint {path} cannot be read, it is truncated or corrupt "
-                              f"({type(e).__name__}: {str(e)[:200]}); delete it and re-run the script that wrote it") from None
-    missing = [key for key in ("model", "kind", "config", "tokenizer", "step") if not isinstance(ckpt, dict) or key not in ckpt]
+                              f"({type(e).__name__}: {str(e)[:200]}); delete it and re-run the script that wrote "
+                              f"it") from None
+    keys = ("model", "kind", "config", "tokenizer", "step")
+    missing = [key for key in keys if not isinstance(ckpt, dict) or key not in ckpt]
     if missing:
         raise CheckpointError(f"checkpoint {path} is not one of this project's checkpoints: it lacks {missing}")
     if kind is not None and ckpt["kind"] != kind:
@@ -518,7 +545,8 @@ def load_checkpoint(path, device="cpu", kind=None, tokenizer=None):
         raise CheckpointError(f"checkpoint {path} has unknown config fields {sorted(set(ckpt['config']) - known)}")
     config = GPTConfig(**ckpt["config"])
     if tokenizer is not None and (tokenizer.name != ckpt["tokenizer"] or tokenizer.vocab_size != config.vocab_size):
-        raise CheckpointError(f"vocabulary mismatch: checkpoint {path} was trained with tokenizer {ckpt['tokenizer']!r} "
+        raise CheckpointError(f"vocabulary mismatch: checkpoint {path} was trained with tokenizer "
+                              f"{ckpt['tokenizer']!r} "
                               f"(vocab_size {config.vocab_size}), but tokenizer {tokenizer.name!r} "
                               f"(vocab_size {tokenizer.vocab_size}) is in use")
     model = ScalarGPT(config) if ckpt["kind"] == "scalar" else GPT(config)

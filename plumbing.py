@@ -99,7 +99,8 @@ def parser(doc):
 def add_run_flags(parser, script, log_every, eval_every):
     """The flags every training script has, in a "run" group; returns the group (scripts add --init to it)."""
     group = parser.add_argument_group("run")
-    group.add_argument("--log_every", type=Int(ge=1), default=log_every, help="print and log metrics every this many steps")
+    group.add_argument("--log_every", type=Int(ge=1), default=log_every,
+                       help="print and log metrics every this many steps")
     group.add_argument("--eval_every", type=Int(ge=1), default=eval_every,
                        help="evaluate on the held-out set and checkpoint every this many steps (and at the last)")
     group.add_argument("--eval_n", type=Int(ge=1, le=len(task.eval_prompts())), default=len(task.eval_prompts()),
@@ -166,7 +167,8 @@ def build_missing(path, default, command, device=None):
         return
     if os.path.abspath(path) != os.path.abspath(default):
         raise SystemExit(f"error: no checkpoint at {path}; train one with `python {command[0]}` or pass another path")
-    cmd = [sys.executable, os.path.join(ROOT, command[0]), *command[1:], "--out", os.path.dirname(os.path.abspath(path))]
+    cmd = [sys.executable, os.path.join(ROOT, command[0]), *command[1:], "--out",
+           os.path.dirname(os.path.abspath(path))]
     if device is not None:
         cmd += ["--device", device]
     print(f"{path} not found: building it first with `python {' '.join(command)}`", flush=True)
@@ -174,6 +176,26 @@ def build_missing(path, default, command, device=None):
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES and not k.startswith("TORCHELASTIC_")}
     if subprocess.run(cmd, env=env).returncode != 0 or not os.path.exists(path):
         raise SystemExit(f"error: building {path} with {command[0]} failed (its output is above)")
+
+
+def read_checkpoint(path, flag):
+    """The checkpoint dict at `path` (read on the CPU), or one error line naming the flag and the problem: for the
+    checks a script runs before any work."""
+    if not os.path.exists(path):
+        hint = "; run without --resume" if flag == "--resume" else ""
+        raise SystemExit(f"error: {flag}, but there is no checkpoint at {path}{hint}")
+    try:
+        return load_checkpoint(path, "cpu")[1]
+    except (CheckpointError, ValueError) as e:
+        raise SystemExit(f"error: {flag}: {e}") from None
+
+
+def check_fits(longest, max_new_tokens, block_size):
+    """The longest prompt plus max_new_tokens must fit the model's context, or one error line."""
+    if longest + max_new_tokens > block_size:
+        raise SystemExit(f"error: --max_new_tokens {max_new_tokens} does not fit: the longest prompt has {longest} "
+                         f"tokens and the model's context (block_size) is {block_size}; allowed: "
+                         f"--max_new_tokens <= {block_size - longest}")
 
 
 def load_model(path, device, kind="gpt", expect=None):
@@ -188,7 +210,8 @@ def load_model(path, device, kind="gpt", expect=None):
                                   f"but its tokenizer {ckpt['tokenizer']!r} has {tok.vocab_size}")
         for key, value in (expect or {}).items():
             if ckpt.get(key) != value:
-                raise CheckpointError(f"checkpoint {path} holds {key} {ckpt.get(key)!r}; {key} {value!r} is needed here")
+                raise CheckpointError(f"checkpoint {path} holds {key} {ckpt.get(key)!r}; {key} {value!r} is "
+                                      f"needed here")
     except (CheckpointError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     return model.eval(), tok, ckpt
@@ -284,20 +307,22 @@ class Run:
         if batch_flag is not None:
             n, k = getattr(args, batch_flag), getattr(args, "grad_accum", 1)
             if n % self.world or n // self.world < k:
-                raise SystemExit(f"error: --{batch_flag} {n} must split evenly over {self.world} processes and then into "
-                                 f"--grad_accum {k} micro-batches; allowed: a multiple of {self.world} of at least "
-                                 f"{self.world * k}")
+                raise SystemExit(f"error: --{batch_flag} {n} must split evenly over {self.world} processes and then "
+                                 f"into --grad_accum {k} micro-batches; allowed: a multiple of {self.world} of at "
+                                 f"least {self.world * k}")
         self.device = pick_device(args.device)
         self.ckpt_path = os.path.join(args.out, f"{name}.pt")
         self.metrics_path = os.path.join(args.out, name, "metrics.jsonl")
-        self._check_inputs()                                                # before anything is built, locked or written
+        # before anything is built, locked or written
+        self._check_inputs()
         if self.world > 1:
             if self.device.startswith("cuda"):
                 self.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
                 torch.cuda.set_device(self.device)
             if not dist.is_initialized():
                 dist.init_process_group("nccl" if self.device.startswith("cuda") else "gloo")
-        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.startswith("cuda"))  # bf16 on GPU
+        # bf16 on GPU
+        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.startswith("cuda"))
         seed_everything(args.seed)
         self.rng = random.Random(args.seed)                                 # draws the prompts
         self.gen = torch.Generator(device=self.device).manual_seed(args.seed + self.rank)  # draws the completions
@@ -305,7 +330,8 @@ class Run:
         self.tokenizer_name = None
         self.sources = {}                                                   # abspath -> fingerprint of what was loaded
         self.interrupted, self.current = False, 0                            # current: the step in progress
-        self.t0, self.t_log, self.tokens = None, time.time(), 0  # t0: the first training step; tokens: counted by the script
+        # t0: the first training step; tokens: counted by the script
+        self.t0, self.t_log, self.tokens = None, time.time(), 0
         self.samples = 0                       # completions drawn from a policy so far (counted by the script, resumed)
         self.lock = None
         if self.is_main:
@@ -331,18 +357,18 @@ class Run:
 
     def _check_inputs(self):
         """What can be refused before anything is built, locked or written: a --resume with no usable checkpoint to
-        resume, a checkpoint flag naming a missing file (other than the default, which is built) or an unreadable one."""
+        resume, a checkpoint flag naming a missing file (not its default, which is built) or an unreadable one."""
         args = self.args
         if args.resume:
-            self.resume_ckpt = self._read_checkpoint(self.ckpt_path, "--resume")
+            self.resume_ckpt = read_checkpoint(self.ckpt_path, "--resume")
             if self.resume_ckpt.get("script") != self.script:
                 written_by = self.resume_ckpt.get("script")
                 raise SystemExit(f"error: {self.ckpt_path} was written by "
                                  f"{written_by + '.py' if written_by else 'an older version of this project'}, not by "
                                  f"{self.script}.py; it cannot be resumed here")
             if self.resume_ckpt["step"] > self.total_steps:
-                raise SystemExit(f"error: {self.ckpt_path} is at step {self.resume_ckpt['step']}, past this run's limit "
-                                 f"of {self.total_steps} steps; pass a larger limit to train on")
+                raise SystemExit(f"error: {self.ckpt_path} is at step {self.resume_ckpt['step']}, past this run's "
+                                 f"limit of {self.total_steps} steps; pass a larger limit to train on")
         for flag, (default, maker) in self.CHECKPOINT_FLAGS.items():
             path = getattr(args, flag, None)
             if path is None or (not os.path.exists(path) and os.path.abspath(path) == os.path.abspath(default)):
@@ -350,18 +376,8 @@ class Run:
             if not os.path.exists(path):
                 raise SystemExit(f"error: --{flag}: no checkpoint at {path}; train one with `python {maker}` or pass "
                                  f"another path")
-            self._read_checkpoint(path, f"--{flag}")
+            read_checkpoint(path, f"--{flag}")
 
-    @staticmethod
-    def _read_checkpoint(path, flag):
-        """The checkpoint dict at `path` (read on the CPU), or one error line naming the flag and the problem."""
-        if not os.path.exists(path):
-            hint = "; run without --resume" if flag == "--resume" else ""
-            raise SystemExit(f"error: {flag}, but there is no checkpoint at {path}{hint}")
-        try:
-            return load_checkpoint(path, "cpu")[1]
-        except (CheckpointError, ValueError) as e:
-            raise SystemExit(f"error: {flag}: {e}") from None
 
     def load(self, path, kind="gpt", expect=None):
         """load_model on this run's device, remembering what was loaded (resume checks it). Returns (model, tok)."""
@@ -373,7 +389,7 @@ class Run:
     def load_policy(self, path):
         """(policy, tokenizer) from an SFT checkpoint; out/sft.pt is built first if it is the missing default."""
         if not os.path.exists(path) and hasattr(self.args, "max_new_tokens"):  # refuse now, not after building it
-            self._check_fits(task.max_prompt_tokens(Tokenizer()), self.args.max_new_tokens, GPTConfig().block_size)
+            check_fits(task.max_prompt_tokens(Tokenizer()), self.args.max_new_tokens, GPTConfig().block_size)
         if self.is_main:
             build_missing(path, SFT_PATH, ["sft.py"], self.args.device)
         self.barrier()
@@ -391,14 +407,7 @@ class Run:
     def check_lengths(self, model, tok, max_new_tokens, parenthesised=False):
         """The longest prompt plus max_new_tokens must fit the model's context: checked before any work.
         parenthesised: the run also uses the parenthesised problems (longer prompts)."""
-        self._check_fits(task.max_prompt_tokens(tok, parenthesised), max_new_tokens, model.config.block_size)
-
-    @staticmethod
-    def _check_fits(longest, max_new_tokens, block_size):
-        if longest + max_new_tokens > block_size:
-            raise SystemExit(f"error: --max_new_tokens {max_new_tokens} does not fit: the longest prompt has {longest} "
-                             f"tokens and the model's context (block_size) is {block_size}; allowed: "
-                             f"--max_new_tokens <= {block_size - longest}")
+        check_fits(task.max_prompt_tokens(tok, parenthesised), max_new_tokens, model.config.block_size)
 
     # ---- resume
 
@@ -418,7 +427,8 @@ class Run:
                                  f"{saved.get('init')}, {saved.get('rm')}); resume with the same checkpoints, or "
                                  f"start afresh without --resume (or with another --out)")
         ignore = {"resume", "steps", "epochs", "log_every", "eval_every", "device"}
-        changed = [f"--{k} {saved[k]} -> {v}" for k, v in vars(args).items() if k in saved and k not in ignore and saved[k] != v]
+        changed = [f"--{k} {saved[k]} -> {v}" for k, v in vars(args).items()
+                   if k in saved and k not in ignore and saved[k] != v]
         try:
             model.load_state_dict(ckpt["model"])
             if optimizer is not None:
@@ -436,8 +446,8 @@ class Run:
             self.gen.set_state(generators[self.rank].cpu())
         else:                                                               # another number of processes: fresh streams
             self.gen.manual_seed(self.args.seed + 1000 * self.step + self.rank)
-            self.print(f"note: {self.ckpt_path} was written by {len(generators)} process(es), this run has {self.world}: "
-                       f"the sampling streams restart (the run continues, not bit-exactly)")
+            self.print(f"note: {self.ckpt_path} was written by {len(generators)} process(es), this run has "
+                       f"{self.world}: the sampling streams restart (the run continues, not bit-exactly)")
         if self.is_main:
             self._cut_log(self.step)
         self.print(f"resuming from {self.ckpt_path} at step {self.step}"
@@ -509,7 +519,8 @@ class Run:
         if self.is_main:
             if os.path.exists(self.ckpt_path):
                 os.remove(self.ckpt_path)
-                self.print(f"a fresh run: the earlier run in {self.args.out} ({self.ckpt_path} and its log) is replaced")
+                self.print(f"a fresh run: the earlier run in {self.args.out} ({self.ckpt_path} and its log) is "
+                           f"replaced")
             open(self.metrics_path, "w").close()
         self.before = dict(evaluation)
         # what the run's numbers depend on beyond its flags: on a CPU the thread count changes the order of float
@@ -520,7 +531,8 @@ class Run:
 
     def log(self, metrics, line, tokens=False):
         """Print `step N | line` (plus held-out accuracy on eval steps) and append `metrics` as one JSON line.
-        tokens=True adds tokens_per_sec: run.tokens (counted by the script) over the training time since the last log."""
+        tokens=True adds tokens_per_sec: run.tokens (counted by the script) over the training time since the last
+        log."""
         now = time.time()
         metrics = {"step": self.step, **metrics}
         if self.step > 0:
@@ -544,8 +556,9 @@ class Run:
             generators = [None] * self.world
             dist.all_gather_object(generators, self.gen.get_state().cpu())
         if self.is_main:
-            save_checkpoint(self.ckpt_path, model, self.tokenizer_name, optimizer, self.step, self.args, script=self.script,
-                            sources=self.sources, rng=list(self.rng.getstate()), generator=generators[0],
+            save_checkpoint(self.ckpt_path, model, self.tokenizer_name, optimizer, self.step, self.args,
+                            script=self.script, sources=self.sources, rng=list(self.rng.getstate()),
+                            generator=generators[0],
                             generators=generators, eval_before=self.before, samples=self.samples, **extra)
         self.saved_step = self.step
 
@@ -562,8 +575,8 @@ class Run:
             if getattr(self, "saved_step", None) != self.step:
                 self.save(model, optimizer, **extra)
             argv = [a for a in sys.argv[1:] if a != "--resume"] + ["--resume"]
-            self.print(f"stopped at step {self.step} of {self.total_steps}; checkpoint {self.ckpt_path} (step {self.step}); "
-                       f"continue with: {self.launcher()} {self.script}.py {' '.join(argv)}")
+            self.print(f"stopped at step {self.step} of {self.total_steps}; checkpoint {self.ckpt_path} (step "
+                       f"{self.step}); continue with: {self.launcher()} {self.script}.py {' '.join(argv)}")
             self.close(finished=True)
             raise SystemExit(130)
         if summary is None:
@@ -573,9 +586,11 @@ class Run:
             b = lambda key: f"{before[key]:.3f} -> " if key in before else ""
             summary = (f"held-out greedy accuracy {b('eval_accuracy')}{final['eval_accuracy']:.3f} (precedence "
                        f"{b('eval_accuracy_precedence')}{final['eval_accuracy_precedence']:.3f}, other "
-                       f"{final['eval_accuracy_other']:.3f}) | sampled pass@1 {b('eval_pass_at_1')}{final['eval_pass_at_1']:.3f}")
+                       f"{final['eval_accuracy_other']:.3f}) | sampled pass@1 {b('eval_pass_at_1')}"
+                       f"{final['eval_pass_at_1']:.3f}")
         samples = f" | {self.samples:,} completions sampled" if self.samples else ""
-        self.print(f"done: {self.step} steps in {time.time() - self.t0:.0f}s | {summary}{samples} | wrote {self.ckpt_path}")
+        self.print(f"done: {self.step} steps in {time.time() - self.t0:.0f}s | {summary}{samples} | wrote "
+                   f"{self.ckpt_path}")
         self.close(finished=True)
 
     def launcher(self):
@@ -657,7 +672,8 @@ class Run:
     def ddp(self, model):
         """The model wrapped in DistributedDataParallel, for the training forward and backward, or the model itself
         in one process. Its gradient is the SUM of the ranks' gradients, not their mean: each rank's loss is its share
-        of the whole batch's loss (normalised by all_sum counts), so the shares add up to exactly one batch's gradient."""
+        of the whole batch's loss (normalised by all_sum counts), so the shares add up to exactly one batch's
+        gradient."""
         if self.world == 1:
             return model
         wrapped = DistributedDataParallel(model)

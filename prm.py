@@ -1,56 +1,36 @@
 """
-Outcome and process reward models (ORM, PRM): verifiers that learn to judge the SFT policy's completions, either
-whole (ORM) or step by step (PRM), for test-time search (search.py: best-of-N and PRM-guided beam search).
+Outcome and process reward models (ORM, PRM): verifiers that learn to judge the SFT policy's completions, whole
+(ORM) or step by step (PRM), for test-time search (search.py: best-of-N and PRM-guided beam search).
 
-In plain words: sample completions from the SFT policy on training prompts; label each completion with the task's
-verifier (ORM), or each of its steps with a step label (PRM); train a copy of the SFT policy with a scalar head
-(model.ScalarGPT, head at 0) to predict those labels with binary cross-entropy. The ORM reads one score per
-completion, at its EOS. The PRM reads one per step, at the step's last token: the ',' that ends it, and for the
-final step (the one that carries the answer, '3+8=11#11') the EOS. The ORM is the PRM with a single step.
-`python prm.py` trains both, one after the other: out/orm.pt, then out/prm.pt.
+Sample completions from the SFT policy on training prompts; label each completion with the task's verifier (ORM),
+or each of its steps (PRM); train a copy of the SFT policy with a scalar head (model.ScalarGPT, head at 0) to predict
+the labels with binary cross-entropy. The ORM reads one score per completion, at its EOS; the PRM one per step, at
+the step's last token: the ',' that ends it, and the EOS for the final step, the one with the answer. The ORM is the
+PRM with a single step. `python prm.py` trains both: out/orm.pt, then out/prm.pt.
 
-ORM: Cobbe et al. 2021, "Training Verifiers to Solve Math Word Problems", arXiv 2110.14168.
-PRM: Lightman et al. 2023, "Let's Verify Step by Step", arXiv 2305.20050. Automatic step labels: Wang et al. 2023,
-"Math-Shepherd: Verify and Reinforce LLMs Step-by-step without Human Annotations", arXiv 2312.08935.
-For a prompt x and completion y with steps 1..K, r the scalar head's output:
+ORM: Cobbe et al. 2021, arXiv 2110.14168. PRM: Lightman et al. 2023, "Let's Verify Step by Step", arXiv 2305.20050;
+automatic step labels: Math-Shepherd, Wang et al. 2023, arXiv 2312.08935. For a completion with steps 1..K:
+    ORM    p(y correct) = sigmoid(r at y's EOS)
+    PRM    p_k = sigmoid(r_k), r_k at the last token of step k (causal: it sees steps 1..k only)
+    L = -1/#steps sum_(y, k) [ l_k log p_k + (1 - l_k) log(1 - p_k) ]                  (labels l_k in [0, 1])
+    a completion's PRM score (aggregate_steps): min_k p_k | prod_k p_k | p_K (last) | mean_k p_k
+Step labels (--labels): rule, exact (task.step_labels: the steps up to k start the correct derivation), the
+counterpart of Lightman et al.'s human labels; mc, Math-Shepherd's: from the prefix through step k, --mc_k
+continuations of the SFT policy, hard label 1 if any reaches the right answer, soft label the share that does.
 
-    ORM    p(y correct)          = sigmoid(r at y's EOS)
-    PRM    p_k = p(step k good)  = sigmoid(r_k),  r_k at the last token of step k (causal: it sees steps 1..k only)
-    L = - 1/#steps * sum_(y, k) [ l_k log p_k + (1 - l_k) log(1 - p_k) ]             (labels l_k in [0, 1])
-    a completion's PRM score, aggregate_steps:  min_k p_k  |  prod_k p_k  |  p_K (last)  |  mean_k p_k
+Deviations and choices the papers leave open (experiments/README.md has the longer account):
+- The ORM is read at the EOS only and trained without a language-modelling loss (Cobbe et al. read every token).
+- Labels are 0/1 on every step, a step after a wrong one 0 (Lightman et al. label up to the first wrong step).
+- Aggregation: the product (Lightman et al.) and the minimum (Math-Shepherd); search.py reports both.
+- The step boundary is the ',' token (a token containing ',' for a BPE tokenizer); the answer follows '#'.
 
-Step labels (--labels):
-- rule: exact, from task.step_labels: a step is good when the steps up to it are the start of the correct
-  derivation (operator precedence respected, arithmetic right; the final step also needs the right answer). The
-  counterpart of Lightman et al.'s human labels (PRM800K), here free and noiseless.
-- mc: Math-Shepherd's automatic labels. From the prefix that ends with step k (its ','), sample --mc_k
-  continuations of the SFT policy: hard label = 1 if any reaches the correct answer, soft label = the share that
-  does (--mc_label). The final step's label is the completion's own outcome: nothing is left to sample. They differ
-  from the rule where a wrong step still reaches the right answer (a+b*1= left to right: 'a+b=s,s*1=s#s') and where
-  a right step is followed only by slips. The run reports how often the two sources agree, step by step, and lists
-  disagreements (<out>/prm/label_agreement.json).
-
-Deviations from the papers, and choices they leave open:
-- Data: --n_prompts training prompts x --samples_per_prompt completions of the SFT policy at --temperature 1 (Cobbe
-  et al. sample 100 per problem; Lightman et al.'s PRM800K labels solutions chosen to be convincing but wrong). The
-  held-out metrics are on --eval_samples completions of each held-out prompt, never trained on.
-- Cobbe et al.'s verifier predicts the outcome at every token, trained together with the language-modelling loss;
-  here the ORM is read at the EOS only, with no LM loss (as reward_model.py reads its score).
-- Lightman et al. label steps positive, negative or neutral, and supervise only up to the first wrong step; here a
-  label is 0/1 (the task has no ambiguous steps) and every step is labelled: a step after a wrong one is 0 (its
-  prefix starts no correct derivation), so p_k estimates "the prefix through step k is right".
-- Aggregation: Lightman et al. score a solution by the product of its step probabilities; Math-Shepherd by the
-  minimum. search.py reports both.
-- The step boundary is the ',' token (a token that contains ',', for a BPE tokenizer), the answer follows '#'.
+Shapes: B completions, T tokens, S steps (read positions) per completion.
 
 Run:
-    python prm.py                        # from out/sft.pt (trained first if missing): out/orm.pt, then out/prm.pt
+    python prm.py                        # from out/sft.pt (built first if missing): out/orm.pt, then out/prm.pt
     python prm.py --labels mc            # the PRM on Math-Shepherd labels; reports agreement with the rule labels
     python prm.py --train prm --resume   # continue the PRM run from out/prm.pt up to --epochs
-Metrics: one JSON object per log step in out/orm/metrics.jsonl and out/prm/metrics.jsonl: eval_outcome_accuracy
-(held-out share of completions whose predicted correctness, p > 0.5, is the verifier's; for the PRM the min of its
-step probabilities), eval_step_accuracy (PRM: held-out share of steps whose p_k > 0.5 matches the rule label), each
-also on the correct and wrong (good and bad) ones; labels_agree (with --labels mc) on the training steps.
+Metrics: out/orm/metrics.jsonl and out/prm/metrics.jsonl (docs/metrics.md says what each means).
 """
 import argparse
 import json
@@ -61,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 import task
-from model import ScalarGPT
+from model import ScalarGPT, left_pad, pad_steps, scores_at
 from plumbing import SFT_PATH, TEMPERATURE, Float, Int, Run, add_run_flags, load_model, lr_schedule, parser
 
 KINDS = ("orm", "prm")
@@ -77,7 +57,8 @@ def prm_loss(step_logits, step_labels, step_mask, count=None):
     the result is then this part's share of the batch's mean. With no real step: 0."""
     real = step_mask > 0
     logits, labels = torch.where(real, step_logits, 0.0), torch.where(real, step_labels, 0.0)
-    bce = F.binary_cross_entropy_with_logits(logits, labels, reduction="none")  # -(l log sigmoid(r) + (1-l) log(1-sigmoid(r)))
+    # -(l log sigmoid(r) + (1-l) log(1-sigmoid(r)))
+    bce = F.binary_cross_entropy_with_logits(logits, labels, reduction="none")
     return torch.where(real, bce, 0.0).sum() / (real.sum().clamp(min=1) if count is None else count)
 
 
@@ -85,6 +66,10 @@ def aggregate_steps(step_scores, step_mask, how):
     """One score per completion from its step probabilities: step_scores (B, S) in [0, 1], step_mask (B, S) 1.0 on
     real steps -> (B,). how: 'min' (the weakest step; Math-Shepherd), 'prod' (every step right; Lightman et al.),
     'last' (the last real step), 'mean'. A row with no real step gives 0."""
+    if how not in ("min", "prod", "last", "mean"):
+        raise ValueError(f"how {how!r} is unknown; allowed: 'min', 'prod', 'last', 'mean'")
+    if step_scores.size(1) == 0:                                                              # no steps at all
+        return torch.zeros(step_scores.size(0), dtype=step_scores.dtype, device=step_scores.device)
     real = step_mask > 0
     has_step = real.any(1)
     if how == "min":
@@ -95,38 +80,9 @@ def aggregate_steps(step_scores, step_mask, how):
         S = step_scores.size(1)
         last = S - 1 - real.flip(1).float().argmax(1)                                         # (B,) last real index
         agg = step_scores.gather(1, last[:, None]).squeeze(1)                                 # p_K
-    elif how == "mean":
-        agg = torch.where(real, step_scores, 0.0).sum(1) / real.sum(1).clamp(min=1)         # 1/K sum_k p_k
     else:
-        raise ValueError(f"how {how!r} is unknown; allowed: 'min', 'prod', 'last', 'mean'")
+        agg = torch.where(real, step_scores, 0.0).sum(1) / real.sum(1).clamp(min=1)         # 1/K sum_k p_k
     return torch.where(has_step, agg, 0.0)
-
-
-def read_positions(prompt_ids, ids, tok, kind, finished=True):
-    """Where a verifier reads its scores, as indices into task.completion_batch's row (prompt, completion, EOS): the
-    ORM at the EOS; the PRM at the last token of each step, i.e. every ',' token and, when the completion is
-    finished, the EOS (the final step, with its answer). A partial path (search.py's beam search, finished=False)
-    ends with its ','; the EOS that completion_batch appends after it is never read (the model is causal)."""
-    start, eos = len(prompt_ids), len(prompt_ids) + len(ids)
-    if kind == "orm":
-        return [eos]
-    commas = [start + j for j, t in enumerate(ids) for _ in range(tok.decode([t]).count(","))]
-    return commas + ([eos] if finished else [])
-
-
-def step_logits(model, tokens, attn, positions, step_mask):
-    """The head's output at each read position: tokens, attn (B, T); positions, step_mask (B, S) -> (B, S), 0 at
-    masked steps."""
-    r = model(tokens, attn)                                            # (B, T) one score per position
-    return torch.where(step_mask > 0, r.gather(1, positions), 0.0)    # (B, S)
-
-
-def pad_steps(rows, fill=0.0, dtype=torch.float32, device="cpu"):
-    """Lists of per-step values -> (B, S) tensor padded with `fill`, and the (B, S) step mask."""
-    S = max(1, max(len(r) for r in rows))
-    values = torch.tensor([list(r) + [fill] * (S - len(r)) for r in rows], dtype=dtype, device=device)
-    mask = torch.tensor([[1.0] * len(r) + [0.0] * (S - len(r)) for r in rows], device=device)
-    return values, mask
 
 
 def verifier_batch(records, labels, tok, kind, device):
@@ -134,8 +90,8 @@ def verifier_batch(records, labels, tok, kind, device):
     labels (one list per record, one label per read position) and the step mask: tokens, attn (B, T); positions,
     labels, step_mask (B, S)."""
     tokens, attn, _ = task.completion_batch([r["prompt"] for r in records], [r["ids"] for r in records], tok, device)
-    positions, step_mask = pad_steps([read_positions(tok.encode(r["prompt"]), r["ids"], tok, kind) for r in records],
-                                     0, torch.long, device)
+    reads = [task.read_positions(tok.encode(r["prompt"]), r["ids"], tok, kind) for r in records]
+    positions, step_mask = pad_steps(reads, 0, torch.long, device)
     labels, _ = pad_steps(labels, device=device)
     if labels.shape != positions.shape:
         raise ValueError(f"labels {tuple(labels.shape)} do not match the read positions {tuple(positions.shape)}")
@@ -144,13 +100,6 @@ def verifier_batch(records, labels, tok, kind, device):
 
 # -----------------------------------------------------------------------------
 # The data: completions of the SFT policy and their labels
-
-def left_pad(seqs, pad_id, device):
-    """Token-id lists -> left-padded tokens (B, T) and mask (B, T), as model.generate takes its prompts."""
-    T = max(len(s) for s in seqs)
-    tokens = torch.tensor([[pad_id] * (T - len(s)) + list(s) for s in seqs], dtype=torch.long, device=device)
-    mask = torch.tensor([[0.0] * (T - len(s)) + [1.0] * len(s) for s in seqs], device=device)
-    return tokens, mask
 
 
 @torch.no_grad()
@@ -161,12 +110,13 @@ def sample_completions(policy, tok, prompts, n, temperature, generator):
     out = []
     for i, (text, c) in enumerate(zip(texts, ids)):
         p = prompts[i // n]
-        out.append({"prompt": p, "ids": c, "text": text, "outcome": task.reward(p, text), "rule": task.step_labels(p, text)})
+        out.append({"prompt": p, "ids": c, "text": text, "outcome": task.reward(p, text), "rule": task.step_labels(p,
+                                                                                                                   text)})
     return out
 
 
 @torch.no_grad()
-def mc_labels(policy, tok, records, k, temperature, generator, batch_size=256):
+def mc_labels(policy, tok, records, k, temperature, generator, max_new_tokens=task.MAX_NEW_TOKENS, batch_size=256):
     """Math-Shepherd's labels: for each step that ends with a ',', the share of k continuations of the policy from
     the prefix through that ',' that reach the correct answer (the soft label; hard = share > 0); the final step's
     label is the completion's own outcome. Returns one list of soft labels per record."""
@@ -176,15 +126,18 @@ def mc_labels(policy, tok, records, k, temperature, generator, batch_size=256):
     for b in range(0, len(jobs), batch_size):
         chunk = jobs[b:b + batch_size]
         prefixes = [tok.encode(records[i]["prompt"]) + records[i]["ids"][:j + 1] for i, j in chunk]
-        max_new = min(task.MAX_NEW_TOKENS, policy.config.block_size - max(len(s) for s in prefixes))
+        left = [max_new_tokens - (j + 1) for _, j in chunk]                 # what remains of each completion's budget
+        max_new = max(1, min(max(left), policy.config.block_size - max(len(s) for s in prefixes)))
         idx, mask = left_pad(prefixes, tok.pad_id, device)
         tokens, cmask, _ = policy.generate(idx, mask, max_new, tok.eos_id, tok.pad_id, num_samples=k,
                                            temperature=temperature, generator=generator)  # (len(chunk) * k, Tn)
         rows, keep = tokens.tolist(), cmask.tolist()
         for n, (i, j) in enumerate(chunk):
             r = records[i]
-            ends = [r["ids"][:j + 1] + [t for t, m in zip(rows[row], keep[row]) if m and t != tok.eos_id]
-                    for row in range(n * k, (n + 1) * k)]                  # the k finished completions, as token ids
+            # a continuation cut at its own budget is distributed as one sampled with that budget
+            ends = [r["ids"][:j + 1] + [t for t, m in zip(rows[row][:left[n]], keep[row][:left[n]])
+                                        if m and t != tok.eos_id]
+                    for row in range(n * k, (n + 1) * k)]                  # the k completions, as token ids
             share[i, j] = sum(task.reward(r["prompt"], tok.decode(e)) for e in ends) / k
     return [[share[i, j] for j, t in enumerate(r["ids"]) for _ in range(tok.decode([t]).count(","))] + [r["outcome"]]
             for i, r in enumerate(records)]
@@ -202,12 +155,14 @@ def label_agreement(records, mc, max_examples=12):
             steps, agree = steps + 1, agree + (rule == hard)
             confusion[f"rule{rule}_mc{hard}"] += 1
             if rule != hard:
-                precedence_luck = task.is_precedence(r["prompt"]) and r["text"] == task.demonstration(r["prompt"], True)
+                ltr = task.demonstration(r["prompt"], True) if task.is_precedence(r["prompt"]) else None
+                precedence_luck = r["text"] == ltr
                 lucky += precedence_luck
+                why = ("left to right, right answer (c = 1)" if precedence_luck else
+                       "right step, every continuation slipped" if rule else "wrong step, right answer")
                 if len(examples) < max_examples:
                     examples.append({"prompt": r["prompt"], "completion": r["text"], "step": k + 1, "rule": rule,
-                                     "mc_soft": s, "why": "left to right, right answer (c = 1)" if precedence_luck
-                                     else "right step, every continuation slipped" if rule else "wrong step, right answer"})
+                                     "mc_soft": s, "why": why})
     return {"steps": steps, "agreement": agree / max(steps, 1), "disagree_left_to_right_lucky": lucky,
             **confusion, "examples": examples}
 
@@ -228,7 +183,7 @@ def evaluate_verifier(model, tok, records, kind, device, autocast, batch_size=25
         labels = [r["rule"] for r in chunk] if kind == "prm" else [[r["outcome"]] for r in chunk]
         tokens, attn, positions, labels, step_mask = verifier_batch(chunk, labels, tok, kind, device)
         with autocast:
-            p = torch.sigmoid(step_logits(model, tokens, attn, positions, step_mask)).float().cpu()   # (b, S)
+            p = torch.sigmoid(scores_at(model, tokens, attn, positions, step_mask)).float().cpu()   # (b, S)
         real = step_mask.cpu() > 0
         pred.append(aggregate_steps(p, step_mask.cpu(), "min") > 0.5)
         truth.append(torch.tensor([r["outcome"] for r in chunk]) > 0.5)
@@ -264,15 +219,22 @@ def load_verifier(path, device, kind):
 def parse_args(argv=None):
     p = parser(__doc__)
     g = p.add_argument_group("algorithm")
-    g.add_argument("--train", default="both", choices=["both", *KINDS], help="which verifier(s) to train: both is the ORM, then the PRM")
-    g.add_argument("--labels", default="rule", choices=["rule", "mc"], help="PRM step labels: exact (task.step_labels) or Math-Shepherd's Monte Carlo")
-    g.add_argument("--mc_k", type=Int(ge=1), default=4, help="--labels mc: continuations sampled from each step's prefix")
-    g.add_argument("--mc_label", default="hard", choices=["hard", "soft"], help="--labels mc: 1 if any continuation is right, or the share that is")
+    g.add_argument("--train", default="both", choices=["both", *KINDS],
+                   help="which verifier(s) to train: both is the ORM, then the PRM")
+    g.add_argument("--labels", default="rule", choices=["rule", "mc"],
+                   help="PRM step labels: exact (task.step_labels) or Math-Shepherd's Monte Carlo")
+    g.add_argument("--mc_k", type=Int(ge=1), default=4,
+                   help="--labels mc: continuations sampled from each step's prefix")
+    g.add_argument("--mc_label", default="hard", choices=["hard", "soft"],
+                   help="--labels mc: 1 if any continuation is right, or the share that is")
     g = p.add_argument_group("sampling")
     g.add_argument("--n_prompts", type=Int(ge=1), default=512, help="training prompts (never held-out ones)")
-    g.add_argument("--samples_per_prompt", type=Int(ge=1), default=4, help="completions of the SFT policy per training prompt")
-    g.add_argument("--eval_samples", type=Int(ge=1), default=2, help="completions per held-out prompt for the held-out metrics")
-    g.add_argument("--temperature", type=TEMPERATURE, default=1.0, help="sampling temperature of the completions and the MC continuations")
+    g.add_argument("--samples_per_prompt", type=Int(ge=1), default=4,
+                   help="completions of the SFT policy per training prompt")
+    g.add_argument("--eval_samples", type=Int(ge=1), default=2,
+                   help="completions per held-out prompt for the held-out metrics")
+    g.add_argument("--temperature", type=TEMPERATURE, default=1.0,
+                   help="sampling temperature of the completions and the MC continuations")
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=Int(ge=1), default=2, help="passes over the training completions")
     g.add_argument("--batch_size", type=Int(ge=1), default=64, help="completions per step")
@@ -281,7 +243,8 @@ def parse_args(argv=None):
     g.add_argument("--weight_decay", type=Float(ge=0), default=0.0, help="AdamW weight decay")
     g.add_argument("--grad_clip", type=Float(gt=0), default=1.0, help="clip the gradient's global norm to this")
     g = add_run_flags(p, "{orm,prm}", log_every=8, eval_every=32)
-    g.add_argument("--init", default=SFT_PATH, help="SFT policy: the backbone to start from and the sampler of the data")
+    g.add_argument("--init", default=SFT_PATH,
+                   help="SFT policy: the backbone to start from and the sampler of the data")
     args = p.parse_args(argv)
     n = args.n_prompts * args.samples_per_prompt
     if args.batch_size > n:
@@ -300,7 +263,8 @@ def main(args):
 
 
 def train(args, kind):
-    run = Run("prm", args, name=kind, batch_flag="batch_size")  # device, seeds, lock, log, resume, torchrun: plumbing.py
+    # device, seeds, lock, log, resume, torchrun: plumbing.py
+    run = Run("prm", args, name=kind, batch_flag="batch_size")
     sft, tok = run.load_policy(args.init)
     model = ScalarGPT.from_policy(sft)              # backbone = the SFT policy, head = 0: every p starts at 1/2
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
@@ -311,8 +275,11 @@ def train(args, kind):
     with run.autocast:
         train_set = sample_completions(sft, tok, task.sample_prompts(random.Random(args.seed), args.n_prompts),
                                        args.samples_per_prompt, args.temperature, gen)
-        eval_set = sample_completions(sft, tok, task.eval_prompts()[:args.eval_n], args.eval_samples, args.temperature, gen)
-        mc = mc_labels(sft, tok, train_set, args.mc_k, args.temperature, gen) if kind == "prm" and args.labels == "mc" else None
+        eval_set = sample_completions(sft, tok, task.eval_prompts()[:args.eval_n], args.eval_samples, args.temperature,
+                                      gen)
+        mc = None
+        if kind == "prm" and args.labels == "mc":
+            mc = mc_labels(sft, tok, train_set, args.mc_k, args.temperature, gen, task.MAX_NEW_TOKENS)
     run.samples = len(train_set) + len(eval_set) + (args.mc_k * sum(len(m) - 1 for m in mc) if mc else 0)
     for i, r in enumerate(train_set):               # what the verifier learns to predict, one label per read position
         r["target"] = ([r["outcome"]] if kind == "orm" else r["rule"] if mc is None else
@@ -331,9 +298,9 @@ def train(args, kind):
             agreement = label_agreement(train_set, mc)
             start["labels_agree"] = agreement["agreement"]
             examples = ", ".join(f"{e['prompt']}{e['completion']} step {e['step']}" for e in agreement["examples"][:4])
-            run.print(f"labels: mc (hard) and rule agree on {agreement['agreement']:.1%} of {agreement['steps']} training "
-                      f"steps; {agreement['disagree_left_to_right_lucky']} of the disagreements are a+b*1 or a-b*1 left "
-                      f"to right; e.g. {examples}")
+            run.print(f"labels: mc (hard) and rule agree on {agreement['agreement']:.1%} of {agreement['steps']} "
+                      f"training steps; {agreement['disagree_left_to_right_lucky']} of the disagreements are a+b*1 "
+                      f"or a-b*1 left to right; e.g. {examples}")
             if run.is_main:
                 with open(os.path.join(args.out, kind, "label_agreement.json"), "w") as f:
                     json.dump(agreement, f, indent=1)
@@ -351,13 +318,14 @@ def train(args, kind):
 
         # 2. binary cross-entropy of the scores read at each step's end (the ORM: one step, at the EOS) against the
         #    labels, the mean over every rank's steps, over the --grad_accum micro-batches
-        tokens, attn, positions, labels, step_mask = verifier_batch(batch, [r["target"] for r in batch], tok, kind, run.device)
+        tokens, attn, positions, labels, step_mask = verifier_batch(batch, [r["target"] for r in batch], tok, kind,
+                                                                    run.device)
         n_steps = run.all_sum(step_mask.sum())
         optimizer.zero_grad(set_to_none=True)
         loss, right = 0.0, 0.0
         for rows in run.micro_batches(len(batch), train_model):
             with run.autocast:
-                logits = step_logits(train_model, tokens[rows], attn[rows], positions[rows], step_mask[rows])  # (b, S)
+                logits = scores_at(train_model, tokens[rows], attn[rows], positions[rows], step_mask[rows])  # (b, S)
             part = prm_loss(logits.float(), labels[rows], step_mask[rows], n_steps)
             run.check_finite(part, f"lower --lr (now {args.lr})")
             part.backward()
@@ -372,7 +340,8 @@ def train(args, kind):
             metrics = {"epoch": run.step / steps_per_epoch, "loss": run.all_sum(loss).item(),
                        "train_accuracy": (run.all_sum(right) / n_steps).item(),
                        "lr": lr_schedule(run.step - 1, args.lr, args.warmup, args.steps), "grad_norm": grad_norm.item()}
-            line = f"epoch {metrics['epoch']:.2f} | loss {metrics['loss']:.4f} | train acc {metrics['train_accuracy']:.3f}"
+            line = (f"epoch {metrics['epoch']:.2f} | loss {metrics['loss']:.4f} | train acc "
+                    f"{metrics['train_accuracy']:.3f}")
             if run.eval_due() and run.is_main:
                 final, final_step = evaluate_verifier(model, tok, eval_set, kind, run.device, run.autocast), run.step
                 metrics.update(final)
@@ -384,11 +353,12 @@ def train(args, kind):
                      read_at="EOS" if kind == "orm" else "each step's ',' and the final EOS")
     if final_step != run.step and run.is_main:     # e.g. resumed at the step limit
         final = evaluate_verifier(model, tok, eval_set, kind, run.device, run.autocast)
-    summary = (f"held-out outcome accuracy {final.get('eval_outcome_accuracy', 0):.3f} (correct "
-               f"{final.get('eval_outcome_accuracy_correct', 0):.3f}, wrong {final.get('eval_outcome_accuracy_wrong', 0):.3f})")
+    get = lambda key: final.get(key, 0)
+    summary = (f"held-out outcome accuracy {get('eval_outcome_accuracy'):.3f} (correct "
+               f"{get('eval_outcome_accuracy_correct'):.3f}, wrong {get('eval_outcome_accuracy_wrong'):.3f})")
     if kind == "prm":
-        summary = (f"held-out step accuracy vs rule labels {final.get('eval_step_accuracy', 0):.3f} (good "
-                   f"{final.get('eval_step_accuracy_good', 0):.3f}, bad {final.get('eval_step_accuracy_bad', 0):.3f}) | " + summary)
+        summary = (f"held-out step accuracy vs rule labels {get('eval_step_accuracy'):.3f} (good "
+                   f"{get('eval_step_accuracy_good'):.3f}, bad {get('eval_step_accuracy_bad'):.3f}) | " + summary)
     run.finish(model, tok, optimizer, summary=summary)
 
 

@@ -1,45 +1,35 @@
 """
-Test-time search with verifiers: spend more compute at inference, by sampling N completions and picking one, or by
+Test-time search with verifiers: spend more compute at inference by sampling N completions and picking one, or by
 searching step by step with a process reward model, on the held-out prompts, from the SFT policy.
 
-In plain words: sample 32 completions of every held-out prompt from the SFT policy (T = 1), once. For N = 1, 2, 4,
-..., 32, pick one of N by: majority vote over their final answers (self-consistency); the highest score of a
-verifier (best-of-N) under the outcome reward model (ORM), the process reward model (PRM, its step probabilities
-aggregated by min or by product) and the Bradley-Terry reward model of reward_model.py; the oracle pass@N (right if
-any of the N is: the ceiling of every way of picking). Then PRM-guided beam search: grow partial solutions one step
-at a time and keep the ones the PRM scores best. Accuracy is the verifier's (task.reward) on the picked completion;
-cost is the number of tokens generated. Nothing is trained here; search.py only reads checkpoints.
+Sample 32 completions of every held-out prompt once (T = 1). For N = 1, 2, 4, ..., 32 pick one of N by majority vote
+over the final answers (self-consistency), or by the highest score of a verifier (best-of-N): the outcome reward
+model (ORM), the process reward model (PRM; its step probabilities by min or product) or reward_model.py's
+Bradley-Terry model; pass@N, right if any of the N is, is the ceiling of every way of picking. Then PRM-guided beam
+search: grow partial solutions one step at a time and keep those the PRM scores best. Accuracy is the verifier's on
+the picked completion; cost is tokens generated. Nothing is trained here: search.py only reads checkpoints.
 
-Papers: self-consistency, Wang et al. 2022, arXiv 2203.11171; best-of-N with a trained verifier, Cobbe et al. 2021,
-arXiv 2110.14168; ORM against PRM against majority vote, Lightman et al. 2023, "Let's Verify Step by Step", arXiv
-2305.20050 (at large N: PRM > ORM > majority); PRM-guided beam search, Snell et al. 2024, "Scaling LLM Test-Time
-Compute Optimally can be More Effective than Scaling Model Parameters", arXiv 2408.03314. For a prompt x and samples
-y_1..y_N with final answers a_i (None when unparsable):
-
-    majority@N     = the y_i whose answer is the most frequent non-None a_i (ties: the first to appear)
-    best-of-N(v)   = y_argmax_i v(x, y_i)       v: the ORM's p, the PRM's min_k p_k or prod_k p_k, the RM's r
-    pass@N         = 1 if any y_i is right
-    beam search (beam b, expand e): level 1 samples b*e first steps from the prompt; every level after it samples e
-                   next steps from each unfinished kept path; a step runs to the next ',' or to the EOS; the b paths
-                   with the highest PRM score (min over their steps so far) are kept, finished ones competing with the
-                   new candidates; it stops when all b kept paths are finished; the answer is the best of them.
+Self-consistency: Wang et al. 2022, arXiv 2203.11171; best-of-N with a verifier: Cobbe et al. 2021, arXiv
+2110.14168; ORM, PRM and majority compared: Lightman et al. 2023, arXiv 2305.20050; PRM beam search: Snell et al.
+2024, arXiv 2408.03314. For a prompt x and samples y_1..y_N with final answers a_i:
+    majority@N    = the y_i with the most frequent non-None a_i (ties: the first to appear)
+    best-of-N(v)  = y_argmax_i v(x, y_i)     v: the ORM's p, the PRM's min_k p_k or prod_k p_k, the RM's r
+    beam search   = level 1 samples b*e first steps; then e next steps from each unfinished kept path (a step runs
+                    to the next ',' or the EOS); identical paths count once; the b paths with the highest PRM score
+                    at their last step are kept, finished ones competing with the new; it stops when all b are
+                    finished, the answer the best of them
 
 Choices the papers leave open:
-- Sub-sampling: the 32 samples are drawn once; for N < 32 they are split into 32/N disjoint groups of N and every
-  accuracy is the mean over the groups (the same expectation as fresh draws of N, with less variance, at no extra
-  sampling).
-- Tokens: generated tokens per prompt, EOS included. Best-of-N and majority: the N completions' tokens; beam search:
-  every step sampled for every candidate, kept or not. Re-reading prefixes (the verifiers' forward passes, the
-  sampler's prompt pass) is not counted.
-- Beam scores: the PRM's min over the path's steps so far (the weakest step), Math-Shepherd's aggregation; Snell et
-  al. score a partial path by its last step's prediction. With rule labels a step after a wrong one is labelled 0,
-  so the two agree for a well-trained PRM.
+- The 32 samples are drawn once; for N < 32 accuracy is the mean over the 32/N disjoint groups of N.
+- Tokens: generated tokens per prompt, EOS included; for beam search every step sampled, kept or not. Re-reading
+  prefixes (the verifiers' passes, the sampler's prompt pass) is not counted.
+- Beam scores are the last step's PRM probability, as Snell et al.; the weakest step so far (min) would favour
+  unfinished paths, whose min can only fall as they grow (experiments/README.md has the comparison).
 
 Run:
     python search.py          # builds out/sft.pt, out/rm.pt, out/orm.pt and out/prm.pt first where missing
     python search.py --max_n 8 --beam 2 --eval_n 128       # a quick look
-Writes out/search/results.json (accuracy by method and N, tokens) and out/search/search.png (accuracy against N and
-against tokens generated, one line per method).
+Writes out/search/results.json (accuracy by method and N, tokens) and out/search/search.png.
 """
 import json
 import math
@@ -50,9 +40,10 @@ import torch
 import torch.nn.functional as F
 
 import task
-from model import KVCache
-from plumbing import RM_PATH, SFT_PATH, TEMPERATURE, Int, build_missing, load_model, parser, pick_device, seed_everything
-from prm import aggregate_steps, left_pad, load_verifier, pad_steps, read_positions, step_logits
+from model import GPTConfig, KVCache, Tokenizer, left_pad, pad_steps, scores_at
+from plumbing import (RM_PATH, SFT_PATH, TEMPERATURE, Int, build_missing, check_fits, load_model, parser, pick_device,
+                      read_checkpoint, seed_everything)
+from prm import aggregate_steps, load_verifier                # the PRM's loading and how its steps combine
 
 ORM_PATH, PRM_PATH = os.path.join("out", "orm.pt"), os.path.join("out", "prm.pt")
 
@@ -78,6 +69,8 @@ def best_of_n(scores):
     """Best-of-N: scores (P, N) -> (P,) int64, the index of the highest score of each row, ties to the lowest index,
     NaN counted as the lowest score (below -inf; a row of NaN gives 0)."""
     s = torch.as_tensor(scores, dtype=torch.float64)
+    if s.dim() != 2 or s.size(1) == 0:
+        raise ValueError(f"best_of_n: scores of shape {tuple(s.shape)}; need (P, N) with N >= 1 samples to pick from")
     nan = torch.isnan(s)
     filled = torch.where(nan, float("-inf"), s)
     top = filled.max(1, keepdim=True).values                                   # (P, 1)
@@ -98,10 +91,12 @@ def score(model, tok, kind, prompts, ids, finished=None, how=None, batch_size=51
     out = []
     for i in range(0, len(ids), batch_size):
         rows = range(i, min(i + batch_size, len(ids)))
-        tokens, attn, _ = task.completion_batch([prompts[j] for j in rows], [ids[j] for j in rows], tok, model.head.weight.device)
-        pos = [read_positions(tok.encode(prompts[j]), ids[j], tok, "prm" if kind == "prm" else "orm", finished[j]) for j in rows]
+        tokens, attn, _ = task.completion_batch([prompts[j] for j in rows], [ids[j] for j in rows], tok,
+                                                model.head.weight.device)
+        pos = [task.read_positions(tok.encode(prompts[j]), ids[j], tok, "prm" if kind == "prm" else "orm",
+                                   finished[j]) for j in rows]
         positions, step_mask = pad_steps(pos, 0, torch.long, tokens.device)
-        r = step_logits(model, tokens, attn, positions, step_mask).float()     # (b, S)
+        r = scores_at(model, tokens, attn, positions, step_mask).float()     # (b, S)
         out.append((aggregate_steps(torch.sigmoid(r), step_mask, how) if kind == "prm" else r[:, 0]).cpu())
     return torch.cat(out)
 
@@ -119,7 +114,8 @@ def sample_steps(policy, tok, prefixes, limits, temperature, generator):
     B, L = len(prefixes), max(limits)
     limit = torch.tensor(limits, device=device)
     cache = KVCache(policy.config.n_layer, B, idx.size(1) + L, device)
-    logits = policy(idx, mask, cache)[:, -1]                                        # (B, V) predicts the first new token
+    # (B, V) predicts the first new token
+    logits = policy(idx, mask, cache)[:, -1]
     new = torch.full((B, L), tok.pad_id, dtype=torch.long, device=device)
     length = torch.zeros(B, dtype=torch.long, device=device)                       # (B,) new tokens of each row
     done = torch.zeros(B, dtype=torch.bool, device=device)
@@ -152,10 +148,14 @@ def beam_search(policy, prm, tok, prompts, beam, expand, temperature, max_new_to
             tokens[i] += len(step)
             ended = step[-1] == tok.eos_id
             path = ids + (step[:-1] if ended else step)
-            candidates[i].append((path, ended or len(path) >= max_new_tokens))
-        # 2. score every candidate with the PRM: the min of its step probabilities so far
+            path = (path, ended or len(path) >= max_new_tokens)
+            if path not in candidates[i]:                                   # the same path sampled twice: once
+                candidates[i].append(path)
+        # 2. score every candidate with the PRM at its last step so far (Snell et al.): a path's min over its steps
+        #    could only fall as it grew, which would favour unfinished paths over finished ones
         flat = [(i, path) for i, paths in enumerate(candidates) for path in paths]
-        s = score(prm, tok, "prm", [prompts[i] for i, _ in flat], [p[0] for _, p in flat], [p[1] for _, p in flat], "min")
+        s = score(prm, tok, "prm", [prompts[i] for i, _ in flat], [p[0] for _, p in flat], [p[1] for _, p in flat],
+                  "last")
         # 3. keep the `beam` best candidates of each prompt (ties: the first)
         at = 0
         for i, paths in enumerate(candidates):
@@ -178,22 +178,48 @@ def best_first(scores):
 def parse_args(argv=None):
     p = parser(__doc__)
     g = p.add_argument_group("search")
-    g.add_argument("--max_n", type=Int(ge=1), default=32, help="the largest N: N runs over 1, 2, 4, ... up to it (samples per prompt)")
-    g.add_argument("--beam", type=Int(ge=1), default=8, help="the largest beam: beam search runs with beams 1, 2, 4, ... up to it")
-    g.add_argument("--expand", type=Int(ge=1), default=4, help="beam search: next steps sampled from each kept path")
+    g.add_argument("--max_n", type=Int(ge=1, le=256), default=32,
+                   help="the largest N: N runs over 1, 2, 4, ... up to it (samples per prompt)")
+    g.add_argument("--beam", type=Int(ge=1, le=64), default=8,
+                   help="the largest beam: beam search runs with beams 1, 2, 4, ... up to it")
+    g.add_argument("--expand", type=Int(ge=1, le=64), default=4, help="beam search: next steps from each kept path")
     g = p.add_argument_group("sampling")
-    g.add_argument("--temperature", type=TEMPERATURE, default=1.0, help="sampling temperature (best-of-N and beam search)")
+    g.add_argument("--temperature", type=TEMPERATURE, default=1.0, help="sampling temperature (best-of-N, beam)")
     g.add_argument("--max_new_tokens", type=Int(ge=1), default=task.MAX_NEW_TOKENS, help="longest completion")
     g = p.add_argument_group("run")
-    g.add_argument("--eval_n", type=Int(ge=1, le=len(task.eval_prompts())), default=len(task.eval_prompts()), help="held-out prompts")
+    g.add_argument("--eval_n", type=Int(ge=1, le=len(task.eval_prompts())), default=len(task.eval_prompts()),
+                   help="held-out prompts")
     g.add_argument("--init", default=SFT_PATH, help="SFT policy: the sampler (built if it is the missing default)")
-    g.add_argument("--rm", default=RM_PATH, help="Bradley-Terry reward model (reward_model.py; built if the missing default)")
+    g.add_argument("--rm", default=RM_PATH, help="Bradley-Terry reward model (reward_model.py; built if missing)")
     g.add_argument("--orm", default=ORM_PATH, help="outcome reward model (prm.py; built if the missing default)")
     g.add_argument("--prm", default=PRM_PATH, help="process reward model (prm.py; built if the missing default)")
     g.add_argument("--out", default="out", help="folder for search/results.json and search/search.png")
     g.add_argument("--seed", type=Int(ge=0, lt=2**32), default=0, help="seeds python, numpy and torch")
     g.add_argument("--device", default=None, help="cuda, mps or cpu (default: the first available)")
     return p.parse_args(argv)
+
+
+def check_before_work(args):
+    """Everything that can be refused before a prerequisite is built or a sample drawn: checkpoint flags (a missing one
+    that is not its default, an unreadable one), --max_new_tokens against the model sft.py would build, and --out."""
+    for flag, default, maker in (("init", SFT_PATH, "sft.py"), ("rm", RM_PATH, "reward_model.py"),
+                                 ("orm", ORM_PATH, "prm.py"), ("prm", PRM_PATH, "prm.py --train prm")):
+        path = getattr(args, flag)
+        if os.path.exists(path):
+            read_checkpoint(path, f"--{flag}")
+        elif os.path.abspath(path) != os.path.abspath(default):
+            raise SystemExit(f"error: --{flag}: no checkpoint at {path}; train one with `python {maker}` or pass "
+                             f"another path")
+    if not os.path.exists(args.init):
+        check_fits(task.max_prompt_tokens(Tokenizer()), args.max_new_tokens, GPTConfig().block_size)
+    folder = os.path.join(args.out, "search")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f".write_test{os.getpid()}"), "w"):
+            pass
+        os.remove(os.path.join(folder, f".write_test{os.getpid()}"))
+    except OSError as e:
+        raise SystemExit(f"error: cannot write to --out {args.out} ({e.strerror or e})") from None
 
 
 def powers_of_two(n):
@@ -207,6 +233,7 @@ def main(args):
     seed_everything(args.seed)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda"))
     init = os.path.abspath(args.init)
+    check_before_work(args)
     build_missing(args.init, SFT_PATH, ["sft.py"], args.device)
     build_missing(args.rm, RM_PATH, ["reward_model.py", "--init", init], args.device)
     build_missing(args.orm, ORM_PATH, ["prm.py", "--init", init], args.device)
@@ -214,11 +241,7 @@ def main(args):
     policy, tok, _ = load_model(args.init, device)
     rm = load_model(args.rm, device, "scalar", expect={"script": "reward_model"})[0]
     orm, prm = load_verifier(args.orm, device, "orm")[0], load_verifier(args.prm, device, "prm")[0]
-    longest = task.max_prompt_tokens(tok)
-    if longest + args.max_new_tokens > policy.config.block_size:
-        raise SystemExit(f"error: --max_new_tokens {args.max_new_tokens} does not fit: the longest prompt has {longest} "
-                         f"tokens and the model's context (block_size) is {policy.config.block_size}; allowed: "
-                         f"--max_new_tokens <= {policy.config.block_size - longest}")
+    check_fits(task.max_prompt_tokens(tok), args.max_new_tokens, policy.config.block_size)
     prompts, N = task.eval_prompts()[:args.eval_n], args.max_n
     ns, beams = powers_of_two(N), powers_of_two(args.beam)
     print(f"search: {len(prompts)} held-out prompts, {N} samples each (N in {ns}), beam search with beams {beams} x "
@@ -228,7 +251,8 @@ def main(args):
         # 1. greedy, and N samples of every prompt, drawn once (the smaller N are sub-sampled from them)
         greedy = task.complete(policy, tok, prompts, 1, 0.0, args.max_new_tokens)
         gen = torch.Generator(device=device).manual_seed(args.seed)
-        texts, ids = task.complete(policy, tok, prompts, N, args.temperature, args.max_new_tokens, generator=gen, return_ids=True)
+        texts, ids = task.complete(policy, tok, prompts, N, args.temperature, args.max_new_tokens, generator=gen,
+                                   return_ids=True)
         flat_prompts = [p for p in prompts for _ in range(N)]
         right = torch.tensor([task.reward(p, t) for p, t in zip(flat_prompts, texts)]).view(-1, N)        # (P, N)
         length = torch.tensor([min(len(c) + 1, args.max_new_tokens) for c in ids], dtype=torch.float).view(-1, N)
@@ -252,7 +276,8 @@ def main(args):
             cols = list(cols)
             r = right[:, cols]                                                                  # (P, n)
             picked = majority_vote([[row[j] for j in cols] for row in answers])
-            acc["majority"] += sum(a is not None and int(a) == task.answer(p) for a, p in zip(picked, prompts)) / len(prompts)
+            acc["majority"] += sum(a is not None and int(a) == task.answer(p) for a, p in zip(picked,
+                                                                                              prompts)) / len(prompts)
             for k in ("orm", "prm_min", "prm_prod", "rm"):
                 acc[k] += r.gather(1, best_of_n(scores[k][:, cols])[:, None]).mean().item()
             acc["pass"] += r.max(1).values.mean().item()
@@ -265,7 +290,8 @@ def main(args):
     for b in beams:
         gen = torch.Generator(device=device).manual_seed(args.seed + 1000 + b)
         with autocast:
-            picked, used = beam_search(policy, prm, tok, prompts, b, args.expand, args.temperature, args.max_new_tokens, gen)
+            picked, used = beam_search(policy, prm, tok, prompts, b, args.expand, args.temperature,
+                                       args.max_new_tokens, gen)
         acc = sum(task.reward(p, tok.decode(c)) for p, c in zip(prompts, picked)) / len(prompts)
         beam_results.append({"beam": b, "expand": args.expand, "accuracy": acc, "tokens": sum(used) / len(prompts)})
 

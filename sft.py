@@ -31,7 +31,8 @@ from plumbing import Float, Int, Run, add_run_flags, lr_schedule, parser
 def parse_args(argv=None):
     p = parser(__doc__)
     g = p.add_argument_group("data")
-    g.add_argument("--mistake_rate", type=Float(ge=0, le=1), default=0.6, help="share of demonstrations evaluated left to right")
+    g.add_argument("--mistake_rate", type=Float(ge=0, le=1), default=0.6,
+                   help="share of demonstrations evaluated left to right")
     g.add_argument("--precedence_share", type=Float(ge=0, le=1), default=0.5, help="share of a+b*c / a-b*c prompts")
     g = p.add_argument_group("model")
     g.add_argument("--n_layer", type=Int(ge=1), default=4, help="transformer blocks")
@@ -73,7 +74,8 @@ def main(args):
         # 1. a batch of demonstrations (this rank's share), prompt + completion + EOS
         for group in optimizer.param_groups:
             group["lr"] = lr_schedule(run.step, args.lr, args.warmup, args.steps)
-        demos = run.shard(task.sample_demonstrations(run.rng, args.batch_size, args.mistake_rate, args.precedence_share))
+        demos = run.shard(task.sample_demonstrations(run.rng, args.batch_size, args.mistake_rate,
+                                                     args.precedence_share))
         tokens, attn, loss_mask = task.completion_batch([p for p, _ in demos], [c for _, c in demos], tok, run.device)
 
         # 2. teacher forcing: the mean negative log-likelihood of the completion tokens of the whole batch (every
@@ -96,7 +98,8 @@ def main(args):
 
         # 3. log, evaluate, checkpoint
         if run.log_due():
-            metrics = {"loss": run.all_sum(loss).item(), "lr": lr_schedule(run.step - 1, args.lr, args.warmup, args.steps), "grad_norm": grad_norm.item()}
+            metrics = {"loss": run.all_sum(loss).item(), "lr": lr_schedule(run.step - 1, args.lr, args.warmup,
+                                                                           args.steps), "grad_norm": grad_norm.item()}
             if run.eval_due():
                 metrics.update(run.evaluate(model, tok))
             run.log(metrics, f"loss {metrics['loss']:.4f} | lr {metrics['lr']:.2e}", tokens=True)

@@ -44,11 +44,12 @@ HELD_OUT_PER_CLASS = 256
 SPLIT_SEED = 1234
 MAX_NEW_TOKENS = 24   # longest demonstration: "9+9=18,18*9=162#162" + EOS = 20 tokens
 
-_PROMPT = re.compile(r"^([1-9])([+\-*])([1-9])([+\-*])([1-9])=$")
-_PAREN = re.compile(r"^\(([1-9])([+\-])([1-9])\)\*([1-9])=$")     # (a+b)*c= and (a-b)*c=
+# Every pattern is matched with fullmatch: '$' would also match before a trailing newline ('4*2=8\n' a valid step)
+_PROMPT = re.compile(r"([1-9])([+\-*])([1-9])([+\-*])([1-9])=")
+_PAREN = re.compile(r"\(([1-9])([+\-])([1-9])\)\*([1-9])=")     # (a+b)*c= and (a-b)*c=
 _NUM = r"-?[0-9]{1,9}"
-_WELL_FORMED = re.compile(rf"^{_NUM}[+\-*]{_NUM}={_NUM}(,{_NUM}[+\-*]{_NUM}={_NUM})*#{_NUM}$")
-_ANSWER = re.compile(r"#[ \t]*(-?[0-9]{1,12})\s*$")      # any trailing whitespace: spaces, \r\n, tabs
+_WELL_FORMED = re.compile(rf"{_NUM}[+\-*]{_NUM}={_NUM}(,{_NUM}[+\-*]{_NUM}={_NUM})*#{_NUM}")
+_ANSWER = re.compile(r"#[ \t]*(-?[0-9]{1,12})\s*\Z")    # any trailing whitespace: spaces, \r\n, tabs
 
 
 # -----------------------------------------------------------------------------
@@ -61,9 +62,9 @@ def _apply(x, op, y):
 def solve(prompt, left_to_right=False):
     """'3+4*2=' -> (['4*2=8', '3+8=11'], 11). left_to_right=True ignores precedence (the mistake).
     A parenthesised problem '(3+4)*2=' -> (['3+4=7', '7*2=14'], 14): the parentheses first, always."""
-    m = _PROMPT.match(prompt)
-    if m is None and _PAREN.match(prompt):
-        a, op, b, c = _PAREN.match(prompt).groups()
+    m = _PROMPT.fullmatch(prompt)
+    if m is None and _PAREN.fullmatch(prompt):
+        a, op, b, c = _PAREN.fullmatch(prompt).groups()
         ab = _apply(int(a), op, int(b))
         return [f"{a}{op}{b}={ab}", f"{ab}*{c}={ab * int(c)}"], ab * int(c)
     if m is None:
@@ -127,7 +128,7 @@ def max_prompt_tokens(tokenizer, parenthesised=False):
 # Never in the default data: for hindsight relabelling (expert_iteration.py --hindsight) and its evaluation.
 
 def is_parenthesised(prompt):
-    return isinstance(prompt, str) and _PAREN.match(prompt) is not None
+    return isinstance(prompt, str) and _PAREN.fullmatch(prompt) is not None
 
 
 def parenthesise(prompt):
@@ -191,7 +192,9 @@ def parse_answer(completion):
 
 
 def is_well_formed(completion):
-    return isinstance(completion, str) and len(completion) <= 256 and _WELL_FORMED.match(completion) is not None
+    """Steps, '#' and an integer, and nothing after it: the format bonus is strict where the reward is not (reward
+    accepts whitespace after the answer)."""
+    return isinstance(completion, str) and len(completion) <= 256 and _WELL_FORMED.fullmatch(completion) is not None
 
 
 def reward(prompt, completion, format_weight=0.0):
@@ -207,7 +210,7 @@ def reward(prompt, completion, format_weight=0.0):
 # -----------------------------------------------------------------------------
 # Step labels: which steps of a completion are right (the exact labels of prm.py's process reward model)
 
-_STEP = re.compile(rf"^({_NUM})([+\-*])({_NUM})=({_NUM})$")
+_STEP = re.compile(rf"({_NUM})([+\-*])({_NUM})=({_NUM})")
 
 
 def split_steps(completion):
@@ -218,7 +221,7 @@ def split_steps(completion):
 
 def _equation(step):
     """'4*2=8' -> (4, '*', 2, 8), or None when the text is not one operation and its result."""
-    m = _STEP.match(step)
+    m = _STEP.fullmatch(step)
     return None if m is None else (int(m[1]), m[2], int(m[3]), int(m[4]))
 
 
@@ -246,6 +249,18 @@ def step_labels(prompt, completion):
                 and hashes == int(final) and (not final or parse_answer(step) == result))
         labels.append(int(good))
     return labels
+
+
+def read_positions(prompt_ids, ids, tok, kind, finished=True):
+    """Where a verifier reads its scores, as indices into completion_batch's row (prompt, completion, EOS): the ORM
+    ("orm") at the EOS; the PRM ("prm") at the last token of each step: every ',' token and, when the completion is
+    finished, the EOS (the final step, with its answer). A partial path (finished=False) ends with its ','; the EOS
+    completion_batch appends after it is never read (the model is causal)."""
+    start, eos = len(prompt_ids), len(prompt_ids) + len(ids)
+    if kind == "orm":
+        return [eos]
+    commas = [start + j for j, t in enumerate(ids) for _ in range(tok.decode([t]).count(","))]
+    return commas + ([eos] if finished else [])
 
 
 # -----------------------------------------------------------------------------
@@ -402,8 +417,10 @@ def preference_pairs(prompts, policy=None, tokenizer=None, samples_per_prompt=4,
         text = demonstration(prompt)
         (chosen, chosen_ids), chosen_src = (good[0], "sampled") if good else ((text, tokenizer.encode(text)), "demo")
         text = synthetic_mistake(prompt)
-        (rejected, rejected_ids), rejected_src = (bad[0], "sampled") if bad else ((text, tokenizer.encode(text)), "synthetic")
-        pairs.append({"prompt": prompt, "chosen": chosen, "rejected": rejected, "source": f"{chosen_src}/{rejected_src}",
+        (rejected, rejected_ids), rejected_src = (bad[0], "sampled") if bad else ((text, tokenizer.encode(text)),
+                                                                                  "synthetic")
+        pairs.append({"prompt": prompt, "chosen": chosen, "rejected": rejected,
+                      "source": f"{chosen_src}/{rejected_src}",
                       "chosen_ids": list(chosen_ids), "rejected_ids": list(rejected_ids)})
     if cache is not None:
         os.makedirs(os.path.dirname(os.path.abspath(cache)), exist_ok=True)

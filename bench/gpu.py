@@ -99,7 +99,8 @@ def micro_batch_splits(n, parts=(1, 2, 4, 8, 32), seed=0):
     (tensor_split, as plumbing.Run.micro_batches cuts them). 1 micro-batch in order is the same batch as the full
     scoring, with gradient on: it isolates the grad mode from the batch composition."""
     g = torch.Generator().manual_seed(seed)
-    orders = {"in order": torch.arange(n), "reversed": torch.arange(n).flip(0), "shuffled": torch.randperm(n, generator=g)}
+    orders = {"in order": torch.arange(n), "reversed": torch.arange(n).flip(0), "shuffled": torch.randperm(n,
+                                                                                                           generator=g)}
     return [(f"{k} micro-batch{'es' if k > 1 else ''}, {how}", list(torch.tensor_split(order, k)))
             for k in parts if k <= n for how, order in orders.items()]
 
@@ -262,7 +263,8 @@ def environment():
     except (OSError, subprocess.SubprocessError):
         info["driver"] = "unknown (no nvidia-smi)"
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True).stdout
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
                                text=True).stdout
         info["commit"] = commit.strip() + (" with uncommitted changes" if dirty.strip() else "")
@@ -294,7 +296,8 @@ def report(records, info, plan):
             sampled = " ; ".join(f"{s:,}" for _, (_, _, s) in sorted(r.get("metrics", {}).items()) if s) or "-"
             lines.append(f"| {key[7:]} | `{r['command']}` | {r['returncode']} | {r['wall_s']:.0f} | {acc} | {sampled} |")
         lines.append("")
-        lines += ["Each script's summary line:", "", "```"] + [f"{k[7:]}: {r.get('summary') or '(none)'}" for k, r in scripts]
+        lines += ["Each script's summary line:", "", "```"] + [f"{k[7:]}: {r.get('summary') or '(none)'}" for k,
+                                                               r in scripts]
         lines += ["```", ""]
     for key, r in done:
         if key.startswith("script:"):

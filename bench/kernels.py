@@ -66,7 +66,8 @@ parser.add_argument("--linear_n", type=int, default=4096, help="linear: tokens")
 parser.add_argument("--linear_c", type=int, default=896, help="linear: channels (hidden width)")
 parser.add_argument("--linear_v", type=int, default=151936, help="linear: vocabulary size")
 parser.add_argument("--linear_repeats", type=int, default=1, help="linear: timed steps per variant (median reported)")
-parser.add_argument("--_cpu_variant", choices=["naive", "fused", "linear_naive", "linear_fused"], help=argparse.SUPPRESS)  # child
+parser.add_argument("--_cpu_variant", choices=["naive", "fused", "linear_naive", "linear_fused"],
+                    help=argparse.SUPPRESS)  # child
 
 
 # =============================================================================================
@@ -106,7 +107,8 @@ def cpu_child(variant, N, V, repeats, threads, C=None):
     else:
         fn = naive_linear_logprobs if variant == "linear_naive" else kernels.linear_logprobs_torch
         inputs = [torch.randn(N, C).requires_grad_(), (torch.randn(V, C) / C**0.5).requires_grad_()]  # hidden, weight
-        fn(torch.randn(8, C, requires_grad=True), inputs[1][:300].detach().requires_grad_(), targets[:8] % 300).sum().backward()
+        fn(torch.randn(8, C, requires_grad=True), inputs[1][:300].detach().requires_grad_(),
+           targets[:8] % 300).sum().backward()
 
     rss_before = _status_kib("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
@@ -136,7 +138,8 @@ def cpu_section(args):
         out = subprocess.run(
             [sys.executable, os.path.abspath(__file__), "--_cpu_variant", variant, "--cpu_n", str(N),
              "--cpu_v", str(V), "--repeats", str(args.repeats), "--threads", str(args.threads)],
-            capture_output=True, text=True, check=True, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
+            capture_output=True, text=True, check=True, env={k: v for k,
+                                                             v in os.environ.items() if k != "TRITON_INTERPRET"},
         )
         results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
     naive, fused = results["naive"], results["fused"]
@@ -164,7 +167,8 @@ def linear_section(args):
         out = subprocess.run(
             [sys.executable, os.path.abspath(__file__), "--_cpu_variant", variant, "--cpu_n", str(N), "--cpu_v", str(V),
              "--linear_c", str(C), "--repeats", str(args.linear_repeats), "--threads", str(args.threads)],
-            capture_output=True, text=True, check=True, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
+            capture_output=True, text=True, check=True, env={k: v for k,
+                                                             v in os.environ.items() if k != "TRITON_INTERPRET"},
         )
         results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
     names = {"linear_naive": "naive (h @ W.T).log_softmax.gather", "linear_fused": "kernels.linear_logprobs_torch"}

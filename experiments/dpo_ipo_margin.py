@@ -33,7 +33,8 @@ def parse_args(argv=None):
     parser.add_argument("--batch_size", type=int, default=16, help="pairs per step")
     parser.add_argument("--lr", type=float, default=1e-4, help="learning rate of both runs")
     parser.add_argument("--coef", type=float, default=0.1, help="DPO's beta and IPO's tau")
-    parser.add_argument("--no_run", action="store_true", help="do not train; print the table from the runs already in out/dpo/<out> and out/ipo/<out>")
+    parser.add_argument("--no_run", action="store_true",
+                        help="do not train; print the table from the runs already in out/dpo/<out> and out/ipo/<out>")
     return parser.parse_args(argv)
 
 

@@ -76,7 +76,8 @@ def cold_start(args):
         out = os.path.join(OUT, "cold_start", "random" if name == "random init" else "sft")
         log = os.path.join(ROOT, out, "grpo", "metrics.jsonl")
         if not (os.path.exists(log) and os.path.exists(os.path.join(ROOT, out, "grpo.pt"))):
-            run(["grpo.py", "--init", init, "--out", out, "--seed", str(args.seed), "--log_every", "5", "--eval_every", "10"])
+            run(["grpo.py", "--init", init, "--out", out, "--seed", str(args.seed), "--log_every", "5", "--eval_every",
+                 "10"])
         rows[name] = metrics(log)
     lines = ["| start | step | reward (mean) | groups with any reward | zero-variance groups | held-out greedy accuracy |",
              "| --- | ---: | ---: | ---: | ---: | ---: |"]
@@ -139,7 +140,8 @@ def distribution_shift(args):
     build_missing(os.path.join(ROOT, args.sft), os.path.join(ROOT, SFT_PATH), ["sft.py"])
     for name, path, script in (("GRPO", args.grpo, "grpo.py"), ("expert iteration", args.ei, "expert_iteration.py")):
         if name in policies:
-            build_missing(os.path.join(ROOT, path), os.path.join(ROOT, path), [script, "--init", os.path.join(ROOT, args.sft)])
+            build_missing(os.path.join(ROOT, path), os.path.join(ROOT, path), [script, "--init", os.path.join(ROOT,
+                                                                                                              args.sft)])
     results = {}
     for name, path in policies.items():
         model, tok, _ = load_model(os.path.join(ROOT, path), device, "gpt")
@@ -166,9 +168,11 @@ def ei_runs(args, variants):
     runs = {}
     for name, slug, flags in variants:
         out = os.path.join(OUT, "expert_iteration", slug)
-        log, ckpt = os.path.join(ROOT, out, "expert_iteration", "metrics.jsonl"), os.path.join(ROOT, out, "expert_iteration.pt")
+        log, ckpt = os.path.join(ROOT, out, "expert_iteration", "metrics.jsonl"), os.path.join(ROOT, out,
+                                                                                               "expert_iteration.pt")
         if not (os.path.exists(log) and os.path.exists(ckpt)):
-            run(["expert_iteration.py", "--init", os.path.join(ROOT, args.sft), "--out", out, "--seed", str(args.seed), *flags])
+            run(["expert_iteration.py", "--init", os.path.join(ROOT, args.sft), "--out", out, "--seed", str(args.seed),
+                 *flags])
         runs[name] = (metrics(log), ckpt)
     return runs
 
@@ -179,7 +183,8 @@ def greedy_accuracy(model, tok, prompts):
 
 
 def hindsight(args):
-    runs = ei_runs(args, [("expert iteration", "plain", []), ("expert iteration --hindsight", "hindsight", ["--hindsight"])])
+    runs = ei_runs(args, [("expert iteration", "plain", []), ("expert iteration --hindsight", "hindsight",
+                                                              ["--hindsight"])])
     device = pick_device(args.device)
     paren = task.paren_eval_prompts()
     sft, tok, _ = load_model(os.path.join(ROOT, args.sft), device, "gpt")
@@ -191,7 +196,8 @@ def hindsight(args):
                       "samples": log[-1]["samples"], "relabelled": sum(r.get("relabelled", 0) for r in log[1:])}
     lines = ["| policy | completions sampled | relabelled examples fine-tuned on | held-out a+b*c etc. (512) | "
              f"held-out (a+b)*c, never asked ({len(paren)}) |", "| --- | ---: | ---: | ---: | ---: |"]
-    lines += [f"| {n} | {r['samples']:,} | {r['relabelled']:,} | {r['plain']:.3f} | {r['paren']:.3f} |" for n, r in rows.items()]
+    lines += [f"| {n} | {r['samples']:,} | {r['relabelled']:,} | {r['plain']:.3f} | {r['paren']:.3f} |" for n,
+              r in rows.items()]
     write("hindsight", "\n".join(lines), rows)
 
 
@@ -218,9 +224,11 @@ SECTIONS = {"cold_start": cold_start, "distribution_shift": distribution_shift, 
 
 def main():
     parser = argparse.ArgumentParser(description="Early experience: cold start, distribution shift, hindsight, warm buffer")
-    parser.add_argument("--section", choices=sorted(SECTIONS), action="append", help="run these sections (default: all)")
+    parser.add_argument("--section", choices=sorted(SECTIONS), action="append",
+                        help="run these sections (default: all)")
     parser.add_argument("--sft", default=SFT_PATH, help="the SFT policy (built if it is the missing default)")
-    parser.add_argument("--grpo", default=os.path.join("out", "grpo.pt"), help="a GRPO policy (built with grpo.py if missing)")
+    parser.add_argument("--grpo", default=os.path.join("out", "grpo.pt"),
+                        help="a GRPO policy (built with grpo.py if missing)")
     parser.add_argument("--ei", default=os.path.join("out", "expert_iteration.pt"), help="an expert-iteration policy")
     parser.add_argument("--n", type=int, default=256, help="held-out problems per distribution-shift case")
     parser.add_argument("--seed", type=int, default=0, help="seed of the runs this bench starts")

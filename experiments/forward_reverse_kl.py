@@ -113,7 +113,8 @@ def main():
         for mu0 in args.starts:
             fits[direction, mu0] = fit(x, log_p, direction, mu0, steps=args.steps)
             mu, sigma, value = fits[direction, mu0]
-            q_mean, q_var = moments(x, log_gaussian(x, torch.tensor(mu, dtype=torch.float64), torch.tensor(math.log(sigma))))
+            q_mean, q_var = moments(x, log_gaussian(x, torch.tensor(mu, dtype=torch.float64),
+                                                    torch.tensor(math.log(sigma))))
             print(f"{direction:7s} KL from mu0 {mu0:+.1f}, sigma0 1: mu {mu:+.3f}, sigma {sigma:.3f}, KL {value:.4f} "
                   f"(q's mean {q_mean:+.3f}, std {q_var.sqrt():.3f})")
 
@@ -133,7 +134,8 @@ def main():
                     label=f"q from mu0 = {mu0:+.1f}: mu {mu:+.2f}, sigma {sigma:.2f}")
         ax.set(title=titles[direction], xlabel="x", ylabel="probability")
         ax.legend(fontsize=7)
-    mus, log_sigmas = torch.linspace(-4.5, 4.5, 181, dtype=torch.float64), torch.linspace(-2, 2, 201, dtype=torch.float64)
+    mus, log_sigmas = torch.linspace(-4.5, 4.5, 181, dtype=torch.float64), torch.linspace(-2, 2, 201,
+                                                                                          dtype=torch.float64)
     for direction, style in (("forward", "-"), ("reverse", "--")):
         axes[2].plot(mus, landscape(x, log_p, direction, mus, log_sigmas), style, label=f"{direction}: min over sigma")
     axes[2].set(title="the objective against mu (best sigma at each mu)", xlabel="mu", ylabel="KL", yscale="log")

@@ -26,7 +26,8 @@ VARIANTS = {  # name -> grpo.py flags (beyond --mu 4); the papers' settings wher
     "GRPO": [],
     "GSPO": ["--ratio_level", "sequence", "--clip_eps", "3e-4", "--eps_high", "4e-4"],
     "CISPO": ["--loss_type", "cispo", "--loss_agg", "token", "--clip_eps", "1", "--eps_high", "1"],
-    "DAPO": ["--loss_agg", "token", "--eps_high", "0.28", "--beta", "0", "--dynamic_sampling", "--overlong_buffer", "4"],
+    "DAPO": ["--loss_agg", "token", "--eps_high", "0.28", "--beta", "0", "--dynamic_sampling", "--overlong_buffer",
+             "4"],
 }
 
 
@@ -62,7 +63,8 @@ def main():
             path = os.path.join(ROOT, out, "grpo", "metrics.jsonl")
             cmd = [sys.executable, "grpo.py", "--mu", "4", *flags, "--steps", str(args.steps), "--seed", str(seed),
                    "--init", args.init, "--out", out]
-            if not args.table_only and not (os.path.exists(path) and os.path.exists(os.path.join(ROOT, out, "grpo.pt"))):
+            if not args.table_only and not (os.path.exists(path) and os.path.exists(os.path.join(ROOT, out,
+                                                                                                 "grpo.pt"))):
                 print(" ".join(["python"] + cmd[1:]), flush=True)
                 subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
             if os.path.exists(path):

@@ -223,13 +223,17 @@ def figure(rows, path):
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
     for est, color in zip(ESTIMATORS, ("C0", "C1", "C2")):
         axes[0].plot(x, [r[f"{est}_token"]["rel_rmse"] for r in rows], "o-", color=color, label=f"{est} per token")
-        axes[0].plot(x, [r[f"{est}_completion"]["rel_rmse"] for r in rows], "s--", color=color, label=f"{est} per completion")
+        axes[0].plot(x, [r[f"{est}_completion"]["rel_rmse"] for r in rows], "s--", color=color,
+                     label=f"{est} per completion")
         axes[1].plot(x, [r[f"{est}_token"]["bias"] / r["kl_token"] for r in rows], "o-", color=color, label=est)
-        axes[2].plot(x, [r[f"{est}_mc_vs_forward"][0] for r in rows], "o-", color=color, label=f"{est}: vs KL(pi_theta||pi_ref)")
-        axes[2].plot(x, [r[f"{est}_mc_vs_reverse"][0] for r in rows], "s--", color=color, label=f"{est}: vs KL(pi_ref||pi_theta)")
+        axes[2].plot(x, [r[f"{est}_mc_vs_forward"][0] for r in rows], "o-", color=color,
+                     label=f"{est}: vs KL(pi_theta||pi_ref)")
+        axes[2].plot(x, [r[f"{est}_mc_vs_reverse"][0] for r in rows], "s--", color=color,
+                     label=f"{est}: vs KL(pi_ref||pi_theta)")
     axes[0].set(title="relative RMSE of the estimate", ylabel="RMSE / mean exact KL", yscale="log")
     axes[1].set(title="relative bias per token", ylabel="bias / mean exact KL")
-    axes[2].set(title="gradient as a loss: cosine with the exact gradient", ylabel="cosine similarity", ylim=(-0.2, 1.05))
+    axes[2].set(title="gradient as a loss: cosine with the exact gradient", ylabel="cosine similarity", ylim=(-0.2,
+                                                                                                              1.05))
     for ax in axes:
         ax.set(xlabel="exact KL(pi_theta || pi_ref) per token (GRPO, beta 0, along training)", xscale="log")
         ax.grid(alpha=0.3)
@@ -252,7 +256,8 @@ def main():
     parser.add_argument("--out", default="out/kl_estimators", help="folder for the GRPO run and its checkpoint copies")
     parser.add_argument("--results", default="results", help="folder for the table, numbers and figure")
     parser.add_argument("--seed", type=int, default=0, help="grpo.py --seed, and the sampling here")
-    parser.add_argument("--table_only", action="store_true", help="measure the checkpoints already there, train nothing")
+    parser.add_argument("--table_only", action="store_true",
+                        help="measure the checkpoints already there, train nothing")
     args = parser.parse_args()
     if (sorted(set(args.checkpoints)) != args.checkpoints or args.checkpoints[0] < 1 or args.lr <= 0
             or min(args.prompts, args.samples_per_prompt, args.grad_samples) < 1 or args.seed < 0):

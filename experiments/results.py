@@ -262,7 +262,8 @@ def sweep(scripts, seeds, runs_dir, only, quick):
     failed = []
     for seed in seeds:
         folder = os.path.join(os.path.relpath(runs_dir, ROOT), f"seed{seed}")
-        fresh = False                                                    # this seed's SFT policy was (re)trained just now
+        # this seed's SFT policy was (re)trained just now
+        fresh = False
         print(f"seed {seed}: {folder}", flush=True)
         for name in wanted:
             module, stem = scripts[name], FILES.get(name, name)
@@ -334,12 +335,14 @@ def figures(results, labels, out_dir):
         for ax, (names, title, xlabel) in zip(axes[0], panels):
             for name in names:
                 xs, mean, lo, hi = mean_curve([r["curve"] for r in policies[name]], x=x)
-                line, = ax.plot(xs, mean, marker="o", markersize=3, label=f"{labels[name]} ({plural(len(policies[name]), 'seed')})")
+                line, = ax.plot(xs, mean, marker="o", markersize=3,
+                                label=f"{labels[name]} ({plural(len(policies[name]), 'seed')})")
                 ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2, linewidth=0)
             ax.set(title=title, xlabel=xlabel, ylabel="held-out greedy accuracy")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8, loc="best")
-        fig.suptitle("held-out greedy accuracy: mean over seeds, min-max shaded (python experiments/results.py)", fontsize=10)
+        fig.suptitle("held-out greedy accuracy: mean over seeds, min-max shaded (python experiments/results.py)",
+                     fontsize=10)
         fig.tight_layout()
         path = os.path.join(out_dir, file)
         fig.savefig(path, dpi=120)
@@ -399,8 +402,10 @@ def main():
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds (each with its own SFT policy)")
     parser.add_argument("--only", nargs="+", default=None, help="run only these scripts (names without .py; the SFT "
                         "policy, and the reward model where needed, are trained too); the table shows every finished run")
-    parser.add_argument("--table_only", action="store_true", help="only rebuild the table and figures from the runs there")
-    parser.add_argument("--quick", action="store_true", help="tiny settings (a smoke test of the pipeline), in results/quick/")
+    parser.add_argument("--table_only", action="store_true",
+                        help="only rebuild the table and figures from the runs there")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny settings (a smoke test of the pipeline), in results/quick/")
     parser.add_argument("--dir", default=None, help="output folder (default results/, or results/quick/ with --quick); "
                         "the runs go to <dir>/runs/seed<s>/")
     args = parser.parse_args()

@@ -119,7 +119,8 @@ def measure(name, args):
     log = rows(os.path.join(base, "straight"), script)
     steps = [r for r in log if r["step"] > 0]
     elapsed = [r["elapsed_s"] for r in steps]                     # from the start of update 1 to each update's log line
-    times = [elapsed[0]] + [b - a for a, b in zip(elapsed[:-2], elapsed[1:-1])]   # updates 1..N-1 (N has the evaluation)
+    # updates 1..N-1 (N has the evaluation)
+    times = [elapsed[0]] + [b - a for a, b in zip(elapsed[:-2], elapsed[1:-1])]
     a_ckpt = load_checkpoint(os.path.join(base, "straight", f"{script[:-3]}.pt"))[1]["model"]
     b_ckpt = load_checkpoint(os.path.join(base, f"update{args.updates}.pt"))[1]["model"]
     same = all(torch.equal(a_ckpt[k], b_ckpt[k]) for k in a_ckpt)

@@ -80,7 +80,8 @@ class _EntropyTorch(torch.autograd.Function):
             log_sum[start:stop] = logp.exp().sum(dim=-1).log_()  # [n]
             logp = logp.sub_(log_sum[start:stop, None])  # [n, V] log p
             p = logp.exp()
-            out[start:stop] = -torch.where(p == 0, 0.0, p * logp).sum(-1)  # H = -sum p log p, 0 log 0 = 0; NaN stays NaN
+            # H = -sum p log p, 0 log 0 = 0; NaN stays NaN
+            out[start:stop] = -torch.where(p == 0, 0.0, p * logp).sum(-1)
             row_max[start:stop] = m
         ctx.save_for_backward(logits, row_max, log_sum, out)
         ctx.inv_temp, ctx.chunk_rows = inv_temp, chunk_rows
@@ -272,7 +273,8 @@ if __name__ == "__main__":
     path = "Triton" if use_triton(torch.empty(0, device=device)) else "PyTorch"
     print(f"entropy vs entropy_reference, {path} path on {device}")
     ok = True
-    for shape, dtype, temp in [((3, 9, 1000), torch.float32, 1.0), ((2, 6, 37), torch.bfloat16, 0.7), ((4, 1), torch.float16, 2.0)]:
+    for shape, dtype, temp in [((3, 9, 1000), torch.float32, 1.0), ((2, 6, 37), torch.bfloat16, 0.7), ((4, 1),
+                                                                                                       torch.float16, 2.0)]:
         base = (3 * torch.randn(shape, device=device)).to(dtype).requires_grad_()
         logits = base[:, :-1] if base.dim() == 3 else base  # [B, T-1, V]: a slice, read in place
         grad_out = torch.randn(logits.shape[:-1], device=device)

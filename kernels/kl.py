@@ -113,7 +113,8 @@ class _KLTorch(torch.autograd.Function):
         B, T, V = p3.shape
         inv_temp = 1.0 / temperature
         out = torch.empty(B * T, dtype=torch.float32, device=logits_p.device)  # [N] KL
-        row_max_p, log_sum_p, row_max_q, log_sum_q = torch.empty((4, B * T), dtype=torch.float32, device=logits_p.device)
+        row_max_p, log_sum_p, row_max_q, log_sum_q = torch.empty((4, B * T), dtype=torch.float32,
+                                                                 device=logits_p.device)
         for start, stop in chunk_ranges(p3, chunk_rows):
             rows = slice(start, stop)
             logp, row_max_p[rows], log_sum_p[rows] = _log_softmax_rows(take_rows(p3, start, stop).float() * inv_temp)
@@ -268,7 +269,8 @@ def _kl_fwd(logits_p, logits_q, inv_temp, config):
     p3, q3 = as_rows(logits_p), as_rows(logits_q)  # [B, T, V] views
     B, T, V = p3.shape
     out = torch.empty(B * T, dtype=torch.float32, device=logits_p.device)  # [N]
-    stats = torch.empty((4, B * T), dtype=torch.float32, device=logits_p.device)  # row_max_p, log_sum_p, row_max_q, log_sum_q
+    # row_max_p, log_sum_p, row_max_q, log_sum_q
+    stats = torch.empty((4, B * T), dtype=torch.float32, device=logits_p.device)
     if B * T == 0:
         return out, stats
     _kl_fwd_kernel[(B * T,)](
@@ -348,7 +350,8 @@ if __name__ == "__main__":
     path = "Triton" if use_triton(torch.empty(0, device=device)) else "PyTorch"
     print(f"kl vs kl_reference, {path} path on {device}")
     ok = True
-    for shape, dtype, temp in [((3, 9, 1000), torch.float32, 1.0), ((2, 6, 37), torch.bfloat16, 0.7), ((4, 1), torch.float16, 2.0)]:
+    for shape, dtype, temp in [((3, 9, 1000), torch.float32, 1.0), ((2, 6, 37), torch.bfloat16, 0.7), ((4, 1),
+                                                                                                       torch.float16, 2.0)]:
         base = (3 * torch.randn(shape, device=device)).to(dtype).requires_grad_()
         logits_p = base[:, :-1] if base.dim() == 3 else base  # [B, T-1, V]: a slice, read in place
         logits_q = (logits_p.detach().float() + torch.randn(logits_p.shape, device=device)).to(dtype)

@@ -95,7 +95,8 @@ class _LinearLogprobsTorch(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, temperature, chunk_rows, chunk_vocab):
         C, V = hidden.shape[-1], weight.shape[0]
         inv_temp = 1.0 / temperature
-        h_scaled = hidden.reshape(-1, C).float() * inv_temp  # [N, C] float32 hidden / temp: h_scaled @ w.T = logits / temp
+        # [N, C] float32 hidden / temp: h_scaled @ w.T = logits / temp
+        h_scaled = hidden.reshape(-1, C).float() * inv_temp
         N = h_scaled.shape[0]
         targets = targets.reshape(-1).to(torch.int64)  # [N]
         row_max = torch.full((N,), float("-inf"), device=hidden.device)  # [N] running max of x
@@ -108,11 +109,13 @@ class _LinearLogprobsTorch(torch.autograd.Function):
                 rows = slice(n0, n0 + chunk_rows)
                 n = h_scaled[rows].shape[0]
                 x = torch.mm(h_scaled[rows], w.T, out=buf[:n, : w.shape[0]])  # [n, v] x = logits / temp
-                hit = ((targets[rows] >= v0) & (targets[rows] < v0 + w.shape[0])).nonzero().squeeze(1)  # targets in this chunk
+                # targets in this chunk
+                hit = ((targets[rows] >= v0) & (targets[rows] < v0 + w.shape[0])).nonzero().squeeze(1)
                 x_t[n0 + hit] = x[hit, targets[n0 + hit] - v0]  # their x[t]
                 # Online logsumexp (Milakov & Gimelshein 2018) across vocabulary chunks.
                 m_new = torch.maximum(row_max[rows], x.amax(dim=1))  # [n]
-                row_sum[rows] = row_sum[rows] * torch.exp(row_max[rows] - m_new) + x.sub_(m_new[:, None]).exp_().sum(dim=1)
+                row_sum[rows] = row_sum[rows] * torch.exp(row_max[rows] - m_new) + x.sub_(m_new[:,
+                                                                                                None]).exp_().sum(dim=1)
                 row_max[rows] = m_new
         log_sum = row_sum.log_()  # [N]
         out = (x_t - row_max) - log_sum  # logprob = x[t] - lse, as (x[t] - m) - log_sum
@@ -187,7 +190,8 @@ def _logits_block(
                     mask=(cols[:, None] < V) & (cs[None, :] < C), other=0.0)  # [BLOCK_V, BLOCK_C]
         if UPCAST:  # the interpreter's bfloat16 workaround (see launch_config)
             h, w = h.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(h, tl.trans(w), acc, input_precision="ieee")  # float32 accumulation; "ieee": no TF32 for float32 inputs
+        # float32 accumulation; "ieee": no TF32 for float32 inputs
+        acc = tl.dot(h, tl.trans(w), acc, input_precision="ieee")
     return tl.where(cols[None, :] < V, acc * inv_temperature, float("-inf"))
 
 
@@ -360,11 +364,14 @@ def _linear_logprobs_bwd(hidden, weight, targets, row_max, log_sum, grad_out, in
     grad_h = torch.zeros((N, C), dtype=torch.float32, device=h.device) if want_hidden else None
     grad_w = torch.zeros((V, C), dtype=torch.float32, device=h.device) if want_weight else None
     config = launch_config(N, V, C, h.dtype)
-    args = (h, h.stride(0), h.stride(1), weight, weight.stride(0), weight.stride(1), targets, row_max, log_sum, grad_out)
+    args = (h, h.stride(0), h.stride(1), weight, weight.stride(0), weight.stride(1), targets, row_max, log_sum,
+            grad_out)
     if want_hidden and N > 0:
-        _linear_logprobs_bwd_hidden_kernel[(triton.cdiv(N, config["BLOCK_N"]),)](*args, grad_h, N, V, C, inv_temp, **config)
+        _linear_logprobs_bwd_hidden_kernel[(triton.cdiv(N, config["BLOCK_N"]),)](*args, grad_h, N, V, C, inv_temp,
+                                                                                 **config)
     if want_weight and N > 0:
-        _linear_logprobs_bwd_weight_kernel[(triton.cdiv(V, config["BLOCK_V"]),)](*args, grad_w, N, V, C, inv_temp, **config)
+        _linear_logprobs_bwd_weight_kernel[(triton.cdiv(V, config["BLOCK_V"]),)](*args, grad_w, N, V, C, inv_temp,
+                                                                                 **config)
     return grad_h, grad_w
 
 

@@ -118,9 +118,11 @@ class _LogprobsTorch(torch.autograd.Function):
         buf = torch.empty((min(ctx.chunk_rows, B * T), V), dtype=torch.float32, device=logits.device)
         for start, stop in chunk_ranges(x3, ctx.chunk_rows):
             chunk = take_rows(x3, start, stop)
-            d = torch.add(-row_max[start:stop, None], chunk, alpha=ctx.inv_temp, out=buf[: stop - start]).exp_()  # [n, V] s * softmax
+            # [n, V] s * softmax
+            d = torch.add(-row_max[start:stop, None], chunk, alpha=ctx.inv_temp, out=buf[: stop - start]).exp_()
             d.mul_(neg_g_over_s[start:stop, None])  # -(grad / temp) softmax
-            d[torch.arange(stop - start, device=d.device), targets[start:stop]] += g[start:stop]  # + grad / temp at the target, float32
+            # + grad / temp at the target, float32
+            d[torch.arange(stop - start, device=d.device), targets[start:stop]] += g[start:stop]
             grad[start:stop] = d  # cast to the logits' dtype on the copy
         return grad.view(logits.shape), None, None, None
 
@@ -303,7 +305,8 @@ if __name__ == "__main__":
     path = "Triton" if use_triton(torch.empty(0, device=device)) else "PyTorch"
     print(f"logprobs vs logprobs_reference, {path} path on {device}")
     ok = True
-    for shape, dtype, temp in [((3, 9, 1000), torch.float32, 1.0), ((2, 6, 37), torch.bfloat16, 0.7), ((4, 1), torch.float16, 2.0)]:
+    for shape, dtype, temp in [((3, 9, 1000), torch.float32, 1.0), ((2, 6, 37), torch.bfloat16, 0.7), ((4, 1),
+                                                                                                       torch.float16, 2.0)]:
         base = (3 * torch.randn(shape, device=device)).to(dtype).requires_grad_()
         logits = base[:, :-1] if base.dim() == 3 else base  # [B, T-1, V]: a slice, read in place
         targets = torch.randint(0, shape[-1], logits.shape[:-1], device=device)

@@ -71,7 +71,8 @@ def ref_value(tree):
 
 
 def fully_parenthesised(tree):
-    return str(tree) if isinstance(tree, int) else f"({fully_parenthesised(tree[1])}{tree[0]}{fully_parenthesised(tree[2])})"
+    return str(tree) if isinstance(tree,
+                                   int) else f"({fully_parenthesised(tree[1])}{tree[0]}{fully_parenthesised(tree[2])})"
 
 
 def test_score_countdown_agrees_with_a_reference_on_random_expressions():

@@ -53,7 +53,8 @@ def assert_same_update(a, b, keys):
     scale = max(d.abs().max().item() for d in da.values())
     assert scale > 0                                                   # the step did update the weights
     for k in da:
-        torch.testing.assert_close(db[k], da[k], rtol=1e-4, atol=1e-4 * scale, msg=k)  # atol: float32 rounding of w - w0
+        # atol: float32 rounding of w - w0
+        torch.testing.assert_close(db[k], da[k], rtol=1e-4, atol=1e-4 * scale, msg=k)
     for k in keys:
         assert mb[k] == pytest.approx(ma[k], rel=1e-5, abs=1e-7), (k, ma[k], mb[k])
 

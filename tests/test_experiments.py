@@ -107,7 +107,8 @@ def test_discover_the_repository_and_the_commands():
                                                           os.path.join(d, "sft.pt"), "--rm", os.path.join(d, "rm.pt")]
     quick = results.command(found["grpo"], "grpo", 1, d, quick=True)
     assert results.step_limit(found["grpo"], quick) == 4 and "--eval_n" in quick
-    assert results.step_limit(found["reward_model"], results.command(found["reward_model"], "reward_model", 1, d)) == 128
+    assert results.step_limit(found["reward_model"], results.command(found["reward_model"], "reward_model", 1,
+                                                                     d)) == 128
 
 
 def write_run(folder, name, limit, every, accuracies):
@@ -143,7 +144,8 @@ def test_table_only_end_to_end_on_synthetic_runs(tmp_path):
 
 
 def test_bad_input_is_refused(tmp_path):
-    refused(run_script("experiments/results.py", ["--only", "nosuchscript", "--dir", str(tmp_path)]), "--only", "nosuchscript")
+    refused(run_script("experiments/results.py", ["--only", "nosuchscript", "--dir", str(tmp_path)]), "--only",
+            "nosuchscript")
     refused(run_script("experiments/results.py", ["--table_only", "--dir", str(tmp_path)]), "no finished runs")
 
 
@@ -264,8 +266,10 @@ def test_forward_fit_matches_the_moments_and_covers_both_peaks():
     p_mean, p_var = frk.moments(x, log_p)
     for mu0 in (-4.0, 4.0):
         mu, sigma, _ = frk.fit(x, log_p, "forward", mu0)
-        q_mean, q_var = frk.moments(x, frk.log_gaussian(x, torch.tensor(mu).double(), torch.tensor(math.log(sigma)).double()))
-        assert q_mean.item() == pytest.approx(p_mean.item(), abs=2e-3) and q_var.item() == pytest.approx(p_var.item(), rel=2e-3)
+        q_mean, q_var = frk.moments(x, frk.log_gaussian(x, torch.tensor(mu).double(),
+                                                        torch.tensor(math.log(sigma)).double()))
+        assert q_mean.item() == pytest.approx(p_mean.item(), abs=2e-3) and q_var.item() == pytest.approx(p_var.item(),
+                                                                                                         rel=2e-3)
         assert -2.0 < mu < 2.0 and sigma > 2.0
 
 

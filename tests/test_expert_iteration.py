@@ -12,7 +12,7 @@ import torch
 import task
 from conftest import refused, run_script
 from expert_iteration import demonstrations, hindsight_pairs, minibatches, reward_model_scores, round_counts, select
-from model import GPT, GPTConfig, ScalarGPT, Tokenizer, load_checkpoint, save_checkpoint
+from model import GPTConfig, ScalarGPT, Tokenizer, load_checkpoint, save_checkpoint
 
 
 # -----------------------------------------------------------------------------
@@ -99,7 +99,8 @@ def test_minibatches_are_full_passes_over_the_data(n, batch_size, epochs):
 
 def test_round_counts_hand_worked():
     prompts = ["3+4*2=", "3*4+2="]                                            # a precedence problem, another
-    texts = ["4*2=8,3+8=11#11", "3+4=7,7*2=14#14", "4*2=8,3+8=11#11",         # right, left to right (wrong), right again
+    # right, left to right (wrong), right again
+    texts = ["4*2=8,3+8=11#11", "3+4=7,7*2=14#14", "4*2=8,3+8=11#11",
              "3*4=12,12+2=14#14", "3*4=12,12+2=15#15", "oops"]                # right, wrong, wrong
     rewards = torch.tensor([[task.reward(prompts[i], t) for t in texts[i * 3:(i + 1) * 3]] for i in range(2)])
     assert rewards.tolist() == [[1.0, 0.0, 1.0], [1.0, 0.0, 0.0]]
@@ -143,7 +144,8 @@ def test_a_resumed_run_is_the_uninterrupted_run(restart, tiny_sft, tmp_path):
     p = run_script("expert_iteration.py", flags + ["--rounds", "3", "--out", parts, "--resume"])
     assert p.returncode == 0, p.stderr
     assert "resuming from" in p.stdout
-    a, b = load_checkpoint(os.path.join(whole, "expert_iteration.pt"))[1], load_checkpoint(os.path.join(parts, "expert_iteration.pt"))[1]
+    a, b = load_checkpoint(os.path.join(whole, "expert_iteration.pt"))[1], load_checkpoint(os.path.join(parts,
+                                                                                                        "expert_iteration.pt"))[1]
     assert a["step"] == b["step"] == 3 and a["samples"] == b["samples"] == 3 * 8 * 4
     assert a["kept_so_far"] == b["kept_so_far"]
     for k in a["model"]:
@@ -178,7 +180,8 @@ def test_reward_model_selection_keeps_one_per_prompt_and_counts_its_wrong_picks(
     for r in read_metrics(out)[1:]:
         assert r["kept_per_prompt"] == 1.0 and r["kept_fraction"] == 0.25   # the best of N = 4, for every prompt
         assert 0 <= r["kept_wrong"] <= 1 and r["missed_correct"] <= r["solved"]
-    assert any(r["kept_wrong"] > 0 for r in read_metrics(out)[1:])          # a blind pick on a weak policy is often wrong
+    # a blind pick on a weak policy is often wrong
+    assert any(r["kept_wrong"] > 0 for r in read_metrics(out)[1:])
 
 
 def test_hindsight_keeps_exactly_the_left_to_right_failures_for_the_parenthesised_problem():
@@ -203,7 +206,8 @@ def test_demonstrations_are_correct_derivations_of_training_prompts():
     pairs = demonstrations(random.Random(0), 50, 0.5, tok)
     assert len(pairs) == 50
     for p, c in pairs:
-        assert p not in held and tok.decode(list(c)) == task.demonstration(p) and task.reward(p, tok.decode(list(c))) == 1.0
+        assert p not in held and tok.decode(list(c)) == task.demonstration(p) and task.reward(p,
+                                                                                              tok.decode(list(c))) == 1.0
 
 
 def test_hindsight_and_demos_in_the_round_data(tiny_sft, tmp_path):

@@ -502,7 +502,8 @@ def row_case(case_id, fn, edge, value, grad, temp=1.0, atol=(1e-6, 1e-6)):
     else:
         rows = [edge, (healthy[0],)]
         ok_value, ok_grad = formula_entropy(healthy[0], temp)
-    inputs = [torch.tensor([r[i] for r in rows]) for i in range(len(edge))]  # logits [2, V] (and q [2, V] or targets [2])
+    # logits [2, V] (and q [2, V] or targets [2])
+    inputs = [torch.tensor([r[i] for r in rows]) for i in range(len(edge))]
     return pytest.param(fn, inputs, temp, [[value, ok_value]], [[grad, ok_grad]], atol, id=f"{fn}-{case_id}")
 
 
@@ -513,7 +514,8 @@ def linear_case(case_id, hidden, weight, targets, value=None, grad_h=None, grad_
         value, grad_h, grad_w = formula_linear(hidden, weight, targets, temp)
     C = len(weight[0])
     inputs = [torch.tensor(hidden).reshape(-1, C), torch.tensor(weight), torch.tensor(targets, dtype=torch.long)]
-    return pytest.param("linear_logprobs", inputs, temp, [value], [grad_h, grad_w], atol, id=f"linear_logprobs-{case_id}")
+    return pytest.param("linear_logprobs", inputs, temp, [value], [grad_h, grad_w], atol,
+                        id=f"linear_logprobs-{case_id}")
 
 
 NAN3 = [NAN] * 3
@@ -529,8 +531,10 @@ EDGE_CASES = [
     row_case("target_at_neg_inf", "logprobs", ([0.0, -INF, 0.0], 1), -INF, [-0.5, 1.0, -0.5]),
     row_case("all_neg_inf", "logprobs", ([-INF] * 3, 0), NAN, NAN3),
     row_case("tiny_temp_argmax", "logprobs", ([0.0, 1.0, 2.0], 0), -2000.0, [1000.0, 0.0, -1000.0], temp=MIN_T),
-    row_case("tiny_temp", "logprobs", ([0.0, 1e-3, 2e-3], 1), *formula_logprobs([0.0, 1e-3, 2e-3], 1, MIN_T), temp=MIN_T, atol=(1e-6, 1e-3)),
-    row_case("huge_temp", "logprobs", ([0.0, 1.0, 2.0], 2), *formula_logprobs([0.0, 1.0, 2.0], 2, MAX_T), temp=MAX_T, atol=(1e-6, 1e-9)),
+    row_case("tiny_temp", "logprobs", ([0.0, 1e-3, 2e-3], 1), *formula_logprobs([0.0, 1e-3, 2e-3], 1, MIN_T),
+             temp=MIN_T, atol=(1e-6, 1e-3)),
+    row_case("huge_temp", "logprobs", ([0.0, 1.0, 2.0], 2), *formula_logprobs([0.0, 1.0, 2.0], 2, MAX_T), temp=MAX_T,
+             atol=(1e-6, 1e-9)),
     row_case("V1", "logprobs", ([5.0], 0), 0.0, [0.0]),
     row_case("V1_neg_inf", "logprobs", ([-INF], 0), NAN, [NAN]),
     # --- kl: (p row, q row) -> KL(p || q), gradient row w.r.t. p ------------------------------
@@ -547,17 +551,22 @@ EDGE_CASES = [
     row_case("all_neg_inf_q", "kl", ([0.0, 0.0, 0.0], [-INF] * 3), NAN, NAN3),
     # temp 1e-3: p = one-hot at 2, q = one-hot at 0 (up to e^-1000): KL = 2000, gradient 0
     row_case("tiny_temp_argmax", "kl", ([0.0, 1.0, 2.0], [2.0, 1.0, 0.0]), 2000.0, [0.0, 0.0, 0.0], temp=MIN_T),
-    row_case("tiny_temp", "kl", ([0.0, 1e-3, 2e-3], [2e-3, 0.0, 1e-3]), *formula_kl([0.0, 1e-3, 2e-3], [2e-3, 0.0, 1e-3], MIN_T), temp=MIN_T, atol=(1e-6, 1e-3)),
-    row_case("huge_temp", "kl", ([0.0, 1.0, 2.0], [2.0, 1.0, 0.0]), *formula_kl([0.0, 1.0, 2.0], [2.0, 1.0, 0.0], MAX_T), temp=MAX_T, atol=(3e-7, 1e-9)),
+    row_case("tiny_temp", "kl", ([0.0, 1e-3, 2e-3], [2e-3, 0.0, 1e-3]), *formula_kl([0.0, 1e-3, 2e-3], [2e-3, 0.0,
+                                                                                                        1e-3], MIN_T), temp=MIN_T, atol=(1e-6, 1e-3)),
+    row_case("huge_temp", "kl", ([0.0, 1.0, 2.0], [2.0, 1.0, 0.0]), *formula_kl([0.0, 1.0, 2.0], [2.0, 1.0, 0.0],
+                                                                                MAX_T), temp=MAX_T, atol=(3e-7, 1e-9)),
     row_case("V1", "kl", ([5.0], [-3.0]), 0.0, [0.0]),
     # --- entropy: (logits row,) -> H, gradient row --------------------------------------------
     row_case("nan_logit", "entropy", ([0.0, NAN, 1.0],), NAN, NAN3),
     row_case("pos_inf_logit", "entropy", ([0.0, INF, 1.0],), NAN, NAN3),
-    row_case("neg_inf_logit", "entropy", ([0.0, -INF, LOG3],), *formula_entropy([0.0, -INF, LOG3])),  # p = [1/4, 0, 3/4]
+    # p = [1/4, 0, 3/4]
+    row_case("neg_inf_logit", "entropy", ([0.0, -INF, LOG3],), *formula_entropy([0.0, -INF, LOG3])),
     row_case("all_neg_inf", "entropy", ([-INF] * 3,), NAN, NAN3),
     row_case("tiny_temp_argmax", "entropy", ([0.0, 1.0, 2.0],), 0.0, [0.0, 0.0, 0.0], temp=MIN_T),
-    row_case("tiny_temp", "entropy", ([0.0, 1e-3, 2e-3],), *formula_entropy([0.0, 1e-3, 2e-3], MIN_T), temp=MIN_T, atol=(1e-6, 1e-3)),
-    row_case("huge_temp", "entropy", ([0.0, 1.0, 2.0],), *formula_entropy([0.0, 1.0, 2.0], MAX_T), temp=MAX_T, atol=(1e-6, 1e-9)),
+    row_case("tiny_temp", "entropy", ([0.0, 1e-3, 2e-3],), *formula_entropy([0.0, 1e-3, 2e-3], MIN_T), temp=MIN_T,
+             atol=(1e-6, 1e-3)),
+    row_case("huge_temp", "entropy", ([0.0, 1.0, 2.0],), *formula_entropy([0.0, 1.0, 2.0], MAX_T), temp=MAX_T,
+             atol=(1e-6, 1e-9)),
     row_case("V1", "entropy", ([5.0],), 0.0, [0.0]),
     # --- linear_logprobs: (hidden [2, C], weight [V, C], targets [2]) -> log-probs, d hidden, d weight
     # a NaN or inf in hidden_0: token 0 NaN (and its hidden gradient), token 1 intact, all of d weight NaN
@@ -626,7 +635,8 @@ def test_temperature_range(bad):
     calls = [("logprobs", (x, t)), ("kl", (x, x)), ("entropy", (x,)), ("linear_logprobs", (x, torch.randn(3, 5), t))]
     for name, args in calls:
         for suffix in ("", "_torch", "_triton"):
-            with pytest.raises(ValueError, match=rf"temperature must lie in \[0.001, 1000\].*got {re.escape(repr(float(bad)))}"):
+            with pytest.raises(ValueError,
+                               match=rf"temperature must lie in \[0.001, 1000\].*got {re.escape(repr(float(bad)))}"):
                 getattr(kernels, name + suffix)(*args, temperature=bad)
         for ok in (MIN_T, MAX_T):
             assert getattr(kernels, name + "_torch")(*args, temperature=ok).isfinite().all()
@@ -654,7 +664,8 @@ def test_dispatch():
     assert type(kernels.kl(x, x.detach()).grad_fn).__name__ == f"_KL{expect}Backward"
     assert type(kernels.entropy(x).grad_fn).__name__ == f"_Entropy{expect}Backward"
     w = torch.randn(3, 5, requires_grad=True)
-    assert type(kernels.linear_logprobs(x, w, torch.zeros(2, dtype=torch.long)).grad_fn).__name__ == f"_LinearLogprobs{expect}Backward"
+    assert type(kernels.linear_logprobs(x, w, torch.zeros(2,
+                                                          dtype=torch.long)).grad_fn).__name__ == f"_LinearLogprobs{expect}Backward"
     if HAS_CUDA and HAS_TRITON:
         y = x.detach().cuda().requires_grad_()
         assert type(kernels.entropy(y).grad_fn).__name__ == "_EntropyTritonBackward"
@@ -684,15 +695,19 @@ def test_pytorch_path_works_without_triton():
         "try:\n    kernels.entropy_triton(x)\nexcept RuntimeError as e:\n    assert 'not installed' in str(e)\n"
         "else:\n    raise AssertionError('entropy_triton ran without triton')\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], env=_child_env(), cwd=REPO, capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-c", code], env=_child_env(), cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
 
 
-@pytest.mark.skipif(not HAS_TRITON or HAS_CUDA or TRITON_INTERPRET, reason="Triton cases run in this process (CUDA or TRITON_INTERPRET=1), or Triton is missing")
+@pytest.mark.skipif(not HAS_TRITON or HAS_CUDA or TRITON_INTERPRET,
+                    reason="Triton cases run in this process (CUDA or TRITON_INTERPRET=1), or Triton is missing")
 def test_interpreted_kernels_subprocess():
     """Run this file's `triton_path` and `dispatch` tests under TRITON_INTERPRET=1 in a child."""
-    cmd = [sys.executable, "-m", "pytest", os.path.abspath(__file__), "-q", "-p", "no:cacheprovider", "-k", "triton_path or dispatch"]
-    run = subprocess.run(cmd, env=_child_env(TRITON_INTERPRET="1"), cwd=REPO, capture_output=True, text=True, timeout=900)
+    cmd = [sys.executable, "-m", "pytest", os.path.abspath(__file__), "-q", "-p", "no:cacheprovider", "-k",
+           "triton_path or dispatch"]
+    run = subprocess.run(cmd, env=_child_env(TRITON_INTERPRET="1"), cwd=REPO, capture_output=True, text=True,
+                         timeout=900)
     tail = (run.stdout + run.stderr)[-6000:]
     assert run.returncode == 0, tail
     assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1], tail

@@ -29,7 +29,8 @@ import torch
 
 import kernels
 from kernels import HAS_TRITON, TRITON_INTERPRET
-from test_kernels import fresh_seed, nan_filled_empty  # noqa: F401  (the same autouse fixtures: NaN-filled torch.empty, a fresh seed)
+# noqa: F401  (the same autouse fixtures: NaN-filled torch.empty, a fresh seed)
+from test_kernels import fresh_seed, nan_filled_empty
 
 HAS_CUDA = torch.cuda.is_available()
 TRITON_HERE = HAS_TRITON and (HAS_CUDA or TRITON_INTERPRET)
@@ -73,7 +74,8 @@ def check(impl, hidden, weight, targets, temperature, grad_out, base=None, small
     hd, wd = hidden.detach().cpu().double(), weight.detach().cpu().double()
     # value: x = logits / temp is off by a few eps32 of sum_c |h_c w_vc| / temp (largest in the row)
     x_err = 8 * EPS32 * (hd.abs() @ wd.abs().T).amax(-1, keepdim=True) / temperature  # [..., 1]
-    torch.testing.assert_close(out.detach().cpu().double(), value.detach(), rtol=1e-5, atol=1e-6 + 2 * x_err.max().item())
+    torch.testing.assert_close(out.detach().cpu().double(), value.detach(), rtol=1e-5,
+                               atol=1e-6 + 2 * x_err.max().item())
     # gradients: per entry of dx = (grad / temp)(onehot - p), the rounding of dx to the inputs'
     # dtype and float32 sums (relative to onehot + p), p's own error from x's (p * 2 x_err), and
     # float32 underflow; carried through the products with |weight| or |hidden|; plus the
@@ -156,7 +158,8 @@ def test_hand_worked(impl):
     assert out.item() == pytest.approx(math.log(0.5), rel=1e-6)
     out.sum().backward()
     dx = [-1 / 6, -2 / 6, 1 - 3 / 6]  # onehot - p
-    assert h.grad.item() == pytest.approx(sum(d * wv for d, wv in zip(dx, [0.0, 1.0, math.log(3) / math.log(2)])), rel=1e-5)
+    assert h.grad.item() == pytest.approx(sum(d * wv for d, wv in zip(dx, [0.0, 1.0, math.log(3) / math.log(2)])),
+                                          rel=1e-5)
     assert w.grad.flatten().tolist() == pytest.approx([d * math.log(2) for d in dx], rel=1e-5)
 
 
@@ -199,12 +202,14 @@ def test_triton_path_out_of_range_is_nan():
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.skipif(not HAS_TRITON or HAS_CUDA or TRITON_INTERPRET, reason="Triton cases run in this process, or Triton is missing")
+@pytest.mark.skipif(not HAS_TRITON or HAS_CUDA or TRITON_INTERPRET,
+                    reason="Triton cases run in this process, or Triton is missing")
 def test_interpreted_linear_logprobs_subprocess():
     """Run this file's `triton_path` tests under TRITON_INTERPRET=1 in a child pytest."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "pytest", os.path.abspath(__file__), "-q", "-p", "no:cacheprovider", "-k", "triton_path"]
+    cmd = [sys.executable, "-m", "pytest", os.path.abspath(__file__), "-q", "-p", "no:cacheprovider", "-k",
+           "triton_path"]
     run = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
     tail = (run.stdout + run.stderr)[-6000:]
     assert run.returncode == 0, tail

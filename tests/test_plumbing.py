@@ -153,7 +153,8 @@ def test_a_fresh_run_killed_before_its_first_checkpoint_leaves_no_older_checkpoi
     p.kill()
     p.wait()
     assert not os.path.exists(os.path.join(out, "grpo.pt"))
-    logged = steps_logged(out)                                         # this run logs even steps, the earlier every step
+    # this run logs even steps, the earlier every step
+    logged = steps_logged(out)
     assert logged[:2] == [0, 2] and all(s % 2 == 0 for s in logged), logged
     refused(run_script("grpo.py", TINY_RL + ["--init", tiny_sft, "--resume", "--steps", "5", "--out", out]),
             "no checkpoint at")
@@ -166,7 +167,8 @@ def test_ctrl_c_during_the_starting_evaluation_then_resume_logs_step_0_once(tiny
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     p = subprocess.Popen([sys.executable, "grpo.py", *flags, "--steps", "1000"], cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, env=env)
-    for line in p.stdout:                                             # the start line; the evaluation of all 512 follows
+    # the start line; the evaluation of all 512 follows
+    for line in p.stdout:
         if line.startswith("GRPO:"):
             break
     p.send_signal(signal.SIGINT)
@@ -234,7 +236,8 @@ def test_a_script_run_from_another_directory_builds_its_prerequisite_where_it_lo
     assert p.returncode == 0, p.stderr[-2000:]
     assert "building it first" in p.stdout and "done: 1 steps" in p.stdout
     assert os.path.exists(tmp_path / "out" / "rm.pt") and os.path.exists(tmp_path / "out" / "ppo.pt")
-    assert (os.path.getmtime(repo_rm) if os.path.exists(repo_rm) else None) == before   # the repository's out/ untouched
+    # the repository's out/ untouched
+    assert (os.path.getmtime(repo_rm) if os.path.exists(repo_rm) else None) == before
 
 
 # -----------------------------------------------------------------------------
@@ -290,7 +293,8 @@ def test_resume_with_the_log_missing_still_finishes(tiny_sft, tmp_path):
     os.remove(os.path.join(out, "dpo", "metrics.jsonl"))
     p = run_script("dpo.py", tiny + ["--steps", "3", "--resume"])
     assert p.returncode == 0, p.stderr
-    assert "done: 3 steps" in p.stdout and "->" in p.stdout                # the summary's "before" comes from the checkpoint
+    # the summary's "before" comes from the checkpoint
+    assert "done: 3 steps" in p.stdout and "->" in p.stdout
     assert steps_logged(out, "dpo") == [3]
 
 
@@ -341,12 +345,14 @@ def test_resume_refuses_another_init_another_scripts_checkpoint_and_a_lower_step
     with torch.no_grad():
         model.wte.weight.add_(0.01)
     save_checkpoint(retrained, model, ckpt["tokenizer"], step=ckpt["step"])
-    assert run_script("grpo.py", TINY_RL + ["--out", str(tmp_path / "r2"), "--steps", "1", "--init", retrained]).returncode == 0
+    assert run_script("grpo.py", TINY_RL + ["--out", str(tmp_path / "r2"), "--steps", "1", "--init",
+                                            retrained]).returncode == 0
     save_checkpoint(retrained, load_checkpoint(tiny_sft)[0], ckpt["tokenizer"], step=ckpt["step"])
     refused(run_script("grpo.py", TINY_RL + ["--out", str(tmp_path / "r2"), "--steps", "2", "--init", retrained, "--resume"]),
             "holds other weights now")
     refused(run_script("grpo.py", common + ["--steps", "1", "--init", tiny_sft, "--resume"]), "step 2", "limit of 1")
     shutil.copy(os.path.join(out, "grpo.pt"), os.path.join(out, "rloo.pt"))   # another script's checkpoint
-    refused(run_script("rloo.py", common + ["--steps", "3", "--init", tiny_sft, "--resume"]), "written by grpo.py", "rloo.py")
+    refused(run_script("rloo.py", common + ["--steps", "3", "--init", tiny_sft, "--resume"]), "written by grpo.py",
+            "rloo.py")
     refused(run_script("rloo.py", common[:-2] + ["--out", str(tmp_path / "none"), "--init", tiny_sft, "--resume"]),
             "no checkpoint at")

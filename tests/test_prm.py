@@ -12,7 +12,7 @@ import torch
 import prm
 import task
 from conftest import refused, run_script
-from model import GPT, GPTConfig, ScalarGPT, Tokenizer, load_checkpoint
+from model import GPT, GPTConfig, ScalarGPT, Tokenizer, load_checkpoint, scores_at
 
 
 # -----------------------------------------------------------------------------
@@ -77,7 +77,8 @@ def test_prm_loss_hand_worked_extremes_and_masked_junk():
     labels = torch.tensor([[1.0, float("nan"), 7.0]])
     loss = prm.prm_loss(z, labels, torch.tensor([[1.0, 0.0, 0.0]]))
     loss.backward()
-    assert loss.item() == pytest.approx(ref_bce(0.5, 1.0)) and torch.isfinite(z.grad).all() and z.grad[0, 1:].eq(0).all()
+    assert loss.item() == pytest.approx(ref_bce(0.5, 1.0)) and torch.isfinite(z.grad).all() and z.grad[0,
+                                                                                                       1:].eq(0).all()
     # nothing real: 0, with a zero gradient
     z = torch.randn(2, 3, requires_grad=True)
     loss = prm.prm_loss(z, torch.ones(2, 3), torch.zeros(2, 3))
@@ -106,6 +107,13 @@ def test_aggregate_steps_matches_float64_reference(how):
     torch.testing.assert_close(got, ref_aggregate(scores.tolist(), mask.tolist(), how))
 
 
+def test_aggregate_steps_with_no_steps_at_all_is_zero_not_an_index_error():
+    for how in ("min", "prod", "last", "mean"):
+        assert prm.aggregate_steps(torch.zeros(3, 0), torch.zeros(3, 0), how).tolist() == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="'median'"):
+        prm.aggregate_steps(torch.zeros(3, 0), torch.zeros(3, 0), "median")
+
+
 def test_aggregate_steps_hand_worked():
     s = torch.tensor([[0.9, 0.2, 0.8], [0.5, 0.7, 0.0]])
     m = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
@@ -124,9 +132,9 @@ def test_scores_are_read_at_each_steps_comma_and_at_the_eos():
     prompt, completion = "3+4*2=", "4*2=8,3+8=11#11"
     ids = tok.encode(completion)
     p = tok.encode(prompt)
-    assert prm.read_positions(p, ids, tok, "prm") == [6 + 5, 6 + 15]          # the ',' and the EOS, by hand
-    assert prm.read_positions(p, ids, tok, "orm") == [6 + 15]
-    assert prm.read_positions(p, tok.encode("4*2=8,"), tok, "prm", finished=False) == [6 + 5]
+    assert task.read_positions(p, ids, tok, "prm") == [6 + 5, 6 + 15]          # the ',' and the EOS, by hand
+    assert task.read_positions(p, ids, tok, "orm") == [6 + 15]
+    assert task.read_positions(p, tok.encode("4*2=8,"), tok, "prm", finished=False) == [6 + 5]
     tokens, attn, _ = task.completion_batch([prompt, "1+1+1="], [ids, tok.encode("1+1=2,2+1=3#3")], tok)
     recs = [{"prompt": prompt, "ids": ids}, {"prompt": "1+1+1=", "ids": tok.encode("1+1=2,2+1=3#3")}]
     _, _, positions, labels, mask = prm.verifier_batch(recs, [[1, 0], [1, 1]], tok, "prm", "cpu")
@@ -138,7 +146,7 @@ def test_scores_are_read_at_each_steps_comma_and_at_the_eos():
     model = ScalarGPT.from_policy(GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16)))
     torch.nn.init.normal_(model.head.weight)
     with torch.no_grad():
-        got = prm.step_logits(model, tokens, attn, positions, mask)
+        got = scores_at(model, tokens, attn, positions, mask)
         alone, alone_attn, _ = task.completion_batch([prompt], [ids], tok)
         full = model(alone, alone_attn)[0]
     torch.testing.assert_close(got[0], full[[11, 21]], atol=1e-5, rtol=1e-5)
@@ -165,7 +173,8 @@ class ScriptedPolicy(torch.nn.Module):
             rows += [self.tok.encode(text) + [eos_id] for text in self.script[prefix][:num_samples]]
         T = max(len(r) for r in rows)
         tokens = torch.tensor([r + [pad_id] * (T - len(r)) for r in rows])
-        return tokens, torch.tensor([[1.0] * len(r) + [0.0] * (T - len(r)) for r in rows]), torch.zeros(len(rows), dtype=torch.bool)
+        return tokens, torch.tensor([[1.0] * len(r) + [0.0] * (T - len(r)) for r in rows]), torch.zeros(len(rows),
+                                                                                                        dtype=torch.bool)
 
 
 def test_mc_labels_count_the_continuations_that_reach_the_answer():
@@ -174,7 +183,8 @@ def test_mc_labels_count_the_continuations_that_reach_the_answer():
                {"prompt": "3+4*2=", "text": "3+4=7,7*2=14#14"},            # left to right, wrong
                {"prompt": "3+4*2=", "text": "4*2=8,3+8=11#11"}]            # right
     for r in records:
-        r["ids"], r["outcome"], r["rule"] = tok.encode(r["text"]), task.reward(r["prompt"], r["text"]), task.step_labels(r["prompt"], r["text"])
+        r["ids"], r["outcome"], r["rule"] = tok.encode(r["text"]), task.reward(r["prompt"],
+                                                                               r["text"]), task.step_labels(r["prompt"], r["text"])
     script = {"9+8*1=9+8=17,": ["17*1=17#17", "17*1=18#18", "17*1=17#17", "17*1=16#16"],     # 2 of 4 right
               "3+4*2=3+4=7,": ["7*2=14#14"] * 4,                                            # 0 of 4
               "3+4*2=4*2=8,": ["3+8=11#11", "3+8=11#11", "3+8=11#11", "3+8=12#12"]}         # 3 of 4
@@ -186,6 +196,18 @@ def test_mc_labels_count_the_continuations_that_reach_the_answer():
     assert agreement["rule0_mc1"] == 2 and agreement["rule1_mc1"] == 2 and agreement["rule0_mc0"] == 2
     assert agreement["disagree_left_to_right_lucky"] == 2
     assert {(e["prompt"], e["step"]) for e in agreement["examples"]} == {("9+8*1=", 1), ("9+8*1=", 2)}
+
+
+def test_mc_continuations_get_what_remains_of_the_completions_budget():
+    """A continuation from the prefix '4*2=8,' (6 tokens) has 24 - 6 = 18 tokens left of the completion's budget: one
+    that reaches the right answer only at its 19th token does not count; given 64 tokens in all, it does."""
+    tok = Tokenizer()
+    text = "4*2=8,3+8=11#11"
+    records = [{"prompt": "3+4*2=", "text": text, "ids": tok.encode(text), "outcome": 1.0, "rule": [1, 1]}]
+    slow = " " * 12 + "3+8=11#11"                                       # 21 tokens: the answer ends at the 21st
+    script = {"3+4*2=4*2=8,": [slow] * 2}
+    assert prm.mc_labels(ScriptedPolicy(tok, script), tok, records, 2, 1.0, None, max_new_tokens=24) == [[0.0, 1.0]]
+    assert prm.mc_labels(ScriptedPolicy(tok, script), tok, records, 2, 1.0, None, max_new_tokens=64) == [[1.0, 1.0]]
 
 
 # -----------------------------------------------------------------------------
@@ -241,4 +263,5 @@ def test_script_refuses_bad_input(tmp_path):
     refused(run_script("prm.py", ["--n_prompts", "4", "--samples_per_prompt", "2", "--batch_size", "9", "--out", str(tmp_path)]),
             "--batch_size 9", "8 training completions")
     refused(run_script("prm.py", ["--labels", "human", "--out", str(tmp_path)]), "--labels")
-    refused(run_script("prm.py", ["--init", str(tmp_path / "nope.pt"), "--out", str(tmp_path)]), "no checkpoint at", "nope.pt")
+    refused(run_script("prm.py", ["--init", str(tmp_path / "nope.pt"), "--out", str(tmp_path)]), "no checkpoint at",
+            "nope.pt")

@@ -7,13 +7,15 @@ import json
 import math
 import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import search
 import task
-from conftest import refused, run_script
+from conftest import ROOT, refused, run_script
 from model import GPT, GPTConfig, ScalarGPT, Tokenizer, load_checkpoint, save_checkpoint
 
 
@@ -76,7 +78,8 @@ def test_a_step_is_what_generate_samples_up_to_the_next_comma_or_eos():
     prefixes = [tok.encode(p) for p in prompts]
     steps = search.sample_steps(policy, tok, prefixes, [12] * 3, 1.0, torch.Generator().manual_seed(3))
     idx, mask = tok.encode_batch(prompts)
-    tokens, keep, _ = policy.generate(idx, mask, 12, tok.eos_id, tok.pad_id, temperature=1.0, generator=torch.Generator().manual_seed(3))
+    tokens, keep, _ = policy.generate(idx, mask, 12, tok.eos_id, tok.pad_id, temperature=1.0,
+                                      generator=torch.Generator().manual_seed(3))
     stopped = 0
     for step, row in zip(steps, tokens.tolist()):
         cut = next((t + 1 for t, x in enumerate(row) if x in (comma, tok.eos_id)), 12)
@@ -127,6 +130,47 @@ def test_beam_search_by_hand_with_a_scripted_policy_and_an_oracle_prm(monkeypatc
     monkeypatch.setattr(search, "sample_steps", scripted(tok, script))
     picked, used = search.beam_search(None, None, tok, ["3+4*2="], 2, 2, 1.0, 24, None)
     assert tok.decode(picked[0]) == "4*2=8,3+8=11#11" and used == [64]
+
+
+def test_beam_search_keeps_a_path_sampled_twice_once(monkeypatch):
+    """Level 1 samples '4*2=8,' twice and '3+4=7,' twice: with beam 2 the two kept paths are the two distinct ones
+    (two copies of the best would leave the beam one path wide), so both are expanded at level 2."""
+    tok = Tokenizer()
+    script = {"3+4*2=": ["4*2=8,", "4*2=8,", "3+4=7,", "3+4=7,"],
+              "3+4*2=4*2=8,": ["3+8=11#11<eos>"], "3+4*2=3+4=7,": ["7*2=14#14<eos>"]}
+    expanded = []
+    sampler = scripted(tok, script)
+
+    def recording(policy, tok_, prefixes, limits, temperature, generator):
+        expanded.extend(tok.decode(p) for p in prefixes)
+        return sampler(policy, tok_, prefixes, limits, temperature, generator)
+    monkeypatch.setattr(search, "score", lambda model, tok_, kind, prompts, ids, finished=None, how=None:
+                        torch.tensor([0.9 if tok.decode(c).startswith("4*2") else 0.5 for c in ids]))
+    monkeypatch.setattr(search, "sample_steps", recording)
+    search.beam_search(None, None, tok, ["3+4*2="], 2, 2, 1.0, 24, None)
+    assert expanded.count("3+4*2=3+4=7,") == 2 and expanded.count("3+4*2=4*2=8,") == 2
+
+
+def test_beam_search_ranks_a_finished_path_by_its_last_step_not_its_weakest(monkeypatch):
+    """A finished path whose final step the PRM trusts (0.95, after a doubtful first step, 0.6) against an unfinished
+    one at 0.7: scored by the last step the finished one wins and the search stops; scored by the minimum over steps
+    it would lose to the unfinished path, whose minimum can only fall as it grows."""
+    tok = Tokenizer()
+    probs = {"4*2=8,3+8=11#11": [0.6, 0.95], "4*2=8,": [0.6], "3+4=7,": [0.7], "3+4=7,7*2=14#14": [0.7, 0.1]}
+    script = {"3+4*2=": ["4*2=8,3+8=11#11<eos>", "3+4=7,"], "3+4*2=3+4=7,": ["7*2=14#14<eos>"]}
+
+    def prm_score(model, tok_, kind, prompts, ids, finished=None, how=None):
+        steps = [probs[tok.decode(c)] for c in ids]
+        return torch.tensor([s[-1] if how == "last" else min(s) for s in steps])
+    monkeypatch.setattr(search, "score", prm_score)
+    monkeypatch.setattr(search, "sample_steps", scripted(tok, script))
+    picked, used = search.beam_search(None, None, tok, ["3+4*2="], 1, 2, 1.0, 24, None)
+    assert tok.decode(picked[0]) == "4*2=8,3+8=11#11" and used == [16 + 6]    # no level 2: nothing left to expand
+
+
+def test_best_of_n_with_no_samples_is_an_error_that_says_so():
+    with pytest.raises(ValueError, match="N >= 1"):
+        search.best_of_n(torch.zeros(3, 0))
 
 
 def test_beam_search_of_width_one_is_sampling(tiny_sft):
@@ -194,3 +238,19 @@ def test_script_refuses_bad_input(tiny_sft, verifiers, tmp_path):
     refused(p, "no checkpoint at", "none.pt", "prm.py")
     for flag in ("--max_n", "--beam", "--expand"):
         refused(run_script("search.py", [flag, "0", "--out", str(tmp_path)]), flag, "0 is not allowed")
+    refused(run_script("search.py", ["--max_n", "1000000000", "--out", str(tmp_path)]), "--max_n", "<= 256")
+
+
+def test_what_can_be_refused_is_refused_before_any_prerequisite_is_built(tmp_path):
+    """From a folder without out/ (every default checkpoint missing): an unreadable --rm, an --out that is a file and
+    a --max_new_tokens past the context are refused at once, nothing built, nothing sampled."""
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(os.urandom(500))
+    (tmp_path / "a_file").write_text("x")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    for args, words in ((["--rm", str(junk)], ["--rm", "junk.pt"]), (["--out", str(tmp_path / "a_file")], ["--out"]),
+                        (["--max_new_tokens", "100"], ["--max_new_tokens 100", "<= "])):
+        p = subprocess.run([sys.executable, os.path.join(ROOT, "search.py"), *args], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=60, env=env)
+        refused(p, *words)
+        assert "building it first" not in p.stdout and not os.path.exists(tmp_path / "out" / "sft.pt")

@@ -53,9 +53,9 @@ def test_sft_rejects_bad_settings_with_a_message(tmp_path):
 def test_sft_loss_is_completion_tokens_only():
     """The demonstrations the script trains on put the answer after the prompt; the loss mask must start
     at the first completion token. Checked on the same batch construction the script uses."""
-    import task
     tok = Tokenizer()
-    tokens, attn, loss_mask = task.completion_batch(["3+4*2=", "1+1="], ["4*2=8,3+8=11#11", "1+1=2,2+0=2#2"], tok, "cpu")
+    tokens, attn, loss_mask = task.completion_batch(["3+4*2=", "1+1="], ["4*2=8,3+8=11#11", "1+1=2,2+0=2#2"], tok,
+                                                    "cpu")
     targets = tokens[:, 1:]
     first = tok.decode([t for t, m in zip(targets[0].tolist(), loss_mask[0].tolist()) if m])
     assert first == "4*2=8,3+8=11#11<|endoftext|>"

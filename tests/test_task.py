@@ -50,6 +50,7 @@ def test_mistake_rate_sets_the_share_of_left_to_right_demonstrations():
     ("4*2=8,3+8=12#11", 1.0, True),          # the outcome reward reads only the final answer
     ("4*2=8,3+8=11#11  ", 1.0, False),       # trailing whitespace is allowed after the answer ...
     ("4*2=8,3+8=11#11\r\n", 1.0, False),     # ... a Windows line end too
+    ("4*2=8,3+8=11#11\n", 1.0, False),       # ... a newline: accepted by the reward, not by the strict format
     ("4*2=8,3+8=11#11\t\n ", 1.0, False),
     ("11", 0.0, False),                      # no '#'
     ("#11", 1.0, False),                     # right answer, wrong format
@@ -67,6 +68,12 @@ def test_verifier_on_hand_written_cases(completion, outcome, well_formed):
     assert task.reward("3+4*2=", completion) == outcome
     assert task.is_well_formed(completion) == well_formed
     assert task.reward("3+4*2=", completion, format_weight=0.5) == outcome + 0.5 * well_formed
+
+
+def test_a_prompt_with_a_trailing_newline_is_not_a_task_prompt():
+    with pytest.raises(ValueError, match="not a task prompt"):
+        task.solve("3+4*2=\n")
+    assert task.reward("3+4*2=\n", "4*2=8,3+8=11#11") == 0.0 and not task.is_parenthesised("(3+4)*2=\n")
 
 
 def test_verifier_never_raises():
@@ -141,7 +148,8 @@ def test_pair_batch_masks_exactly_the_completions_and_eos_and_keeps_the_sampled_
     assert tokens.shape[0] == 4 and mask.shape == (4, tokens.shape[1] - 1)
     targets = tokens[:, 1:]
     got = [tok.decode([t for t, k in zip(targets[i].tolist(), mask[i].tolist()) if k]) for i in range(4)]
-    assert got == [c + "<|endoftext|>" for c in ("4*2=8,3+8=11#11", "1+1=2,2+1=3#3", "3+4=7,7*2=14#14", "1+1=2,2+1=4#4")]
+    assert got == [c + "<|endoftext|>" for c in ("4*2=8,3+8=11#11", "1+1=2,2+1=3#3", "3+4=7,7*2=14#14",
+                                                 "1+1=2,2+1=4#4")]
     assert attn.sum(1).tolist() == [len(p["prompt"]) + len(p[k]) + 1 for k in ("chosen", "rejected") for p in pairs]
     assert (tokens[torch.arange(4), attn.sum(1).long() - 1] == tok.eos_id).all()   # each row ends with its EOS
     # a sampled side is scored as the ids that were sampled, even where decoding them and encoding again differs
@@ -157,7 +165,8 @@ def test_concat_rollouts_pads_so_that_each_row_reads_as_it_did_alone():
     from model import completion_logits
     torch.manual_seed(0)
     model, tok = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16)).eval(), Tokenizer()
-    a = task.rollout(model, tok, ["1+2*3=", "9-8-7="], 2, 1.0, max_new_tokens=5, generator=torch.Generator().manual_seed(0))
+    a = task.rollout(model, tok, ["1+2*3=", "9-8-7="], 2, 1.0, max_new_tokens=5,
+                     generator=torch.Generator().manual_seed(0))
     b = task.rollout(model, tok, ["1=", "22+3="], 2, 1.0, max_new_tokens=9, generator=torch.Generator().manual_seed(1))
     both = task.concat_rollouts([a, b], tok.pad_id)
     assert both[0].shape[0] == 8 and both[2].size(1) == max(a[2].size(1), b[2].size(1))

@@ -17,6 +17,7 @@ CASES = [
     ("3+4*2=", "4*2=8,3+8=11#12", [1, 0]),                   # right steps, wrong answer after '#'
     ("3+4*2=", "4*2=8,3+8=11", [1, 0]),                      # no answer: the last step is not finished
     ("3+4*2=", "4*2=8,3+8=11#11\r\n", [1, 1]),               # trailing whitespace, as the verifier allows
+    ("3+4*2=", "4*2=8\n,3+8=11#11", [0, 0]),                  # ... but not inside a step: '8\n' is not a result
     ("3+4*2=", "4*2=8#8,3+8=11#11", [0, 0]),                 # '#' before the last step
     ("3+4*2=", "4*2=8,3+8=11#11,1+1=2", [1, 1, 0]),          # a step after the answer
     ("3+4*2=", "2*4=8,3+8=11#11", [0, 0]),                   # operands in another order than the derivation's
