@@ -19,6 +19,10 @@ continues from it with the script's --resume (bit-exact on CPU); one that left n
 run in progress the way the scripts do (the step finishes, a checkpoint is written), then the sweep. If a seed's SFT
 policy is (re)trained, every run of that seed starts afresh from it.
 
+Reproducible on CPU: every run gets OMP_NUM_THREADS=--threads (default 1). On a CPU the thread count changes the
+order of float reductions, and an RL run that differs in one bit can end elsewhere: each row's command, with its
+thread count, reproduces its number. The thread count, device and torch version are recorded with every run.
+
 Outputs, in results/ (results/quick/ with --quick):
     results.json              every run (its command, starting and final metrics, curve, wall and CPU time) and, per
                               algorithm, mean, std, min and max over the seeds
@@ -29,16 +33,15 @@ Outputs, in results/ (results/quick/ with --quick):
 Each process's output goes to D/<name>.log; its wall and CPU time (all attempts) to D/<name>.time.json.
 
 Run:
-    python experiments/results.py                          # 3 seeds x every script: about 40 minutes on 2 idle CPU cores
+    python experiments/results.py                          # 3 seeds x every script: about 40 minutes on 2 CPU cores
     python experiments/results.py --seeds 0 --only grpo    # one seed, one script (and the SFT policy it starts from)
     python experiments/results.py --table_only             # rebuild the table and figures from the runs already there
-    python experiments/results.py --quick                  # the whole pipeline on tiny settings, into results/quick/ (~3 min)
+    python experiments/results.py --quick                  # the pipeline on tiny settings, into results/quick/ (~3 min)
 """
 import argparse
 import importlib
 import inspect
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -51,14 +54,16 @@ sys.path.insert(0, ROOT)
 NOT_ALGORITHMS = {"prm", "search"}       # start from the SFT policy but are test-time tools, with outputs of their own
 ORDER = ["sft", "reward_model", "grpo", "rloo", "reinforce", "trpo", "ppo", "expert_iteration", "dpo", "ipo"]
 LABELS = {"sft": "SFT", "reward_model": "Reward model", "grpo": "GRPO", "rloo": "RLOO", "reinforce": "REINFORCE++",
-          "trpo": "TRPO", "ppo": "PPO (reward model)", "expert_iteration": "Expert iteration", "dpo": "DPO", "ipo": "IPO"}
+          "trpo": "TRPO", "ppo": "PPO (reward model)", "expert_iteration": "Expert iteration", "dpo": "DPO",
+          "ipo": "IPO"}
 FILES = {"reward_model": "rm"}           # the stem of a script's checkpoint and log, where it is not the script's name
 # --quick: tiny settings. The run flags every script has (plumbing.add_run_flags), then flags passed to the scripts that
 # declare them; the SFT policy is tiny too.
 QUICK_RUN = ["--eval_n", "32", "--eval_every", "2", "--log_every", "2"]
 QUICK = {"--steps": "4", "--rounds": "2", "--epochs": "1", "--n_train": "128", "--n_pairs": "128",
          "--prompts_per_step": "8", "--prompts_per_round": "16"}
-QUICK_SFT = ["--steps", "200", "--n_layer", "2", "--n_head", "2", "--n_embd", "64", "--lr", "3e-3", "--batch_size", "32",
+QUICK_SFT = ["--steps", "200", "--n_layer", "2", "--n_head", "2", "--n_embd", "64", "--lr", "3e-3",
+             "--batch_size", "32",
              "--eval_n", "32", "--eval_every", "100", "--log_every", "50"]
 
 
@@ -184,8 +189,9 @@ def mean_curve(curves, x="step", y="eval_accuracy"):
 def summarise(runs):
     """Runs of one algorithm (dicts with before, after, seconds, process_s, samples) -> per-metric spread over seeds."""
     keys = {k for r in runs for k in r["after"]}
-    out = {"after": {k: spread([r["after"][k] for r in runs]) for k in sorted(keys) if all(k in r["after"] for r in runs)},
-           "before": {k: spread([r["before"][k] for r in runs]) for k in sorted(keys) if all(k in r["before"] for r in runs)},
+    every = lambda part: {k: spread([r[part][k] for r in runs]) for k in sorted(keys)
+                          if all(k in r[part] for r in runs)}
+    out = {"after": every("after"), "before": every("before"),
            "seconds": spread([r["seconds"] for r in runs]), "samples": spread([r["samples"] for r in runs]),
            "seeds": [r["seed"] for r in runs]}
     if all(r.get("process_s") is not None for r in runs):
@@ -224,17 +230,18 @@ def checkpoint_step(path):
         return None
 
 
-def run_one(argv, log_path, time_path, resume):
-    """Run `python argv` (plus --resume), its output appended to log_path; add its wall and CPU time to time_path.
-    On Ctrl-C the script (which got the signal too) finishes its step and checkpoints; we wait for it, then stop.
-    Returns the exit status."""
+def run_one(argv, log_path, time_path, resume, threads=1):
+    """Run `python argv` (plus --resume) with OMP_NUM_THREADS=threads, its output appended to log_path; add its wall
+    and CPU time to time_path. On Ctrl-C the script (which got the signal too) finishes its step and checkpoints; we
+    wait for it, then stop. Returns the exit status."""
     argv = argv + (["--resume"] if resume else [])
-    print(f"  python {' '.join(argv)}", flush=True)
+    print(f"  OMP_NUM_THREADS={threads} python {' '.join(argv)}", flush=True)
     t0, c0 = time.time(), os.times()
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     with open(log_path, "a") as log:
-        log.write(f"\n$ python {' '.join(argv)}\n")
+        log.write(f"\n$ OMP_NUM_THREADS={threads} python {' '.join(argv)}\n")
         log.flush()
-        proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             rc = proc.wait()
         except KeyboardInterrupt:
@@ -255,7 +262,7 @@ def run_one(argv, log_path, time_path, resume):
     return rc
 
 
-def sweep(scripts, seeds, runs_dir, only, quick):
+def sweep(scripts, seeds, runs_dir, only, quick, threads=1):
     """Run what is not done yet, seed by seed. Returns the (seed, name) of the runs that failed."""
     needs_rm = lambda names: any(has_flag(scripts[n], "--rm") for n in names if n != "reward_model")
     wanted = [n for n in scripts if only is None or n in only or n == "sft" or (n == "reward_model" and needs_rm(only))]
@@ -280,8 +287,8 @@ def sweep(scripts, seeds, runs_dir, only, quick):
                 continue
             resume = step is not None and 0 < step < steps and not fresh   # else: a fresh start
             os.makedirs(os.path.join(ROOT, folder), exist_ok=True)
-            rc = run_one(argv, os.path.join(ROOT, folder, f"{stem}.log"), os.path.join(ROOT, folder, f"{stem}.time.json"),
-                         resume)
+            rc = run_one(argv, os.path.join(ROOT, folder, f"{stem}.log"),
+                         os.path.join(ROOT, folder, f"{stem}.time.json"), resume, threads)
             if rc == 130:
                 raise SystemExit("stopped; run the same command again to continue where it stopped")
             if rc != 0:
@@ -313,6 +320,7 @@ def collect(scripts, seeds, runs_dir, quick):
                 "before": {k: v for k, v in points[0].items() if k.startswith("eval_")},
                 "after": {k: v for k, v in points[-1].items() if k.startswith("eval_")},
                 "seconds": last.get("elapsed_s", 0.0), "samples": last.get("samples", 0),
+                "setting": {k: rows[0][k] for k in ("device", "threads", "torch") if k in rows[0]},
                 "process_s": timing.get("wall_s"), "cpu_s": timing.get("cpu_s"), "curve": points})
     return results
 
@@ -351,12 +359,22 @@ def figures(results, labels, out_dir):
     return written
 
 
-def report(scripts, seeds, runs_dir, out_dir, quick):
+def setting(results, threads):
+    """What the numbers depend on beyond the flags: the thread count the harness set, and the device, thread count
+    and torch version each run recorded in its step-0 row (absent from runs made before the runs recorded it)."""
+    recorded = sorted({(r["setting"].get("device"), r["setting"].get("threads"), r["setting"].get("torch"))
+                       for runs in results.values() for r in runs if r.get("setting")}, key=str)
+    return {"threads": threads, "recorded": [dict(zip(("device", "threads", "torch"), x)) for x in recorded]}
+
+
+def report(scripts, seeds, runs_dir, out_dir, quick, threads=1):
     results = collect(scripts, seeds, runs_dir, quick)
     if not results:
         raise SystemExit(f"error: no finished runs in {runs_dir} for seeds {seeds}; run without --table_only first")
     labels = {n: LABELS.get(n) or _label(scripts[n], n) for n in scripts}
-    commands = {n: "python " + " ".join([f"{n}.py"] + (quick_flags(scripts[n], n) if quick else [])) for n in scripts}
+    commands = {n: f"OMP_NUM_THREADS={threads} python " + " ".join([f"{n}.py"] + (quick_flags(scripts[n], n)
+                                                                                  if quick else []))
+                for n in scripts}
     summaries = {n: summarise(runs) for n, runs in results.items()}
     policies = {n: s for n, s in summaries.items() if "eval_accuracy" in s["after"]}
     md = table(policies, labels, commands)
@@ -364,23 +382,29 @@ def report(scripts, seeds, runs_dir, out_dir, quick):
     for name, s in summaries.items():
         if name not in policies and "eval_pair_accuracy" in s["after"]:
             notes.append(f"{labels[name]} (`{commands[name]}`, the reward model of the PPO row), over "
-                         f"{plural(len(s['seeds']), 'seed')}: held-out pair accuracy {fmt_spread(s['after']['eval_pair_accuracy'])}, mean margin "
+                         f"{plural(len(s['seeds']), 'seed')}: held-out pair accuracy "
+                         f"{fmt_spread(s['after']['eval_pair_accuracy'])}, mean margin "
                          f"{fmt_spread(s['after']['eval_margin'], '+.2f', range_=False)}, "
                          f"{fmt_spread(s['seconds'], '.0f', range_=False)} s.")
     with_rm = " and ".join(f"{n}.py" for n in results if n != "reward_model" and has_flag(scripts[n], "--rm"))
-    header = (f"Seeds {', '.join(map(str, sorted({x for s in summaries.values() for x in s['seeds']})))}, each with its "
-              f"own SFT policy; mean +- std over seeds (sample std), [min, max] of the final accuracy. Each command ran "
-              f"as `python X.py --seed S --init D/sft.pt --out D`{f' ({with_rm} also `--rm D/rm.pt`)' if with_rm else ''}"
-              f" (sft.py: `--seed S --out D`), D = "
-              f"{os.path.relpath(runs_dir, ROOT)}/seedS. Wall time: the script's own (first step to last evaluation) / "
-              f"the whole process (start-up and step-0 evaluation included; every attempt of a resumed run, while the script's "
-              f"own counts from its last resume). Regenerate: `python experiments/results.py{' --quick' if quick else ''}`.")
+    seeds_run = ", ".join(map(str, sorted({x for s in summaries.values() for x in s["seeds"]})))
+    on = setting(results, threads)
+    seen = "; ".join(f"{r['device']}, {r['threads']} thread(s), torch {r['torch']}" for r in on["recorded"])
+    header = (f"Seeds {seeds_run}, each with its own SFT policy; mean +- std over seeds (sample std), [min, max] of "
+              f"the final accuracy. Each command ran as `OMP_NUM_THREADS={threads} python X.py --seed S --init "
+              f"D/sft.pt --out D`{f' ({with_rm} also `--rm D/rm.pt`)' if with_rm else ''} (sft.py: "
+              f"`--seed S --out D`), D = {os.path.relpath(runs_dir, ROOT)}/seedS: on a CPU the thread count "
+              f"changes the float reductions, so it is part of the command"
+              f"{f' (recorded by the runs: {seen})' if seen else ''}. Wall time: the "
+              f"script's own (first step to last evaluation) / the whole process (start-up and step-0 evaluation "
+              f"included; every attempt of a resumed run, while the script's own counts from its last resume). "
+              f"Regenerate: `python experiments/results.py{' --quick' if quick else ''}`.")
     text = "\n\n".join([header, md] + notes) + "\n"
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write(text)
     with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump({"seeds": seeds, "runs": results, "summary": summaries}, f, indent=1)
+        json.dump({"seeds": seeds, "setting": on, "runs": results, "summary": summaries}, f, indent=1)
     written = figures(results, labels, out_dir)
     print("\n" + text)
     print("wrote " + ", ".join([os.path.join(out_dir, "results.md"), os.path.join(out_dir, "results.json"), *written]))
@@ -401,17 +425,29 @@ def main():
                                                  "mean and spread, and learning curves")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds (each with its own SFT policy)")
     parser.add_argument("--only", nargs="+", default=None, help="run only these scripts (names without .py; the SFT "
-                        "policy, and the reward model where needed, are trained too); the table shows every finished run")
+                        "policy, and the reward model where needed, are trained too); the table shows every "
+                        "finished run")
     parser.add_argument("--table_only", action="store_true",
                         help="only rebuild the table and figures from the runs there")
     parser.add_argument("--quick", action="store_true",
                         help="tiny settings (a smoke test of the pipeline), in results/quick/")
     parser.add_argument("--dir", default=None, help="output folder (default results/, or results/quick/ with --quick); "
                         "the runs go to <dir>/runs/seed<s>/")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="OMP_NUM_THREADS of every run (1, as the README's table; it changes CPU results)")
     args = parser.parse_args()
     if any(s < 0 or s >= 2**32 for s in args.seeds):
         parser.error(f"--seeds {args.seeds}: each seed must be in [0, 2**32)")
+    if args.threads < 1:
+        parser.error(f"--threads {args.threads}: at least 1")
     out_dir = os.path.abspath(args.dir or os.path.join(ROOT, "results", "quick" if args.quick else ""))
+    try:                                                                # a folder it cannot write: said now, not later
+        os.makedirs(os.path.join(out_dir, "runs"), exist_ok=True)
+        with open(os.path.join(out_dir, f".write_test{os.getpid()}"), "w"):
+            pass
+        os.remove(os.path.join(out_dir, f".write_test{os.getpid()}"))
+    except OSError as e:
+        parser.error(f"--dir {out_dir}: cannot write there ({e.strerror or e})")
     scripts = discover()
     if args.only is not None:
         unknown = sorted(set(args.only) - set(scripts))
@@ -419,8 +455,8 @@ def main():
             parser.error(f"--only {' '.join(unknown)}: not an algorithm script here; allowed: {', '.join(scripts)}")
     runs_dir = os.path.join(out_dir, "runs")
     print(f"scripts: {', '.join(scripts)}; seeds {args.seeds}; runs in {runs_dir}", flush=True)
-    failed = [] if args.table_only else sweep(scripts, args.seeds, runs_dir, args.only, args.quick)
-    report(scripts, args.seeds, runs_dir, out_dir, args.quick)
+    failed = [] if args.table_only else sweep(scripts, args.seeds, runs_dir, args.only, args.quick, args.threads)
+    report(scripts, args.seeds, runs_dir, out_dir, args.quick, args.threads)
     if failed:
         raise SystemExit(f"error: {len(failed)} run(s) failed: " + ", ".join(f"{n} (seed {s})" for s, n in failed)
                          + "; their output is in <runs>/seed<s>/<name>.log")

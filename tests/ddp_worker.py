@@ -63,10 +63,11 @@ def fixed_ppo_rollout(policy, tok, prompts, temperature, max_new_tokens, generat
 def sgd(params, lr=None, **kwargs):
     """SGD at lr 0.1 in place of AdamW; the first optimiser made (the policy's) records the starting weights, in
     model.parameters() order, to $DDP_WORKER_INIT, for the test to subtract (sft.py starts from random weights)."""
-    params = list(params)
+    params = [dict(g, params=list(g["params"])) if isinstance(g, dict) else g for g in params]
+    first = params[0]["params"] if isinstance(params[0], dict) else params      # the policy's (ppo.py: group 0)
     path = os.environ.get("DDP_WORKER_INIT")
     if path and int(os.environ.get("RANK", 0)) == 0 and not os.path.exists(path):
-        torch.save([p.detach().cpu().clone() for p in params], path)
+        torch.save([p.detach().cpu().clone() for p in first], path)
     optimizer = torch.optim.SGD(params, lr=0.1)
     for group in optimizer.param_groups:
         group["lr"] = 0.1

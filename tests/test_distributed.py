@@ -70,8 +70,8 @@ CASES = {
     "grpo token": ("grpo", RL + ["--loss_agg", "token", "--mu", "2"], ["loss", "grad_norm", "kl_exact"]),
     "grpo dr_grpo": ("grpo", RL + ["--loss_agg", "dr_grpo", "--mu", "2"], ["loss", "grad_norm", "kl_exact"]),
     "reinforce++": ("reinforce", RL + ["--baseline", "reinforce_pp"], ["loss", "grad_norm", "kl_exact"]),
-    "ppo": ("ppo", ["--reward", "verifier", "--minibatches", "1", "--ppo_epochs", "2", "--batch_size", "8",
-                    "--precedence_share", "1"], ["pg_loss", "vf_loss", "approx_kl", "gold_accuracy", "kl"]),
+    "ppo": ("ppo", ["--reward", "verifier", "--minibatches", "1", "--ppo_epochs", "2", "--batch_size", "8"],
+            ["pg_loss", "vf_loss", "approx_kl", "gold_accuracy", "kl"]),      # the value loss: every row has gradient
     "dpo": ("dpo", ["--batch_size", "8", "--n_pairs", "64"], ["loss", "grad_norm", "reward_margin"]),
 }
 

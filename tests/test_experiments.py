@@ -136,17 +136,40 @@ def test_table_only_end_to_end_on_synthetic_runs(tmp_path):
     md = (tmp_path / "results.md").read_text()
     assert "| GRPO | 0.600 +- 0.000 -> **0.850 +- 0.071** [0.800, 0.900] |" in md
     assert "| SFT | 0.000 +- 0.000 -> **0.600 +- 0.000** [0.600, 0.600] |" in md
-    assert "| RLOO | 0.600 -> **0.900** [0.900, 0.900] |" in md and "| 1 | `python rloo.py` |" in md
+    assert "| RLOO | 0.600 -> **0.900** [0.900, 0.900] |" in md and "| 1 | `OMP_NUM_THREADS=1 python rloo.py` |" in md
+    assert "`OMP_NUM_THREADS=1 python X.py --seed S" in md                  # the thread count is part of the command
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["setting"]["threads"] == 1
     saved = json.loads((tmp_path / "results.json").read_text())
     assert [r["seed"] for r in saved["runs"]["grpo"]] == [0, 1] and len(saved["runs"]["grpo"][0]["curve"]) == 6
     for png in ("accuracy_vs_step.png", "accuracy_vs_samples.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_harness_sets_the_thread_count_of_every_run(tmp_path, monkeypatch):
+    """run_one starts each script with OMP_NUM_THREADS set (on a CPU the thread count changes the results)."""
+    seen = {}
+
+    class Proc:
+        def wait(self):
+            return 0
+
+    def popen(cmd, cwd=None, stdout=None, stderr=None, env=None):
+        seen.update(env=env, cmd=cmd)
+        return Proc()
+    monkeypatch.setattr(results.subprocess, "Popen", popen)
+    results.run_one(["grpo.py", "--seed", "0"], str(tmp_path / "log"), str(tmp_path / "time.json"), False, threads=3)
+    assert seen["env"]["OMP_NUM_THREADS"] == "3" and seen["cmd"][1:] == ["grpo.py", "--seed", "0"]
+
+
 def test_bad_input_is_refused(tmp_path):
     refused(run_script("experiments/results.py", ["--only", "nosuchscript", "--dir", str(tmp_path)]), "--only",
             "nosuchscript")
     refused(run_script("experiments/results.py", ["--table_only", "--dir", str(tmp_path)]), "no finished runs")
+    (tmp_path / "a_file").write_text("x")
+    refused(run_script("experiments/results.py", ["--table_only", "--dir", str(tmp_path / "a_file")]), "--dir",
+            "cannot write")
+    refused(run_script("experiments/results.py", ["--threads", "0", "--dir", str(tmp_path)]), "--threads 0")
 
 
 # -----------------------------------------------------------------------------
