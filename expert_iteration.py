@@ -193,7 +193,7 @@ def main(args):
     kept_so_far = [(p, tuple(c)) for p, c in ckpt["kept_so_far"]] if ckpt else []  # --restart trains on all of it
     train_policy = run.ddp(policy)                  # DistributedDataParallel under torchrun, else the policy itself
     P, N = args.prompts_per_round, args.samples_per_prompt
-    which = "the verifier-accepted" if args.select == "verifier" else "the reward model's best of N"
+    which = "the verifier-accepted" if args.select == "verifier" else "the reward model's best-of-N"
     start = "from the SFT weights on all data so far (--restart)" if args.restart else "from the current policy"
     run.print(f"expert iteration: {policy.num_params() / 1e6:.2f}M parameters on {run.device}, {args.rounds} rounds "
               f"of {P} prompts x {N} samples, select {which} (at most {args.max_per_prompt} distinct per prompt), "

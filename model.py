@@ -403,8 +403,20 @@ def compiled_decode_step(device_type):
     "reduce-overhead" also records each graph as a CUDA graph, so a step is one launch instead of one per kernel."""
     if device_type not in _compiled_steps:
         mode = "reduce-overhead" if device_type == "cuda" else None
-        _compiled_steps[device_type] = torch.compile(GPT.decode_step, dynamic=False, fullgraph=True, mode=mode)
+        compiled = torch.compile(GPT.decode_step, dynamic=False, fullgraph=True, mode=mode)
+        _compiled_steps[device_type] = with_eager_fallback(compiled)
     return _compiled_steps[device_type]
+
+
+def with_eager_fallback(compiled):
+    """The compiled step, run eagerly (the same function, the same static cache) for a shape past torch.compile's
+    recompile limit (8 graphs): with fullgraph=True the ninth distinct shape would raise instead of falling back."""
+    def step(model, idx, cache, slot):
+        try:
+            return compiled(model, idx, cache, slot)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            return GPT.decode_step(model, idx, cache, slot)
+    return step
 
 
 def autocast_off(device_type):

@@ -567,7 +567,7 @@ class Run:
         if not self.is_main:                                                # rank 0 reports (and saves, below)
             if self.interrupted and getattr(self, "saved_step", None) != self.step:
                 self.save(model, optimizer, **extra)
-            self.close(finished=True)
+            self.close(finished=True, code=130 if self.interrupted else 0)
             if self.interrupted:
                 raise SystemExit(130)
             return
@@ -577,7 +577,7 @@ class Run:
             argv = [a for a in sys.argv[1:] if a != "--resume"] + ["--resume"]
             self.print(f"stopped at step {self.step} of {self.total_steps}; checkpoint {self.ckpt_path} (step "
                        f"{self.step}); continue with: {self.launcher()} {self.script}.py {' '.join(argv)}")
-            self.close(finished=True)
+            self.close(finished=True, code=130)
             raise SystemExit(130)
         if summary is None:
             if self.eval_step != self.step:                                 # e.g. resumed at the step limit
@@ -602,16 +602,22 @@ class Run:
             return f"torchrun --standalone --nproc_per_node {local}"
         return f"torchrun --nnodes {self.world // local} --nproc_per_node {local} <this run's rendezvous flags>"
 
-    def close(self, finished=False):
-        """Release the lock and, under torchrun, tear the process group down before the interpreter exits (gloo's
-        threads outliving it abort the process at exit). finished: every rank is here, so they first wait for each
-        other, and none destroys the group while another still uses it."""
+    def close(self, finished=False, code=0):
+        """Release the lock and, under torchrun, tear the process group down. finished: every rank is here, so they
+        first wait for each other (none destroys the group while another still uses it), and then each rank leaves at
+        once with `code`, everything written and flushed: the DDP wrapper keeps the gloo process group alive past
+        destroy_process_group, and its threads' teardown at interpreter exit can abort a finished run
+        ("terminate called without an active exception", 3 runs in 7 here)."""
         if self.lock is not None:
             self.lock.release()
         if self.world > 1 and dist.is_initialized():
             if finished:
                 dist.barrier()
             dist.destroy_process_group()
+            if finished:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
 
     def _stop(self, signum, frame):
         """First Ctrl-C (or SIGTERM): finish the step, checkpoint, exit. A second Ctrl-C aborts at once."""

@@ -110,8 +110,8 @@ def sample_completions(policy, tok, prompts, n, temperature, generator):
     out = []
     for i, (text, c) in enumerate(zip(texts, ids)):
         p = prompts[i // n]
-        out.append({"prompt": p, "ids": c, "text": text, "outcome": task.reward(p, text), "rule": task.step_labels(p,
-                                                                                                                   text)})
+        out.append({"prompt": p, "ids": c, "text": text, "outcome": task.reward(p, text),
+                    "rule": task.step_labels(p, text)})
     return out
 
 

@@ -276,8 +276,8 @@ def main(args):
             cols = list(cols)
             r = right[:, cols]                                                                  # (P, n)
             picked = majority_vote([[row[j] for j in cols] for row in answers])
-            acc["majority"] += sum(a is not None and int(a) == task.answer(p) for a, p in zip(picked,
-                                                                                              prompts)) / len(prompts)
+            right_answers = [a is not None and int(a) == task.answer(p) for a, p in zip(picked, prompts)]
+            acc["majority"] += sum(right_answers) / len(prompts)
             for k in ("orm", "prm_min", "prm_prod", "rm"):
                 acc[k] += r.gather(1, best_of_n(scores[k][:, cols])[:, None]).mean().item()
             acc["pass"] += r.max(1).values.mean().item()

@@ -65,7 +65,8 @@ def main(args):
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     run.resume(model, optimizer)
     train_model = run.ddp(model)                    # DistributedDataParallel under torchrun, else the model itself
-    run.print(f"SFT: {model.num_params() / 1e6:.2f}M parameters on {run.device}, {args.steps} steps of {args.batch_size}")
+    run.print(f"SFT: {model.num_params() / 1e6:.2f}M parameters on {run.device}, {args.steps} steps of "
+              f"{args.batch_size}")
     if not args.resume:                             # a fresh run: random init is step 0
         run.log_start(run.evaluate(model, tok), "random init")
 
@@ -98,8 +99,8 @@ def main(args):
 
         # 3. log, evaluate, checkpoint
         if run.log_due():
-            metrics = {"loss": run.all_sum(loss).item(), "lr": lr_schedule(run.step - 1, args.lr, args.warmup,
-                                                                           args.steps), "grad_norm": grad_norm.item()}
+            metrics = {"loss": run.all_sum(loss).item(), "grad_norm": grad_norm.item(),
+                       "lr": lr_schedule(run.step - 1, args.lr, args.warmup, args.steps)}
             if run.eval_due():
                 metrics.update(run.evaluate(model, tok))
             run.log(metrics, f"loss {metrics['loss']:.4f} | lr {metrics['lr']:.2e}", tokens=True)

@@ -417,8 +417,10 @@ def preference_pairs(prompts, policy=None, tokenizer=None, samples_per_prompt=4,
         text = demonstration(prompt)
         (chosen, chosen_ids), chosen_src = (good[0], "sampled") if good else ((text, tokenizer.encode(text)), "demo")
         text = synthetic_mistake(prompt)
-        (rejected, rejected_ids), rejected_src = (bad[0], "sampled") if bad else ((text, tokenizer.encode(text)),
-                                                                                  "synthetic")
+        if bad:
+            (rejected, rejected_ids), rejected_src = bad[0], "sampled"
+        else:
+            (rejected, rejected_ids), rejected_src = (text, tokenizer.encode(text)), "synthetic"
         pairs.append({"prompt": prompt, "chosen": chosen, "rejected": rejected,
                       "source": f"{chosen_src}/{rejected_src}",
                       "chosen_ids": list(chosen_ids), "rejected_ids": list(rejected_ids)})

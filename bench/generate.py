@@ -31,8 +31,8 @@ parser.add_argument("--new_tokens", type=int, default=64, help="tokens generated
 parser.add_argument("--repeats", type=int, default=3, help="timed repetitions of each method (best is kept)")
 parser.add_argument("--device", default=None, help="cuda, mps or cpu (default: the first available)")
 parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                    help="bfloat16: under bfloat16 autocast, as the scripts sample on a GPU (default: bfloat16 on cuda, "
-                         "else float32)")
+                    help="bfloat16: under bfloat16 autocast, as the scripts sample on a GPU (default: bfloat16 "
+                         "on cuda, else float32)")
 parser.add_argument("--no_compile", action="store_true", help="skip the compiled sampler")
 parser.add_argument("--threads", type=int, default=0, help="CPU: torch threads (0: torch's default)")
 args = parser.parse_args()

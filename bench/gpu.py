@@ -41,7 +41,6 @@ import json
 import os
 import platform
 import random
-import re
 import subprocess
 import sys
 import time
@@ -99,8 +98,8 @@ def micro_batch_splits(n, parts=(1, 2, 4, 8, 32), seed=0):
     (tensor_split, as plumbing.Run.micro_batches cuts them). 1 micro-batch in order is the same batch as the full
     scoring, with gradient on: it isolates the grad mode from the batch composition."""
     g = torch.Generator().manual_seed(seed)
-    orders = {"in order": torch.arange(n), "reversed": torch.arange(n).flip(0), "shuffled": torch.randperm(n,
-                                                                                                           generator=g)}
+    orders = {"in order": torch.arange(n), "reversed": torch.arange(n).flip(0),
+              "shuffled": torch.randperm(n, generator=g)}
     return [(f"{k} micro-batch{'es' if k > 1 else ''}, {how}", list(torch.tensor_split(order, k)))
             for k in parts if k <= n for how, order in orders.items()]
 
@@ -203,7 +202,8 @@ def steps(args):
     """[(key, group, title, command, cwd), ...] in the order they run; command is an argv list."""
     py = sys.executable
     kernel_tests = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "tests", "test_kernel*.py")))
-    out = [("tests:kernels", "tests", "Kernel tests on the GPU", [py, "-m", "pytest", "-q", "-rs", *kernel_tests], ROOT),
+    out = [("tests:kernels", "tests", "Kernel tests on the GPU", [py, "-m", "pytest", "-q", "-rs", *kernel_tests],
+            ROOT),
            ("tests:cuda", "tests", "Other CUDA-only tests", [py, "-m", "pytest", "-q", "-rs", "-k", "cuda", "tests",
                                                             "--ignore-glob=tests/test_kernel*"], ROOT),
            ("kernels", "kernels", "Kernel benchmark", [py, "bench/kernels.py", "--section", "gpu"], ROOT),
@@ -215,7 +215,8 @@ def steps(args):
     for name in training_scripts():
         out.append((f"script:{name}", "scripts", f"python {name}.py", [py, os.path.join(ROOT, f"{name}.py")], args.out))
     out.append(("ratio", "ratio", "Sampler/trainer agreement at the first update",
-                [py, "bench/gpu.py", "--measure_ratio", "--out", args.out, "--ratio_batches", str(args.ratio_batches)], ROOT))
+                [py, "bench/gpu.py", "--measure_ratio", "--out", args.out, "--ratio_batches",
+                 str(args.ratio_batches)], ROOT))
     return out
 
 
@@ -277,8 +278,9 @@ def report(records, info, plan):
     """results/gpu.md from the records, in the order of the plan."""
     done = [(key, records[key]) for key, *_ in plan if key in records]
     lines = ["# GPU results", "",
-             f"Written by `python bench/gpu.py` on {records.get('_written', '?')}: {info['device']} ({info['capability']}, "
-             f"{info['memory']}), driver {info['driver']}; torch {info['torch']} (CUDA {info['cuda']}, cuDNN "
+             f"Written by `python bench/gpu.py` on {records.get('_written', '?')}: {info['device']} "
+             f"({info['capability']}, {info['memory']}), driver {info['driver']}; torch {info['torch']} "
+             f"(CUDA {info['cuda']}, cuDNN "
              f"{info['cudnn']}), triton {info['triton']}, Liger-Kernel {info['liger-kernel']}, numpy {info['numpy']}, "
              f"Python {info['python']}; commit {info['commit']}. Every command below runs from the repository root; "
              f"the training scripts run with their defaults in out/gpu/ (so they write out/gpu/out/).", ""]
@@ -288,16 +290,18 @@ def report(records, info, plan):
     scripts = [(k, r) for k, r in done if k.startswith("script:")]
     if scripts:
         lines += ["## Training scripts, default commands", "",
-                  "| script | command | exit | wall s | held-out greedy accuracy, before -> after | completions sampled |",
+                  "| script | command | exit | wall s | held-out greedy accuracy, before -> after "
+                  "| completions sampled |",
                   "| --- | --- | ---: | ---: | --- | ---: |"]
         for key, r in scripts:
             acc = " ; ".join(f"{name}: {b if b is None else f'{b:.3f}'} -> {a if a is None else f'{a:.3f}'}"
                              for name, (b, a, _) in sorted(r.get("metrics", {}).items())) or "-"
             sampled = " ; ".join(f"{s:,}" for _, (_, _, s) in sorted(r.get("metrics", {}).items()) if s) or "-"
-            lines.append(f"| {key[7:]} | `{r['command']}` | {r['returncode']} | {r['wall_s']:.0f} | {acc} | {sampled} |")
+            lines.append(f"| {key[7:]} | `{r['command']}` | {r['returncode']} | {r['wall_s']:.0f} | {acc} "
+                         f"| {sampled} |")
         lines.append("")
-        lines += ["Each script's summary line:", "", "```"] + [f"{k[7:]}: {r.get('summary') or '(none)'}" for k,
-                                                               r in scripts]
+        lines += ["Each script's summary line:", "", "```"] + [f"{k[7:]}: {r.get('summary') or '(none)'}"
+                                                               for k, r in scripts]
         lines += ["```", ""]
     for key, r in done:
         if key.startswith("script:"):
@@ -349,7 +353,7 @@ def main(args):
         r = {"title": title, "command": shown(command, cwd), "returncode": code, "wall_s": wall}
         if group == "scripts":
             r["output"] = tail(output, 40)
-            r["summary"] = next((l for l in reversed(output.split("\n")) if l.startswith("done:")), None)
+            r["summary"] = next((line for line in reversed(output.split("\n")) if line.startswith("done:")), None)
             r["metrics"] = {os.path.basename(os.path.dirname(p)): metrics_summary(p)
                             for p in glob.glob(os.path.join(cwd, "out", "*", "metrics.jsonl"))
                             if os.path.getmtime(p) >= started}

@@ -40,8 +40,10 @@ if __name__ == "__main__":
     dtypes = tuple(names[d] for d in args.dtypes.split(","))
     jobs = aot.jobs(vocab_sizes=tuple(int(v) for v in args.vocab_sizes.split(",")), dtypes=dtypes)
     print("command: python " + " ".join(sys.argv))
-    print(f"triton {aot.triton.__version__}, torch {torch.__version__}; {len(jobs)} kernels x {len(args.archs.split(','))} targets")
-    print(f"{'kernel':<36} {'dtype':<5} {'blocks':<26} {'warps':>5} {'arch':>6} {'regs':>5} {'spill st/ld B':>14} {'smem B':>7}")
+    print(f"triton {aot.triton.__version__}, torch {torch.__version__}; {len(jobs)} kernels x "
+          f"{len(args.archs.split(','))} targets")
+    print(f"{'kernel':<36} {'dtype':<5} {'blocks':<26} {'warps':>5} {'arch':>6} {'regs':>5} {'spill st/ld B':>14} "
+          f"{'smem B':>7}")
     start = time.perf_counter()
     for job in jobs:
         blocks = " ".join(f"{k[6:]}={v}" for k, v in job.constants if k.startswith("BLOCK"))

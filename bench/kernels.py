@@ -26,15 +26,15 @@ for the PyTorch path (`kernels.linear_logprobs_torch`) against the naive
 variant). "peak extra" includes the gradients of hidden and weight (V*C*4 = 545 MB, the same for
 both). Targets: peak extra <= 0.1x the naive path's; time <= 1.5x.
 
-GPU (when available): forward and forward + backward at N = 16384, V in {50257, 151936},
-bfloat16, for the Triton path (`kernels.logprobs`) against `log_softmax().gather()` in eager
-mode and under `torch.compile`. Reports achieved bandwidth (the bytes that must move / time:
-forward reads the logits once, forward + backward reads them twice and writes the gradient
-once; targets and per-row outputs are counted too) and its share of the bandwidth of a
-device-to-device copy of the logits measured in the same run, and peak allocated memory.
-Targets: forward >= 80% of copy bandwidth; forward + backward >= 2x faster than eager.
-At V = 151936, N * V = 2.5e9 > 2^31, so this also exercises the kernels' int64 row offsets;
-the results are checked against eager before timing.
+GPU (when available): forward and forward + backward at N = 16384 rows, V in {50257, 151936}, bfloat16, of
+each kernel against eager PyTorch, torch.compile of the same and Liger-Kernel where it has the operation (recorded
+as "not installed" otherwise): logprobs (Liger's cross entropy, negated), kl (Liger's KL divergence, after the
+log-softmaxes it needs), entropy (Liger has none) and linear_logprobs from hidden states of width C = 896
+(Liger's fused linear cross entropy). Reports time, the bandwidth of the bytes that must move against a
+device-to-device copy of the logits in the same run, and peak allocated memory; every variant is checked against
+eager before it is timed. Targets for logprobs: forward >= 80% of copy bandwidth; forward + backward >= 2x eager.
+At V = 151936, N * V > 2^31: the kernels' int64 row offsets are exercised. No GPU was lent to this project yet: the
+GPU figures are not measured (bench/gpu.py runs this section and writes results/gpu.md).
 """
 
 import argparse
@@ -138,8 +138,8 @@ def cpu_section(args):
         out = subprocess.run(
             [sys.executable, os.path.abspath(__file__), "--_cpu_variant", variant, "--cpu_n", str(N),
              "--cpu_v", str(V), "--repeats", str(args.repeats), "--threads", str(args.threads)],
-            capture_output=True, text=True, check=True, env={k: v for k,
-                                                             v in os.environ.items() if k != "TRITON_INTERPRET"},
+            capture_output=True, text=True, check=True,
+            env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
         )
         results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
     naive, fused = results["naive"], results["fused"]
@@ -159,7 +159,8 @@ def linear_section(args):
     N, C, V = args.linear_n, args.linear_c, args.linear_v
     threads = args.threads or torch.get_num_threads()
     logits_mib = N * V * 4 / 2**20
-    print(f"== CPU: forward + backward of log-probs from hidden states, N={N}, C={C}, V={V}, float32, {threads} torch threads")
+    print(f"== CPU: forward + backward of log-probs from hidden states, N={N}, C={C}, V={V}, float32, {threads} "
+          f"torch threads")
     print(f"   hidden {N * C * 4 / 2**20:.0f} MiB, weight {V * C * 4 / 2**20:.0f} MiB (and their gradients, in both "
           f"variants' peak extra); the naive path's logits {logits_mib:.0f} MiB each")
     results = {}
@@ -167,15 +168,16 @@ def linear_section(args):
         out = subprocess.run(
             [sys.executable, os.path.abspath(__file__), "--_cpu_variant", variant, "--cpu_n", str(N), "--cpu_v", str(V),
              "--linear_c", str(C), "--repeats", str(args.linear_repeats), "--threads", str(args.threads)],
-            capture_output=True, text=True, check=True, env={k: v for k,
-                                                             v in os.environ.items() if k != "TRITON_INTERPRET"},
+            capture_output=True, text=True, check=True,
+            env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
         )
         results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
     names = {"linear_naive": "naive (h @ W.T).log_softmax.gather", "linear_fused": "kernels.linear_logprobs_torch"}
     print(f"   {'variant':<36} {'peak extra MiB':>15} {'peak total MiB':>15} {'time s':>8}")
     for k in ("linear_naive", "linear_fused"):
         r = results[k]
-        print(f"   {names[k]:<36} {r['peak_extra_mib']:>15.0f} {r['before_mib'] + r['peak_extra_mib']:>15.0f} {r['time_s']:>8.2f}")
+        total = r["before_mib"] + r["peak_extra_mib"]
+        print(f"   {names[k]:<36} {r['peak_extra_mib']:>15.0f} {total:>15.0f} {r['time_s']:>8.2f}")
     naive, fused = results["linear_naive"], results["linear_fused"]
     print(f"   ratio fused/naive: peak extra {fused['peak_extra_mib'] / naive['peak_extra_mib']:.3f}x, "
           f"time {fused['time_s'] / naive['time_s']:.2f}x  (targets: peak extra <= 0.1x, time <= 1.5x)")
@@ -184,71 +186,119 @@ def linear_section(args):
 # =============================================================================================
 # GPU.
 # =============================================================================================
+def liger():
+    """Liger-Kernel's losses if it is installed, else None (its GPU rows then say "not installed")."""
+    try:
+        from liger_kernel.transformers import (LigerCrossEntropyLoss, LigerFusedLinearCrossEntropyLoss,
+                                               LigerKLDIVLoss)
+    except ImportError:
+        return None
+    return {"ce": LigerCrossEntropyLoss(reduction="none"), "flce": LigerFusedLinearCrossEntropyLoss(reduction="none"),
+            "kl": LigerKLDIVLoss(reduction="none", log_target=True)}
+
+
+def gpu_cases(N, V, device, dtype=torch.bfloat16, C=896, liger_ops=None):
+    """The GPU comparison, one case per kernel: {name: (inputs, bytes forward, bytes forward+backward, variants)},
+    variants {label: fn(*inputs) -> per-row values}, the first the eager reference. Small sizes run on a CPU too:
+    tests/test_gpu_bench.py checks every non-Triton variant against the reference there."""
+    g = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(N, V, device=device, dtype=dtype, generator=g).requires_grad_()
+    ref = torch.randn(N, V, device=device, dtype=dtype, generator=g)
+    targets = torch.randint(0, V, (N,), device=device, generator=g)
+    hidden = (torch.randn(N, C, device=device, dtype=dtype, generator=g) * C ** -0.5).requires_grad_()
+    weight = torch.randn(V, C, device=device, dtype=dtype, generator=g).requires_grad_()
+    size = N * V * logits.element_size()
+    eager_kl = lambda p, q: (torch.softmax(p.float(), -1) * (torch.log_softmax(p.float(), -1)
+                                                            - torch.log_softmax(q.float(), -1))).sum(-1)
+    eager_entropy = lambda x: -(torch.softmax(x.float(), -1) * torch.log_softmax(x.float(), -1)).sum(-1)
+    eager_linear = lambda h, w, t: naive_linear_logprobs(h.float(), w.float(), t)
+    cases = {
+        "logprobs": ((logits, targets), size + 12 * N, 3 * size + 24 * N,
+                     {"eager": naive_logprobs, "torch.compile": torch.compile(naive_logprobs, dynamic=False),
+                      "kernels (Triton)": kernels.logprobs}),
+        "kl": ((logits, ref), 2 * size + 4 * N, 4 * size + 8 * N,
+               {"eager": eager_kl, "torch.compile": torch.compile(eager_kl, dynamic=False),
+                "kernels (Triton)": kernels.kl}),
+        "entropy": ((logits,), size + 4 * N, 3 * size + 8 * N,
+                    {"eager": eager_entropy, "torch.compile": torch.compile(eager_entropy, dynamic=False),
+                     "kernels (Triton)": kernels.entropy}),
+        "linear_logprobs": ((hidden, weight, targets), (N + V) * C * hidden.element_size() + 12 * N,
+                            3 * (N + V) * C * hidden.element_size() + 24 * N,
+                            {"eager": eager_linear,
+                             "torch.compile": torch.compile(eager_linear, dynamic=False),
+                             "kernels (Triton)": kernels.linear_logprobs}),
+    }
+    if liger_ops is not None:
+        cases["logprobs"][3]["Liger-Kernel"] = lambda x, t: -liger_ops["ce"](x, t)
+        # Liger's KLDivLoss(y_pred = log q, y_true = log p) is KL(p || q) per element: summed over the vocabulary
+        log_q_p = lambda p, q: (torch.log_softmax(q.float(), -1), torch.log_softmax(p.float(), -1))
+        cases["kl"][3]["Liger-Kernel"] = lambda p, q: liger_ops["kl"](*log_q_p(p, q)).sum(-1)
+        cases["linear_logprobs"][3]["Liger-Kernel"] = lambda h, w, t: -liger_ops["flce"](w, h, t)
+    return cases
+
+
+def copier(x):
+    """A function copying x into a buffer of its size, device to device: the bandwidth to compare with."""
+    dst = torch.empty_like(x, requires_grad=False)
+    return lambda: dst.copy_(x.detach())
+
+
 def gpu_section(args):
     import triton  # only needed here
 
     dev = torch.device("cuda")
     N = args.gpu_n
-    print(f"== GPU: {torch.cuda.get_device_name(dev)}, torch {torch.__version__}, triton {triton.__version__}")
-    print(f"   token log-probs, N={N}, bfloat16 logits, T=1")
-    compiled = torch.compile(naive_logprobs, dynamic=False)
+    liger_ops = liger()
+    print(f"== GPU: {torch.cuda.get_device_name(dev)}, torch {torch.__version__}, triton {triton.__version__}, "
+          f"Liger-Kernel {'installed' if liger_ops else 'not installed'}; N={N} rows, bfloat16, T=1")
     bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=200)  # ms, mean over reps
-
     for V in [int(v) for v in args.gpu_vs.split(",")]:
-        logits = torch.randn(N, V, device=dev, dtype=torch.bfloat16).requires_grad_()
-        targets = torch.randint(0, V, (N,), device=dev)
-        size = N * V * logits.element_size()  # bytes of the logits
-        per_row = 8 + 4  # target in, log-prob out
-        bytes_fwd = size + N * per_row  # read the logits once
-        bytes_fwd_bwd = 3 * size + 2 * N * per_row  # + backward: read them again, write the gradient
+        cases = gpu_cases(N, V, dev, liger_ops=liger_ops)
+        logits = cases["logprobs"][0][0]
+        size = logits.numel() * logits.element_size()
+        copy_bw = 2 * size / bench(copier(logits)) / 1e6                  # GB/s of a read + write
+        print(f"\n   V={V}: logits {size / 2**30:.2f} GiB, N*V = {N * V:.3g}; copy {copy_bw:.0f} GB/s")
+        for name, (inputs, bytes_fwd, bytes_fwd_bwd, variants) in cases.items():
+            grads = [x for x in inputs if x.requires_grad]
+            with torch.no_grad():
+                want = variants["eager"](*inputs).float()
+            print(f"   {name}: {'variant':<20} {'fwd ms':>8} {'% copy':>7} {'fwd+bwd ms':>11} {'% copy':>7} "
+                  f"{'peak GiB':>9} {'max |d|':>9}")
+            rows = {}
+            for label, fn in variants.items():
+                def fwd():
+                    with torch.no_grad():
+                        fn(*inputs)
 
-        # copy bandwidth of the same bytes: read + write
-        dst = torch.empty_like(logits, requires_grad=False)
-        copy_ms = bench(lambda: dst.copy_(logits.detach()))
-        copy_bw = 2 * size / copy_ms / 1e6  # GB/s
-        del dst
+                def fwd_bwd():
+                    fn(*inputs).float().sum().backward()
 
-        # correctness against eager (also checks the int64 offsets when N * V > 2^31)
-        with torch.no_grad():
-            diff = (fused_logprobs(logits, targets) - naive_logprobs(logits, targets)).abs().max().item()
-        print(f"\n   V={V}: logits {size / 2**30:.2f} GiB, N*V = {N * V:.3g}; copy {copy_bw:.0f} GB/s; "
-              f"max |fused - eager| = {diff:.2e}")
-        print(f"   {'variant':<28} {'fwd ms':>8} {'fwd GB/s':>9} {'% copy':>7} {'fwd+bwd ms':>11} {'GB/s':>7} "
-              f"{'% copy':>7} {'peak GiB':>9}")
-
-        rows = {}
-        for name, fn in [("eager log_softmax.gather", naive_logprobs), ("torch.compile", compiled),
-                         ("kernels.logprobs (Triton)", fused_logprobs)]:
-            def fwd():
-                with torch.no_grad():
-                    fn(logits, targets)
-
-            def fwd_bwd():
-                fn(logits, targets).sum().backward()
-
-            fwd()  # compile / warm up (torch.compile builds one graph per grad mode)
-            fwd_bwd()
-            torch.cuda.synchronize()
-            logits.grad = None
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            fwd_bwd()
-            torch.cuda.synchronize()
-            peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-            logits.grad = None
-            t_f = bench(fwd)
-            t_fb = triton.testing.do_bench(fwd_bwd, warmup=10, rep=100, grad_to_none=[logits])
-            bw_f, bw_fb = bytes_fwd / t_f / 1e6, bytes_fwd_bwd / t_fb / 1e6
-            rows[name] = (t_f, t_fb)
-            print(f"   {name:<28} {t_f:>8.3f} {bw_f:>9.0f} {100 * bw_f / copy_bw:>6.0f}% {t_fb:>11.3f} {bw_fb:>7.0f} "
-                  f"{100 * bw_fb / copy_bw:>6.0f}% {peak:>9.2f}")
-            logits.grad = None
-        t_f, t_fb = rows["kernels.logprobs (Triton)"]
-        e_f, e_fb = rows["eager log_softmax.gather"]
-        c_f, c_fb = rows["torch.compile"]
-        print(f"   speed-up of kernels.logprobs: fwd {e_f / t_f:.2f}x eager, {c_f / t_f:.2f}x compile; "
-              f"fwd+bwd {e_fb / t_fb:.2f}x eager, {c_fb / t_fb:.2f}x compile  (targets: fwd >= 80% copy; fwd+bwd >= 2x eager)")
-        del logits, targets
+                try:
+                    with torch.no_grad():
+                        diff = (fn(*inputs).float() - want).abs().max().item()
+                    fwd_bwd()                                          # compile / warm up
+                except Exception as e:                                 # noqa: BLE001 - a variant that cannot run
+                    print(f"      {label:<20} failed: {type(e).__name__}: {str(e)[:120]}")
+                    continue
+                torch.cuda.synchronize()
+                for x in grads:
+                    x.grad = None
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                fwd_bwd()
+                torch.cuda.synchronize()
+                peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+                t_f = bench(fwd)
+                t_fb = triton.testing.do_bench(fwd_bwd, warmup=10, rep=100, grad_to_none=grads)
+                rows[label] = (t_f, t_fb)
+                print(f"      {label:<20} {t_f:>8.3f} {100 * bytes_fwd / t_f / 1e6 / copy_bw:>6.0f}% {t_fb:>11.3f} "
+                      f"{100 * bytes_fwd_bwd / t_fb / 1e6 / copy_bw:>6.0f}% {peak:>9.2f} {diff:>9.2e}")
+            if "kernels (Triton)" in rows:
+                t_f, t_fb = rows["kernels (Triton)"]
+                ratios = ", ".join(f"{t / t_f:.2f}x / {tb / t_fb:.2f}x {label}" for label, (t, tb) in rows.items()
+                                   if label != "kernels (Triton)")
+                print(f"      speed-up of kernels.{name} (fwd / fwd+bwd): {ratios}")
+        del cases, logits
         torch.cuda.empty_cache()
 
 

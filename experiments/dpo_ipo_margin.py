@@ -61,11 +61,13 @@ def main(args):
     get = lambda r, k, fmt: format(r[k], fmt) if r is not None and k in r else ""
     print(f"\nlog-ratio margin h (nats; training batch), beta = tau = {args.coef}, IPO target 1/(2 tau) = "
           f"{1 / (2 * args.coef):.1f}; lr {args.lr}, batch {args.batch_size}")
-    print("| step | DPO h | DPO log-ratio chosen / rejected | IPO h | IPO log-ratio chosen / rejected | held-out greedy acc. DPO / IPO | KL to ref. (held-out chosen) DPO / IPO |")
+    print("| step | DPO h | DPO log-ratio chosen / rejected | IPO h | IPO log-ratio chosen / rejected "
+          "| held-out greedy acc. DPO / IPO | KL to ref. (held-out chosen) DPO / IPO |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for step in sorted(rows):
         d, i = rows[step].get("dpo"), rows[step].get("ipo")
-        cr = lambda r: f"{get(r, 'chosen_logratio', '.1f')} / {get(r, 'rejected_logratio', '.1f')}" if r and "loss" in r else ""
+        cr = lambda r: (f"{get(r, 'chosen_logratio', '.1f')} / {get(r, 'rejected_logratio', '.1f')}"
+                        if r and "loss" in r else "")
         pair = lambda k, fmt: f"{get(d, k, fmt)} / {get(i, k, fmt)}" if "eval_accuracy" in (d or i or {}) else ""
         print(f"| {step} | {get(d, 'logratio_margin', '.1f')} | {cr(d)} | {get(i, 'logratio_margin', '.1f')} | {cr(i)} "
               f"| {pair('eval_accuracy', '.3f')} | {pair('eval_kl', '.1f')} |")

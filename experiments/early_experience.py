@@ -19,7 +19,7 @@ Sections (each prints a markdown table and writes it, with its raw numbers, unde
                       data): accuracy on precedence problems and on the others (forgetting).
 
 Run:
-    python experiments/early_experience.py --section cold_start           # about 2 minutes on 2 CPU cores (+ SFT if missing)
+    python experiments/early_experience.py --section cold_start           # about 2 minutes (+ SFT if missing)
     python experiments/early_experience.py --section distribution_shift   # builds the GRPO (and EI) policies if missing
     python experiments/early_experience.py --section hindsight            # two expert-iteration runs, about 3 minutes
     python experiments/early_experience.py --section warm_buffer          # three expert-iteration runs (one shared)
@@ -36,8 +36,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import task  # noqa: E402
-from model import GPT, GPTConfig, Tokenizer, save_checkpoint  # noqa: E402
-from plumbing import SFT_PATH, build_missing, load_model, pick_device  # noqa: E402
+from model import GPT, GPTConfig, save_checkpoint  # noqa: E402
+from plumbing import SFT_PATH, build_missing, load_model, pick_device, read_checkpoint  # noqa: E402
 
 OUT = os.path.join("out", "early_experience")
 
@@ -79,7 +79,8 @@ def cold_start(args):
             run(["grpo.py", "--init", init, "--out", out, "--seed", str(args.seed), "--log_every", "5", "--eval_every",
                  "10"])
         rows[name] = metrics(log)
-    lines = ["| start | step | reward (mean) | groups with any reward | zero-variance groups | held-out greedy accuracy |",
+    lines = ["| start | step | reward (mean) | groups with any reward | zero-variance groups "
+             "| held-out greedy accuracy |",
              "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for name, log in rows.items():
         for r in log:
@@ -110,8 +111,8 @@ def shifted_cases(n):
         ("prompt with spaces: '3 + 4 * 2 ='", [(" ".join(p[:-1]) + " =", p, "") for p in held[:n]]),
         ("a+b+c with b+c forced first", [(p + f"{p[2:5]}={task._apply(int(p[2]), p[3], int(p[4]))},", p,
                                           f"{p[2:5]}={task._apply(int(p[2]), p[3], int(p[4]))},") for p in plain]),
-        ("a+b*c with a slip forced into step 1", [(p + slip(task.solve(p)[0][0]) + ",", p, slip(task.solve(p)[0][0]) + ",")
-                                                 for p in prec]),
+        ("a+b*c with a slip forced into step 1", [(p + slip(task.solve(p)[0][0]) + ",", p,
+                                                  slip(task.solve(p)[0][0]) + ",") for p in prec]),
         ("(a+b)*c, never seen", [(p, p, "") for p in task.paren_eval_prompts()[:n]]),
     ]
     return cases
@@ -140,8 +141,8 @@ def distribution_shift(args):
     build_missing(os.path.join(ROOT, args.sft), os.path.join(ROOT, SFT_PATH), ["sft.py"])
     for name, path, script in (("GRPO", args.grpo, "grpo.py"), ("expert iteration", args.ei, "expert_iteration.py")):
         if name in policies:
-            build_missing(os.path.join(ROOT, path), os.path.join(ROOT, path), [script, "--init", os.path.join(ROOT,
-                                                                                                              args.sft)])
+            build_missing(os.path.join(ROOT, path), os.path.join(ROOT, path),
+                          [script, "--init", os.path.join(ROOT, args.sft)])
     results = {}
     for name, path in policies.items():
         model, tok, _ = load_model(os.path.join(ROOT, path), device, "gpt")
@@ -168,8 +169,8 @@ def ei_runs(args, variants):
     runs = {}
     for name, slug, flags in variants:
         out = os.path.join(OUT, "expert_iteration", slug)
-        log, ckpt = os.path.join(ROOT, out, "expert_iteration", "metrics.jsonl"), os.path.join(ROOT, out,
-                                                                                               "expert_iteration.pt")
+        log = os.path.join(ROOT, out, "expert_iteration", "metrics.jsonl")
+        ckpt = os.path.join(ROOT, out, "expert_iteration.pt")
         if not (os.path.exists(log) and os.path.exists(ckpt)):
             run(["expert_iteration.py", "--init", os.path.join(ROOT, args.sft), "--out", out, "--seed", str(args.seed),
                  *flags])
@@ -188,16 +189,16 @@ def hindsight(args):
     device = pick_device(args.device)
     paren = task.paren_eval_prompts()
     sft, tok, _ = load_model(os.path.join(ROOT, args.sft), device, "gpt")
-    rows = {"SFT policy": {"plain": runs["expert iteration"][0][0]["eval_accuracy"], "paren": greedy_accuracy(sft, tok, paren),
-                           "samples": 0, "relabelled": 0}}
+    rows = {"SFT policy": {"plain": runs["expert iteration"][0][0]["eval_accuracy"],
+                           "paren": greedy_accuracy(sft, tok, paren), "samples": 0, "relabelled": 0}}
     for name, (log, ckpt) in runs.items():
         model, tok, _ = load_model(ckpt, device, "gpt")
         rows[name] = {"plain": log[-1]["eval_accuracy"], "paren": greedy_accuracy(model, tok, paren),
                       "samples": log[-1]["samples"], "relabelled": sum(r.get("relabelled", 0) for r in log[1:])}
     lines = ["| policy | completions sampled | relabelled examples fine-tuned on | held-out a+b*c etc. (512) | "
              f"held-out (a+b)*c, never asked ({len(paren)}) |", "| --- | ---: | ---: | ---: | ---: |"]
-    lines += [f"| {n} | {r['samples']:,} | {r['relabelled']:,} | {r['plain']:.3f} | {r['paren']:.3f} |" for n,
-              r in rows.items()]
+    lines += [f"| {n} | {r['samples']:,} | {r['relabelled']:,} | {r['plain']:.3f} | {r['paren']:.3f} |"
+              for n, r in rows.items()]
     write("hindsight", "\n".join(lines), rows)
 
 
@@ -210,11 +211,13 @@ def warm_buffer(args):
     rows = {}
     for name, (log, _) in runs.items():
         evals = [r for r in log if "eval_accuracy" in r]
-        rows[name] = {"demos": sum(r.get("demos", 0) for r in log[1:]), "precedence": [r["eval_accuracy_precedence"] for r in evals],
+        rows[name] = {"demos": sum(r.get("demos", 0) for r in log[1:]),
+                      "precedence": [r["eval_accuracy_precedence"] for r in evals],
                       "other": [r["eval_accuracy_other"] for r in evals], "all": evals[-1]["eval_accuracy"]}
         r = rows[name]
-        lines.append(f"| {name} | {r['demos']:,} | {first['eval_accuracy_precedence']:.3f} -> {r['precedence'][-1]:.3f} | "
-                     f"{first['eval_accuracy_other']:.3f} -> {min(r['other']):.3f} -> {r['other'][-1]:.3f} | {r['all']:.3f} |")
+        lines.append(f"| {name} | {r['demos']:,} | {first['eval_accuracy_precedence']:.3f} -> "
+                     f"{r['precedence'][-1]:.3f} | {first['eval_accuracy_other']:.3f} -> {min(r['other']):.3f} -> "
+                     f"{r['other'][-1]:.3f} | {r['all']:.3f} |")
     write("warm_buffer", "\n".join(lines), rows)
 
 
@@ -223,7 +226,8 @@ SECTIONS = {"cold_start": cold_start, "distribution_shift": distribution_shift, 
 
 
 def main():
-    parser = argparse.ArgumentParser(description="Early experience: cold start, distribution shift, hindsight, warm buffer")
+    parser = argparse.ArgumentParser(description="Early experience: cold start, distribution shift, hindsight, "
+                                                 "warm buffer")
     parser.add_argument("--section", choices=sorted(SECTIONS), action="append",
                         help="run these sections (default: all)")
     parser.add_argument("--sft", default=SFT_PATH, help="the SFT policy (built if it is the missing default)")
@@ -236,6 +240,17 @@ def main():
     args = parser.parse_args()
     if args.n < 1 or args.seed < 0:
         parser.error(f"--n {args.n}, --seed {args.seed}: n must be at least 1 and seed at least 0")
+    pick_device(args.device)                                       # a device this machine lacks: said now
+    try:                                                           # the folder it writes: said now, not after the runs
+        os.makedirs(os.path.join(ROOT, OUT), exist_ok=True)
+        with open(os.path.join(ROOT, OUT, f".write_test{os.getpid()}"), "w"):
+            pass
+        os.remove(os.path.join(ROOT, OUT, f".write_test{os.getpid()}"))
+    except OSError as e:
+        parser.error(f"cannot write to {os.path.join(ROOT, OUT)} ({e.strerror or e})")
+    for path, flag in ((args.sft, "--sft"), (args.grpo, "--grpo"), (args.ei, "--ei")):
+        if os.path.exists(os.path.join(ROOT, path)):
+            read_checkpoint(os.path.join(ROOT, path), flag)        # unreadable: one line now
     for name in args.section or list(SECTIONS):
         print(f"\n## {name}\n", flush=True)
         SECTIONS[name](args)

@@ -39,7 +39,8 @@ def support(n=41, half_width=8.0):
 
 
 def log_gaussian(x, mu, log_sigma):
-    """log q(x) of a Gaussian restricted to the points x and normalised over them: log softmax(-(x - mu)^2 / 2 sigma^2)."""
+    """log q(x) of a Gaussian restricted to the points x and normalised over them:
+    log softmax(-(x - mu)^2 / 2 sigma^2)."""
     return torch.log_softmax(-0.5 * ((x - mu) / torch.exp(log_sigma)) ** 2, dim=-1)
 
 
@@ -134,8 +135,8 @@ def main():
                     label=f"q from mu0 = {mu0:+.1f}: mu {mu:+.2f}, sigma {sigma:.2f}")
         ax.set(title=titles[direction], xlabel="x", ylabel="probability")
         ax.legend(fontsize=7)
-    mus, log_sigmas = torch.linspace(-4.5, 4.5, 181, dtype=torch.float64), torch.linspace(-2, 2, 201,
-                                                                                          dtype=torch.float64)
+    mus = torch.linspace(-4.5, 4.5, 181, dtype=torch.float64)
+    log_sigmas = torch.linspace(-2, 2, 201, dtype=torch.float64)
     for direction, style in (("forward", "-"), ("reverse", "--")):
         axes[2].plot(mus, landscape(x, log_p, direction, mus, log_sigmas), style, label=f"{direction}: min over sigma")
     axes[2].set(title="the objective against mu (best sigma at each mu)", xlabel="mu", ylabel="KL", yscale="log")

@@ -10,7 +10,7 @@ tokens whose gradient the clip removed; for CISPO the share whose weight was tru
 (DAPO's dynamic sampling draws more), and wall time.
 
 Run:
-    python experiments/grpo_family.py                    # seed 0, about 6 minutes on 2 CPU cores (out/sft.pt built first if missing)
+    python experiments/grpo_family.py                    # seed 0, about 6 minutes on 2 CPU cores (+ SFT if missing)
     python experiments/grpo_family.py --seeds 0 1 2      # mean and spread over three seeds
     python experiments/grpo_family.py --table_only       # re-print the table from the runs already there
 """
@@ -37,7 +37,8 @@ def read(path):
     steps = [r for r in rows if r["step"] > 0 and "clip_frac" in r]
     return {"before": evals[0]["eval_accuracy"], "after": evals[-1]["eval_accuracy"],
             "clip_frac": statistics.mean(r["clip_frac"] for r in steps), "samples": steps[-1]["samples"],
-            "seconds": steps[-1]["elapsed_s"], "groups_kept": statistics.mean(r["groups_kept"] / r["groups_sampled"] for r in steps)}
+            "seconds": steps[-1]["elapsed_s"],
+            "groups_kept": statistics.mean(r["groups_kept"] / r["groups_sampled"] for r in steps)}
 
 
 def fmt(values, f):
@@ -63,8 +64,8 @@ def main():
             path = os.path.join(ROOT, out, "grpo", "metrics.jsonl")
             cmd = [sys.executable, "grpo.py", "--mu", "4", *flags, "--steps", str(args.steps), "--seed", str(seed),
                    "--init", args.init, "--out", out]
-            if not args.table_only and not (os.path.exists(path) and os.path.exists(os.path.join(ROOT, out,
-                                                                                                 "grpo.pt"))):
+            done = os.path.exists(path) and os.path.exists(os.path.join(ROOT, out, "grpo.pt"))
+            if not args.table_only and not done:
                 print(" ".join(["python"] + cmd[1:]), flush=True)
                 subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
             if os.path.exists(path):
@@ -75,8 +76,9 @@ def main():
     print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
     for name, runs in results.items():
         col = lambda key, f: fmt([r[key] for r in runs], f)
-        print(f"| {name} | `{' '.join(VARIANTS[name]) or '(defaults)'}` | {col('before', '.3f')} -> **{col('after', '.3f')}** | "
-              f"{col('clip_frac', '.3f')} | {col('groups_kept', '.2f')} | {col('samples', ',.0f')} | {col('seconds', '.0f')} |")
+        print(f"| {name} | `{' '.join(VARIANTS[name]) or '(defaults)'}` | {col('before', '.3f')} -> "
+              f"**{col('after', '.3f')}** | {col('clip_frac', '.3f')} | {col('groups_kept', '.2f')} | "
+              f"{col('samples', ',.0f')} | {col('seconds', '.0f')} |")
 
 
 if __name__ == "__main__":

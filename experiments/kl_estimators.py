@@ -32,8 +32,8 @@ Outputs: the table printed and written to results/kl_estimators.md, the numbers 
 figure to results/kl_estimators.png.
 
 Run:
-    python experiments/kl_estimators.py                # about 3 minutes on 2 CPU cores (out/sft.pt built first if missing)
-    python experiments/kl_estimators.py --table_only   # redo the measurements on the checkpoints already there, no training
+    python experiments/kl_estimators.py                # about 3 minutes on 2 CPU cores (+ SFT if missing)
+    python experiments/kl_estimators.py --table_only   # redo the measurements on the checkpoints there, no training
 """
 import argparse
 import json
@@ -152,7 +152,8 @@ def measure(policy, ref, tok, prompts, args, gen):
     log_p = torch.log_softmax(logits.detach(), -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)       # (B, Tn)
     log_q = torch.log_softmax(ref_logits, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     exact = kl(logits.detach(), ref_logits)                                    # (B, Tn) KL(pi_theta || pi_ref)
-    row = {"kl_token": exact[real].double().mean().item(), "kl_completion": per_completion(exact, mask).double().mean().item(),
+    row = {"kl_token": exact[real].double().mean().item(),
+           "kl_completion": per_completion(exact, mask).double().mean().item(),
            "tokens": int(mask.sum()), "completions": len(mask)}
     for est in ESTIMATORS:
         k = kl_penalty(log_p, log_q, est)                                      # (B, Tn)
@@ -183,8 +184,8 @@ def measure(policy, ref, tok, prompts, args, gen):
 def tables(rows, args):
     """Two markdown tables: the estimators' values, and their gradients."""
     f = lambda x: f"{x:+.4f}" if abs(x) < 10 else f"{x:+.1f}"
-    v = ["| GRPO step | exact KL per token | per completion | estimator | bias / token | std / token | rel. RMSE / token "
-         "| bias / completion | std / completion | rel. RMSE / completion | share < 0 (token) |",
+    v = ["| GRPO step | exact KL per token | per completion | estimator | bias / token | std / token "
+         "| rel. RMSE / token | bias / completion | std / completion | rel. RMSE / completion | share < 0 (token) |",
          "| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         for est in ESTIMATORS:
@@ -192,8 +193,9 @@ def tables(rows, args):
             v.append(f"| {r['step']} | {r['kl_token']:.4f} | {r['kl_completion']:.3f} | {est} | {f(t['bias'])} | "
                      f"{t['std']:.4f} | {t['rel_rmse']:.2f} | {f(c['bias'])} | {c['std']:.4f} | {c['rel_rmse']:.2f} | "
                      f"{t['negative']:.3f} |")
-    g = [f"| GRPO step | exact KL per token | estimator as a loss | cos with grad KL(pi_theta \\|\\| pi_ref) | norm ratio "
-         f"| cos with grad KL(pi_ref \\|\\| pi_theta) | norm ratio | exact expectation: cos forward / reverse |",
+    g = ["| GRPO step | exact KL per token | estimator as a loss | cos with grad KL(pi_theta \\|\\| pi_ref) "
+         "| norm ratio | cos with grad KL(pi_ref \\|\\| pi_theta) | norm ratio "
+         "| exact expectation: cos forward / reverse |",
          "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         for est in ESTIMATORS:
@@ -206,9 +208,9 @@ def tables(rows, args):
         g.append(f"| {r['step']} | {r['kl_token']:.4f} | (exact reverse vs forward) | {cos:+.3f} | {ratio:.3f} | | | |")
     n = rows[0]
     head = (f"pi_ref: the SFT policy; pi_theta: `grpo.py --beta 0 --lr {args.lr}` after the given steps. "
-            f"{n['completions']} completions sampled from pi_theta at T = 1 on {args.prompts} held-out prompts per pair "
-            f"(about {n['tokens']} tokens); bias and std of (estimate - exact KL at the token's position), relative RMSE "
-            f"= RMSE / mean exact KL; per completion: the sums over its tokens.")
+            f"{n['completions']} completions sampled from pi_theta at T = 1 on {args.prompts} held-out prompts per "
+            f"pair (about {n['tokens']} tokens); bias and std of (estimate - exact KL at the token's position), "
+            f"relative RMSE = RMSE / mean exact KL; per completion: the sums over its tokens.")
     ghead = (f"Gradients w.r.t. all the policy's parameters, each estimator as a loss with {args.grad_samples} tokens "
              f"drawn from pi_theta at every position visited (Monte Carlo), against the exact gradient of each KL "
              f"direction at the same positions; last column: the expectation over the vocabulary computed exactly.")
@@ -232,8 +234,8 @@ def figure(rows, path):
                      label=f"{est}: vs KL(pi_ref||pi_theta)")
     axes[0].set(title="relative RMSE of the estimate", ylabel="RMSE / mean exact KL", yscale="log")
     axes[1].set(title="relative bias per token", ylabel="bias / mean exact KL")
-    axes[2].set(title="gradient as a loss: cosine with the exact gradient", ylabel="cosine similarity", ylim=(-0.2,
-                                                                                                              1.05))
+    axes[2].set(title="gradient as a loss: cosine with the exact gradient", ylabel="cosine similarity",
+                ylim=(-0.2, 1.05))
     for ax in axes:
         ax.set(xlabel="exact KL(pi_theta || pi_ref) per token (GRPO, beta 0, along training)", xscale="log")
         ax.grid(alpha=0.3)

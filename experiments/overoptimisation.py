@@ -29,13 +29,15 @@ def table(rows):
              "| ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         fmt = lambda key, f: format(r[key], f) if r.get(key) is not None else "-"
-        lines.append(f"| {r['step']} | {fmt('kl', '.2f')} | {fmt('eval_rm_score', '+.2f')} | {fmt('eval_accuracy', '.3f')} | "
+        lines.append(f"| {r['step']} | {fmt('kl', '.2f')} | {fmt('eval_rm_score', '+.2f')} | "
+                     f"{fmt('eval_accuracy', '.3f')} | "
                      f"{fmt('rm_score', '+.2f')} | {fmt('gold_accuracy', '.3f')} |")
     return "\n".join(lines)
 
 
 def main():
-    parser = argparse.ArgumentParser(description="PPO with beta = 0 against the reward model: proxy score vs gold accuracy")
+    parser = argparse.ArgumentParser(description="PPO with beta = 0 against the reward model: proxy score vs gold "
+                                                 "accuracy")
     parser.add_argument("--steps", type=int, default=90, help="PPO steps")
     parser.add_argument("--every", type=int, default=10, help="evaluate (and log) every this many steps")
     parser.add_argument("--eval_n", type=int, default=256, help="held-out prompts per evaluation")
@@ -47,7 +49,8 @@ def main():
         parser.error(f"--steps = {args.steps}, --every = {args.every}; both must be at least 1")
     if not args.table_only:
         cmd = [sys.executable, "ppo.py", "--beta", "0", "--steps", str(args.steps), "--eval_every", str(args.every),
-               "--log_every", str(args.every), "--eval_n", str(args.eval_n), "--out", args.out, "--seed", str(args.seed)]
+               "--log_every", str(args.every), "--eval_n", str(args.eval_n), "--out", args.out,
+               "--seed", str(args.seed)]
         print(" ".join(cmd[1:]))
         subprocess.run(cmd, check=True, cwd=ROOT)
     path = os.path.join(ROOT, args.out, "ppo", "metrics.jsonl")

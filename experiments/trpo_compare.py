@@ -26,7 +26,7 @@ step, averaged over the minibatches and epochs: it misses the move of the last s
 update's KL); GRPO at --mu 1 logs none (its approx_kl is taken before its only step, where the ratio is 1: 0).
 
 Run:
-    python experiments/trpo_compare.py                  # N = 10 updates each, seed 0: about 10 minutes on 2 idle CPU cores
+    python experiments/trpo_compare.py                  # N = 10 updates each, seed 0: about 10 minutes on 2 CPU cores
     python experiments/trpo_compare.py --table_only     # print the table again from the runs in out/trpo_compare
 Writes out/trpo_compare/<algorithm>/ (runs, checkpoints) and out/trpo_compare/table.md.
 """
@@ -165,19 +165,23 @@ def main():
     lines = [f"N = {args.updates} updates of 256 completions each, seed {args.seed}, from {args.init}; "
              f"`python experiments/trpo_compare.py{'' if args.updates == 10 else f' --updates {args.updates}'}`", "",
              "| algorithm | s per update (rollout included) | rollout s | update s (without rollout) | "
-             "exact KL(pi_old \\|\\| pi_new) per token, median over updates (max) | the script's own logged KL, median (max) | "
+             "exact KL(pi_old \\|\\| pi_new) per token, median over updates (max) "
+             "| the script's own logged KL, median (max) | "
              f"held-out greedy accuracy, before -> after {args.updates} updates |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, r in results.items():
         roll = r.get("rollout_s", rollout.get(name))
         own = "none (0 by construction at --mu 1)" if r["logged_kl"] is None else \
             f"{SCRIPT_KL[name]} {fmt_kl(r['logged_kl'])}"
-        lines.append(f"| {name} | {r['step_s']:.2f} | {roll:.2f} | {r['step_s'] - roll:.2f} | {fmt_kl(r['kl'])} | {own} | "
+        lines.append(f"| {name} | {r['step_s']:.2f} | {roll:.2f} | {r['step_s'] - roll:.2f} | {fmt_kl(r['kl'])} "
+                     f"| {own} | "
                      f"{r['before']:.3f} -> **{r['after']:.3f}** |")
     if "TRPO" in results:
         r = results["TRPO"]
-        lines += ["", f"TRPO's update, median seconds: conjugate gradient (11 Fisher-vector products with the KL's graph) "
-                      f"{r['cg_s']:.2f}, line search {r['ls_s']:.2f}; backtracks per update {r['backtracks']:.1f} (mean); "
+        lines += ["", f"TRPO's update, median seconds: conjugate gradient (11 Fisher-vector products with the KL's "
+                      f"graph) "
+                      f"{r['cg_s']:.2f}, line search {r['ls_s']:.2f}; backtracks per update "
+                      f"{r['backtracks']:.1f} (mean); "
                       f"trust-region violations {r['violations']}."]
     lines += ["", "Bit-exact replays (run 2's last weights equal run 1's): "
               + ", ".join(f"{n} {'yes' if r['same_weights'] else 'NO'}" for n, r in results.items())

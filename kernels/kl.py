@@ -80,7 +80,8 @@ def _check_pair(logits_p, logits_q):
     check_logits(logits_p, "logits_p")
     check_logits(logits_q, "logits_q")
     if logits_p.shape != logits_q.shape:
-        raise ValueError(f"logits_p {tuple(logits_p.shape)} and logits_q {tuple(logits_q.shape)} must have the same shape")
+        raise ValueError(f"logits_p {tuple(logits_p.shape)} and logits_q {tuple(logits_q.shape)} must have the "
+                         f"same shape")
     if logits_p.device != logits_q.device:
         raise ValueError(f"logits_p is on {logits_p.device} but logits_q is on {logits_q.device}")
     if logits_q.requires_grad:
@@ -350,8 +351,8 @@ if __name__ == "__main__":
     path = "Triton" if use_triton(torch.empty(0, device=device)) else "PyTorch"
     print(f"kl vs kl_reference, {path} path on {device}")
     ok = True
-    for shape, dtype, temp in [((3, 9, 1000), torch.float32, 1.0), ((2, 6, 37), torch.bfloat16, 0.7), ((4, 1),
-                                                                                                       torch.float16, 2.0)]:
+    cases = [((3, 9, 1000), torch.float32, 1.0), ((2, 6, 37), torch.bfloat16, 0.7), ((4, 1), torch.float16, 2.0)]
+    for shape, dtype, temp in cases:
         base = (3 * torch.randn(shape, device=device)).to(dtype).requires_grad_()
         logits_p = base[:, :-1] if base.dim() == 3 else base  # [B, T-1, V]: a slice, read in place
         logits_q = (logits_p.detach().float() + torch.randn(logits_p.shape, device=device)).to(dtype)

@@ -73,7 +73,8 @@ def _check_args(hidden, weight, targets):
             "pass weight.to(hidden.dtype) (autograd casts its gradient back)"
         )
     if weight.dim() != 2 or weight.shape[0] == 0 or hidden.dim() == 0 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(f"need hidden [..., C] and weight [V, C] with V >= 1, got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+        raise ValueError(f"need hidden [..., C] and weight [V, C] with V >= 1, got {tuple(hidden.shape)} and "
+                         f"{tuple(weight.shape)}")
     if hidden.device != weight.device:
         raise ValueError(f"hidden is on {hidden.device} but weight is on {weight.device}")
     check_targets(targets, hidden.shape[:-1], hidden.device)
@@ -114,8 +115,8 @@ class _LinearLogprobsTorch(torch.autograd.Function):
                 x_t[n0 + hit] = x[hit, targets[n0 + hit] - v0]  # their x[t]
                 # Online logsumexp (Milakov & Gimelshein 2018) across vocabulary chunks.
                 m_new = torch.maximum(row_max[rows], x.amax(dim=1))  # [n]
-                row_sum[rows] = row_sum[rows] * torch.exp(row_max[rows] - m_new) + x.sub_(m_new[:,
-                                                                                                None]).exp_().sum(dim=1)
+                row_sum[rows] = (row_sum[rows] * torch.exp(row_max[rows] - m_new)
+                                 + x.sub_(m_new[:, None]).exp_().sum(dim=1))
                 row_max[rows] = m_new
         log_sum = row_sum.log_()  # [N]
         out = (x_t - row_max) - log_sum  # logprob = x[t] - lse, as (x[t] - m) - log_sum

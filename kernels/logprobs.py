@@ -305,8 +305,8 @@ if __name__ == "__main__":
     path = "Triton" if use_triton(torch.empty(0, device=device)) else "PyTorch"
     print(f"logprobs vs logprobs_reference, {path} path on {device}")
     ok = True
-    for shape, dtype, temp in [((3, 9, 1000), torch.float32, 1.0), ((2, 6, 37), torch.bfloat16, 0.7), ((4, 1),
-                                                                                                       torch.float16, 2.0)]:
+    cases = [((3, 9, 1000), torch.float32, 1.0), ((2, 6, 37), torch.bfloat16, 0.7), ((4, 1), torch.float16, 2.0)]
+    for shape, dtype, temp in cases:
         base = (3 * torch.randn(shape, device=device)).to(dtype).requires_grad_()
         logits = base[:, :-1] if base.dim() == 3 else base  # [B, T-1, V]: a slice, read in place
         targets = torch.randint(0, shape[-1], logits.shape[:-1], device=device)

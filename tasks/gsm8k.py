@@ -78,8 +78,7 @@ def load(path):
             row = json.loads(line)
         except ValueError:
             raise ValueError(f"--data {path}, line {i}: not a JSON object") from None
-        if not isinstance(row, dict) or not isinstance(row.get("question"), str) or not isinstance(row.get("answer"),
-                                                                                                   str):
+        if not (isinstance(row, dict) and isinstance(row.get("question"), str) and isinstance(row.get("answer"), str)):
             raise ValueError(f"--data {path}, line {i}: needs a string \"question\" and a string \"answer\"")
         number = last_number(row["answer"].rsplit("####", 1)[1]) if "####" in row["answer"] else None
         if number is None:

@@ -1,4 +1,4 @@
-"""The pure functions of experiments/results.py, experiments/kl_estimators.py and experiments/forward_reverse_kl.py: hand-worked values,
+"""The pure functions of experiments/results.py, kl_estimators.py and forward_reverse_kl.py: hand-worked values,
 float64 references written here from the definitions, and exact expectations over small enumerable categoricals
 (where E_{y ~ p}[...] is a finite sum). The sweeps themselves are benchmarks, not tests; results.py's table and
 figures are checked end to end on a synthetic runs folder (--table_only)."""
@@ -71,13 +71,15 @@ def test_mean_curve_over_the_steps_every_seed_has():
 
 def test_summary_table():
     def run(seed, before, after, prec, seconds):
-        return {"seed": seed, "before": {"eval_accuracy": before}, "samples": 12800, "seconds": seconds, "process_s": seconds + 10,
+        return {"seed": seed, "before": {"eval_accuracy": before}, "samples": 12800, "seconds": seconds,
+                "process_s": seconds + 10,
                 "after": {"eval_accuracy": after, "eval_accuracy_precedence": prec, "eval_pass_at_1": after - 0.1}}
     s = results.summarise([run(0, 0.6, 0.9, 0.8, 40), run(1, 0.6, 0.7, 0.6, 60)])
     assert s["after"]["eval_accuracy"]["mean"] == pytest.approx(0.8) and s["seeds"] == [0, 1]
     md = results.table({"grpo": s}, {"grpo": "GRPO"}, {"grpo": "python grpo.py"})
     row = md.splitlines()[2]
-    assert row.startswith("| GRPO | 0.600 +- 0.000 -> **0.800 +- 0.141** [0.700, 0.900] | 0.700 +- 0.141 | 0.700 +- 0.141 |")
+    assert row.startswith("| GRPO | 0.600 +- 0.000 -> **0.800 +- 0.141** [0.700, 0.900] | 0.700 +- 0.141 | "
+                          "0.700 +- 0.141 |")
     assert "| 50 +- 14 / 60 +- 14 | 12,800 | 2 | `python grpo.py` |" in row
     assert len(md.splitlines()) == 3 and md.splitlines()[1].count("|") == md.splitlines()[0].count("|")
 
@@ -85,7 +87,8 @@ def test_summary_table():
 def test_discover_picks_up_a_new_algorithm_file(tmp_path, monkeypatch):
     """A script is an algorithm when its parse_args has --init defaulting to plumbing.SFT_PATH; prm and search are not;
     a script whose --init defaults elsewhere is not; a file that does not import is left out with a warning."""
-    head = "import argparse\nfrom plumbing import SFT_PATH\n\ndef parse_args(argv=None):\n    p = argparse.ArgumentParser()\n"
+    head = ("import argparse\nfrom plumbing import SFT_PATH\n\ndef parse_args(argv=None):\n"
+            "    p = argparse.ArgumentParser()\n")
     tail = '    p.add_argument("--steps", type=int, default=3)\n    return p.parse_args(argv)\n'
     (tmp_path / "zz_newalgo.py").write_text(head + '    p.add_argument("--init", default=SFT_PATH)\n' + tail)
     (tmp_path / "prm.py").write_text(head + '    p.add_argument("--init", default=SFT_PATH)\n' + tail)
@@ -107,8 +110,8 @@ def test_discover_the_repository_and_the_commands():
                                                           os.path.join(d, "sft.pt"), "--rm", os.path.join(d, "rm.pt")]
     quick = results.command(found["grpo"], "grpo", 1, d, quick=True)
     assert results.step_limit(found["grpo"], quick) == 4 and "--eval_n" in quick
-    assert results.step_limit(found["reward_model"], results.command(found["reward_model"], "reward_model", 1,
-                                                                     d)) == 128
+    rm = results.command(found["reward_model"], "reward_model", 1, d)
+    assert results.step_limit(found["reward_model"], rm) == 128
 
 
 def write_run(folder, name, limit, every, accuracies):
@@ -291,8 +294,8 @@ def test_forward_fit_matches_the_moments_and_covers_both_peaks():
         mu, sigma, _ = frk.fit(x, log_p, "forward", mu0)
         q_mean, q_var = frk.moments(x, frk.log_gaussian(x, torch.tensor(mu).double(),
                                                         torch.tensor(math.log(sigma)).double()))
-        assert q_mean.item() == pytest.approx(p_mean.item(), abs=2e-3) and q_var.item() == pytest.approx(p_var.item(),
-                                                                                                         rel=2e-3)
+        assert q_mean.item() == pytest.approx(p_mean.item(), abs=2e-3)
+        assert q_var.item() == pytest.approx(p_var.item(), rel=2e-3)
         assert -2.0 < mu < 2.0 and sigma > 2.0
 
 
@@ -316,3 +319,11 @@ def test_landscape_one_minimum_forward_one_per_peak_reverse():
     assert len(minima(frk.landscape(x, log_p, "forward", mus, log_sigmas))) == 1
     rev = minima(frk.landscape(x, log_p, "reverse", mus, log_sigmas))
     assert any(abs(mus[i] + 2.5) < 0.2 for i in rev) and any(abs(mus[i] - 2.5) < 0.2 for i in rev)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_early_experience_refuses_a_device_or_a_checkpoint_it_cannot_use_before_any_run(tmp_path):
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(os.urandom(300))
+    refused(run_script("experiments/early_experience.py", ["--device", "cuda"]), "cuda is not available")
+    refused(run_script("experiments/early_experience.py", ["--sft", str(junk)]), "--sft", "junk.pt")

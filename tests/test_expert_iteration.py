@@ -144,8 +144,8 @@ def test_a_resumed_run_is_the_uninterrupted_run(restart, tiny_sft, tmp_path):
     p = run_script("expert_iteration.py", flags + ["--rounds", "3", "--out", parts, "--resume"])
     assert p.returncode == 0, p.stderr
     assert "resuming from" in p.stdout
-    a, b = load_checkpoint(os.path.join(whole, "expert_iteration.pt"))[1], load_checkpoint(os.path.join(parts,
-                                                                                                        "expert_iteration.pt"))[1]
+    a = load_checkpoint(os.path.join(whole, "expert_iteration.pt"))[1]
+    b = load_checkpoint(os.path.join(parts, "expert_iteration.pt"))[1]
     assert a["step"] == b["step"] == 3 and a["samples"] == b["samples"] == 3 * 8 * 4
     assert a["kept_so_far"] == b["kept_so_far"]
     for k in a["model"]:
@@ -173,7 +173,8 @@ def test_reward_model_selection_keeps_one_per_prompt_and_counts_its_wrong_picks(
     rm_path = str(tmp_path / "rm.pt")
     save_checkpoint(rm_path, rm, ckpt["tokenizer"], script="reward_model")
     out = str(tmp_path / "run")
-    p = run_script("expert_iteration.py", TINY + ["--rounds", "2", "--select", "rm", "--rm", rm_path, "--init", tiny_sft,
+    p = run_script("expert_iteration.py", TINY + ["--rounds", "2", "--select", "rm", "--rm", rm_path, "--init",
+                                                  tiny_sft,
                                                   "--out", out])
     assert p.returncode == 0, p.stderr
     assert "best-of-N" in p.stdout
@@ -206,8 +207,8 @@ def test_demonstrations_are_correct_derivations_of_training_prompts():
     pairs = demonstrations(random.Random(0), 50, 0.5, tok)
     assert len(pairs) == 50
     for p, c in pairs:
-        assert p not in held and tok.decode(list(c)) == task.demonstration(p) and task.reward(p,
-                                                                                              tok.decode(list(c))) == 1.0
+        text = tok.decode(list(c))
+        assert p not in held and text == task.demonstration(p) and task.reward(p, text) == 1.0
 
 
 def test_hindsight_and_demos_in_the_round_data(tiny_sft, tmp_path):

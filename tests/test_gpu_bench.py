@@ -107,10 +107,12 @@ def test_records_skip_finished_steps_and_the_report_has_every_command_and_figure
                    "open('out/fake/metrics.jsonl', 'w').write(json.dumps({'step': 0, 'eval_accuracy': 0.5}) + '\\n'"
                    " + json.dumps({'step': 2, 'samples': 64, 'eval_accuracy': 0.75}) + '\\n')\n"
                    f"open({str(marker)!r}, 'a').write('x')\n"
-                   "print('step 2 | something'); print('done: 2 steps in 1s | held-out greedy accuracy 0.500 -> 0.750')\n")
+                   "print('step 2 | something')\n"
+                   "print('done: 2 steps in 1s | held-out greedy accuracy 0.500 -> 0.750')\n")
     plan = [("tests:x", "tests", "Some tests", [sys.executable, "-c", "print('3 passed in 0.1s')"], ROOT),
             ("script:fake", "scripts", "python fake.py", [sys.executable, "-c", fake_script], str(runs)),
-            ("ratio", "ratio", "Agreement", [sys.executable, "-c", "import sys; print('| a | b |'); sys.exit(3)"], ROOT)]
+            ("ratio", "ratio", "Agreement", [sys.executable, "-c", "import sys; print('| a | b |'); sys.exit(3)"],
+             ROOT)]
     monkeypatch.setattr(gpu, "steps", lambda args: plan)
     monkeypatch.setattr(gpu, "environment", lambda: {k: k.upper() for k in (
         "device", "capability", "memory", "torch", "cuda", "cudnn", "python", "triton", "liger-kernel", "numpy",
@@ -130,3 +132,19 @@ def test_records_skip_finished_steps_and_the_report_has_every_command_and_figure
     assert marker.read_text() == "xx"
     with pytest.raises(SystemExit, match="--only nonsense: nonsense unknown; allowed: "):
         gpu.main(gpu.parse_args(["--out", str(runs), "--only", "nonsense"]))
+
+
+def test_the_gpu_kernel_benchmark_compares_like_with_like():
+    """bench/kernels.py's GPU section times, for each kernel, variants that must compute the same per-row values: on
+    a CPU at small sizes, the kernels' own path (their PyTorch path here, Triton on a GPU) agrees with the eager
+    reference the benchmark checks against, so a GPU run compares like with like. (torch.compile variants compile the
+    same eager functions; Liger-Kernel's rows need CUDA.)"""
+    spec = importlib.util.spec_from_file_location("kernels_bench", os.path.join(ROOT, "bench", "kernels.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cases = bench.gpu_cases(6, 37, "cpu", dtype=torch.float32, C=8)
+    assert set(cases) == {"logprobs", "kl", "entropy", "linear_logprobs"}
+    for name, (inputs, bytes_fwd, bytes_fwd_bwd, variants) in cases.items():
+        assert {"eager", "torch.compile", "kernels (Triton)"} <= set(variants) and 0 < bytes_fwd < bytes_fwd_bwd
+        want = variants["eager"](*inputs)
+        torch.testing.assert_close(variants["kernels (Triton)"](*inputs), want, rtol=1e-5, atol=1e-5, msg=name)

@@ -27,7 +27,8 @@ import pytest
 from kernels import HAS_TRITON, TRITON_INTERPRET
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON or TRITON_INTERPRET,
-                                reason="needs Triton, with compiled (not interpreted) kernels: run without TRITON_INTERPRET")
+                                reason="needs Triton, with compiled (not interpreted) kernels: run without "
+                                       "TRITON_INTERPRET")
 
 if HAS_TRITON and not TRITON_INTERPRET:
     from kernels import aot
@@ -55,8 +56,8 @@ def test_every_kernel_is_listed():
     defined = set()
     for name in ("logprobs", "kl", "entropy", "linear_logprobs"):
         module = importlib.import_module(f"kernels.{name}")  # (`kernels.logprobs` is the function)
-        defined |= {v.__name__ for k, v in vars(module).items() if k.endswith("_kernel") and isinstance(v,
-                                                                                                        triton.runtime.JITFunction)}
+        defined |= {v.__name__ for k, v in vars(module).items()
+                    if k.endswith("_kernel") and isinstance(v, triton.runtime.JITFunction)}
     listed = {kernel.__name__ for kernel, _, _ in aot.ROW_KERNELS + aot.LINEAR_KERNELS}
     assert defined == listed
     assert {job.kernel.__name__ for job in JOBS} == listed

@@ -182,7 +182,8 @@ def check_grad(got, ref, tol):
     worst = (err / bound).nan_to_num(nan=math.inf).argmax()
     assert (err <= bound).all(), (
         f"{int((err > bound).sum())} / {err.numel()} entries off; worst at flat index {worst.item()}: "
-        f"got {got.flatten()[worst].item():.6g}, ref {ref.flatten()[worst].item():.6g}, bound {bound.flatten()[worst].item():.3g}"
+        f"got {got.flatten()[worst].item():.6g}, ref {ref.flatten()[worst].item():.6g}, "
+        f"bound {bound.flatten()[worst].item():.3g}"
     )
 
 
@@ -213,7 +214,8 @@ CASES = [
 
 def case_id(c):
     lead, V, dtype, T, scale, ninf, small = c
-    return f"{'x'.join(map(str, lead))}x{V}-{str(dtype)[6:]}-T{T}-s{scale:g}" + (f"-inf{ninf}" if ninf else "") + ("-small" if small else "")
+    name = f"{'x'.join(map(str, lead))}x{V}-{str(dtype)[6:]}-T{T}-s{scale:g}"
+    return name + (f"-inf{ninf}" if ninf else "") + ("-small" if small else "")
 
 
 impl_param = pytest.mark.parametrize("impl", IMPLS)
@@ -483,7 +485,8 @@ def formula_linear(hidden, weight, targets, temp=1.0):
         values.append(value)
         dx.append(d)
     grad_h = [[sum(d[v] * weight[v][c] for v in range(len(weight))) for c in range(len(weight[0]))] for d in dx]
-    grad_w = [[sum(dx[n][v] * hidden[n][c] for n in range(len(hidden))) for c in range(len(weight[0]))] for v in range(len(weight))]
+    grad_w = [[sum(dx[n][v] * hidden[n][c] for n in range(len(hidden))) for c in range(len(weight[0]))]
+              for v in range(len(weight))]
     return values, grad_h, grad_w
 
 
@@ -551,10 +554,10 @@ EDGE_CASES = [
     row_case("all_neg_inf_q", "kl", ([0.0, 0.0, 0.0], [-INF] * 3), NAN, NAN3),
     # temp 1e-3: p = one-hot at 2, q = one-hot at 0 (up to e^-1000): KL = 2000, gradient 0
     row_case("tiny_temp_argmax", "kl", ([0.0, 1.0, 2.0], [2.0, 1.0, 0.0]), 2000.0, [0.0, 0.0, 0.0], temp=MIN_T),
-    row_case("tiny_temp", "kl", ([0.0, 1e-3, 2e-3], [2e-3, 0.0, 1e-3]), *formula_kl([0.0, 1e-3, 2e-3], [2e-3, 0.0,
-                                                                                                        1e-3], MIN_T), temp=MIN_T, atol=(1e-6, 1e-3)),
-    row_case("huge_temp", "kl", ([0.0, 1.0, 2.0], [2.0, 1.0, 0.0]), *formula_kl([0.0, 1.0, 2.0], [2.0, 1.0, 0.0],
-                                                                                MAX_T), temp=MAX_T, atol=(3e-7, 1e-9)),
+    row_case("tiny_temp", "kl", ([0.0, 1e-3, 2e-3], [2e-3, 0.0, 1e-3]),
+             *formula_kl([0.0, 1e-3, 2e-3], [2e-3, 0.0, 1e-3], MIN_T), temp=MIN_T, atol=(1e-6, 1e-3)),
+    row_case("huge_temp", "kl", ([0.0, 1.0, 2.0], [2.0, 1.0, 0.0]),
+             *formula_kl([0.0, 1.0, 2.0], [2.0, 1.0, 0.0], MAX_T), temp=MAX_T, atol=(3e-7, 1e-9)),
     row_case("V1", "kl", ([5.0], [-3.0]), 0.0, [0.0]),
     # --- entropy: (logits row,) -> H, gradient row --------------------------------------------
     row_case("nan_logit", "entropy", ([0.0, NAN, 1.0],), NAN, NAN3),
@@ -664,8 +667,8 @@ def test_dispatch():
     assert type(kernels.kl(x, x.detach()).grad_fn).__name__ == f"_KL{expect}Backward"
     assert type(kernels.entropy(x).grad_fn).__name__ == f"_Entropy{expect}Backward"
     w = torch.randn(3, 5, requires_grad=True)
-    assert type(kernels.linear_logprobs(x, w, torch.zeros(2,
-                                                          dtype=torch.long)).grad_fn).__name__ == f"_LinearLogprobs{expect}Backward"
+    out = kernels.linear_logprobs(x, w, torch.zeros(2, dtype=torch.long))
+    assert type(out.grad_fn).__name__ == f"_LinearLogprobs{expect}Backward"
     if HAS_CUDA and HAS_TRITON:
         y = x.detach().cuda().requires_grad_()
         assert type(kernels.entropy(y).grad_fn).__name__ == "_EntropyTritonBackward"

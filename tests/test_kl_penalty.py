@@ -53,7 +53,8 @@ def test_kl_estimators_match_reference(estimator):
 
 def test_kl_estimators_in_expectation():
     """Enumerate a categorical pi and ref: E_pi[k1] = E_pi[k3] = KL(pi || ref) exactly; as loss terms
-    (gradient through log pi only) E_pi[grad k1] = 0, E_pi[grad k2] = grad KL(pi || ref), E_pi[grad k3] = grad KL(ref || pi)."""
+    (gradient through log pi only) E_pi[grad k1] = 0, E_pi[grad k2] = grad KL(pi || ref),
+    E_pi[grad k3] = grad KL(ref || pi)."""
     g = torch.Generator().manual_seed(0)
     theta = torch.randn(11, generator=g, dtype=torch.float64).requires_grad_()
     ref_logp = torch.log_softmax(torch.randn(11, generator=g, dtype=torch.float64), 0)

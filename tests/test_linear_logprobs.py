@@ -29,8 +29,8 @@ import torch
 
 import kernels
 from kernels import HAS_TRITON, TRITON_INTERPRET
-# noqa: F401  (the same autouse fixtures: NaN-filled torch.empty, a fresh seed)
-from test_kernels import fresh_seed, nan_filled_empty
+# the same autouse fixtures as test_kernels.py: NaN-filled torch.empty, a fresh seed
+from test_kernels import fresh_seed, nan_filled_empty  # noqa: F401
 
 HAS_CUDA = torch.cuda.is_available()
 TRITON_HERE = HAS_TRITON and (HAS_CUDA or TRITON_INTERPRET)
@@ -99,7 +99,8 @@ def check(impl, hidden, weight, targets, temperature, grad_out, base=None, small
         bound = 2 * EPS[dtype] * ref.abs() + tol + subnormal
         worst = (err / bound).argmax()
         assert (err <= bound).all(), (f"d {name}: {int((err > bound).sum())} / {err.numel()} entries off; worst: got "
-                                      f"{got.flatten()[worst].item():.6g}, ref {ref.flatten()[worst].item():.6g}, bound {bound.flatten()[worst].item():.3g}")
+                                      f"{got.flatten()[worst].item():.6g}, ref {ref.flatten()[worst].item():.6g}, "
+                                      f"bound {bound.flatten()[worst].item():.3g}")
 
 
 # (leading shape of hidden, C, V, dtype, temperature, scale of hidden): odd C and V (none a

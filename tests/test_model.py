@@ -276,6 +276,24 @@ def test_compiled_sampler_gives_the_eager_samplers_tokens(device):
     assert counters["stats"]["unique_graphs"] == graphs                 # no recompilation after the first call
 
 
+def test_a_shape_past_the_recompile_limit_runs_eagerly_instead_of_raising(monkeypatch):
+    """With fullgraph=True, torch.compile raises on a shape past its recompile limit (8 graphs, here lowered to 1):
+    the sampler's step falls back to the eager decode step and returns the eager sampler's tokens. The compile
+    backend is dynamo's "eager" one here (the limit is dynamo's; no C++ compiler needed)."""
+    import torch._dynamo
+    import model as model_module
+    compiled = torch.compile(GPT.decode_step, backend="eager", dynamic=False, fullgraph=True)
+    monkeypatch.setitem(model_module._compiled_steps, "cpu", model_module.with_eager_fallback(compiled))
+    model, p, m = sampler_case("cpu")
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for rows in (2, 3, 4):                                          # three shapes, one graph allowed
+            g1, g2 = torch.Generator().manual_seed(rows), torch.Generator().manual_seed(rows)
+            eager = model.generate(p[:rows], m[:rows], 8, 14, 15, temperature=1.0, generator=g1, compile=False)
+            compiled_out = model.generate(p[:rows], m[:rows], 8, 14, 15, temperature=1.0, generator=g2, compile=True)
+            assert all(torch.equal(a, b) for a, b in zip(eager, compiled_out)), rows
+
+
 def test_compiled_sampler_refuses_a_sequence_longer_than_block_size_as_the_eager_one_does():
     """The positions live on the device inside the compiled step, so the sampler checks block_size on the host,
     with the eager forward's message (before anything is compiled)."""

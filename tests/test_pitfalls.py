@@ -2,7 +2,6 @@
 see the trackers cited beside each test): the first update's ratio is exactly 1 whatever the micro-batch
 composition; a sequence's log-probs do not depend on its padding or on the rest of its batch; values at masked
 positions change no loss, advantage or metric."""
-import math
 import types
 
 import pytest
@@ -42,8 +41,8 @@ def test_first_update_ratio_is_exactly_one_for_any_micro_batch_composition():
     N = tokens.size(0)
     with torch.no_grad():
         old = logprobs(completion_logits(model, p, m, tokens, mask), tokens)           # (N, Tn)
-        orders = [torch.arange(N), torch.arange(N).flip(0), torch.randperm(N,
-                                                                           generator=torch.Generator().manual_seed(1))]
+        shuffled = torch.randperm(N, generator=torch.Generator().manual_seed(1))
+        orders = [torch.arange(N), torch.arange(N).flip(0), shuffled]
         for order in orders:
             for parts in (1, 2, 3, 5, N):
                 for mb in torch.tensor_split(order, parts):
@@ -116,8 +115,8 @@ def outputs(fn, tensors, mask, junk):
     leaves = [with_junk(t, mask, junk).requires_grad_(True) for t in tensors]
     out = fn(*leaves)
     out = out if isinstance(out, tuple) else (out,)
-    values = [o for o in out if torch.is_tensor(o)] + [torch.tensor(list(d.values())) for d in out if isinstance(d,
-                                                                                                                 dict)]
+    values = ([o for o in out if torch.is_tensor(o)]
+              + [torch.tensor(list(d.values())) for d in out if isinstance(d, dict)])
     differentiable = [o for o in out if torch.is_tensor(o) and o.requires_grad]
     grads = torch.autograd.grad(sum(o.sum() for o in differentiable), leaves,
                                 allow_unused=True) if differentiable else []
@@ -127,21 +126,21 @@ def outputs(fn, tensors, mask, junk):
 CASES = {  # name -> a function of (mask, A) giving fn(lp, old, ref); all three arguments get junk where mask is 0
     "grpo_loss seq": lambda mask, A: (lambda lp, old, ref: grpo.grpo_loss(lp, old, ref, A, mask, loss_agg="seq")),
     "grpo_loss token": lambda mask, A: (lambda lp, old, ref: grpo.grpo_loss(lp, old, ref, A, mask, loss_agg="token")),
-    "grpo_loss dr_grpo": lambda mask, A: (lambda lp, old, ref: grpo.grpo_loss(lp, old, ref, A, mask,
-                                                                              loss_agg="dr_grpo")),
+    "grpo_loss dr_grpo": lambda mask, A: (
+        lambda lp, old, ref: grpo.grpo_loss(lp, old, ref, A, mask, loss_agg="dr_grpo")),
     "rloo_loss": lambda mask, A: (lambda lp, old, ref: rloo.rloo_loss(lp, A, mask)),
     "reinforce_loss": lambda mask, A: (lambda lp, old, ref: reinforce.reinforce_loss(lp, A, mask)),
     "reinforce_loss per token": lambda mask, A: (lambda lp, old, ref: reinforce.reinforce_loss(lp, old, mask)),
-    "reinforce_pp_advantages": lambda mask, A: (lambda lp, old, ref: reinforce.reinforce_pp_advantages(A, lp, mask,
-                                                                                                       0.1)),
+    "reinforce_pp_advantages": lambda mask, A: (
+        lambda lp, old, ref: reinforce.reinforce_pp_advantages(A, lp, mask, 0.1)),
     "gae": lambda mask, A: (lambda lp, old, ref: ppo.gae(lp, old, mask, 1.0, 0.95)),
     "kl_penalised_rewards": lambda mask, A: (lambda lp, old, ref: ppo.kl_penalised_rewards(A, lp, old, mask, 0.1)),
     "masked_whiten": lambda mask, A: (lambda lp, old, ref: ppo.masked_whiten(lp, mask)),
     "ppo losses, masked mean": lambda mask, A: (lambda lp, old, ref: masked_mean(
         ppo.ppo_policy_loss(lp, old, ref, 0.2)[0] + ppo.ppo_value_loss(lp, old, ref, 0.2), mask)),
     "masked_mean": lambda mask, A: (lambda lp, old, ref: masked_mean(lp, mask)),
-    "sequence_logprobs": lambda mask, A: (lambda lp, old, ref: (dpo.sequence_logprobs(lp, mask),
-                                                                dpo.sequence_logprobs(lp, mask, average=True))),
+    "sequence_logprobs": lambda mask, A: (
+        lambda lp, old, ref: (dpo.sequence_logprobs(lp, mask), dpo.sequence_logprobs(lp, mask, average=True))),
 }
 
 

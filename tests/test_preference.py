@@ -121,8 +121,8 @@ def test_hand_worked_examples():
 
 def test_degenerate_cases():
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
-    y, ref = -torch.rand(5, generator=gen, dtype=torch.float64) * 20, -torch.rand(5, generator=gen,
-                                                                                  dtype=torch.float64) * 20
+    y = -torch.rand(5, generator=gen, dtype=torch.float64) * 20
+    ref = -torch.rand(5, generator=gen, dtype=torch.float64) * 20
     # identical chosen and rejected: h = 0, so DPO gives log 2 and IPO 1/(4 tau^2), whatever the policy
     for beta in (0.1, 1.0):
         torch.testing.assert_close(dpo.dpo_loss(y, y, ref, ref, beta)[0], torch.full_like(y, math.log(2)))

@@ -18,15 +18,15 @@ from model import GPT, GPTConfig, ScalarGPT, Tokenizer, load_checkpoint, scores_
 # -----------------------------------------------------------------------------
 # float64 references, from the equations
 
-def ref_bce(z, l):
-    """-(l log sigmoid(z) + (1 - l) log(1 - sigmoid(z))), one step, float64, stable for large |z|:
+def ref_bce(z, y):
+    """-(y log sigmoid(z) + (1 - y) log(1 - sigmoid(z))), one step, float64, stable for large |z|:
     log sigmoid(z) = -log(1 + e^-z), log(1 - sigmoid(z)) = log sigmoid(-z)."""
     log_sig = lambda x: -math.log1p(math.exp(-x)) if x > -30 else x
-    return -(l * log_sig(z) + (1 - l) * log_sig(-z))
+    return -(y * log_sig(z) + (1 - y) * log_sig(-z))
 
 
 def ref_prm_loss(logits, labels, mask):
-    terms = [ref_bce(z, l) for zr, lr, mr in zip(logits, labels, mask) for z, l, m in zip(zr, lr, mr) if m]
+    terms = [ref_bce(z, y) for zr, yr, mr in zip(logits, labels, mask) for z, y, m in zip(zr, yr, mr) if m]
     return sum(terms) / len(terms) if terms else 0.0
 
 
@@ -57,10 +57,11 @@ def test_prm_loss_matches_float64_reference_and_its_gradient():
     loss = prm.prm_loss(logits, labels, mask)
     assert loss.item() == pytest.approx(ref_prm_loss(logits.tolist(), labels.tolist(), mask.tolist()), rel=1e-12)
     (grad,) = torch.autograd.grad(loss, logits)
-    # d/dz of the mean BCE: (sigmoid(z) - l) / #steps on real steps, 0 elsewhere
+    # d/dz of the mean BCE: (sigmoid(z) - y) / #steps on real steps, 0 elsewhere
     n = mask.sum().item()
-    expected = torch.tensor([[(1 / (1 + math.exp(-z)) - l) / n if m else 0.0 for z, l, m in zip(zr, lr, mr)]
-                             for zr, lr, mr in zip(logits.tolist(), labels.tolist(), mask.tolist())], dtype=torch.float64)
+    expected = torch.tensor([[(1 / (1 + math.exp(-z)) - y) / n if m else 0.0 for z, y, m in zip(zr, yr, mr)]
+                             for zr, yr, mr in zip(logits.tolist(), labels.tolist(), mask.tolist())],
+                            dtype=torch.float64)
     torch.testing.assert_close(grad, expected)
 
 
@@ -77,8 +78,8 @@ def test_prm_loss_hand_worked_extremes_and_masked_junk():
     labels = torch.tensor([[1.0, float("nan"), 7.0]])
     loss = prm.prm_loss(z, labels, torch.tensor([[1.0, 0.0, 0.0]]))
     loss.backward()
-    assert loss.item() == pytest.approx(ref_bce(0.5, 1.0)) and torch.isfinite(z.grad).all() and z.grad[0,
-                                                                                                       1:].eq(0).all()
+    assert loss.item() == pytest.approx(ref_bce(0.5, 1.0))
+    assert torch.isfinite(z.grad).all() and z.grad[0, 1:].eq(0).all()
     # nothing real: 0, with a zero gradient
     z = torch.randn(2, 3, requires_grad=True)
     loss = prm.prm_loss(z, torch.ones(2, 3), torch.zeros(2, 3))
@@ -88,10 +89,10 @@ def test_prm_loss_hand_worked_extremes_and_masked_junk():
 
 def test_prm_loss_parts_add_up_to_the_whole():
     torch.manual_seed(1)
-    z, l, m = torch.randn(8, 4), torch.rand(8, 4), (torch.rand(8, 4) > 0.4).float()
-    whole = prm.prm_loss(z, l, m)
+    z, y, m = torch.randn(8, 4), torch.rand(8, 4), (torch.rand(8, 4) > 0.4).float()
+    whole = prm.prm_loss(z, y, m)
     n = m.sum()
-    parts = prm.prm_loss(z[:3], l[:3], m[:3], n) + prm.prm_loss(z[3:], l[3:], m[3:], n)
+    parts = prm.prm_loss(z[:3], y[:3], m[:3], n) + prm.prm_loss(z[3:], y[3:], m[3:], n)
     assert parts.item() == pytest.approx(whole.item(), rel=1e-6)
 
 
@@ -173,8 +174,8 @@ class ScriptedPolicy(torch.nn.Module):
             rows += [self.tok.encode(text) + [eos_id] for text in self.script[prefix][:num_samples]]
         T = max(len(r) for r in rows)
         tokens = torch.tensor([r + [pad_id] * (T - len(r)) for r in rows])
-        return tokens, torch.tensor([[1.0] * len(r) + [0.0] * (T - len(r)) for r in rows]), torch.zeros(len(rows),
-                                                                                                        dtype=torch.bool)
+        mask = torch.tensor([[1.0] * len(r) + [0.0] * (T - len(r)) for r in rows])
+        return tokens, mask, torch.zeros(len(rows), dtype=torch.bool)
 
 
 def test_mc_labels_count_the_continuations_that_reach_the_answer():
@@ -183,8 +184,8 @@ def test_mc_labels_count_the_continuations_that_reach_the_answer():
                {"prompt": "3+4*2=", "text": "3+4=7,7*2=14#14"},            # left to right, wrong
                {"prompt": "3+4*2=", "text": "4*2=8,3+8=11#11"}]            # right
     for r in records:
-        r["ids"], r["outcome"], r["rule"] = tok.encode(r["text"]), task.reward(r["prompt"],
-                                                                               r["text"]), task.step_labels(r["prompt"], r["text"])
+        r["ids"], r["outcome"] = tok.encode(r["text"]), task.reward(r["prompt"], r["text"])
+        r["rule"] = task.step_labels(r["prompt"], r["text"])
     script = {"9+8*1=9+8=17,": ["17*1=17#17", "17*1=18#18", "17*1=17#17", "17*1=16#16"],     # 2 of 4 right
               "3+4*2=3+4=7,": ["7*2=14#14"] * 4,                                            # 0 of 4
               "3+4*2=4*2=8,": ["3+8=11#11", "3+8=11#11", "3+8=11#11", "3+8=12#12"]}         # 3 of 4
@@ -260,7 +261,8 @@ def test_script_mc_labels_report_agreement(tiny_sft, tmp_path):
 
 def test_script_refuses_bad_input(tmp_path):
     refused(run_script("prm.py", ["--mc_k", "0", "--out", str(tmp_path)]), "--mc_k", "0 is not allowed")
-    refused(run_script("prm.py", ["--n_prompts", "4", "--samples_per_prompt", "2", "--batch_size", "9", "--out", str(tmp_path)]),
+    refused(run_script("prm.py", ["--n_prompts", "4", "--samples_per_prompt", "2", "--batch_size", "9",
+                                  "--out", str(tmp_path)]),
             "--batch_size 9", "8 training completions")
     refused(run_script("prm.py", ["--labels", "human", "--out", str(tmp_path)]), "--labels")
     refused(run_script("prm.py", ["--init", str(tmp_path / "nope.pt"), "--out", str(tmp_path)]), "no checkpoint at",

@@ -62,8 +62,8 @@ def test_score_is_read_at_the_eos_whatever_the_padding():
     model = ScalarGPT.from_policy(GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32)))
     torch.nn.init.normal_(model.head.weight)  # a non-zero head so scores differ by position
     prompts, completions = ["3+4*2=", "1+1="], ["4*2=8,3+8=11#11", "1+1=2,2+1=3#3"]
-    pairs = [{"prompt": p, "chosen_ids": tok.encode(c), "rejected_ids": tok.encode(c)} for p, c in zip(prompts,
-                                                                                                       completions)]
+    pairs = [{"prompt": p, "chosen_ids": tok.encode(c), "rejected_ids": tok.encode(c)}
+             for p, c in zip(prompts, completions)]
     tokens, mask, _ = task.pair_batch(pairs, tok)                           # the batch score_pairs scores
     tokens, mask = tokens[:2], mask[:2]                                     # the chosen rows
     last = mask.sum(1).long() - 1
@@ -98,8 +98,8 @@ def test_reward_model_beats_chance_on_held_out_pairs_and_resumes(tiny_sft, tmp_p
     assert rows[-1]["eval_margin"] > 0
     model, ckpt = load_checkpoint(os.path.join(out, "rm.pt"), kind="scalar")
     assert ckpt["step"] == 48 and ckpt["scored"] == "prompt+completion+EOS"
-    assert os.path.exists(os.path.join(out, "pairs_train.json")) and os.path.exists(os.path.join(out,
-                                                                                                 "pairs_eval.json"))
+    assert os.path.exists(os.path.join(out, "pairs_train.json"))
+    assert os.path.exists(os.path.join(out, "pairs_eval.json"))
     p = run_script("reward_model.py", args + ["--epochs", "4", "--resume"])
     assert p.returncode == 0, p.stderr
     assert "resuming from" in p.stdout

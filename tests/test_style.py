@@ -23,8 +23,8 @@ def docstring_measure(path):
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.body:
             first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value,
-                                                                                                    str):
+            constant = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+            if constant and isinstance(first.value.value, str):
                 lines = range(first.lineno, first.end_lineno + 1)
                 doc_lines.update(lines)
                 module_doc = len(lines) if isinstance(node, ast.Module) else module_doc
