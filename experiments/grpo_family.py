@@ -22,10 +22,10 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VARIANTS = {  # name -> grpo.py flags (beyond --mu 4); the papers' settings where they give them
+VARIANTS = {  # name -> grpo.py flags (beyond --mu 4): the papers' settings, no KL term where they use none
     "GRPO": [],
-    "GSPO": ["--ratio_level", "sequence", "--clip_eps", "3e-4", "--eps_high", "4e-4"],
-    "CISPO": ["--loss_type", "cispo", "--loss_agg", "token", "--clip_eps", "1", "--eps_high", "1"],
+    "GSPO": ["--ratio_level", "sequence", "--clip_eps", "3e-4", "--eps_high", "4e-4", "--beta", "0"],
+    "CISPO": ["--loss_type", "cispo", "--loss_agg", "token", "--clip_eps", "1", "--eps_high", "1", "--beta", "0"],
     "DAPO": ["--loss_agg", "token", "--eps_high", "0.28", "--beta", "0", "--dynamic_sampling", "--overlong_buffer",
              "4"],
 }
