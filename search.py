@@ -130,9 +130,9 @@ def sample_steps(policy, tok, prefixes, limits, temperature, generator):
     return [row[:n] for row, n in zip(new.tolist(), length.tolist())]
 
 
-def beam_search(policy, prm, tok, prompts, beam, expand, temperature, max_new_tokens, generator):
-    """PRM-guided step-level beam search (module docstring). Returns the picked completion of each prompt (token ids,
-    EOS dropped) and the tokens generated for each prompt."""
+def beam_search(policy, prm, tok, prompts, beam, expand, temperature, max_new_tokens, generator, how="last"):
+    """PRM-guided step-level beam search (module docstring), paths ranked by the PRM's aggregate_steps `how` of their
+    steps so far. Returns the picked completion of each prompt (token ids, EOS dropped) and the tokens generated."""
     prompt_ids = [tok.encode(p) for p in prompts]
     kept = [[([], False)] for _ in prompts]                         # per prompt: (completion ids, finished) paths
     tokens = [0] * len(prompts)
@@ -155,7 +155,7 @@ def beam_search(policy, prm, tok, prompts, beam, expand, temperature, max_new_to
         #    could only fall as it grew, which would favour unfinished paths over finished ones
         flat = [(i, path) for i, paths in enumerate(candidates) for path in paths]
         s = score(prm, tok, "prm", [prompts[i] for i, _ in flat], [p[0] for _, p in flat], [p[1] for _, p in flat],
-                  "last")
+                  how)
         # 3. keep the `beam` best candidates of each prompt (ties: the first)
         at = 0
         for i, paths in enumerate(candidates):
@@ -183,6 +183,8 @@ def parse_args(argv=None):
     g.add_argument("--beam", type=Int(ge=1, le=64), default=8,
                    help="the largest beam: beam search runs with beams 1, 2, 4, ... up to it")
     g.add_argument("--expand", type=Int(ge=1, le=64), default=4, help="beam search: next steps from each kept path")
+    g.add_argument("--beam_score", choices=("last", "min"), default="last",
+                   help="beam search ranks paths by the PRM at their last step (Snell et al.) or their weakest step")
     g = p.add_argument_group("sampling")
     g.add_argument("--temperature", type=TEMPERATURE, default=1.0, help="sampling temperature (best-of-N, beam)")
     g.add_argument("--max_new_tokens", type=Int(ge=1), default=task.MAX_NEW_TOKENS, help="longest completion")
@@ -291,7 +293,7 @@ def main(args):
         gen = torch.Generator(device=device).manual_seed(args.seed + 1000 + b)
         with autocast:
             picked, used = beam_search(policy, prm, tok, prompts, b, args.expand, args.temperature,
-                                       args.max_new_tokens, gen)
+                                       args.max_new_tokens, gen, args.beam_score)
         acc = sum(task.reward(p, tok.decode(c)) for p, c in zip(prompts, picked)) / len(prompts)
         beam_results.append({"beam": b, "expand": args.expand, "accuracy": acc, "tokens": sum(used) / len(prompts)})
 

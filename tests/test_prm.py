@@ -2,6 +2,7 @@
 four aggregations against a float64 reference and by hand; where the scores are read (each step's ',' and the EOS);
 Math-Shepherd's Monte Carlo labels with a scripted policy (hand-counted shares); the label agreement; and the script
 end to end: the ORM and the PRM trained from a tiny SFT policy, resumed, the mc labels, bad input refused."""
+import inspect
 import json
 import math
 import os
@@ -85,6 +86,19 @@ def test_prm_loss_hand_worked_extremes_and_masked_junk():
     loss = prm.prm_loss(z, torch.ones(2, 3), torch.zeros(2, 3))
     loss.backward()
     assert loss.item() == 0.0 and z.grad.eq(0).all()
+
+
+def test_the_loss_and_the_aggregation_run_when_copied_with_torch_alone():
+    namespace = {"torch": torch, "F": torch.nn.functional}
+    for f in (prm.prm_loss, prm.aggregate_steps):
+        exec(inspect.getsource(f), namespace)
+    g = torch.Generator().manual_seed(5)
+    z, y = torch.randn(6, 4, generator=g), torch.rand(6, 4, generator=g)
+    m = (torch.rand(6, 4, generator=g) > 0.3).float()
+    assert torch.equal(namespace["prm_loss"](z, y, m), prm.prm_loss(z, y, m))
+    for how in ("min", "prod", "last", "mean"):
+        p = torch.sigmoid(z)
+        assert torch.equal(namespace["aggregate_steps"](p, m, how), prm.aggregate_steps(p, m, how))
 
 
 def test_prm_loss_parts_add_up_to_the_whole():
