@@ -13,9 +13,10 @@ Without CUDA it refuses with one line. Steps, in this order:
    kernels run on the GPU (test_int64_row_offsets_cuda and the `triton_path` cases, which skip or run in an
    interpreted child on a CPU machine), then every other test whose name says cuda (the compiled sampler
    as a CUDA graph).
-2. kernels: `python bench/kernels.py --section gpu`: log-probs, KL and entropy at N = 16384, V in
-   {50257, 151936}, bfloat16, forward and forward + backward: time, bandwidth against a device-to-device
-   copy of the same bytes, speed against eager PyTorch, torch.compile and Liger-Kernel (if installed).
+2. kernels: `python bench/kernels.py --section gpu`: logprobs, kl, entropy and linear_logprobs at N = 16384,
+   V in {50257, 151936}, bfloat16, forward and forward + backward: time, bandwidth against a device-to-device
+   copy of the same bytes, speed against eager PyTorch, torch.compile and Liger-Kernel (its cross entropy, KL
+   divergence and fused linear cross entropy; "not installed" otherwise).
 3. sampler: `python bench/generate.py --device cuda`: recompute, KV cache and the compiled KV cache (a CUDA
    graph) in tokens/s, under bfloat16 autocast as the scripts sample, at 64 and 256 (a GRPO step's) rows,
    and once in float32, where the compiled sampler must give exactly the eager sampler's tokens.
