@@ -43,6 +43,7 @@ import task
 from kernels import logprobs
 from model import masked_mean
 from plumbing import RM_PATH, SFT_PATH, TEMPERATURE, Float, Int, Run, add_run_flags, parser
+from tasks import arithmetic
 
 
 # -----------------------------------------------------------------------------
@@ -100,7 +101,7 @@ def round_counts(prompts, texts, rewards, kept):
     """What a round sampled and kept, as counts for the log: prompts (P,), texts (P*N,), rewards and kept (P, N)."""
     P, N = kept.shape
     precedence = torch.tensor([task.is_precedence(p) for p in prompts])[:, None].expand(P, N)                 # (P, N)
-    left_to_right = torch.tensor([texts[i] == task.demonstration(prompts[i // N], left_to_right=True)
+    left_to_right = torch.tensor([texts[i] == task.demonstration(prompts[i // N], mistake=True)
                                   for i in range(P * N)]).view(P, N) & precedence                             # (P, N)
     correct = rewards > 0                                                                                      # (P, N)
     return {"sampled": P * N, "prompts": P, "accepted": int(correct.sum()), "solved": int(correct.any(1).sum()),
@@ -112,11 +113,11 @@ def round_counts(prompts, texts, rewards, kept):
 def hindsight_pairs(prompts, texts, ids, N):
     """Hindsight relabelling (Andrychowicz et al. 2017, arXiv 1707.01495): every failed sample that exactly solves
     another problem, as a demonstration of that problem: distinct (problem, completion ids) pairs. Here a failed
-    a+b*c= attempt that is the left-to-right derivation solves (a+b)*c= (task.hindsight_prompt), a problem never
+    a+b*c= attempt that is the left-to-right derivation solves (a+b)*c= (arithmetic.hindsight_prompt), a problem never
     asked; not deduplicated against the round's successes (the problems differ)."""
     pairs = []
     for i, text in enumerate(texts):
-        goal = task.hindsight_prompt(prompts[i // N], text)          # the problem this failure did solve, or None
+        goal = arithmetic.hindsight_prompt(prompts[i // N], text)          # the problem this failure did solve, or None
         if goal is not None and (goal, tuple(ids[i])) not in pairs:
             pairs.append((goal, tuple(ids[i])))
     return pairs
@@ -157,8 +158,9 @@ def parse_args(argv=None):
     g.add_argument("--rounds", type=Int(ge=1), default=8, help="rounds of sample, select, fine-tune")
     g.add_argument("--prompts_per_round", type=Int(ge=1), default=256, help="P: prompts drawn per round")
     g.add_argument("--temperature", type=TEMPERATURE, default=1.0, help="sampling temperature")
-    g.add_argument("--max_new_tokens", type=Int(ge=1), default=task.MAX_NEW_TOKENS, help="longest completion")
-    g.add_argument("--precedence_share", type=Float(ge=0, le=1), default=0.5, help="share of a+b*c / a-b*c prompts")
+    g.add_argument("--max_new_tokens", type=Int(ge=1), default=None, help="longest completion (default: the task's)")
+    g.add_argument("--precedence_share", type=Float(ge=0, le=1), default=None,
+                   help="share of problems where precedence matters (default: the task's; arithmetic: 0.5)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=Int(ge=1), default=2, help="passes over each round's fine-tuning data")
     g.add_argument("--batch_size", type=Int(ge=1), default=64, help="completions per fine-tuning step")
@@ -172,6 +174,8 @@ def parse_args(argv=None):
     if args.max_per_prompt is None:                                # derived: the cap each selection rule starts from
         args.max_per_prompt = 4 if args.select == "verifier" else 1
     args.steps = args.rounds                                       # derived: one Run step is one round
+    if args.hindsight:
+        task.require_arithmetic(p, args, "--hindsight (relabelling a+b*c= attempts as (a+b)*c=)")
     return args
 
 

@@ -183,8 +183,9 @@ def parse_args(argv=None):
     g.add_argument("--steps", type=Int(ge=1), default=50, help="RL steps (one batch of rollouts each)")
     g.add_argument("--prompts_per_step", type=Int(ge=1), default=32, help="P: prompts drawn per step")
     g.add_argument("--temperature", type=TEMPERATURE, default=1.0, help="sampling temperature; log-probs use the same")
-    g.add_argument("--max_new_tokens", type=Int(ge=1), default=task.MAX_NEW_TOKENS, help="longest completion")
-    g.add_argument("--precedence_share", type=Float(ge=0, le=1), default=0.5, help="share of a+b*c / a-b*c prompts")
+    g.add_argument("--max_new_tokens", type=Int(ge=1), default=None, help="longest completion (default: the task's)")
+    g.add_argument("--precedence_share", type=Float(ge=0, le=1), default=None,
+                   help="share of problems where precedence matters (default: the task's; arithmetic: 0.5)")
     g.add_argument("--dynamic_sampling", action="store_true",
                    help="DAPO: keep only groups with 0 < #correct < G, sample more to fill the batch")
     g.add_argument("--max_sample_rounds", type=Int(ge=1), default=4,

@@ -43,6 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import task
 from model import CheckpointError, GPTConfig, Tokenizer, fingerprint, load_checkpoint, save_checkpoint
+from tasks import arithmetic
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 SFT_PATH = os.path.join("out", "sft.pt")   # default --init of every script that starts from the SFT policy
@@ -90,10 +91,17 @@ class Int(_Number):
 TEMPERATURE = Float(ge=0.05, le=20.0)
 
 
+class _Parser(argparse.ArgumentParser):
+    def parse_args(self, args=None, namespace=None):
+        parsed = super().parse_args(args, namespace)
+        task.check_args(self, parsed)          # --task's flags, and the defaults that depend on the task
+        return parsed
+
+
 def parser(doc):
-    """An ArgumentParser whose description is the script docstring's first paragraph."""
-    return argparse.ArgumentParser(description=doc.strip().split("\n\n")[0],
-                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    """An ArgumentParser whose description is the script docstring's first paragraph; its parse_args also checks
+    the task flags and fills in the defaults that depend on the task (task.check_args)."""
+    return _Parser(description=doc.strip().split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 
 
 def add_run_flags(parser, script, log_every, eval_every):
@@ -103,8 +111,7 @@ def add_run_flags(parser, script, log_every, eval_every):
                        help="print and log metrics every this many steps")
     group.add_argument("--eval_every", type=Int(ge=1), default=eval_every,
                        help="evaluate on the held-out set and checkpoint every this many steps (and at the last)")
-    group.add_argument("--eval_n", type=Int(ge=1, le=len(task.eval_prompts())), default=len(task.eval_prompts()),
-                       help="held-out prompts to evaluate on")
+    group.add_argument("--eval_n", type=Int(ge=1), default=None, help="held-out prompts to evaluate on (default: all)")
     group.add_argument("--out", default="out", help=f"folder for {script}.pt and {script}/metrics.jsonl")
     group.add_argument("--seed", type=Int(ge=0, lt=2**32), default=0, help="seeds python, numpy and torch")
     group.add_argument("--resume", action="store_true", help=f"continue from <out>/{script}.pt up to the step limit")
@@ -114,7 +121,20 @@ def add_run_flags(parser, script, log_every, eval_every):
     group.add_argument("--compile", action="store_true",
                        help="sample through a compiled decode step (model.GPT.generate(compile=True); CUDA graphs on a "
                             "GPU): the same tokens, faster once compiled")
+    add_task_flags(parser)
     return group
+
+
+def add_task_flags(parser):
+    """--task, --format, --data and --countdown_numbers, in a "task" group (task.py reads them)."""
+    g = parser.add_argument_group("task")
+    g.add_argument("--task", default="arithmetic", choices=task.TASKS, help="the problems, verifier and demonstrations")
+    g.add_argument("--format", default="plain", choices=task.FORMATS,
+                   help="plain: the task's own; r1: DeepSeek-R1-Zero's <think>/<answer> template (task.py)")
+    g.add_argument("--data", nargs="+", default=None, metavar="JSONL",
+                   help="--task gsm8k: a GSM8K-format file, and optionally a held-out file (else its last tenth)")
+    g.add_argument("--countdown_numbers", type=Int(ge=3, le=4), default=3, help="--task countdown: numbers given")
+    return g
 
 
 # -----------------------------------------------------------------------------
@@ -310,6 +330,13 @@ class Run:
                 raise SystemExit(f"error: --{batch_flag} {n} must split evenly over {self.world} processes and then "
                                  f"into --grad_accum {k} micro-batches; allowed: a multiple of {self.world} of at "
                                  f"least {self.world * k}")
+        try:
+            self.task = task.use(args)   # --task: the problems, verifier and demonstrations of every task.* call
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
+        if getattr(args, "eval_n", None) is not None and args.eval_n > len(task.eval_prompts()):
+            raise SystemExit(f"error: --eval_n {args.eval_n}; allowed: 1 to {len(task.eval_prompts())}, the held-out "
+                             f"problems of --task {task.name()}")
         self.device = pick_device(args.device)
         self.ckpt_path = os.path.join(args.out, f"{name}.pt")
         self.metrics_path = os.path.join(args.out, name, "metrics.jsonl")
@@ -350,6 +377,7 @@ class Run:
             # check has passed; a resumed run cuts it back to its checkpoint in resume.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._stop)
+        self.print(self.task)
 
     # ---- checks before any work, prerequisites and models
 
@@ -370,7 +398,7 @@ class Run:
                 raise SystemExit(f"error: {self.ckpt_path} is at step {self.resume_ckpt['step']}, past this run's "
                                  f"limit of {self.total_steps} steps; pass a larger limit to train on")
         for flag, (default, maker) in self.CHECKPOINT_FLAGS.items():
-            path = getattr(args, flag, None)
+            path, default = getattr(args, flag, None), task.default_path(default, args)
             if path is None or (not os.path.exists(path) and os.path.abspath(path) == os.path.abspath(default)):
                 continue                                                    # absent flag, or a default built later
             if not os.path.exists(path):
@@ -391,7 +419,8 @@ class Run:
         if not os.path.exists(path) and hasattr(self.args, "max_new_tokens"):  # refuse now, not after building it
             check_fits(task.max_prompt_tokens(Tokenizer()), self.args.max_new_tokens, GPTConfig().block_size)
         if self.is_main:
-            build_missing(path, SFT_PATH, ["sft.py"], self.args.device)
+            build_missing(path, task.default_path(SFT_PATH, self.args), ["sft.py", *task.flags(self.args)],
+                          self.args.device)
         self.barrier()
         policy, tok = self.load(path, "gpt")
         policy.compile_sampler = self.args.compile   # --compile: generate() runs its compiled decode step
@@ -400,14 +429,17 @@ class Run:
     def load_reward_model(self, path, init):
         """The Bradley-Terry reward model; out/rm.pt is built first (from `init`) if it is the missing default."""
         if self.is_main:
-            build_missing(path, RM_PATH, ["reward_model.py", "--init", os.path.abspath(init)], self.args.device)
+            build_missing(path, task.default_path(RM_PATH, self.args),
+                          ["reward_model.py", "--init", os.path.abspath(init), *task.flags(self.args)],
+                          self.args.device)
         self.barrier()
         return self.load(path, "scalar", expect={"script": "reward_model"})[0]
 
     def check_lengths(self, model, tok, max_new_tokens, parenthesised=False):
         """The longest prompt plus max_new_tokens must fit the model's context: checked before any work.
         parenthesised: the run also uses the parenthesised problems (longer prompts)."""
-        check_fits(task.max_prompt_tokens(tok, parenthesised), max_new_tokens, model.config.block_size)
+        longest = arithmetic.max_prompt_tokens(tok, True) if parenthesised else task.max_prompt_tokens(tok)
+        check_fits(longest, max_new_tokens, model.config.block_size)
 
     # ---- resume
 
@@ -584,10 +616,11 @@ class Run:
                 self.evaluate(model, tok)
             final, before = self.last_eval, self.before or {}
             b = lambda key: f"{before[key]:.3f} -> " if key in before else ""
-            summary = (f"held-out greedy accuracy {b('eval_accuracy')}{final['eval_accuracy']:.3f} (precedence "
-                       f"{b('eval_accuracy_precedence')}{final['eval_accuracy_precedence']:.3f}, other "
-                       f"{final['eval_accuracy_other']:.3f}) | sampled pass@1 {b('eval_pass_at_1')}"
-                       f"{final['eval_pass_at_1']:.3f}")
+            split = (f" (precedence {b('eval_accuracy_precedence')}{final['eval_accuracy_precedence']:.3f}, other "
+                     f"{final['eval_accuracy_other']:.3f})")
+            summary = (f"held-out greedy accuracy {b('eval_accuracy')}{final['eval_accuracy']:.3f}"
+                       f"{split if final['eval_accuracy_precedence'] == final['eval_accuracy_precedence'] else ''} "
+                       f"| sampled pass@1 {b('eval_pass_at_1')}{final['eval_pass_at_1']:.3f}")   # no split: gsm8k
         samples = f" | {self.samples:,} completions sampled" if self.samples else ""
         self.print(f"done: {self.step} steps in {time.time() - self.t0:.0f}s | {summary}{samples} | wrote "
                    f"{self.ckpt_path}")

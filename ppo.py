@@ -138,7 +138,7 @@ def token_values(critic, seq, seq_mask, Tp, autocast):
 @torch.no_grad()
 def rm_score_greedy(policy, rm, tok, prompts, device, autocast):
     """The reward model's mean score of the policy's greedy completions (the proxy beside the verifier)."""
-    seq, seq_mask, *_ = rollout(policy, tok, prompts, 0.0, task.MAX_NEW_TOKENS, None, device, autocast)
+    seq, seq_mask, *_ = rollout(policy, tok, prompts, 0.0, task.default_max_new_tokens(), None, device, autocast)
     with autocast:
         return rm.score(seq, seq_mask).float().mean().item()
 
@@ -171,7 +171,7 @@ def parse_args(argv=None):
     g.add_argument("--steps", type=Int(ge=1), default=40, help="PPO iterations (rollout batch + update epochs)")
     g.add_argument("--batch_size", type=Int(ge=1), default=64, help="B: prompts per batch (one completion each)")
     g.add_argument("--temperature", type=TEMPERATURE, default=1.0, help="sampling temperature (log-probs use the same)")
-    g.add_argument("--max_new_tokens", type=Int(ge=1), default=task.MAX_NEW_TOKENS, help="longest completion")
+    g.add_argument("--max_new_tokens", type=Int(ge=1), default=None, help="longest completion (default: the task's)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--ppo_epochs", type=Int(ge=1), default=4, help="passes over each rollout batch")
     g.add_argument("--minibatches", type=Int(ge=1), default=2, help="minibatches per epoch over the rollout batch")

@@ -14,7 +14,7 @@ automatic step labels: Math-Shepherd, Wang et al. 2023, arXiv 2312.08935. For a 
     PRM    p_k = sigmoid(r_k), r_k at the last token of step k (causal: it sees steps 1..k only)
     L = -1/#steps sum_(y, k) [ l_k log p_k + (1 - l_k) log(1 - p_k) ]                  (labels l_k in [0, 1])
     a completion's PRM score (aggregate_steps): min_k p_k | prod_k p_k | p_K (last) | mean_k p_k
-Step labels (--labels): rule, exact (task.step_labels: the steps up to k start the correct derivation), the
+Step labels (--labels): rule, exact (arithmetic.step_labels: the steps up to k start the correct derivation), the
 counterpart of Lightman et al.'s human labels; mc, Math-Shepherd's: from the prefix through step k, --mc_k
 continuations of the SFT policy, hard label 1 if any reaches the right answer, soft label the share that does.
 
@@ -43,6 +43,7 @@ import torch.nn.functional as F
 import task
 from model import ScalarGPT, left_pad, pad_steps, scores_at
 from plumbing import SFT_PATH, TEMPERATURE, Float, Int, Run, add_run_flags, load_model, lr_schedule, parser
+from tasks import arithmetic
 
 KINDS = ("orm", "prm")
 
@@ -105,18 +106,19 @@ def verifier_batch(records, labels, tok, kind, device):
 @torch.no_grad()
 def sample_completions(policy, tok, prompts, n, temperature, generator):
     """n completions of each prompt: records {prompt, ids (as sampled, EOS dropped), text, outcome (0/1, the
-    verifier), rule (task.step_labels)}."""
+    verifier), rule (arithmetic.step_labels)}."""
     texts, ids = task.complete(policy, tok, prompts, n, temperature, generator=generator, return_ids=True)
     out = []
     for i, (text, c) in enumerate(zip(texts, ids)):
         p = prompts[i // n]
         out.append({"prompt": p, "ids": c, "text": text, "outcome": task.reward(p, text),
-                    "rule": task.step_labels(p, text)})
+                    "rule": arithmetic.step_labels(p, text)})
     return out
 
 
 @torch.no_grad()
-def mc_labels(policy, tok, records, k, temperature, generator, max_new_tokens=task.MAX_NEW_TOKENS, batch_size=256):
+def mc_labels(policy, tok, records, k, temperature, generator, max_new_tokens=arithmetic.MAX_NEW_TOKENS,
+              batch_size=256):
     """Math-Shepherd's labels: for each step that ends with a ',', the share of k continuations of the policy from
     the prefix through that ',' that reach the correct answer (the soft label; hard = share > 0); the final step's
     label is the completion's own outcome. Returns one list of soft labels per record."""
@@ -155,7 +157,7 @@ def label_agreement(records, mc, max_examples=12):
             steps, agree = steps + 1, agree + (rule == hard)
             confusion[f"rule{rule}_mc{hard}"] += 1
             if rule != hard:
-                ltr = task.demonstration(r["prompt"], True) if task.is_precedence(r["prompt"]) else None
+                ltr = arithmetic.demonstration(r["prompt"], True) if arithmetic.is_precedence(r["prompt"]) else None
                 precedence_luck = r["text"] == ltr
                 lucky += precedence_luck
                 why = ("left to right, right answer (c = 1)" if precedence_luck else
@@ -222,7 +224,7 @@ def parse_args(argv=None):
     g.add_argument("--train", default="both", choices=["both", *KINDS],
                    help="which verifier(s) to train: both is the ORM, then the PRM")
     g.add_argument("--labels", default="rule", choices=["rule", "mc"],
-                   help="PRM step labels: exact (task.step_labels) or Math-Shepherd's Monte Carlo")
+                   help="PRM step labels: exact (arithmetic.step_labels) or Math-Shepherd's Monte Carlo")
     g.add_argument("--mc_k", type=Int(ge=1), default=4,
                    help="--labels mc: continuations sampled from each step's prefix")
     g.add_argument("--mc_label", default="hard", choices=["hard", "soft"],
@@ -246,6 +248,7 @@ def parse_args(argv=None):
     g.add_argument("--init", default=SFT_PATH,
                    help="SFT policy: the backbone to start from and the sampler of the data")
     args = p.parse_args(argv)
+    task.require_arithmetic(p, args, "process labels (arithmetic.step_labels)")
     n = args.n_prompts * args.samples_per_prompt
     if args.batch_size > n:
         p.error(f"--batch_size {args.batch_size} exceeds the {n} training completions (--n_prompts {args.n_prompts} x "
@@ -279,7 +282,7 @@ def train(args, kind):
                                       gen)
         mc = None
         if kind == "prm" and args.labels == "mc":
-            mc = mc_labels(sft, tok, train_set, args.mc_k, args.temperature, gen, task.MAX_NEW_TOKENS)
+            mc = mc_labels(sft, tok, train_set, args.mc_k, args.temperature, gen, arithmetic.MAX_NEW_TOKENS)
     run.samples = len(train_set) + len(eval_set) + (args.mc_k * sum(len(m) - 1 for m in mc) if mc else 0)
     for i, r in enumerate(train_set):               # what the verifier learns to predict, one label per read position
         r["target"] = ([r["outcome"]] if kind == "orm" else r["rule"] if mc is None else

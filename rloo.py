@@ -73,8 +73,9 @@ def parse_args(argv=None):
     g.add_argument("--steps", type=Int(ge=1), default=50, help="RL steps (one batch of rollouts each)")
     g.add_argument("--prompts_per_step", type=Int(ge=1), default=32, help="P: prompts drawn per step")
     g.add_argument("--temperature", type=TEMPERATURE, default=1.0, help="sampling temperature; log-probs use the same")
-    g.add_argument("--max_new_tokens", type=Int(ge=1), default=task.MAX_NEW_TOKENS, help="longest completion")
-    g.add_argument("--precedence_share", type=Float(ge=0, le=1), default=0.5, help="share of a+b*c / a-b*c prompts")
+    g.add_argument("--max_new_tokens", type=Int(ge=1), default=None, help="longest completion (default: the task's)")
+    g.add_argument("--precedence_share", type=Float(ge=0, le=1), default=None,
+                   help="share of problems where precedence matters (default: the task's; arithmetic: 0.5)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--lr", type=Float(gt=0), default=3e-4, help="AdamW learning rate (constant)")
     g.add_argument("--weight_decay", type=Float(ge=0), default=0.0, help="AdamW weight decay")

@@ -41,9 +41,10 @@ import torch.nn.functional as F
 
 import task
 from model import GPTConfig, KVCache, Tokenizer, left_pad, pad_steps, scores_at
-from plumbing import (RM_PATH, SFT_PATH, TEMPERATURE, Int, build_missing, check_fits, load_model, parser, pick_device,
-                      read_checkpoint, seed_everything)
+from plumbing import (RM_PATH, SFT_PATH, TEMPERATURE, Int, add_task_flags, build_missing, check_fits, load_model,
+                      parser, pick_device, read_checkpoint, seed_everything)
 from prm import aggregate_steps, load_verifier                # the PRM's loading and how its steps combine
+from tasks import arithmetic
 
 ORM_PATH, PRM_PATH = os.path.join("out", "orm.pt"), os.path.join("out", "prm.pt")
 
@@ -187,10 +188,10 @@ def parse_args(argv=None):
                    help="beam search ranks paths by the PRM at their last step (Snell et al.) or their weakest step")
     g = p.add_argument_group("sampling")
     g.add_argument("--temperature", type=TEMPERATURE, default=1.0, help="sampling temperature (best-of-N, beam)")
-    g.add_argument("--max_new_tokens", type=Int(ge=1), default=task.MAX_NEW_TOKENS, help="longest completion")
+    g.add_argument("--max_new_tokens", type=Int(ge=1), default=None, help="longest completion (default: the task's)")
     g = p.add_argument_group("run")
-    g.add_argument("--eval_n", type=Int(ge=1, le=len(task.eval_prompts())), default=len(task.eval_prompts()),
-                   help="held-out prompts")
+    held_out = len(arithmetic.eval_prompts())
+    g.add_argument("--eval_n", type=Int(ge=1, le=held_out), default=held_out, help="held-out prompts")
     g.add_argument("--init", default=SFT_PATH, help="SFT policy: the sampler (built if it is the missing default)")
     g.add_argument("--rm", default=RM_PATH, help="Bradley-Terry reward model (reward_model.py; built if missing)")
     g.add_argument("--orm", default=ORM_PATH, help="outcome reward model (prm.py; built if the missing default)")
@@ -198,7 +199,10 @@ def parse_args(argv=None):
     g.add_argument("--out", default="out", help="folder for search/results.json and search/search.png")
     g.add_argument("--seed", type=Int(ge=0, lt=2**32), default=0, help="seeds python, numpy and torch")
     g.add_argument("--device", default=None, help="cuda, mps or cpu (default: the first available)")
-    return p.parse_args(argv)
+    add_task_flags(p)
+    args = p.parse_args(argv)
+    task.require_arithmetic(p, args, "test-time search with process rewards (arithmetic.step_labels)")
+    return args
 
 
 def check_before_work(args):
@@ -258,7 +262,7 @@ def main(args):
         flat_prompts = [p for p in prompts for _ in range(N)]
         right = torch.tensor([task.reward(p, t) for p, t in zip(flat_prompts, texts)]).view(-1, N)        # (P, N)
         length = torch.tensor([min(len(c) + 1, args.max_new_tokens) for c in ids], dtype=torch.float).view(-1, N)
-        answers = [[None if a is None else str(a) for a in map(task.parse_answer, texts[i * N:(i + 1) * N])]
+        answers = [[None if a is None else str(a) for a in map(arithmetic.parse_answer, texts[i * N:(i + 1) * N])]
                    for i in range(len(prompts))]
 
         # 2. every sample scored by every verifier
@@ -278,7 +282,7 @@ def main(args):
             cols = list(cols)
             r = right[:, cols]                                                                  # (P, n)
             picked = majority_vote([[row[j] for j in cols] for row in answers])
-            right_answers = [a is not None and int(a) == task.answer(p) for a, p in zip(picked, prompts)]
+            right_answers = [a is not None and int(a) == arithmetic.answer(p) for a, p in zip(picked, prompts)]
             acc["majority"] += sum(right_answers) / len(prompts)
             for k in ("orm", "prm_min", "prm_prod", "rm"):
                 acc[k] += r.gather(1, best_of_n(scores[k][:, cols])[:, None]).mean().item()

@@ -33,9 +33,11 @@ def parse_args(argv=None):
     g = p.add_argument_group("data")
     g.add_argument("--mistake_rate", type=Float(ge=0, le=1), default=0.6,
                    help="share of demonstrations evaluated left to right")
-    g.add_argument("--precedence_share", type=Float(ge=0, le=1), default=0.5, help="share of a+b*c / a-b*c prompts")
+    g.add_argument("--precedence_share", type=Float(ge=0, le=1), default=None,
+                   help="share of problems where precedence matters (default: the task's; arithmetic: 0.5)")
     g = p.add_argument_group("model")
     g.add_argument("--n_layer", type=Int(ge=1), default=4, help="transformer blocks")
+    g.add_argument("--block_size", type=Int(ge=8), default=64, help="longest sequence (prompt + completion)")
     g.add_argument("--n_head", type=Int(ge=1), default=4, help="attention heads")
     g.add_argument("--n_embd", type=Int(ge=1), default=128, help="model width (a multiple of --n_head)")
     g.add_argument("--tokenizer", default="bytes", help="'bytes' (built in, offline) or a tiktoken encoding name")
@@ -60,7 +62,13 @@ def main(args):
     except ValueError as e:
         raise SystemExit(f"error: --tokenizer: {e}") from None
     run.tokenizer_name = tok.name
-    model = GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd))
+    longest, budget = task.max_prompt_tokens(tok), task.default_max_new_tokens()
+    if longest + budget > args.block_size:      # the task's longest prompt and completion budget must fit the model
+        raise SystemExit(f"error: --block_size {args.block_size} is too short for --task {task.name()}: its longest "
+                         f"prompt is {longest} tokens and its completions up to {budget}; allowed: --block_size >= "
+                         f"{longest + budget}")
+    model = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
+                          n_head=args.n_head, n_embd=args.n_embd))
     model = model.to(run.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     run.resume(model, optimizer)

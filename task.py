@@ -1,254 +1,198 @@
 """
-The benchmark task every algorithm is measured on: arithmetic where operator precedence matters,
-the classic "2 + 2 x 3" precedence example made into a verifiable task.
+What every task shares: the task in use (--task, --format), sampling and scoring completions, the held-out
+evaluation, and the preference pairs. The problems themselves live in tasks/, one module per task; the scripts
+call `task.use(args)` once (plumbing.Run does it) and every function here draws from that task.
 
-    prompt       3+4*2=
-    completion   4*2=8,3+8=11#11<|endoftext|>
-                 ^ steps, one operation each    ^ final answer after '#'
-
-Problems: three operands from 1..9, two operators from + - *, at most one * (so every number on the
-correct path lies in [-80, 90] and a ~1M-parameter model can learn the arithmetic itself).
-That gives 9^3 * 8 = 5832 problems. "Precedence problems" have the form a+b*c or a-b*c: the only
-form where evaluating left to right gives different steps (and, unless c = 1, a different answer).
-Prompts are drawn so that `precedence_share` of them (default one half) are precedence problems.
-
-Demonstrations (for SFT) are correct, except that with probability `mistake_rate` the demonstrator
-evaluates left to right, ignoring precedence: 3+4*2= -> 3+4=7,7*2=14#14. On the other forms that
-gives the correct steps anyway, so the mistake shows only where precedence matters. With the
-default mistake_rate 0.6 the SFT policy's most likely path on a precedence problem is the wrong
-one: greedy accuracy sits near half, while sampling still finds the right path often enough for RL
-to have something to reinforce.
-
-Held-out set: 512 fixed problems (256 precedence, 256 other, alternating so that any prefix is
-balanced), chosen with a fixed seed and never drawn for training.
-
-Verifier: outcome reward 1.0 if the integer after the last '#' equals the answer, else 0.0; plus
-`format_weight` times 1.0 if the whole completion is well formed (steps, '#', integer). It never
-raises.
+Formats (--format):
+    plain   the task's own: the prompt as the task writes it, the completion's reasoning, a '#' (GSM8K: '####')
+            and the answer (tasks/*.py show each).
+    r1      DeepSeek-R1-Zero's template (DeepSeek-AI 2025, arXiv 2501.12948, Table 1), word for word, with the
+            task's prompt as the question:
+                A conversation between User and Assistant. The user asks a question, and the Assistant solves it.
+                The assistant first thinks about the reasoning process in the mind and then provides the user with
+                the answer. The reasoning process and answer are enclosed within <think> </think> and <answer>
+                </answer> tags, respectively, i.e., <think> reasoning process here </think> <answer> answer here
+                </answer>. User: {prompt}. Assistant:
+            A completion is ' <think>{reasoning}</think> <answer>{answer}</answer>'. Reward: the task's verifier on
+            the text of the last <answer> tag (1 or 0), plus --format_weight when the whole completion is exactly
+            one think block then one answer block (the paper's format reward; its weight is not published). The
+            template is about 400 bytes: with the byte tokenizer it needs a model whose block_size exceeds that.
 """
 import json
 import os
 import random
 import re
-from functools import lru_cache
 from typing import NamedTuple
+
 
 import torch
 
 from model import fingerprint
-
-OPERANDS = range(1, 10)
-OP_PAIRS = [(a, b) for a in "+-*" for b in "+-*" if (a, b) != ("*", "*")]
-PRECEDENCE_PAIRS = [("+", "*"), ("-", "*")]
-HELD_OUT_PER_CLASS = 256
-SPLIT_SEED = 1234
-MAX_NEW_TOKENS = 24   # longest demonstration: "9+9=18,18*9=162#162" + EOS = 20 tokens
-
-# Every pattern is matched with fullmatch: '$' would also match before a trailing newline ('4*2=8\n' a valid step)
-_PROMPT = re.compile(r"([1-9])([+\-*])([1-9])([+\-*])([1-9])=")
-_PAREN = re.compile(r"\(([1-9])([+\-])([1-9])\)\*([1-9])=")     # (a+b)*c= and (a-b)*c=
-_NUM = r"-?[0-9]{1,9}"
-_WELL_FORMED = re.compile(rf"{_NUM}[+\-*]{_NUM}={_NUM}(,{_NUM}[+\-*]{_NUM}={_NUM})*#{_NUM}")
-_ANSWER = re.compile(r"#[ \t]*(-?[0-9]{1,12})\s*\Z")    # any trailing whitespace: spaces, \r\n, tabs
-
+from tasks import arithmetic, countdown, gsm8k
 
 # -----------------------------------------------------------------------------
-# Problems and their solutions
+# The task in use: --task and --format choose it, use(args) sets it, every function below reads it
 
-def _apply(x, op, y):
-    return x + y if op == "+" else x - y if op == "-" else x * y
+TASKS = ("arithmetic", "countdown", "gsm8k")
+FORMATS = ("plain", "r1")
+R1_TEMPLATE = ("A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
+               "The assistant first thinks about the reasoning process in the mind and then provides the user with "
+               "the answer. The reasoning process and answer are enclosed within <think> </think> and <answer> "
+               "</answer> tags, respectively, i.e., <think> reasoning process here </think> <answer> answer here "
+               "</answer>. User: {prompt}. Assistant:")
+_R1_PROMPT = re.compile(re.escape(R1_TEMPLATE).replace(re.escape("{prompt}"), "(.*)"), re.S)
+_R1_COMPLETION = re.compile(r"\s*<think>((?:(?!</?think>|</?answer>).)*)</think>\s*"
+                            r"<answer>((?:(?!</?think>|</?answer>).)*)</answer>\s*", re.S)
+R1_EXTRA_TOKENS = 34           # ' <think></think> <answer></answer>' in bytes: what the R1 format adds to a completion
+_R1_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
 
-
-def solve(prompt, left_to_right=False):
-    """'3+4*2=' -> (['4*2=8', '3+8=11'], 11). left_to_right=True ignores precedence (the mistake).
-    A parenthesised problem '(3+4)*2=' -> (['3+4=7', '7*2=14'], 14): the parentheses first, always."""
-    m = _PROMPT.fullmatch(prompt)
-    if m is None and _PAREN.fullmatch(prompt):
-        a, op, b, c = _PAREN.fullmatch(prompt).groups()
-        ab = _apply(int(a), op, int(b))
-        return [f"{a}{op}{b}={ab}", f"{ab}*{c}={ab * int(c)}"], ab * int(c)
-    if m is None:
-        raise ValueError(f"not a task prompt: {prompt!r}; expected like '3+4*2=' or '(3+4)*2=' (operands 1-9)")
-    a, op1, b, op2, c = int(m[1]), m[2], int(m[3]), m[4], int(m[5])
-    if op2 == "*" and op1 != "*" and not left_to_right:   # b*c first
-        bc = _apply(b, op2, c)
-        r = _apply(a, op1, bc)
-        return [f"{b}{op2}{c}={bc}", f"{a}{op1}{bc}={r}"], r
-    ab = _apply(a, op1, b)                                  # a op1 b first
-    r = _apply(ab, op2, c)
-    return [f"{a}{op1}{b}={ab}", f"{ab}{op2}{c}={r}"], r
+_task, _format = arithmetic.task(), "plain"     # the default; use(args) replaces both
 
 
-def answer(prompt):
-    return solve(prompt)[1]
+def check_args(parser, args):
+    """The task flags (plumbing.add_task_flags) checked at parse time (plumbing.parser calls this): --data with gsm8k
+    and only with it, at most two files. The files themselves are read, and refused line by line, by use()."""
+    if getattr(args, "task", None) is None:
+        return
+    if args.task == "gsm8k" and not args.data:
+        parser.error("--task gsm8k needs --data FILE.jsonl [HELD_OUT.jsonl] (GSM8K's format; nothing is downloaded)")
+    if args.task != "gsm8k" and args.data:
+        parser.error(f"--data is for --task gsm8k; --task {args.task} is generated in code")
+    if args.data and len(args.data) > 2:
+        parser.error(f"--data takes one or two files (training, held-out); got {len(args.data)}")
+    for flag in ("out", "init", "rm"):                     # the defaults move to the task's folder (folder())
+        default = {"out": "out", "init": os.path.join("out", "sft.pt"), "rm": os.path.join("out", "rm.pt")}[flag]
+        if getattr(args, flag, None) == default:
+            setattr(args, flag, folder(args) if flag == "out" else default_path(default, args))
+    if getattr(args, "max_new_tokens", 0) is None:         # the task's completion budget (default_max_new_tokens)
+        budget = {"arithmetic": arithmetic.MAX_NEW_TOKENS, "gsm8k": gsm8k.MAX_NEW_TOKENS,
+                  "countdown": countdown.MAX_NEW_TOKENS[args.countdown_numbers]}[args.task]
+        args.max_new_tokens = budget + (R1_EXTRA_TOKENS if args.format == "r1" else 0)
 
 
-def demonstration(prompt, left_to_right=False):
-    steps, r = solve(prompt, left_to_right)
-    return ",".join(steps) + f"#{r}"
+def require_arithmetic(parser, args, what):
+    """A parse error unless args choose the arithmetic task in its plain format: for what only it defines."""
+    if (args.task, args.format) != ("arithmetic", "plain"):
+        parser.error(f"{what} is defined for the arithmetic task in its plain format only; got --task {args.task} "
+                     f"--format {args.format}")
 
 
-def is_precedence(prompt):
-    return (prompt[1], prompt[3]) in PRECEDENCE_PAIRS
+def folder(args):
+    """Where a script's default outputs go: out/ for the arithmetic task in the plain format, else out/<task>/ (with
+    the setting: out/countdown4_r1/), so that the tasks' checkpoints never overwrite each other."""
+    name, fmt = getattr(args, "task", "arithmetic"), getattr(args, "format", "plain")
+    if name == "arithmetic" and fmt == "plain":
+        return "out"
+    numbers = str(args.countdown_numbers) if name == "countdown" and args.countdown_numbers != 3 else ""
+    return os.path.join("out", name + numbers + ("_r1" if fmt == "r1" else ""))
 
 
-@lru_cache(maxsize=None)
-def _split():
-    """All 5832 problems split into held-out (fixed) and training pools, each by class."""
-    problems = [f"{a}{o1}{b}{o2}{c}=" for a in OPERANDS for b in OPERANDS for c in OPERANDS for o1, o2 in OP_PAIRS]
-    prec = sorted(p for p in problems if is_precedence(p))
-    other = sorted(p for p in problems if not is_precedence(p))
-    rng = random.Random(SPLIT_SEED)
-    rng.shuffle(prec)
-    rng.shuffle(other)
-    n = HELD_OUT_PER_CLASS
-    held_out = tuple(p for pair in zip(prec[:n], other[:n]) for p in pair)  # alternating: any prefix is balanced
-    return held_out, tuple(prec[n:]), tuple(other[n:])
+def default_path(path, args):
+    """A default checkpoint path (out/sft.pt) for the task in `args` (out/countdown/sft.pt)."""
+    return os.path.join(folder(args), os.path.basename(path))
 
 
-def all_prompts():
-    """Every problem of the task, held-out ones included (5832)."""
-    return list(_split()[0] + _split()[1] + _split()[2])
+def flags(args):
+    """The task flags of `args`, to hand to a script that builds a missing prerequisite."""
+    if getattr(args, "task", None) is None:
+        return []
+    out = ["--task", args.task, "--format", args.format, "--countdown_numbers", str(args.countdown_numbers)]
+    return out + (["--data", *args.data] if args.data else [])
 
 
-@lru_cache(maxsize=None)
-def _max_prompt_tokens(encode, parenthesised):
-    prompts = all_prompts() + ([parenthesise(p) for p in all_prompts() if is_precedence(p)] if parenthesised else [])
-    return max(len(encode(p)) for p in prompts)
+def use(args):
+    """Make args.task (in args.format) the task every function here uses; returns a line that says which.
+    ValueError for a --data file it cannot use (naming the file and the line)."""
+    global _task, _format
+    name, skipped = getattr(args, "task", "arithmetic"), 0
+    if name == "countdown":
+        chosen = countdown.task(n_numbers=args.countdown_numbers)
+    elif name == "gsm8k":
+        chosen, skipped = gsm8k.task(args.data)
+    else:
+        chosen = arithmetic.task()
+    _task, _format = chosen, getattr(args, "format", "plain")
+    line = f"task {name} ({_format} format), {len(_task.eval_prompts())} held-out problems"
+    if skipped:
+        line += f", {skipped} line{'s' * (skipped != 1)} skipped for an answer with no number after '####'"
+    return line
 
 
-def max_prompt_tokens(tokenizer, parenthesised=False):
-    """The longest prompt of the task in `tokenizer`'s tokens (6 with the byte tokenizer; 8 with the parenthesised
-    problems)."""
-    return _max_prompt_tokens(tokenizer.encode, parenthesised)
+def name():
+    return _task.name
 
 
-# -----------------------------------------------------------------------------
-# Parenthesised problems, (a+b)*c= and (a-b)*c=: the problems a left-to-right attempt at a+b*c= does solve.
-# Never in the default data: for hindsight relabelling (expert_iteration.py --hindsight) and its evaluation.
-
-def is_parenthesised(prompt):
-    return isinstance(prompt, str) and _PAREN.fullmatch(prompt) is not None
-
-
-def parenthesise(prompt):
-    """'3+4*2=' -> '(3+4)*2=': the problem whose correct derivation is a+b*c='s left-to-right mistake."""
-    if not is_precedence(prompt):
-        raise ValueError(f"{prompt!r} is not of the form a+b*c= or a-b*c=")
-    return f"({prompt[:3]}){prompt[3:]}"
-
-
-def paren_eval_prompts():
-    """The held-out parenthesised problems (256): the images of the held-out precedence problems, so that a training
-    prompt a+b*c= is never relabelled into a held-out (a+b)*c=."""
-    return [parenthesise(p) for p in eval_prompts() if is_precedence(p)]
-
-
-def sample_paren_prompts(rng, n):
-    """n parenthesised training problems (never held-out ones); rng is a random.Random."""
-    _, prec, _ = _split()
-    return [parenthesise(rng.choice(prec)) for _ in range(n)]
-
-
-def hindsight_prompt(prompt, completion):
-    """Hindsight relabelling (Andrychowicz et al. 2017): the problem a failed attempt did solve, or None. A wrong
-    completion of a+b*c= that is exactly the left-to-right derivation solves (a+b)*c=, exactly."""
-    if not isinstance(completion, str) or not is_precedence(prompt) or reward(prompt, completion) == 1.0:
-        return None
-    target = parenthesise(prompt)
-    return target if completion == demonstration(target) else None
+def default_max_new_tokens():
+    """The task's completion budget (the scripts' --max_new_tokens default); the R1 format's tags take 36 more."""
+    return _task.max_new_tokens + (R1_EXTRA_TOKENS if _format == "r1" else 0)
 
 
 def eval_prompts():
-    """The fixed held-out set: 512 prompts, precedence problems and others alternating (256 each)."""
-    return list(_split()[0])
+    """The fixed held-out prompts, in the format in use."""
+    return [_prompt(p) for p in _task.eval_prompts()]
 
 
-def sample_prompts(rng, n, precedence_share=0.5):
-    """n training prompts (never held-out ones); rng is a random.Random."""
-    if not 0.0 <= precedence_share <= 1.0:
+def sample_prompts(rng, n, precedence_share=None):
+    """n training prompts (never held-out ones); rng is a random.Random. precedence_share: the share of problems
+    where the demonstrator's slip shows (None: the task's own mix)."""
+    if precedence_share is not None and not 0.0 <= precedence_share <= 1.0:
         raise ValueError(f"precedence_share = {precedence_share}; allowed: 0 <= precedence_share <= 1")
-    _, prec, other = _split()
-    return [rng.choice(prec) if rng.random() < precedence_share else rng.choice(other) for _ in range(n)]
+    return [_prompt(p) for p in _task.sample_prompts(rng, n, precedence_share)]
 
 
-def sample_demonstrations(rng, n, mistake_rate=0.6, precedence_share=0.5):
-    """n (prompt, completion) pairs for SFT; a share mistake_rate of them evaluated left to right."""
+def sample_demonstrations(rng, n, mistake_rate=0.6, precedence_share=None):
+    """n (prompt, completion) pairs for SFT; a share mistake_rate of them with the task's demonstrator's slip."""
     if not 0.0 <= mistake_rate <= 1.0:
         raise ValueError(f"mistake_rate = {mistake_rate}; allowed: 0 <= mistake_rate <= 1")
-    return [(p, demonstration(p, left_to_right=rng.random() < mistake_rate))
+    return [(p, demonstration(p, mistake=rng.random() < mistake_rate))
             for p in sample_prompts(rng, n, precedence_share)]
 
 
-# -----------------------------------------------------------------------------
-# Verifier
-
-def parse_answer(completion):
-    """The integer after the last '#' (only whitespace may follow it), or None."""
-    if not isinstance(completion, str):
-        return None
-    m = _ANSWER.search(completion[-64:])  # an answer has at most 13 characters; the tail is enough
-    return int(m[1]) if m else None
+def demonstration(prompt, mistake=False):
+    return _completion(_task.demonstration(_problem(prompt), mistake))
 
 
-def is_well_formed(completion):
-    """Steps, '#' and an integer, and nothing after it: the format bonus is strict where the reward is not (reward
-    accepts whitespace after the answer)."""
-    return isinstance(completion, str) and len(completion) <= 256 and _WELL_FORMED.fullmatch(completion) is not None
+def synthetic_mistake(prompt):
+    return _completion(_task.synthetic_mistake(_problem(prompt)))
+
+
+def is_precedence(prompt):
+    return _task.is_precedence(_problem(prompt))
+
+
+def max_prompt_tokens(tokenizer):
+    """The longest prompt of the task, in the format in use, in `tokenizer`'s tokens."""
+    n = _task.max_prompt_tokens(tokenizer)
+    return n if _format == "plain" else n + len(tokenizer.encode(R1_TEMPLATE.format(prompt="")))
 
 
 def reward(prompt, completion, format_weight=0.0):
-    """1.0 for the correct final answer, else 0.0; plus format_weight if the completion is well formed."""
-    try:
-        truth = answer(prompt)
-    except (ValueError, TypeError):
-        return 0.0
-    correct = float(parse_answer(completion) == truth)
-    return correct + format_weight * float(is_well_formed(completion))
+    """1.0 for a correct answer, else 0.0; plus format_weight if the completion is well formed. Never raises."""
+    if _format == "plain":
+        return _task.reward(prompt, completion, format_weight)
+    problem = _problem(prompt)
+    answers = _R1_ANSWER.findall(completion) if isinstance(completion, str) else []
+    correct = bool(answers) and problem is not None and _task.score_answer(problem, answers[-1])
+    well_formed = isinstance(completion, str) and _R1_COMPLETION.fullmatch(completion) is not None
+    return float(correct) + format_weight * float(well_formed)
 
 
-# -----------------------------------------------------------------------------
-# Step labels: which steps of a completion are right (the exact labels of prm.py's process reward model)
-
-_STEP = re.compile(rf"({_NUM})([+\-*])({_NUM})=({_NUM})")
+def _prompt(problem):                    # the task's prompt -> the prompt in the format in use
+    return problem if _format == "plain" else R1_TEMPLATE.format(prompt=problem)
 
 
-def split_steps(completion):
-    """A completion's steps: the pieces between the ','s, the last one carrying the final answer.
-    '4*2=8,3+8=11#11' -> ['4*2=8', '3+8=11#11']."""
-    return completion.split(",")
+def _problem(prompt):                    # and back (None for an r1 prompt that is not the template)
+    if _format == "plain":
+        return prompt
+    m = _R1_PROMPT.fullmatch(prompt) if isinstance(prompt, str) else None
+    return m[1] if m else None
 
 
-def _equation(step):
-    """'4*2=8' -> (4, '*', 2, 8), or None when the text is not one operation and its result."""
-    m = _STEP.fullmatch(step)
-    return None if m is None else (int(m[1]), m[2], int(m[3]), int(m[4]))
-
-
-def step_labels(prompt, completion):
-    """One 0/1 label per step of `completion` (split_steps): 1 when the steps up to and including it are the start
-    of the correct derivation of `prompt`, else 0. The correct derivation is task.solve's: operator precedence
-    respected (the multiplication first, then left to right), each step one operation with its right result,
-    operands in the derivation's order. The final step must also end with the right answer ('#r', trailing
-    whitespace allowed as the verifier does), and a step with '#' must be the final one. Once a step is wrong, every
-    later step is too (a prefix with a wrong step starts no correct derivation).
-    So on 9+8*1= the left-to-right '9+8=17,17*1=17#17' gets [0, 0] although its answer is right: the first step
-    breaks precedence. Never raises: a prompt that is not a task problem gives all 0, a non-string completion []."""
-    if not isinstance(completion, str):
-        return []
-    steps = split_steps(completion)
-    try:
-        correct, result = solve(prompt)
-    except (ValueError, TypeError):
-        return [0] * len(steps)
-    labels, good = [], True
-    for i, step in enumerate(steps):
-        final = i == len(correct) - 1                            # the derivation's last step: it carries the answer
-        equation, hashes = step.split("#", 1)[0], step.count("#")
-        good = (good and i < len(correct) and _equation(equation) == _equation(correct[i])
-                and hashes == int(final) and (not final or parse_answer(step) == result))
-        labels.append(int(good))
-    return labels
+def _completion(text):                   # the task's completion -> the completion in the format in use
+    if _format == "plain":
+        return text
+    reasoning, answer = _task.split_answer(text)
+    return f" <think>{reasoning.strip()}</think> <answer>{answer.strip()}</answer>"
 
 
 def read_positions(prompt_ids, ids, tok, kind, finished=True):
@@ -267,11 +211,12 @@ def read_positions(prompt_ids, ids, tok, kind, finished=True):
 # Evaluation and preference pairs (these need a model; the model comes from model.py)
 
 @torch.no_grad()
-def complete(model, tokenizer, prompts, num_samples=1, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS,
+def complete(model, tokenizer, prompts, num_samples=1, temperature=0.0, max_new_tokens=None,
              batch_size=256, generator=None, return_ids=False):
     """Completions (strings, EOS dropped) for each prompt: num_samples consecutive entries per prompt.
     return_ids=True also returns each completion's token ids as sampled (EOS dropped): (texts, ids)."""
     device = next(model.parameters()).device
+    max_new_tokens = max_new_tokens or default_max_new_tokens()
     texts, ids = [], []
     for i in range(0, len(prompts), batch_size):
         idx, mask = tokenizer.encode_batch(prompts[i:i + batch_size], device)
@@ -296,11 +241,12 @@ class Rollout(NamedTuple):
 
 
 @torch.no_grad()
-def rollout(policy, tokenizer, prompts, group_size, temperature, max_new_tokens=MAX_NEW_TOKENS, format_weight=0.0,
+def rollout(policy, tokenizer, prompts, group_size, temperature, max_new_tokens=None, format_weight=0.0,
             generator=None):
     """The rollout of the RL scripts: group_size completions per prompt at `temperature` (the full softmax, no
     top-k), scored by the verifier, a prompt's samples on consecutive rows; a Rollout on the policy's device."""
     device = next(policy.parameters()).device
+    max_new_tokens = max_new_tokens or default_max_new_tokens()
     prompt, prompt_mask = tokenizer.encode_batch(prompts, device)                     # (P, Tp)
     tokens, mask, truncated = policy.generate(prompt, prompt_mask, max_new_tokens, tokenizer.eos_id, tokenizer.pad_id,
                                               num_samples=group_size, temperature=temperature, generator=generator)
@@ -347,16 +293,6 @@ def evaluate(model, tokenizer, prompts=None, num_samples=4, temperature=1.0, see
         "greedy_accuracy_precedence": mean(prec),
         "greedy_accuracy_other": mean(other),
     }
-
-
-def synthetic_mistake(prompt):
-    """A wrong completion: left to right where that changes the answer, else the last result off by one."""
-    ltr = demonstration(prompt, left_to_right=True)
-    if parse_answer(ltr) != answer(prompt):
-        return ltr
-    steps, r = solve(prompt)
-    steps[-1] = steps[-1].rsplit("=", 1)[0] + f"={r + 1}"
-    return ",".join(steps) + f"#{r + 1}"
 
 
 PAIR_FORMAT = 2   # version of the cached pair files; a cache of another version is rebuilt

@@ -36,6 +36,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import task  # noqa: E402
+from tasks import arithmetic  # noqa: E402
 from model import GPT, GPTConfig, save_checkpoint  # noqa: E402
 from plumbing import SFT_PATH, build_missing, load_model, pick_device, read_checkpoint  # noqa: E402
 
@@ -109,11 +110,12 @@ def shifted_cases(n):
     cases = [
         ("held-out prompts, as in training", [(p, p, "") for p in held[:n]]),
         ("prompt with spaces: '3 + 4 * 2 ='", [(" ".join(p[:-1]) + " =", p, "") for p in held[:n]]),
-        ("a+b+c with b+c forced first", [(p + f"{p[2:5]}={task._apply(int(p[2]), p[3], int(p[4]))},", p,
-                                          f"{p[2:5]}={task._apply(int(p[2]), p[3], int(p[4]))},") for p in plain]),
-        ("a+b*c with a slip forced into step 1", [(p + slip(task.solve(p)[0][0]) + ",", p,
-                                                  slip(task.solve(p)[0][0]) + ",") for p in prec]),
-        ("(a+b)*c, never seen", [(p, p, "") for p in task.paren_eval_prompts()[:n]]),
+        ("a+b+c with b+c forced first", [(p + f"{p[2:5]}={arithmetic._apply(int(p[2]), p[3], int(p[4]))},", p,
+                                          f"{p[2:5]}={arithmetic._apply(int(p[2]), p[3], int(p[4]))},")
+                                         for p in plain]),
+        ("a+b*c with a slip forced into step 1", [(p + slip(arithmetic.solve(p)[0][0]) + ",", p,
+                                                  slip(arithmetic.solve(p)[0][0]) + ",") for p in prec]),
+        ("(a+b)*c, never seen", [(p, p, "") for p in arithmetic.paren_eval_prompts()[:n]]),
     ]
     return cases
 
@@ -129,7 +131,7 @@ def shifted_accuracy(model, tok, items):
     for (_, p, prefix), c in zip(items, completions):
         if prefix and task.is_precedence(p):
             wrong = int(prefix.split("=")[1].rstrip(","))
-            carried.append(float(task.parse_answer(prefix + c) == task._apply(int(p[0]), p[1], wrong)))
+            carried.append(float(arithmetic.parse_answer(prefix + c) == arithmetic._apply(int(p[0]), p[1], wrong)))
     return sum(right) / len(right), (sum(carried) / len(carried) if carried else None)
 
 
@@ -187,7 +189,7 @@ def hindsight(args):
     runs = ei_runs(args, [("expert iteration", "plain", []), ("expert iteration --hindsight", "hindsight",
                                                               ["--hindsight"])])
     device = pick_device(args.device)
-    paren = task.paren_eval_prompts()
+    paren = arithmetic.paren_eval_prompts()
     sft, tok, _ = load_model(os.path.join(ROOT, args.sft), device, "gpt")
     rows = {"SFT policy": {"plain": runs["expert iteration"][0][0]["eval_accuracy"],
                            "paren": greedy_accuracy(sft, tok, paren), "samples": 0, "relabelled": 0}}

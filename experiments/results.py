@@ -43,6 +43,7 @@ import importlib
 import inspect
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -82,7 +83,7 @@ def discover(root=ROOT):
             continue
         with open(os.path.join(root, file)) as f:
             source = f.read()
-        if "def parse_args" not in source or (name != "sft" and '"--init"' not in source):
+        if "\ndef parse_args" not in source or (name != "sft" and '"--init"' not in source):
             continue                                                # cheap filter before importing
         try:
             module = importlib.import_module(name)
@@ -108,9 +109,9 @@ def quick_flags(module, name):
     return QUICK_RUN + [x for flag, value in QUICK.items() if has_flag(module, flag) for x in (flag, value)]
 
 
-def command(module, name, seed, folder, quick=False):
-    """The argv (after `python`) of one run."""
-    argv = [f"{name}.py", "--seed", str(seed), "--out", folder]
+def command(module, name, seed, folder, quick=False, extra=()):
+    """The argv (after `python`) of one run; extra: the sweep's --task and --flags, given to every script."""
+    argv = [f"{name}.py", "--seed", str(seed), "--out", folder, *extra]
     if name != "sft":
         argv += ["--init", os.path.join(folder, "sft.pt")]
         if has_flag(module, "--rm"):
@@ -262,7 +263,7 @@ def run_one(argv, log_path, time_path, resume, threads=1):
     return rc
 
 
-def sweep(scripts, seeds, runs_dir, only, quick, threads=1):
+def sweep(scripts, seeds, runs_dir, only, quick, threads=1, extra=()):
     """Run what is not done yet, seed by seed. Returns the (seed, name) of the runs that failed."""
     needs_rm = lambda names: any(has_flag(scripts[n], "--rm") for n in names if n != "reward_model")
     wanted = [n for n in scripts if only is None or n in only or n == "sft" or (n == "reward_model" and needs_rm(only))]
@@ -274,7 +275,7 @@ def sweep(scripts, seeds, runs_dir, only, quick, threads=1):
         print(f"seed {seed}: {folder}", flush=True)
         for name in wanted:
             module, stem = scripts[name], FILES.get(name, name)
-            argv = command(module, name, seed, folder, quick)
+            argv = command(module, name, seed, folder, quick, extra)
             steps = step_limit(module, argv)
             step = checkpoint_step(os.path.join(ROOT, folder, f"{stem}.pt"))
             if not fresh and is_done(read_metrics(os.path.join(ROOT, folder, stem, "metrics.jsonl")), step, steps):
@@ -300,14 +301,14 @@ def sweep(scripts, seeds, runs_dir, only, quick, threads=1):
 # -----------------------------------------------------------------------------
 # Collecting, table, figures
 
-def collect(scripts, seeds, runs_dir, quick):
+def collect(scripts, seeds, runs_dir, quick, extra=()):
     """{name: [run, ...]} for the done runs (by their logs); a run: seed, command, before, after, curve, seconds,
     samples, process_s, cpu_s."""
     results = {}
     for name, module in scripts.items():
         for seed in seeds:
             folder = os.path.join(os.path.relpath(runs_dir, ROOT), f"seed{seed}")
-            stem, argv = FILES.get(name, name), command(module, name, seed, folder, quick)
+            stem, argv = FILES.get(name, name), command(module, name, seed, folder, quick, extra)
             rows = read_metrics(os.path.join(ROOT, folder, stem, "metrics.jsonl"))
             points = curve(rows)
             if not rows or not points or points[-1]["step"] != step_limit(module, argv) or points[0]["step"] != 0:
@@ -367,13 +368,13 @@ def setting(results, threads):
     return {"threads": threads, "recorded": [dict(zip(("device", "threads", "torch"), x)) for x in recorded]}
 
 
-def report(scripts, seeds, runs_dir, out_dir, quick, threads=1):
-    results = collect(scripts, seeds, runs_dir, quick)
+def report(scripts, seeds, runs_dir, out_dir, quick, threads=1, extra=(), regenerate=""):
+    results = collect(scripts, seeds, runs_dir, quick, extra)
     if not results:
         raise SystemExit(f"error: no finished runs in {runs_dir} for seeds {seeds}; run without --table_only first")
     labels = {n: LABELS.get(n) or _label(scripts[n], n) for n in scripts}
-    commands = {n: f"OMP_NUM_THREADS={threads} python " + " ".join([f"{n}.py"] + (quick_flags(scripts[n], n)
-                                                                                  if quick else []))
+    commands = {n: f"OMP_NUM_THREADS={threads} python " + " ".join([f"{n}.py", *extra] + (quick_flags(scripts[n], n)
+                                                                                          if quick else []))
                 for n in scripts}
     summaries = {n: summarise(runs) for n, runs in results.items()}
     policies = {n: s for n, s in summaries.items() if "eval_accuracy" in s["after"]}
@@ -391,14 +392,15 @@ def report(scripts, seeds, runs_dir, out_dir, quick, threads=1):
     on = setting(results, threads)
     seen = "; ".join(f"{r['device']}, {r['threads']} thread(s), torch {r['torch']}" for r in on["recorded"])
     header = (f"Seeds {seeds_run}, each with its own SFT policy; mean +- std over seeds (sample std), [min, max] of "
-              f"the final accuracy. Each command ran as `OMP_NUM_THREADS={threads} python X.py --seed S --init "
+              f"the final accuracy. Each command ran as `OMP_NUM_THREADS={threads} python X.py "
+              f"{''.join(x + ' ' for x in extra)}--seed S --init "
               f"D/sft.pt --out D`{f' ({with_rm} also `--rm D/rm.pt`)' if with_rm else ''} (sft.py: "
               f"`--seed S --out D`), D = {os.path.relpath(runs_dir, ROOT)}/seedS: on a CPU the thread count "
               f"changes the float reductions, so it is part of the command"
               f"{f' (recorded by the runs: {seen})' if seen else ''}. Wall time: the "
               f"script's own (first step to last evaluation) / the whole process (start-up and step-0 evaluation "
               f"included; every attempt of a resumed run, while the script's own counts from its last resume). "
-              f"Regenerate: `python experiments/results.py{' --quick' if quick else ''}`.")
+              f"Regenerate: `python experiments/results.py{regenerate}`.")
     text = "\n\n".join([header, md] + notes) + "\n"
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "results.md"), "w") as f:
@@ -433,6 +435,11 @@ def main():
                         help="tiny settings (a smoke test of the pipeline), in results/quick/")
     parser.add_argument("--dir", default=None, help="output folder (default results/, or results/quick/ with --quick); "
                         "the runs go to <dir>/runs/seed<s>/")
+    parser.add_argument("--task", default="arithmetic", choices=["arithmetic", "countdown"],
+                        help="the generated task every script runs on (their --task); default folder results/<task>/ "
+                             "for any but arithmetic")
+    parser.add_argument("--flags", default="", help="more flags for every script, as one string (e.g. "
+                        "--only grpo --flags '--steps 500'); they appear in every command")
     parser.add_argument("--threads", type=int, default=1,
                         help="OMP_NUM_THREADS of every run (1, as the README's table; it changes CPU results)")
     args = parser.parse_args()
@@ -440,7 +447,9 @@ def main():
         parser.error(f"--seeds {args.seeds}: each seed must be in [0, 2**32)")
     if args.threads < 1:
         parser.error(f"--threads {args.threads}: at least 1")
-    out_dir = os.path.abspath(args.dir or os.path.join(ROOT, "results", "quick" if args.quick else ""))
+    task = [] if args.task == "arithmetic" else [args.task]
+    out_dir = os.path.abspath(args.dir or os.path.join(ROOT, "results", *task, "quick" if args.quick else ""))
+    extra = (["--task", args.task] if task else []) + shlex.split(args.flags)
     try:                                                                # a folder it cannot write: said now, not later
         os.makedirs(os.path.join(out_dir, "runs"), exist_ok=True)
         with open(os.path.join(out_dir, f".write_test{os.getpid()}"), "w"):
@@ -455,8 +464,10 @@ def main():
             parser.error(f"--only {' '.join(unknown)}: not an algorithm script here; allowed: {', '.join(scripts)}")
     runs_dir = os.path.join(out_dir, "runs")
     print(f"scripts: {', '.join(scripts)}; seeds {args.seeds}; runs in {runs_dir}", flush=True)
-    failed = [] if args.table_only else sweep(scripts, args.seeds, runs_dir, args.only, args.quick, args.threads)
-    report(scripts, args.seeds, runs_dir, out_dir, args.quick, args.threads)
+    failed = [] if args.table_only else sweep(scripts, args.seeds, runs_dir, args.only, args.quick, args.threads, extra)
+    regenerate = "".join([" --quick" * args.quick, f" --task {args.task}" * bool(task),
+                          f" --flags {shlex.quote(args.flags)}" * bool(args.flags)])
+    report(scripts, args.seeds, runs_dir, out_dir, args.quick, args.threads, extra, regenerate)
     if failed:
         raise SystemExit(f"error: {len(failed)} run(s) failed: " + ", ".join(f"{n} (seed {s})" for s, n in failed)
                          + "; their output is in <runs>/seed<s>/<name>.log")

@@ -25,11 +25,14 @@ from fractions import Fraction
 from functools import lru_cache
 from itertools import permutations
 
+from tasks import Task
+
 N_NUMBERS = 3          # numbers per problem (3 or 4)
 MAX_NUMBER = 9         # the numbers are drawn from 1..MAX_NUMBER
 MAX_TARGET = 99        # targets lie in 1..MAX_TARGET
 HELD_OUT = 512
 SPLIT_SEED = 4321
+MAX_NEW_TOKENS = {3: 28, 4: 40}  # by numbers per problem; longest demonstrations 22 and 34 characters, + EOS
 MAX_ANSWER_CHARS = 64  # the parser reads at most this many characters of an answer
 OPS = "+-*/"
 
@@ -238,10 +241,18 @@ def check_setting(n_numbers, max_number, max_target):
         raise ValueError(f"countdown: targets up to {max_target}; allowed: 1 to 999")
 
 
-def sample_prompts(rng, n, n_numbers=N_NUMBERS, max_number=MAX_NUMBER, max_target=MAX_TARGET):
-    """n training prompts (never a held-out one); rng is a random.Random."""
+def sample_prompts(rng, n, precedence_share=None, n_numbers=N_NUMBERS, max_number=MAX_NUMBER, max_target=MAX_TARGET):
+    """n training prompts (never a held-out one); rng is a random.Random. precedence_share None: as drawn (about
+    a third need parentheses with 3 numbers); else that share of them need parentheses (needs_parentheses)."""
     setting = (n_numbers, max_number, max_target)
-    return _draw_prompts(rng, n, setting, exclude=set(held_out(*setting)))
+    exclude = set(held_out(*setting))
+    if precedence_share is None:
+        return _draw_prompts(rng, n, setting, exclude)
+    prompts = []
+    while len(prompts) < n:
+        want = rng.random() < precedence_share                        # the class of the next prompt, then a draw
+        prompts += [p for p in _draw_prompts(rng, 1, setting, exclude) if needs_parentheses(p) == want][:1]
+    return prompts
 
 
 def demonstration(prompt, mistake=False):
@@ -249,13 +260,6 @@ def demonstration(prompt, mistake=False):
     numbers, target = parse_prompt(prompt)
     steps, tree = solve(numbers, target)
     return ",".join(steps) + "#" + (_flat_expression(tree) if mistake else _expression(tree))
-
-
-def sample_demonstrations(rng, n, mistake_rate=0.6, **setting):
-    """n (prompt, completion) pairs for SFT; a share mistake_rate of them drop the parentheses of the answer."""
-    if not 0.0 <= mistake_rate <= 1.0:
-        raise ValueError(f"mistake_rate = {mistake_rate}; allowed: 0 <= mistake_rate <= 1")
-    return [(p, demonstration(p, mistake=rng.random() < mistake_rate)) for p in sample_prompts(rng, n, **setting)]
 
 
 def needs_parentheses(prompt):
@@ -290,3 +294,44 @@ def reward(prompt, completion, format_weight=0.0):
         return 0.0
     correct = float(score_countdown(*problem, answer_text(completion)))
     return correct + format_weight * float(is_well_formed(completion))
+
+
+# -----------------------------------------------------------------------------
+# The interface every task module shares (tasks.Task)
+
+def synthetic_mistake(prompt):
+    """A wrong completion: the answer without its parentheses where that changes its value, else the solver's
+    answer with its first number one larger (the solver uses every number once, so that one is not available)."""
+    flat = demonstration(prompt, mistake=True)
+    if reward(prompt, flat) == 0.0:
+        return flat
+    steps, answer = split_answer(demonstration(prompt))
+    first = re.match(r"[0-9]+", answer.lstrip("("))[0]
+    return f"{steps}#{answer.replace(first, str(int(first) + 1), 1)}"
+
+
+def split_answer(completion):
+    """'5*3=15,15+7=22#5*3+7' -> ('5*3=15,15+7=22', '5*3+7'): the steps and the answer after the last '#'."""
+    reasoning, _, answer = completion.rpartition("#")
+    return reasoning, answer
+
+
+def score_answer(prompt, text):
+    """The verifier on an answer alone: score_countdown on the prompt's numbers and target."""
+    problem = parse_prompt(prompt)
+    return problem is not None and score_countdown(*problem, text.strip() if isinstance(text, str) else text)
+
+
+def max_prompt_tokens(tokenizer, n_numbers=N_NUMBERS, max_number=MAX_NUMBER, max_target=MAX_TARGET):
+    """The longest prompt of the setting in `tokenizer`'s tokens: every number and the target at their widest."""
+    return len(tokenizer.encode(make_prompt((max_number,) * n_numbers, max_target)))
+
+
+def task(n_numbers=N_NUMBERS, max_number=MAX_NUMBER, max_target=MAX_TARGET):
+    """This task as a tasks.Task, for one setting (ValueError for a setting the solver cannot serve)."""
+    check_setting(n_numbers, max_number, max_target)
+    setting = dict(n_numbers=n_numbers, max_number=max_number, max_target=max_target)
+    return Task("countdown", MAX_NEW_TOKENS.get(n_numbers, 40), lambda: list(held_out(**setting)),
+                lambda rng, n, precedence_share=None: sample_prompts(rng, n, precedence_share, **setting),
+                lambda prompt, mistake=False: demonstration(prompt, mistake), synthetic_mistake, reward,
+                split_answer, score_answer, needs_parentheses, lambda tok: max_prompt_tokens(tok, **setting))

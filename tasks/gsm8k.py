@@ -5,7 +5,11 @@ ships in. The user provides the file (`--data path.jsonl`); nothing is downloade
 these: the task is for real checkpoints (`--init <Hugging Face folder>`).
 
     prompt       Question: Tom has 3 apples and buys 4 more. How many apples does he have?\nAnswer:
-    completion   Tom has 3 + 4 = 7 apples. #### 7<|endoftext|>
+    completion    Tom has 3 + 4 = 7 apples. #### 7<|endoftext|>
+
+Held-out set: a second file (`--data train.jsonl test.jsonl`, as GSM8K ships), else the last tenth of the one
+file (at most 512 problems), never drawn for training. Demonstrations are the file's solutions with GSM8K's
+calculator annotations (<<3+4=7>>) removed; there is no demonstrator's slip here.
 
 Verifier (`score_gsm8k`): the completion's answer is the text in <answer>...</answer> if there is one, else the
 number after the last '####', else the last number in the text; numbers compare after normalising ("1,234",
@@ -15,6 +19,10 @@ import json
 import os
 import re
 from decimal import Decimal, InvalidOperation
+
+from tasks import Task
+
+MAX_NEW_TOKENS = 512
 
 _NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?")
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
@@ -89,3 +97,56 @@ def load(path):
     if not problems:
         raise ValueError(f"--data {path}: no problem with a parsable answer after '####' ({skipped} skipped)")
     return problems, skipped
+
+
+# -----------------------------------------------------------------------------
+# The interface every task module shares (tasks.Task)
+
+def prompt_of(question):
+    return f"Question: {question}\nAnswer:"
+
+
+def split_answer(completion):
+    """' 3 + 4 = 7. #### 7' -> (' 3 + 4 = 7.', ' 7'): the reasoning and the text after the last '####'."""
+    reasoning, _, answer = completion.rpartition("####")
+    return reasoning.rstrip(), answer
+
+
+def task(paths):
+    """This task as a tasks.Task over the problems of `paths` (one JSONL file, or a training and a held-out file),
+    and the number of lines skipped for an answer with no parsable number: (Task, skipped)."""
+    loaded = [load(p) for p in paths]
+    skipped = sum(k for _, k in loaded)
+    if len(loaded) == 2:
+        train, held_out = loaded[0][0], loaded[1][0]
+    else:
+        problems = loaded[0][0]
+        n = min(512, len(problems) // 10)
+        if n == 0 or len(problems) - n == 0:
+            raise ValueError(f"--data {paths[0]}: {len(problems)} usable problems; a single file needs at least 10 "
+                             "(the last tenth is held out), or give a held-out file as well")
+        train, held_out = problems[:-n], problems[-n:]
+    truth = {prompt_of(p["question"]): p for p in train + held_out}
+    held_out_prompts = [prompt_of(p["question"]) for p in held_out]
+    train_prompts = [prompt_of(p["question"]) for p in train if prompt_of(p["question"]) not in set(held_out_prompts)]
+    if not train_prompts:
+        raise ValueError(f"--data {' '.join(paths)}: every training problem is also a held-out one")
+
+    def demonstration(prompt, mistake=False):                  # the file's solution; no slip (mistake is ignored)
+        return " " + re.sub(r"<<[^>]*>>", "", truth[prompt]["solution"]) + f" #### {truth[prompt]['number']:f}"
+
+    def synthetic_mistake(prompt):                             # the solution with its final number one larger
+        return demonstration(prompt).rpartition("####")[0] + f"#### {truth[prompt]['number'] + 1:f}"
+
+    def score_answer(prompt, text):
+        return prompt in truth and score_gsm8k(f"#### {text}", truth[prompt]["number"])
+
+    def reward(prompt, completion, format_weight=0.0):        # well formed: a '####' followed by a number
+        correct = prompt in truth and score_gsm8k(completion, truth[prompt]["number"])
+        well_formed = isinstance(completion, str) and last_number(completion.rpartition("####")[2]) is not None
+        return float(correct) + format_weight * float(well_formed and "####" in completion)
+
+    return Task("gsm8k", MAX_NEW_TOKENS, lambda: list(held_out_prompts),
+                lambda rng, n, precedence_share=None: [rng.choice(train_prompts) for _ in range(n)],
+                demonstration, synthetic_mistake, reward, split_answer, score_answer, lambda prompt: False,
+                lambda tok: max(len(tok.encode(p)) for p in truth)), skipped

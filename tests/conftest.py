@@ -1,5 +1,6 @@
 """Shared fixtures. `tiny_sft` trains one small SFT checkpoint per test session (about 20 seconds
 on 2 CPU cores) for the algorithm scripts' smoke and learning tests, through sft.py as a user runs it."""
+import argparse
 import os
 import random
 import subprocess
@@ -10,6 +11,8 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import task  # noqa: E402
 
 
 def run_script(script, args, timeout=600):
@@ -42,7 +45,14 @@ def tiny_sft(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def seeded():
-    """Every test starts from the same random state, so that none passes or fails by the luck of its draw."""
+    """Every test starts from the same random state, so that none passes or fails by the luck of its draw; and with
+    the default task (arithmetic, plain format) in use, whatever task an earlier test chose."""
     random.seed(0)
     np.random.seed(0)
     torch.manual_seed(0)
+    task.use(task_args())
+
+
+def task_args(name="arithmetic", fmt="plain", numbers=3, data=None):
+    """The task flags as a parsed namespace, for task.use."""
+    return argparse.Namespace(task=name, format=fmt, countdown_numbers=numbers, data=data)

@@ -19,12 +19,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import task  # noqa: E402
+from tasks import arithmetic  # noqa: E402
 
-WIDTH = task.MAX_NEW_TOKENS  # completions padded to a fixed width: the same tensors whatever the batch
+WIDTH = arithmetic.MAX_NEW_TOKENS  # completions padded to a fixed width: the same tensors whatever the batch
 
 
 def fixed_completion(prompt, j):
-    return task.demonstration(prompt, left_to_right=(j + len(prompt) + ord(prompt[0])) % 3 == 0)
+    return arithmetic.demonstration(prompt, left_to_right=(j + len(prompt) + ord(prompt[0])) % 3 == 0)
 
 
 def fixed_tokens(tokenizer, prompts, group_size, device):

@@ -7,6 +7,8 @@ from fractions import Fraction
 
 import pytest
 
+import task
+from conftest import task_args
 from tasks import countdown as cd
 
 
@@ -157,12 +159,13 @@ def test_the_mistake_drops_parentheses_and_shows_only_where_they_matter():
 
 
 def test_demonstrations_mix_mistakes_at_the_rate_asked():
-    demos = cd.sample_demonstrations(random.Random(0), 2000, mistake_rate=0.6)
+    task.use(task_args("countdown"))
+    demos = task.sample_demonstrations(random.Random(0), 2000, mistake_rate=0.6)
     flat = [c for p, c in demos if cd.needs_parentheses(p)]
     share = sum("(" not in c.rsplit("#", 1)[1] for c in flat) / len(flat)
     assert 0.55 < share < 0.65
     with pytest.raises(ValueError, match="mistake_rate"):
-        cd.sample_demonstrations(random.Random(0), 1, mistake_rate=1.5)
+        task.sample_demonstrations(random.Random(0), 1, mistake_rate=1.5)
 
 
 @pytest.mark.parametrize("setting", [(5, 9, 99), (1, 9, 99), (3, 0, 99), (3, 9, 0), (3, 100, 99)])

@@ -112,6 +112,11 @@ def test_discover_the_repository_and_the_commands():
     assert results.step_limit(found["grpo"], quick) == 4 and "--eval_n" in quick
     rm = results.command(found["reward_model"], "reward_model", 1, d)
     assert results.step_limit(found["reward_model"], rm) == 128
+    extra = ["--task", "countdown", "--steps", "500"]                          # --task countdown --flags '--steps 500'
+    argv = results.command(found["grpo"], "grpo", 1, d, extra=extra)
+    assert argv[:7] == ["grpo.py", "--seed", "1", "--out", d, "--task", "countdown"]
+    assert results.step_limit(found["grpo"], argv) == 500
+    assert found["grpo"].parse_args(argv[1:]).max_new_tokens == 28                 # the task's budget, not arithmetic's
 
 
 def write_run(folder, name, limit, every, accuracies):

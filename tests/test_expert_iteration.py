@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import task
+from tasks import arithmetic
 from conftest import refused, run_script
 from expert_iteration import demonstrations, hindsight_pairs, minibatches, reward_model_scores, round_counts, select
 from model import GPTConfig, ScalarGPT, Tokenizer, load_checkpoint, save_checkpoint
@@ -198,7 +199,7 @@ def test_hindsight_keeps_exactly_the_left_to_right_failures_for_the_parenthesise
     got = hindsight_pairs(prompts, texts, ids, 3)
     assert got == [("(3+4)*2=", tuple(ids[0])), ("(9-2)*3=", tuple(ids[4]))]
     for goal, c in got:                                             # each relabelled pair is a correct demonstration
-        assert task.reward(goal, tok.decode(list(c))) == 1.0 and task.is_parenthesised(goal)
+        assert task.reward(goal, tok.decode(list(c))) == 1.0 and arithmetic.is_parenthesised(goal)
 
 
 def test_demonstrations_are_correct_derivations_of_training_prompts():

@@ -21,7 +21,7 @@ from conftest import ROOT, refused, run_script
 from model import load_checkpoint, save_checkpoint
 
 SCRIPTS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "*.py"))
-                 if "def parse_args(" in open(p).read())
+                 if "\ndef parse_args(" in open(p).read())
 
 
 def script_parser(name, monkeypatch):

@@ -12,6 +12,7 @@ import torch
 
 import prm
 import task
+from tasks import arithmetic
 from conftest import refused, run_script
 from model import GPT, GPTConfig, ScalarGPT, Tokenizer, load_checkpoint, scores_at
 
@@ -199,7 +200,7 @@ def test_mc_labels_count_the_continuations_that_reach_the_answer():
                {"prompt": "3+4*2=", "text": "4*2=8,3+8=11#11"}]            # right
     for r in records:
         r["ids"], r["outcome"] = tok.encode(r["text"]), task.reward(r["prompt"], r["text"])
-        r["rule"] = task.step_labels(r["prompt"], r["text"])
+        r["rule"] = arithmetic.step_labels(r["prompt"], r["text"])
     script = {"9+8*1=9+8=17,": ["17*1=17#17", "17*1=18#18", "17*1=17#17", "17*1=16#16"],     # 2 of 4 right
               "3+4*2=3+4=7,": ["7*2=14#14"] * 4,                                            # 0 of 4
               "3+4*2=4*2=8,": ["3+8=11#11", "3+8=11#11", "3+8=11#11", "3+8=12#12"]}         # 3 of 4

@@ -15,6 +15,7 @@ import torch
 
 import search
 import task
+from tasks import arithmetic
 from conftest import ROOT, refused, run_script
 from model import GPT, GPTConfig, ScalarGPT, Tokenizer, load_checkpoint, save_checkpoint
 
@@ -109,7 +110,7 @@ def oracle(model, tok, kind, prompts, ids, finished=None, how=None):
     """A perfect PRM: the min of the rule labels of the steps so far (a partial path's empty last piece dropped)."""
     out = []
     for p, c, done in zip(prompts, ids, finished):
-        labels = task.step_labels(p, tok.decode(c))
+        labels = arithmetic.step_labels(p, tok.decode(c))
         out.append(float(min(labels if done else labels[:-1])))
     return torch.tensor(out)
 

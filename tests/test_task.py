@@ -5,29 +5,30 @@ import pytest
 import torch
 
 import task
+from tasks import arithmetic
 from model import GPT, GPTConfig, Tokenizer
 
 
 def test_solutions_follow_precedence_and_left_to_right_mistakes_ignore_it():
     assert task.demonstration("3+4*2=") == "4*2=8,3+8=11#11"
-    assert task.demonstration("3+4*2=", left_to_right=True) == "3+4=7,7*2=14#14"
+    assert arithmetic.demonstration("3+4*2=", left_to_right=True) == "3+4=7,7*2=14#14"
     assert task.demonstration("2-3*4=") == "3*4=12,2-12=-10#-10"
     assert task.demonstration("9-8-7=") == "9-8=1,1-7=-6#-6"       # subtraction is left-associative
     assert task.demonstration("2*3+4=") == "2*3=6,6+4=10#10"
-    assert task.demonstration("2*3+4=", left_to_right=True) == task.demonstration("2*3+4=")
+    assert arithmetic.demonstration("2*3+4=", left_to_right=True) == task.demonstration("2*3+4=")
 
 
 def test_answers_match_python_on_every_problem():
-    held, prec, other = task._split()
+    held, prec, other = arithmetic._split()
     for prompt in held + prec + other:
-        assert task.answer(prompt) == eval(prompt[:-1])  # Python applies the same precedence rules
+        assert arithmetic.answer(prompt) == eval(prompt[:-1])  # Python applies the same precedence rules
 
 
 def test_split_is_fixed_disjoint_and_balanced():
     held = task.eval_prompts()
     assert len(held) == len(set(held)) == 512
     assert sum(task.is_precedence(p) for p in held) == 256
-    _, prec, other = task._split()
+    _, prec, other = arithmetic._split()
     assert not set(held) & (set(prec) | set(other))
     assert len(held) + len(prec) + len(other) == 9 ** 3 * 8
     drawn = task.sample_prompts(random.Random(0), 4000)
@@ -38,7 +39,7 @@ def test_split_is_fixed_disjoint_and_balanced():
 
 def test_mistake_rate_sets_the_share_of_left_to_right_demonstrations():
     demos = task.sample_demonstrations(random.Random(1), 4000, mistake_rate=0.3, precedence_share=1.0)
-    wrong = sum(c == task.demonstration(p, left_to_right=True) for p, c in demos) / len(demos)
+    wrong = sum(c == arithmetic.demonstration(p, left_to_right=True) for p, c in demos) / len(demos)
     assert 0.26 < wrong < 0.34
     with pytest.raises(ValueError, match="mistake_rate = 1.5"):
         task.sample_demonstrations(random.Random(1), 1, mistake_rate=1.5)
@@ -66,14 +67,14 @@ def test_mistake_rate_sets_the_share_of_left_to_right_demonstrations():
 ])
 def test_verifier_on_hand_written_cases(completion, outcome, well_formed):
     assert task.reward("3+4*2=", completion) == outcome
-    assert task.is_well_formed(completion) == well_formed
+    assert arithmetic.is_well_formed(completion) == well_formed
     assert task.reward("3+4*2=", completion, format_weight=0.5) == outcome + 0.5 * well_formed
 
 
 def test_a_prompt_with_a_trailing_newline_is_not_a_task_prompt():
     with pytest.raises(ValueError, match="not a task prompt"):
-        task.solve("3+4*2=\n")
-    assert task.reward("3+4*2=\n", "4*2=8,3+8=11#11") == 0.0 and not task.is_parenthesised("(3+4)*2=\n")
+        arithmetic.solve("3+4*2=\n")
+    assert task.reward("3+4*2=\n", "4*2=8,3+8=11#11") == 0.0 and not arithmetic.is_parenthesised("(3+4)*2=\n")
 
 
 def test_verifier_never_raises():
@@ -92,7 +93,7 @@ def test_verifier_never_raises():
 def test_synthetic_mistakes_are_always_wrong():
     for prompt in task.eval_prompts():
         assert task.reward(prompt, task.synthetic_mistake(prompt)) == 0.0
-        assert task.is_well_formed(task.synthetic_mistake(prompt))
+        assert arithmetic.is_well_formed(task.synthetic_mistake(prompt))
 
 
 def tiny_policy(seed=0):
@@ -181,19 +182,20 @@ def test_concat_rollouts_pads_so_that_each_row_reads_as_it_did_alone():
 
 
 def test_parenthesised_problems_solve_verify_and_split():
-    assert task.solve("(3+4)*2=") == (["3+4=7", "7*2=14"], 14)
-    assert task.solve("(2-7)*9=", left_to_right=True) == (["2-7=-5", "-5*9=-45"], -45)  # parentheses first, always
-    assert task.demonstration("(9-8)*7=") == "9-8=1,1*7=7#7"
+    assert arithmetic.solve("(3+4)*2=") == (["3+4=7", "7*2=14"], 14)
+    assert arithmetic.solve("(2-7)*9=", left_to_right=True) == (["2-7=-5", "-5*9=-45"], -45)  # parentheses first
+    assert arithmetic.demonstration("(9-8)*7=") == "9-8=1,1*7=7#7"
     assert task.reward("(3+4)*2=", "3+4=7,7*2=14#14") == 1.0 and task.reward("(3+4)*2=", "4*2=8,3+8=11#11") == 0.0
     for bad in ("(3*4)*2=", "(3+4)+2=", "(3+4*2=", "3+(4*2)="):
         assert task.reward(bad, "#1") == 0.0                           # not a task prompt: 0, never an exception
-    held = task.paren_eval_prompts()
-    assert len(held) == len(set(held)) == 256 and all(task.is_parenthesised(p) for p in held)
+    held = arithmetic.paren_eval_prompts()
+    assert len(held) == len(set(held)) == 256 and all(arithmetic.is_parenthesised(p) for p in held)
     for p in held:                                                     # Python's own precedence agrees
-        assert task.answer(p) == eval(p[:-1])
-    drawn = task.sample_paren_prompts(random.Random(0), 3000)
+        assert arithmetic.answer(p) == eval(p[:-1])
+    drawn = arithmetic.sample_paren_prompts(random.Random(0), 3000)
     assert not set(drawn) & set(held) and len(set(drawn)) > 1000
-    assert task.max_prompt_tokens(Tokenizer()) == 6 and task.max_prompt_tokens(Tokenizer(), parenthesised=True) == 8
+    assert task.max_prompt_tokens(Tokenizer()) == 6
+    assert arithmetic.max_prompt_tokens(Tokenizer(), parenthesised=True) == 8
 
 
 @pytest.mark.parametrize("prompt, completion, relabelled", [
@@ -206,7 +208,7 @@ def test_parenthesised_problems_solve_verify_and_split():
     ("3+4*1=", "3+4=7,7*1=7#7", None),               # left to right, but the answer is right: not a failure
 ])
 def test_hindsight_relabels_exactly_the_left_to_right_failures(prompt, completion, relabelled):
-    assert task.hindsight_prompt(prompt, completion) == relabelled
+    assert arithmetic.hindsight_prompt(prompt, completion) == relabelled
     if relabelled is not None:
         assert task.reward(relabelled, completion) == 1.0 and task.reward(prompt, completion) == 0.0
-        assert relabelled not in task.paren_eval_prompts() or prompt in task.eval_prompts()
+        assert relabelled not in arithmetic.paren_eval_prompts() or prompt in task.eval_prompts()

@@ -1,9 +1,10 @@
-"""task.step_labels: the exact step labels of prm.py's process reward model, on hand-written completions (each
+"""arithmetic.step_labels: the exact step labels of prm.py's process reward model, on hand-written completions (each
 expected label list written by hand from the rule: a step is good when the steps up to it start the correct
 derivation, precedence respected and arithmetic right; the final step also needs the right answer)."""
 import pytest
 
 import task
+from tasks import arithmetic
 
 CASES = [
     # prompt, completion, labels
@@ -38,31 +39,31 @@ CASES = [
 
 @pytest.mark.parametrize("prompt,completion,labels", CASES)
 def test_hand_written_step_labels(prompt, completion, labels):
-    assert task.step_labels(prompt, completion) == labels
-    assert len(labels) == len(task.split_steps(completion)) == completion.count(",") + 1
+    assert arithmetic.step_labels(prompt, completion) == labels
+    assert len(labels) == len(arithmetic.split_steps(completion)) == completion.count(",") + 1
 
 
 def test_one_label_per_step_and_the_split():
-    assert task.split_steps("4*2=8,3+8=11#11") == ["4*2=8", "3+8=11#11"]
-    assert task.split_steps("") == [""]
+    assert arithmetic.split_steps("4*2=8,3+8=11#11") == ["4*2=8", "3+8=11#11"]
+    assert arithmetic.split_steps("") == [""]
 
 
 def test_every_demonstration_is_all_good_and_every_changed_answer_is_bad():
     """On every problem of the task: the correct demonstration is [1, 1]; the left-to-right one is [1, 1] exactly
     where its steps are the correct ones (no precedence problem), else [0, 0] whatever its answer; the correct steps
     with a wrong answer end in 0; and every all-good completion is one the verifier accepts."""
-    for prompt in task.all_prompts():
+    for prompt in arithmetic.all_prompts():
         good = task.demonstration(prompt)
-        assert task.step_labels(prompt, good) == [1, 1]
+        assert arithmetic.step_labels(prompt, good) == [1, 1]
         assert task.reward(prompt, good) == 1.0
-        ltr = task.demonstration(prompt, left_to_right=True)
-        assert task.step_labels(prompt, ltr) == ([0, 0] if task.is_precedence(prompt) else [1, 1])
-        wrong = good.rsplit("#", 1)[0] + f"#{task.answer(prompt) + 1}"
-        assert task.step_labels(prompt, wrong) == [1, 0]
+        ltr = arithmetic.demonstration(prompt, left_to_right=True)
+        assert arithmetic.step_labels(prompt, ltr) == ([0, 0] if task.is_precedence(prompt) else [1, 1])
+        wrong = good.rsplit("#", 1)[0] + f"#{arithmetic.answer(prompt) + 1}"
+        assert arithmetic.step_labels(prompt, wrong) == [1, 0]
 
 
 def test_never_raises():
-    assert task.step_labels("not a prompt", "4*2=8,3+8=11#11") == [0, 0]
-    assert task.step_labels("3+4*2=", None) == []
-    assert task.step_labels(None, "1+1=2#2") == [0]
-    assert task.step_labels("3+4*2=", "4*2=8,3+8=99999999999999#1") == [1, 0]
+    assert arithmetic.step_labels("not a prompt", "4*2=8,3+8=11#11") == [0, 0]
+    assert arithmetic.step_labels("3+4*2=", None) == []
+    assert arithmetic.step_labels(None, "1+1=2#2") == [0]
+    assert arithmetic.step_labels("3+4*2=", "4*2=8,3+8=99999999999999#1") == [1, 0]
