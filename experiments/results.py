@@ -110,7 +110,7 @@ def quick_flags(module, name):
 
 
 def command(module, name, seed, folder, quick=False, extra=()):
-    """The argv (after `python`) of one run; extra: the sweep's --task and --flags, given to every script."""
+    """The argv (after `python`) of one run; extra: this script's share of the sweep's --task and --flags."""
     argv = [f"{name}.py", "--seed", str(seed), "--out", folder, *extra]
     if name != "sft":
         argv += ["--init", os.path.join(folder, "sft.pt")]
@@ -263,7 +263,7 @@ def run_one(argv, log_path, time_path, resume, threads=1):
     return rc
 
 
-def sweep(scripts, seeds, runs_dir, only, quick, threads=1, extra=()):
+def sweep(scripts, seeds, runs_dir, only, quick, threads=1, extra=None):
     """Run what is not done yet, seed by seed. Returns the (seed, name) of the runs that failed."""
     needs_rm = lambda names: any(has_flag(scripts[n], "--rm") for n in names if n != "reward_model")
     wanted = [n for n in scripts if only is None or n in only or n == "sft" or (n == "reward_model" and needs_rm(only))]
@@ -275,7 +275,7 @@ def sweep(scripts, seeds, runs_dir, only, quick, threads=1, extra=()):
         print(f"seed {seed}: {folder}", flush=True)
         for name in wanted:
             module, stem = scripts[name], FILES.get(name, name)
-            argv = command(module, name, seed, folder, quick, extra)
+            argv = command(module, name, seed, folder, quick, (extra or {}).get(name, ()))
             steps = step_limit(module, argv)
             step = checkpoint_step(os.path.join(ROOT, folder, f"{stem}.pt"))
             if not fresh and is_done(read_metrics(os.path.join(ROOT, folder, stem, "metrics.jsonl")), step, steps):
@@ -301,14 +301,14 @@ def sweep(scripts, seeds, runs_dir, only, quick, threads=1, extra=()):
 # -----------------------------------------------------------------------------
 # Collecting, table, figures
 
-def collect(scripts, seeds, runs_dir, quick, extra=()):
+def collect(scripts, seeds, runs_dir, quick, extra=None):
     """{name: [run, ...]} for the done runs (by their logs); a run: seed, command, before, after, curve, seconds,
     samples, process_s, cpu_s."""
     results = {}
     for name, module in scripts.items():
         for seed in seeds:
             folder = os.path.join(os.path.relpath(runs_dir, ROOT), f"seed{seed}")
-            stem, argv = FILES.get(name, name), command(module, name, seed, folder, quick, extra)
+            stem, argv = FILES.get(name, name), command(module, name, seed, folder, quick, (extra or {}).get(name, ()))
             rows = read_metrics(os.path.join(ROOT, folder, stem, "metrics.jsonl"))
             points = curve(rows)
             if not rows or not points or points[-1]["step"] != step_limit(module, argv) or points[0]["step"] != 0:
@@ -368,13 +368,14 @@ def setting(results, threads):
     return {"threads": threads, "recorded": [dict(zip(("device", "threads", "torch"), x)) for x in recorded]}
 
 
-def report(scripts, seeds, runs_dir, out_dir, quick, threads=1, extra=(), regenerate=""):
+def report(scripts, seeds, runs_dir, out_dir, quick, threads=1, extra=None, regenerate=""):
+    extra = extra or {}
     results = collect(scripts, seeds, runs_dir, quick, extra)
     if not results:
         raise SystemExit(f"error: no finished runs in {runs_dir} for seeds {seeds}; run without --table_only first")
     labels = {n: LABELS.get(n) or _label(scripts[n], n) for n in scripts}
-    commands = {n: f"OMP_NUM_THREADS={threads} python " + " ".join([f"{n}.py", *extra] + (quick_flags(scripts[n], n)
-                                                                                          if quick else []))
+    commands = {n: f"OMP_NUM_THREADS={threads} python " + " ".join([f"{n}.py", *extra.get(n, ())]
+                                                                   + (quick_flags(scripts[n], n) if quick else []))
                 for n in scripts}
     summaries = {n: summarise(runs) for n, runs in results.items()}
     policies = {n: s for n, s in summaries.items() if "eval_accuracy" in s["after"]}
@@ -393,7 +394,7 @@ def report(scripts, seeds, runs_dir, out_dir, quick, threads=1, extra=(), regene
     seen = "; ".join(f"{r['device']}, {r['threads']} thread(s), torch {r['torch']}" for r in on["recorded"])
     header = (f"Seeds {seeds_run}, each with its own SFT policy; mean +- std over seeds (sample std), [min, max] of "
               f"the final accuracy. Each command ran as `OMP_NUM_THREADS={threads} python X.py "
-              f"{''.join(x + ' ' for x in extra)}--seed S --init "
+              f"{''.join(x + ' ' for x in extra.get('sft', ()))}--seed S --init "
               f"D/sft.pt --out D`{f' ({with_rm} also `--rm D/rm.pt`)' if with_rm else ''} (sft.py: "
               f"`--seed S --out D`), D = {os.path.relpath(runs_dir, ROOT)}/seedS: on a CPU the thread count "
               f"changes the float reductions, so it is part of the command"
@@ -438,8 +439,8 @@ def main():
     parser.add_argument("--task", default="arithmetic", choices=["arithmetic", "countdown"],
                         help="the generated task every script runs on (their --task); default folder results/<task>/ "
                              "for any but arithmetic")
-    parser.add_argument("--flags", default="", help="more flags for every script, as one string (e.g. "
-                        "--only grpo --flags '--steps 500'); they appear in every command")
+    parser.add_argument("--flags", default="", help="more flags for the --only scripts (every script without "
+                        "--only), as one string (e.g. --only grpo --flags '--steps 500'); they appear in the commands")
     parser.add_argument("--threads", type=int, default=1,
                         help="OMP_NUM_THREADS of every run (1, as the README's table; it changes CPU results)")
     args = parser.parse_args()
@@ -449,7 +450,6 @@ def main():
         parser.error(f"--threads {args.threads}: at least 1")
     task = [] if args.task == "arithmetic" else [args.task]
     out_dir = os.path.abspath(args.dir or os.path.join(ROOT, "results", *task, "quick" if args.quick else ""))
-    extra = (["--task", args.task] if task else []) + shlex.split(args.flags)
     try:                                                                # a folder it cannot write: said now, not later
         os.makedirs(os.path.join(out_dir, "runs"), exist_ok=True)
         with open(os.path.join(out_dir, f".write_test{os.getpid()}"), "w"):
@@ -458,6 +458,9 @@ def main():
     except OSError as e:
         parser.error(f"--dir {out_dir}: cannot write there ({e.strerror or e})")
     scripts = discover()
+    flags = shlex.split(args.flags)                                    # for the --only scripts (all without it)
+    extra = {n: (["--task", args.task] if task else []) + (flags if args.only is None or n in args.only else [])
+             for n in scripts}
     if args.only is not None:
         unknown = sorted(set(args.only) - set(scripts))
         if unknown:
@@ -466,6 +469,7 @@ def main():
     print(f"scripts: {', '.join(scripts)}; seeds {args.seeds}; runs in {runs_dir}", flush=True)
     failed = [] if args.table_only else sweep(scripts, args.seeds, runs_dir, args.only, args.quick, args.threads, extra)
     regenerate = "".join([" --quick" * args.quick, f" --task {args.task}" * bool(task),
+                          f" --only {' '.join(args.only)}" if args.only else "",
                           f" --flags {shlex.quote(args.flags)}" * bool(args.flags)])
     report(scripts, args.seeds, runs_dir, out_dir, args.quick, args.threads, extra, regenerate)
     if failed:
