@@ -5,6 +5,10 @@ a batched KV-cache sampler, a scalar-head variant for reward and value models, a
 Design choices (each one a deliberate simplification, stated so you can change it):
 - Learned absolute position embeddings, as GPT-2 and nanoGPT. Positions are counted per row from
   the first real token, so a left-padded prompt sees exactly the positions it would see alone.
+- Real checkpoints: GPTConfig's switches (rotary positions, RMSNorm, SwiGLU, grouped-query attention,
+  Qwen2's q/k/v biases, an untied head) are what GPT-2, Llama and Qwen2 differ in; `from_pretrained`
+  loads a local Hugging Face folder into this one class, `Tokenizer.from_pretrained` its tokenizer.json
+  (tests/test_pretrained.py checks both against transformers' own outputs).
 - Padding can be on either side. `mask` (B, T) is 1 for real tokens and 0 for padding; a query
   never attends to a padding key, so a row's outputs do not depend on what else is in the batch.
   (A padding query attends to itself only, which keeps softmax rows non-empty; its output is junk
@@ -25,10 +29,8 @@ Design choices (each one a deliberate simplification, stated so you can change i
   band in bfloat16 and none in float32; MiniMax 2025, arXiv 2506.13585, section 4, made the same
   fix, an FP32 LM head, for their training and inference probabilities). The transformer body stays
   in bfloat16 (its residual stream is float32 already: autocast only rounds the matmuls).
-  Cost, on a GPU only: the logits take 4 bytes per entry instead of 2, i.e. B*T*V*2 bytes more
-  (nothing at this project's V = 258; 5 GiB more for 16384 positions at V = 151936, and as much
-  again for their gradient in training), and the head's matmul runs in float32. On a CPU nothing
-  changes: there is no autocast, everything is float32 already.
+  Cost, on a GPU only: B*T*V*2 bytes more for the logits (5 GiB at 16384 positions and V = 151936,
+  as much again for their gradient) and a float32 head matmul; on a CPU everything is float32 already.
 - Sampling: `generate` keeps a KV cache, so each new token costs one position's work, not the
   whole sequence's. With compile=True the per-token step (`GPT.decode_step`) has shapes that never
   change (a preallocated cache, the new key and value written at a slot given as a tensor,
@@ -39,8 +41,10 @@ Design choices (each one a deliberate simplification, stated so you can change i
 Shapes: B batch, T time, C channels, V vocabulary, nh heads, hs head size.
 """
 import contextlib
+import json
 import math
 import os
+import unicodedata
 from dataclasses import asdict, dataclass, fields
 
 import tiktoken
@@ -59,6 +63,15 @@ class Tokenizer:
     """tiktoken encoding plus the two special tokens the scripts need (eos_id, pad_id)."""
 
     def __init__(self, name="bytes"):
+        self.normalise = None
+        if name.startswith("hf:"):                  # a Hugging Face folder's tokenizer.json (from_pretrained)
+            folder = name[3:]
+            ranks, pat_str, special, self.normalise = pretrained_tokenizer_parts(folder)
+            self.name, self.eos_id, self.pad_id = name, *pretrained_eos_pad(folder, special)
+            self.enc = tiktoken.Encoding(name=os.path.basename(os.path.abspath(folder)), pat_str=pat_str,
+                                         mergeable_ranks=ranks, special_tokens=special)
+            self.vocab_size = self.enc.n_vocab
+            return
         if name == "bytes":
             ranks = {bytes([i]): i for i in range(256)}  # no merges: one token per byte
             pat_str = r"[\s\S]{1,256}"  # any split works when there are no merges; this one covers all text
@@ -81,8 +94,16 @@ class Tokenizer:
         self.eos_id, self.pad_id = special[EOS], special[PAD]
         self.vocab_size = self.enc.n_vocab
 
+    @classmethod
+    def from_pretrained(cls, folder):
+        """The byte-level BPE tokenizer.json of a Hugging Face folder (GPT-2, Llama 3, Qwen2) as a tiktoken Encoding:
+        its ranks, its pre-tokenizer's split pattern and its special tokens; EOS and pad from the folder's config."""
+        return cls("hf:" + os.path.abspath(folder))
+
     def encode(self, text):
         """Plain text to ids. Special-token strings in the text are encoded as ordinary text."""
+        if self.normalise:
+            text = unicodedata.normalize(self.normalise, text)
         return self.enc.encode_ordinary(text)
 
     def decode(self, ids):
@@ -120,6 +141,18 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 128
     dropout: float = 0.0
+    # The switches real checkpoints need (GPT.from_pretrained sets them); the defaults are nanoGPT's and GPT-2's.
+    n_kv_head: int = 0         # key/value heads, grouped-query attention (Llama, Qwen2); 0: n_head
+    norm: str = "layernorm"    # "layernorm" (GPT-2) or "rmsnorm" (Llama, Qwen2)
+    norm_eps: float = 1e-5
+    pos: str = "learned"       # "learned" absolute embeddings (GPT-2) or "rope", rotary (Llama, Qwen2)
+    rope_theta: float = 10000.0
+    mlp: str = "gelu"          # "gelu" (GPT-2) or "swiglu" (Llama, Qwen2)
+    gelu: str = "none"         # nn.GELU's approximate: "none" (nanoGPT) or "tanh" (GPT-2's gelu_new)
+    mlp_hidden: int = 0        # the MLP's width; 0: 4 * n_embd
+    bias: bool = True          # biases of the attention output and the MLP (GPT-2 has them; Llama, Qwen2 not)
+    qkv_bias: bool = True      # biases of the query, key and value projections (GPT-2, Qwen2)
+    tie_embeddings: bool = True  # the LM head is the token embedding (GPT-2, small Qwen2 and Llama 3.2)
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -129,6 +162,16 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.n_embd = {self.n_embd} must be divisible by n_head = {self.n_head}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout = {self.dropout}; allowed: 0 <= dropout < 1")
+        if self.n_kv_head < 0 or self.n_head % (self.n_kv_head or self.n_head):
+            raise ValueError(f"GPTConfig.n_kv_head = {self.n_kv_head} must divide n_head = {self.n_head}")
+        for name, allowed in (("norm", ("layernorm", "rmsnorm")), ("pos", ("learned", "rope")),
+                              ("mlp", ("gelu", "swiglu")), ("gelu", ("none", "tanh"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"GPTConfig.{name} = {getattr(self, name)!r}; allowed: {', '.join(allowed)}")
+
+    @property
+    def kv_heads(self):
+        return self.n_kv_head or self.n_head
 
 
 class KVCache:
@@ -173,46 +216,87 @@ class KVCache:
 class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.n_head = config.n_head
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.n_head, self.n_kv = config.n_head, config.kv_heads
+        hs = config.n_embd // config.n_head
+        self.c_attn = nn.Linear(config.n_embd, (self.n_head + 2 * self.n_kv) * hs, bias=config.qkv_bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = config.dropout
 
-    def forward(self, x, attn_mask, cache=None, layer=0, slot=None):
+    def forward(self, x, attn_mask, cache=None, layer=0, slot=None, rope=None):
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        hs = C // self.n_head
+        q, k, v = self.c_attn(x).split([C, self.n_kv * hs, self.n_kv * hs], dim=2)
+        q = q.view(B, T, self.n_head, hs).transpose(1, 2)                  # (B, nh, T, hs)
+        k, v = (t.view(B, T, self.n_kv, hs).transpose(1, 2) for t in (k, v))  # (B, nkv, T, hs)
+        if rope is not None:                                               # rotary positions (Su et al. 2021)
+            q, k = rotate(q, *rope), rotate(k, *rope)
         if cache is not None and slot is not None:  # static shapes (GPT.decode_step): write at `slot`, read every slot
             cache.k[layer].index_copy_(2, slot, k)
             cache.v[layer].index_copy_(2, slot, v)
             k, v = cache.k[layer], cache.v[layer]  # (B, nh, max_len, hs)
         elif cache is not None:  # write this chunk's keys and values, then attend over everything cached
             if cache.k[layer] is None:
-                shape = (B, self.n_head, cache.max_len, C // self.n_head)
+                shape = (B, self.n_kv, cache.max_len, hs)
                 cache.k[layer] = torch.empty(shape, dtype=k.dtype, device=k.device)
                 cache.v[layer] = torch.empty(shape, dtype=v.dtype, device=v.device)
             start = cache.length
             cache.k[layer][:, :, start:start + T] = k
             cache.v[layer][:, :, start:start + T] = v
-            k = cache.k[layer][:, :, :start + T]  # (B, nh, S, hs)
+            k = cache.k[layer][:, :, :start + T]  # (B, nkv, S, hs)
             v = cache.v[layer][:, :, :start + T]
+        if self.n_kv != self.n_head:                                       # grouped-query attention: each key and
+            k = k.repeat_interleave(self.n_head // self.n_kv, dim=1)       # value head serves n_head / n_kv query
+            v = v.repeat_interleave(self.n_head // self.n_kv, dim=1)       # heads (B, nh, S, hs)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
                                            dropout_p=self.dropout if self.training else 0.0)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.c_proj(y)
 
 
+class SwiGLU(nn.Module):
+    """Llama's MLP (Shazeer 2020): c_proj(silu(gate) * up), gate and up from one projection c_fc."""
+
+    def __init__(self, config):
+        super().__init__()
+        hidden = config.mlp_hidden or 4 * config.n_embd
+        self.c_fc = nn.Linear(config.n_embd, 2 * hidden, bias=config.bias)
+        self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        gate, up = self.c_fc(x).chunk(2, dim=-1)
+        return self.drop(self.c_proj(F.silu(gate) * up))
+
+
+def norm(config):
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+    return nn.LayerNorm(config.n_embd, eps=config.norm_eps)
+
+
+def rotate(x, cos, sin):
+    """Rotary position embedding of x (B, h, T, hs) by the angles of cos, sin (B, 1, T, hs), in the half-split layout
+    of Llama's Hugging Face code: channel i pairs with channel i + hs/2."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return (x * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
+
+
 class Block(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.ln_1 = norm(config)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd)
-        self.mlp = nn.Sequential(nn.Linear(config.n_embd, 4 * config.n_embd), nn.GELU(),
-                                 nn.Linear(4 * config.n_embd, config.n_embd), nn.Dropout(config.dropout))
+        self.ln_2 = norm(config)
+        hidden = config.mlp_hidden or 4 * config.n_embd
+        if config.mlp == "swiglu":
+            self.mlp = SwiGLU(config)
+        else:
+            self.mlp = nn.Sequential(nn.Linear(config.n_embd, hidden, bias=config.bias),
+                                     nn.GELU(approximate=config.gelu),
+                                     nn.Linear(hidden, config.n_embd, bias=config.bias), nn.Dropout(config.dropout))
 
-    def forward(self, x, attn_mask, cache=None, layer=0, slot=None):
-        x = x + self.attn(self.ln_1(x), attn_mask, cache, layer, slot)
+    def forward(self, x, attn_mask, cache=None, layer=0, slot=None, rope=None):
+        x = x + self.attn(self.ln_1(x), attn_mask, cache, layer, slot, rope)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -221,12 +305,14 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        if config.pos == "learned":
+            self.wpe = nn.Embedding(config.block_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(config.n_embd)
+        self.ln_f = norm(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # weight tying
+        if config.tie_embeddings:
+            self.lm_head.weight = self.wte.weight  # weight tying
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2: scale residual projections by 1/sqrt(2 * n_layer)
             if name.endswith("c_proj.weight") or name.endswith("mlp.2.weight"):
@@ -240,6 +326,11 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
+
+    @classmethod
+    def from_pretrained(cls, folder, dtype=torch.float32):
+        """A Hugging Face folder's GPT-2, Llama or Qwen2 weights in this class (the function from_pretrained)."""
+        return from_pretrained(folder, dtype)
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
@@ -268,18 +359,31 @@ class GPT(nn.Module):
         k_pos = torch.arange(start + T, device=idx.device)[None, :]          # (1, S)
         attn_mask = (k_pos <= q_pos) & key_mask[:, None, :]        # (B, T, S): causal and not padding
         attn_mask = (attn_mask | (k_pos == q_pos))[:, None]        # (B, 1, T, S): padding queries see themselves
-        x = self.drop(self.wte(idx) + self.wpe(pos))               # (B, T, C)
+        x, rope = self.embed(idx, pos)                             # (B, T, C)
         for i, block in enumerate(self.blocks):
-            x = block(x, attn_mask, cache, i)
+            x = block(x, attn_mask, cache, i, rope=rope)
         if cache is not None:
             cache.length += T
         return self.ln_f(x)
+
+    def embed(self, idx, pos):
+        """Token embeddings (B, T, C), plus the learned position embeddings, or with rotary positions the
+        (cos, sin) of each position's angles (B, 1, T, hs) that attention applies to queries and keys."""
+        x = self.wte(idx)
+        if self.config.pos == "learned":
+            return self.drop(x + self.wpe(pos)), None
+        hs = self.config.n_embd // self.config.n_head
+        inv_freq = 1.0 / self.config.rope_theta ** (torch.arange(0, hs, 2, device=idx.device).float() / hs)
+        with autocast_off(idx.device.type):
+            angles = pos[:, None, :, None].float() * inv_freq                    # (B, 1, T, hs/2)
+        angles = torch.cat([angles, angles], dim=-1)                             # (B, 1, T, hs)
+        return self.drop(x), (angles.cos().to(x.dtype), angles.sin().to(x.dtype))
 
     def logits(self, x):
         """Logits (..., V) float32 from final hidden states x (..., C): the LM head runs outside autocast, on x in
         float32, so that the logits never carry bfloat16 rounding (module docstring: Precision)."""
         with autocast_off(x.device.type):
-            return self.lm_head(x.float())
+            return F.linear(x.float(), self.lm_head.weight.float())
 
     def forward(self, idx, mask=None, cache=None):
         """Logits (B, T, V) float32: position t predicts token t + 1."""
@@ -296,10 +400,10 @@ class GPT(nn.Module):
         sums over max_len slots instead of the filled ones: the extra terms are exactly 0, but the sums may be
         ordered differently. The caller advances slot and checks block_size (the positions live on the device)."""
         cache.key_mask.index_fill_(1, slot, True)                  # (N, L) the new token is real in every row
-        x = self.drop(self.wte(idx) + self.wpe(cache.next_pos[:, None]))  # (N, 1, C)
+        x, rope = self.embed(idx, cache.next_pos[:, None])         # (N, 1, C)
         attn_mask = cache.key_mask[:, None, None, :]               # (N, 1, 1, L) every filled slot, no later one
         for i, block in enumerate(self.blocks):
-            x = block(x, attn_mask, cache, i, slot)
+            x = block(x, attn_mask, cache, i, slot, rope)
         cache.next_pos.add_(1)
         return self.logits(self.ln_f(x))[:, -1]                    # (N, V)
 
@@ -314,7 +418,8 @@ class GPT(nn.Module):
         key = (batch_size, max_len, dtype, device)
         if key not in self._static_caches:
             c = self.config
-            cache = KVCache.preallocated(c.n_layer, batch_size, max_len, c.n_head, c.n_embd // c.n_head, dtype, device)
+            cache = KVCache.preallocated(c.n_layer, batch_size, max_len, c.kv_heads, c.n_embd // c.n_head, dtype,
+                                         device)
             if device.type == "cuda":                              # CUDA graphs may write into these in place
                 for t in cache.tensors():
                     torch._dynamo.mark_static_address(t)
@@ -567,3 +672,206 @@ def load_checkpoint(path, device="cpu", kind=None, tokenizer=None):
     except RuntimeError as e:
         raise CheckpointError(f"checkpoint {path}: weights do not match its config ({str(e)[:300]})") from None
     return model.to(device), ckpt
+
+
+# -----------------------------------------------------------------------------
+# Real checkpoints: a local folder in the Hugging Face layout (config.json, model.safetensors or its shards,
+# tokenizer.json), as a user has it after downloading one. Nothing is fetched.
+
+def is_pretrained_folder(path):
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
+
+
+def _read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e})") from None
+
+
+def pretrained_config(folder):
+    """GPTConfig for a folder's config.json (model_type gpt2, llama or qwen2); anything else is one error line."""
+    c = _read_json(os.path.join(folder, "config.json"))
+    kind = c.get("model_type")
+    if kind == "gpt2":
+        if c.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh", "gelu"):
+            raise CheckpointError(f"{folder}: activation_function {c['activation_function']!r} is not supported")
+        return GPTConfig(vocab_size=c["vocab_size"], block_size=c["n_positions"], n_layer=c["n_layer"],
+                         n_head=c["n_head"], n_embd=c["n_embd"], norm_eps=c.get("layer_norm_epsilon", 1e-5),
+                         gelu="none" if c.get("activation_function") == "gelu" else "tanh",
+                         mlp_hidden=c.get("n_inner") or 0, tie_embeddings=c.get("tie_word_embeddings", True))
+    if kind in ("llama", "qwen2"):
+        rope = c.get("rope_parameters") or {}                          # transformers 5 writes rope_parameters
+        scaling = c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        unsupported = {"rope_scaling": scaling, "hidden_act": c.get("hidden_act", "silu"),
+                       "use_sliding_window": c.get("use_sliding_window", False),
+                       "head_dim": c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])}
+        allowed = {"rope_scaling": None, "hidden_act": "silu", "use_sliding_window": False,
+                   "head_dim": c["hidden_size"] // c["num_attention_heads"]}
+        for key, value in unsupported.items():
+            if value != allowed[key]:
+                raise CheckpointError(f"{folder}: config.json {key} = {value!r} is not supported (only "
+                                      f"{allowed[key]!r})")
+        attn_bias = True if kind == "qwen2" else c.get("attention_bias", False)
+        return GPTConfig(vocab_size=c["vocab_size"], block_size=c["max_position_embeddings"],
+                         n_layer=c["num_hidden_layers"], n_head=c["num_attention_heads"], n_embd=c["hidden_size"],
+                         n_kv_head=c.get("num_key_value_heads") or c["num_attention_heads"], norm="rmsnorm",
+                         norm_eps=c["rms_norm_eps"], pos="rope",
+                         rope_theta=float(c.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+                         mlp="swiglu", mlp_hidden=c["intermediate_size"], bias=c.get("mlp_bias", False),
+                         qkv_bias=attn_bias, tie_embeddings=c.get("tie_word_embeddings", False))
+    raise CheckpointError(f"{folder}: model_type {kind!r} is not supported; allowed: gpt2, llama, qwen2")
+
+
+def _read_safetensors(folder):
+    """Every tensor of the folder's model.safetensors, or of the shards model.safetensors.index.json lists."""
+    from safetensors.torch import load_file
+    index = os.path.join(folder, "model.safetensors.index.json")
+    files = (sorted(set(_read_json(index)["weight_map"].values())) if os.path.isfile(index)
+             else ["model.safetensors"])
+    tensors = {}
+    for name in files:
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{folder}: {name} is missing (only safetensors weights are read)")
+        try:
+            tensors.update(load_file(path))
+        except Exception as e:
+            raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {str(e)[:200]})") from None
+    return tensors
+
+
+def _our_names(hf, config):
+    """Hugging Face tensors -> {our parameter name: tensor}, and the names of theirs it used. GPT-2's Conv1D weights
+    are stored (in, out) and are transposed; Llama's q, k, v (and gate, up) projections are concatenated into our
+    c_attn (and c_fc)."""
+    ours, used = {}, set()
+
+    def take(name):
+        if name not in hf:
+            raise CheckpointError(f"tensor {name} is missing from the checkpoint")
+        used.add(name)
+        return hf[name]
+
+    if config.pos == "learned":                                        # gpt2; keys with or without "transformer."
+        hf = {k.removeprefix("transformer."): v for k, v in hf.items()}
+        ours["wte.weight"], ours["wpe.weight"] = take("wte.weight"), take("wpe.weight")
+        for i in range(config.n_layer):
+            p, q = f"h.{i}.", f"blocks.{i}."
+            for theirs, mine, conv in (("ln_1", "ln_1", False), ("ln_2", "ln_2", False), ("attn.c_attn", "attn.c_attn",
+                                       True), ("attn.c_proj", "attn.c_proj", True), ("mlp.c_fc", "mlp.0", True),
+                                       ("mlp.c_proj", "mlp.2", True)):
+                weight = take(p + theirs + ".weight")
+                ours[q + mine + ".weight"] = weight.t() if conv else weight
+                ours[q + mine + ".bias"] = take(p + theirs + ".bias")
+            used.update(k for k in hf if k.startswith(p) and k.endswith(("attn.bias", "attn.masked_bias")))  # buffers
+        ours["ln_f.weight"], ours["ln_f.bias"] = take("ln_f.weight"), take("ln_f.bias")
+    else:                                                              # llama, qwen2
+        ours["wte.weight"] = take("model.embed_tokens.weight")
+        for i in range(config.n_layer):
+            p, q = f"model.layers.{i}.", f"blocks.{i}."
+            ours[q + "ln_1.weight"] = take(p + "input_layernorm.weight")
+            ours[q + "ln_2.weight"] = take(p + "post_attention_layernorm.weight")
+            ours[q + "attn.c_attn.weight"] = torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+            if config.qkv_bias:
+                ours[q + "attn.c_attn.bias"] = torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+            ours[q + "attn.c_proj.weight"] = take(p + "self_attn.o_proj.weight")
+            ours[q + "mlp.c_fc.weight"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            ours[q + "mlp.c_proj.weight"] = take(p + "mlp.down_proj.weight")
+            if config.bias:
+                ours[q + "attn.c_proj.bias"] = take(p + "self_attn.o_proj.bias")
+                ours[q + "mlp.c_fc.bias"] = torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")])
+                ours[q + "mlp.c_proj.bias"] = take(p + "mlp.down_proj.bias")
+        ours["ln_f.weight"] = take("model.norm.weight")
+    if config.tie_embeddings:
+        if "lm_head.weight" in hf and not torch.equal(hf["lm_head.weight"], ours["wte.weight"]):
+            raise CheckpointError("tensor lm_head.weight differs from the token embedding, but the config ties them")
+        used.add("lm_head.weight")
+    else:
+        ours["lm_head.weight"] = take("lm_head.weight")
+    return ours, used
+
+
+def from_pretrained(folder, dtype=torch.float32):
+    """Our GPT with the weights of a Hugging Face folder (model_type gpt2, llama or qwen2), in eval mode, in `dtype`
+    (float32 by default, as this project trains; None: the checkpoint's own). A missing, mis-shaped or unused tensor
+    is one error line naming it."""
+    config = pretrained_config(folder)
+    hf = _read_safetensors(folder)
+    ours, used = _our_names(hf, config)
+    unused = sorted(set(hf) - used - {"transformer." + k for k in used})
+    if unused:
+        raise CheckpointError(f"{folder}: tensor {unused[0]} is not used by a {config.pos}-position model "
+                              f"({len(unused)} unused)")
+    model = GPT(config)
+    expected = model.state_dict()
+    for name, tensor in ours.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise CheckpointError(f"{folder}: tensor for {name} has shape {tuple(tensor.shape)}; the config needs "
+                                  f"{tuple(expected[name].shape)}")
+    dtype = dtype or next(iter(hf.values())).dtype
+    missing = [n for n in expected if n not in ours and not (n == "lm_head.weight" and config.tie_embeddings)]
+    if missing:
+        raise CheckpointError(f"{folder}: no tensor for {missing[0]}")
+    model.load_state_dict({**ours, **({"lm_head.weight": ours["wte.weight"]} if config.tie_embeddings else {})})
+    return model.to(dtype).eval()
+
+
+def bytes_to_unicode():
+    """GPT-2's byte-level BPE alphabet (Radford et al. 2019): byte b -> the printable character standing for it in
+    tokenizer.json. The printable bytes stand for themselves; the others map to 256, 257, ... in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return {b: chr(b) if b in printable else chr(next(extra)) for b in range(256)}
+
+
+GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+def pretrained_tokenizer_parts(folder):
+    """(mergeable ranks, split pattern, special tokens, normalise) of a folder's byte-level BPE tokenizer.json."""
+    data = _read_json(os.path.join(folder, "tokenizer.json"))
+    model = data.get("model") or {}
+    if model.get("type") != "BPE":
+        raise CheckpointError(f"{folder}: tokenizer.json model type {model.get('type')!r}; only byte-level BPE")
+    to_byte = {ch: b for b, ch in bytes_to_unicode().items()}
+    try:
+        ranks = {bytes(to_byte[ch] for ch in token): i for token, i in model["vocab"].items()}
+    except KeyError:
+        raise CheckpointError(f"{folder}: tokenizer.json is not byte-level (a vocabulary entry outside GPT-2's "
+                              f"byte alphabet)") from None
+    pre = data.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", [pre])
+    splits = [s["pattern"]["Regex"] for s in steps if s.get("type") == "Split" and "Regex" in s.get("pattern", {})]
+    if splits:
+        pattern = splits[0]
+    elif any(s.get("type") == "ByteLevel" and s.get("use_regex", True) for s in steps):
+        pattern = GPT2_SPLIT
+    else:
+        raise CheckpointError(f"{folder}: tokenizer.json pre-tokenizer {pre.get('type')!r} is not supported")
+    normaliser = (data.get("normalizer") or {}).get("type")
+    if normaliser not in (None, "NFC"):
+        raise CheckpointError(f"{folder}: tokenizer.json normalizer {normaliser!r} is not supported (none or NFC)")
+    special = {t["content"]: t["id"] for t in data.get("added_tokens", [])}
+    return ranks, pattern, special, normaliser
+
+
+def pretrained_eos_pad(folder, special):
+    """(eos_id, pad_id): EOS from config.json (or generation_config.json), the pad token from tokenizer_config.json
+    where it names one, else EOS (padding is masked out everywhere here, so any id serves)."""
+    eos = None
+    for name in ("generation_config.json", "config.json"):
+        path = os.path.join(folder, name)
+        if eos is None and os.path.isfile(path):
+            eos = _read_json(path).get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) else eos
+    if not isinstance(eos, int):
+        raise CheckpointError(f"{folder}: no eos_token_id in config.json or generation_config.json")
+    pad = eos
+    path = os.path.join(folder, "tokenizer_config.json")
+    if os.path.isfile(path):
+        token = _read_json(path).get("pad_token")
+        token = token.get("content") if isinstance(token, dict) else token
+        pad = special.get(token, eos)
+    return eos, pad

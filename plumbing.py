@@ -35,6 +35,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 
 import numpy as np
 import torch
@@ -42,7 +43,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import task
-from model import CheckpointError, GPTConfig, Tokenizer, fingerprint, load_checkpoint, save_checkpoint
+from model import (CheckpointError, GPTConfig, Tokenizer, fingerprint, from_pretrained, is_pretrained_folder,
+                   load_checkpoint, pretrained_config, save_checkpoint)
 from tasks import arithmetic
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -205,6 +207,8 @@ def read_checkpoint(path, flag):
         hint = "; run without --resume" if flag == "--resume" else ""
         raise SystemExit(f"error: {flag}, but there is no checkpoint at {path}{hint}")
     try:
+        if is_pretrained_folder(path):              # a Hugging Face folder: its config is checked here
+            return {"kind": "gpt", "config": asdict(pretrained_config(path)), "step": 0}
         return load_checkpoint(path, "cpu")[1]
     except (CheckpointError, ValueError) as e:
         raise SystemExit(f"error: {flag}: {e}") from None
@@ -223,9 +227,20 @@ def load_model(path, device, kind="gpt", expect=None):
     kind: "gpt" or "scalar"; expect: {key: value} the checkpoint must hold (e.g. {"script": "prm"}).
     Eval mode means no dropout, so that scoring sees the distribution the sampler drew from."""
     try:
+        if is_pretrained_folder(path):              # a Hugging Face folder: GPT-2, Llama or Qwen2 weights
+            if kind != "gpt" or expect:
+                raise CheckpointError(f"{path} is a language model's folder; a checkpoint of this project's "
+                                      f"{expect or kind} is needed here")
+            model, tok = from_pretrained(path).to(device), Tokenizer.from_pretrained(path)
+            if tok.vocab_size > model.config.vocab_size:
+                raise CheckpointError(f"vocabulary mismatch: {path} has vocab_size {model.config.vocab_size} but "
+                                      f"its tokenizer.json has {tok.vocab_size} tokens")
+            return model, tok, {"kind": "gpt", "tokenizer": tok.name, "step": 0}
         model, ckpt = load_checkpoint(path, device, kind=kind)
         tok = Tokenizer(ckpt["tokenizer"])
-        if tok.vocab_size != model.config.vocab_size:
+        if tok.name.startswith("hf:") and tok.vocab_size <= model.config.vocab_size:
+            pass                                    # a real model's vocabulary may be padded past its tokenizer's
+        elif tok.vocab_size != model.config.vocab_size:
             raise CheckpointError(f"vocabulary mismatch: checkpoint {path} has vocab_size {model.config.vocab_size} "
                                   f"but its tokenizer {ckpt['tokenizer']!r} has {tok.vocab_size}")
         for key, value in (expect or {}).items():

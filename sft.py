@@ -48,7 +48,9 @@ def parse_args(argv=None):
     g.add_argument("--warmup", type=Int(ge=0), default=50, help="linear warm-up steps, then cosine decay to lr/10")
     g.add_argument("--weight_decay", type=Float(ge=0), default=0.01, help="AdamW weight decay")
     g.add_argument("--grad_clip", type=Float(gt=0), default=1.0, help="clip the gradient's global norm to this")
-    add_run_flags(p, "sft", log_every=50, eval_every=500)
+    g = add_run_flags(p, "sft", log_every=50, eval_every=500)
+    g.add_argument("--init", default=None, help="fine-tune this checkpoint or Hugging Face folder (GPT-2, Llama, "
+                   "Qwen2) instead of a new model (the model flags are then the checkpoint's)")
     args = p.parse_args(argv)
     if args.n_embd % args.n_head:
         p.error(f"--n_embd {args.n_embd} must be a multiple of --n_head {args.n_head}")
@@ -57,19 +59,22 @@ def parse_args(argv=None):
 
 def main(args):
     run = Run("sft", args, batch_flag="batch_size")  # device, seeds, lock, log, resume, torchrun: plumbing.py
-    try:
-        tok = Tokenizer(args.tokenizer)
-    except ValueError as e:
-        raise SystemExit(f"error: --tokenizer: {e}") from None
-    run.tokenizer_name = tok.name
-    longest, budget = task.max_prompt_tokens(tok), task.default_max_new_tokens()
-    if longest + budget > args.block_size:      # the task's longest prompt and completion budget must fit the model
-        raise SystemExit(f"error: --block_size {args.block_size} is too short for --task {task.name()}: its longest "
-                         f"prompt is {longest} tokens and its completions up to {budget}; allowed: --block_size >= "
-                         f"{longest + budget}")
-    model = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
-                          n_head=args.n_head, n_embd=args.n_embd))
-    model = model.to(run.device)
+    if args.init is not None:                       # a checkpoint or a Hugging Face folder, fine-tuned
+        model, tok = run.load(args.init)
+        run.check_lengths(model, tok, task.default_max_new_tokens())
+    else:                                           # a new model
+        try:
+            tok = Tokenizer(args.tokenizer)
+        except ValueError as e:
+            raise SystemExit(f"error: --tokenizer: {e}") from None
+        run.tokenizer_name = tok.name
+        longest, budget = task.max_prompt_tokens(tok), task.default_max_new_tokens()
+        if longest + budget > args.block_size:      # the task's longest prompt and completion budget must fit
+            raise SystemExit(f"error: --block_size {args.block_size} is too short for --task {task.name()}: its "
+                             f"longest prompt is {longest} tokens and its completions up to {budget}; allowed: "
+                             f"--block_size >= {longest + budget}")
+        model = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
+                              n_head=args.n_head, n_embd=args.n_embd)).to(run.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     run.resume(model, optimizer)
     train_model = run.ddp(model)                    # DistributedDataParallel under torchrun, else the model itself

@@ -1,0 +1,129 @@
+"""Real checkpoints: tiny random GPT-2, Llama and Qwen2 folders in the Hugging Face layout, written with their
+logits, greedy continuations and tokenizer encodings by transformers itself (tests/golden/make_golden.py), load into
+model.py and agree: logits within 1e-4 in float32, greedy generation token for token, encodings exactly."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from model import GPT, CheckpointError, GPTConfig, Tokenizer
+
+GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
+FAMILIES = ["gpt2", "llama", "qwen2"]
+
+
+def golden(name):
+    folder = os.path.join(GOLDEN, name)
+    with open(os.path.join(folder, "golden.json")) as f:
+        return folder, load_file(os.path.join(folder, "golden.safetensors")), json.load(f)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_logits_match_transformers(name):
+    folder, g, _ = golden(name)
+    model = GPT.from_pretrained(folder)
+    with torch.no_grad():
+        logits = model(g["ids"])
+    assert logits.shape == g["logits"].shape
+    torch.testing.assert_close(logits, g["logits"], rtol=0, atol=1e-4)
+    assert logits.std() > 0.5                       # weights large enough that a wrong layer could not hide
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_greedy_generation_matches_transformers_on_a_left_padded_batch(name):
+    folder, g, meta = golden(name)
+    model = GPT.from_pretrained(folder)
+    eos = meta["eos_id"]
+    for compile_ in (False,):
+        tokens, mask, _ = model.generate(g["prompt"], g["prompt_mask"], g["greedy"].size(1), eos, eos,
+                                         temperature=0.0, compile=compile_)
+        for row, want in zip(tokens.tolist(), g["greedy"].tolist()):
+            cut = lambda xs: xs[:xs.index(eos) + 1] if eos in xs else xs
+            assert cut(row) == cut(want)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_tokenizer_encodes_and_decodes_as_transformers(name):
+    folder, _, meta = golden(name)
+    tok = Tokenizer.from_pretrained(folder)
+    assert tok.eos_id == meta["eos_id"] == tok.pad_id
+    for text, ids in meta["encodings"].items():
+        assert tok.encode(text) == ids, text
+        if text.isascii():
+            assert tok.decode(ids) == text
+
+
+def test_a_left_padded_prompt_sees_the_rotary_positions_it_sees_alone():
+    folder, g, _ = golden("qwen2")
+    model = GPT.from_pretrained(folder)
+    ids = g["ids"][:1, :5]
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], 1)
+    mask = torch.tensor([[0.0] * 3 + [1.0] * 5])
+    with torch.no_grad():
+        torch.testing.assert_close(model(padded, mask)[:, 3:], model(ids), rtol=0, atol=1e-5)
+
+
+def test_the_default_config_builds_the_same_model_as_before():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig())
+    names = [n for n, _ in model.named_parameters()]
+    assert names[:2] == ["wte.weight", "wpe.weight"] and "blocks.0.mlp.0.weight" in names
+    assert model.lm_head.weight is model.wte.weight and isinstance(model.blocks[0].ln_1, torch.nn.LayerNorm)
+    V, T, C, L = 258, 64, 128, 4                  # GPT-2's parameter count, by hand: embeddings, blocks, final norm
+    block = 2 * 2 * C + (C * 3 * C + 3 * C) + (C * C + C) + (C * 4 * C + 4 * C) + (4 * C * C + C)
+    assert model.num_params() == V * C + T * C + L * block + 2 * C
+
+
+def copy_folder(tmp_path, name, edit_config=None, edit_tensors=None):
+    folder = str(tmp_path / name)
+    shutil.copytree(os.path.join(GOLDEN, name), folder)
+    if edit_config:
+        path = os.path.join(folder, "config.json")
+        config = json.load(open(path))
+        edit_config(config)
+        json.dump(config, open(path, "w"))
+    if edit_tensors:
+        path = os.path.join(folder, "model.safetensors")
+        tensors = load_file(path)
+        edit_tensors(tensors)
+        save_file(tensors, path)
+    return folder
+
+
+@pytest.mark.parametrize("edit, words", [
+    (dict(edit_config=lambda c: c.update(model_type="mistral")), "model_type 'mistral'"),
+    (dict(edit_config=lambda c: c.update(hidden_act="gelu")), "hidden_act"),
+    (dict(edit_tensors=lambda t: t.pop("model.layers.1.mlp.up_proj.weight")), "model.layers.1.mlp.up_proj.weight"),
+    (dict(edit_tensors=lambda t: t.update({"model.extra.weight": torch.zeros(2)})), "model.extra.weight"),
+    (dict(edit_tensors=lambda t: t.update({"model.norm.weight": torch.ones(31)})), "ln_f.weight"),
+])
+def test_a_checkpoint_that_does_not_fit_is_one_error_naming_what(tmp_path, edit, words):
+    folder = copy_folder(tmp_path, "llama", **edit)
+    with pytest.raises(CheckpointError, match=words.replace("(", r"\(")):
+        GPT.from_pretrained(folder)
+
+
+def test_scripts_take_a_hugging_face_folder_as_init_and_resume_from_what_they_wrote(tmp_path):
+    from conftest import run_script
+    from plumbing import load_model
+    out, qwen = str(tmp_path), os.path.join(GOLDEN, "qwen2")
+    small = ["--prompts_per_step", "4", "--group_size", "4", "--eval_n", "16", "--init", qwen, "--out", out]
+    p = run_script("grpo.py", ["--steps", "1"] + small)
+    assert p.returncode == 0, p.stderr
+    p = run_script("grpo.py", ["--steps", "2", "--resume"] + small)
+    assert p.returncode == 0 and "done: 2 steps" in p.stdout, p.stderr
+    model, tok, ckpt = load_model(os.path.join(out, "grpo.pt"), "cpu")
+    assert tok.name == "hf:" + qwen and model.config.pos == "rope" and model.config.kv_heads == 2
+    p = run_script("sft.py", ["--steps", "2", "--batch_size", "4", "--eval_n", "8", "--init",
+                              os.path.join(GOLDEN, "gpt2"), "--out", out])
+    assert p.returncode == 0, p.stderr
+
+
+def test_a_bad_folder_is_refused_before_any_work(tmp_path):
+    from conftest import refused, run_script
+    folder = copy_folder(tmp_path, "qwen2", edit_config=lambda c: c.update(model_type="phi3"))
+    refused(run_script("grpo.py", ["--init", folder, "--out", str(tmp_path / "o")]), "phi3")
+    assert not os.path.exists(tmp_path / "o" / "grpo")
