@@ -39,7 +39,8 @@ def update(script, flags, out, nproc=1, grad_accum=1):
     logged metrics)."""
     os.makedirs(out)
     start = os.path.join(out, "start.pt")            # the starting weights, recorded by the worker
-    p = launch([WORKER, script, *flags, "--steps", "1", "--log_every", "1", "--eval_every", "1", "--eval_n", "1",
+    one_step = ["--epochs", "1"] if script == "reward_model" else ["--steps", "1"]   # reward_model: --n_train = batch
+    p = launch([WORKER, script, *flags, *one_step, "--log_every", "1", "--eval_every", "1", "--eval_n", "1",
                 "--grad_accum", str(grad_accum), "--out", out], nproc, env={"DDP_WORKER_INIT": start})
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     name = "rm" if script == "reward_model" else script
@@ -73,6 +74,9 @@ CASES = {
     "ppo": ("ppo", ["--reward", "verifier", "--minibatches", "1", "--ppo_epochs", "2", "--batch_size", "8"],
             ["pg_loss", "vf_loss", "approx_kl", "gold_accuracy", "kl"]),      # the value loss: every row has gradient
     "dpo": ("dpo", ["--batch_size", "8", "--n_pairs", "64"], ["loss", "grad_norm", "reward_margin"]),
+    "ipo": ("ipo", ["--batch_size", "8", "--n_pairs", "64"], ["loss", "grad_norm", "reward_margin"]),
+    "rloo": ("rloo", RL, ["loss", "grad_norm", "kl_exact", "reward_mean"]),
+    "reward_model": ("reward_model", ["--batch_size", "8", "--n_train", "8"], ["loss", "grad_norm", "train_margin"]),
 }
 
 
