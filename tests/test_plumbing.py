@@ -359,3 +359,12 @@ def test_resume_refuses_another_init_another_scripts_checkpoint_and_a_lower_step
             "rloo.py")
     refused(run_script("rloo.py", common[:-2] + ["--out", str(tmp_path / "none"), "--init", tiny_sft, "--resume"]),
             "no checkpoint at")
+
+
+def test_the_learning_rate_schedule_warms_up_linearly_then_decays_by_a_cosine_to_a_tenth():
+    lr = plumbing.lr_schedule
+    assert [lr(s, 1.0, 4, 14) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]         # warm-up: (step + 1) / warmup
+    assert lr(4, 1.0, 4, 14) == 1.0 and lr(14, 1.0, 4, 14) == pytest.approx(0.1)    # decay starts at 1, ends at 0.1
+    assert lr(9, 2.0, 4, 14) == pytest.approx(2.0 * (0.1 + 0.9 * 0.5))              # half way: cos(pi / 2) = 0
+    assert lr(20, 1.0, 4, 14) == pytest.approx(0.1)                                 # past the end: stays at 0.1
+    assert lr(100, 3e-4, 0, None) == 3e-4 and lr(0, 3e-4, 0, 10) == 3e-4            # no warm-up; constant
