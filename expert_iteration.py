@@ -40,8 +40,7 @@ import torch
 import torch.distributed as dist
 
 import task
-from kernels import logprobs
-from model import masked_mean
+from model import masked_mean, token_logprobs
 from plumbing import RM_PATH, SFT_PATH, TEMPERATURE, Float, Int, Run, add_run_flags, parser
 from tasks import arithmetic
 
@@ -250,9 +249,8 @@ def main(args):
             optimizer.zero_grad(set_to_none=True)
             loss = 0.0
             for rows in run.micro_batches(len(tokens), train_policy):
-                with run.autocast:
-                    logits = train_policy(tokens[rows, :-1], attn[rows, :-1])       # (b, T-1, V)
-                logp = logprobs(logits, tokens[rows, 1:])                            # (b, T-1) log pi(y_t | x, y_<t)
+                with run.autocast:                                                   # (b, T-1) log pi(y_t | x, y_<t)
+                    logp = token_logprobs(train_policy, tokens[rows, :-1], attn[rows, :-1], tokens[rows, 1:])
                 part = -masked_mean(logp, loss_mask[rows], n_tokens)                 # its share of the mean NLL
                 run.check_finite(part, f"lower --lr (now {args.lr})")
                 part.backward()

@@ -37,7 +37,8 @@ import random
 import torch
 
 import task
-from kernels import kl, logprobs
+from kernels import kl
+from model import token_logprobs
 from plumbing import SFT_PATH, Float, Int, Run, add_run_flags, parser
 
 
@@ -67,9 +68,9 @@ def ipo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, tau=0.1):
 def pair_logprobs(model, pairs, tok, device, autocast, average=False):
     """(chosen (B,), rejected (B,)) sequence log-probs log pi(y|x) of the pairs under `model`."""
     tokens, attn, mask = task.pair_batch(pairs, tok, device)                  # (2B, T), (2B, T), (2B, T-1)
-    with autocast:
-        logits = model(tokens[:, :-1], attn[:, :-1])                         # (2B, T-1, V)
-    logp = sequence_logprobs(logprobs(logits, tokens[:, 1:]), mask, average)  # (2B,)
+    with autocast:                                                           # (2B, T-1) token log-probs
+        logp = token_logprobs(model, tokens[:, :-1], attn[:, :-1], tokens[:, 1:])
+    logp = sequence_logprobs(logp, mask, average)                            # (2B,)
     return logp[:len(pairs)], logp[len(pairs):]
 
 

@@ -19,18 +19,15 @@ Design choices (each one a deliberate simplification, stated so you can change i
   <|endoftext|> and <|pad|>) so everything works offline; a named tiktoken encoding such as "gpt2"
   works where tiktoken can load it, with <|pad|> appended.
 - Precision: the logits are float32, always. On a GPU the scripts run the model under bfloat16
-  autocast, but the LM head (the final projection, `GPT.logits`) runs outside it, on the hidden
-  states in float32, and everything after it (log-softmax, log-probs, sampling) sees float32
-  logits. Rounded to bfloat16, a logit near 20 moves in steps of 0.125, and which way it rounds can
-  depend on the shape of the batch it was computed in (the matmuls pick their kernels by shape), so
-  the log-probs of the same tokens, scored once for the whole batch at sampling time and again in
-  micro-batches for the update, would disagree with no weight change: a PPO/GRPO ratio that is not 1
-  at the first update (verl-project/verl#6280 measured up to 60 % of tokens outside a [0.9, 1.1]
-  band in bfloat16 and none in float32; MiniMax 2025, arXiv 2506.13585, section 4, made the same
-  fix, an FP32 LM head, for their training and inference probabilities). The transformer body stays
-  in bfloat16 (its residual stream is float32 already: autocast only rounds the matmuls).
-  Cost, on a GPU only: B*T*V*2 bytes more for the logits (5 GiB at 16384 positions and V = 151936,
-  as much again for their gradient) and a float32 head matmul; on a CPU everything is float32 already.
+  autocast, but the LM head (`GPT.logits`) runs outside it, on float32 hidden states. A bfloat16
+  logit near 20 moves in steps of 0.125 and may round either way depending on the batch shape it
+  was computed in, so sampling-time and training-time log-probs of the same tokens would disagree
+  with no weight change: a PPO/GRPO ratio that is not 1 at the first update (verl-project/verl#6280;
+  MiniMax 2025, arXiv 2506.13585, section 4, made the same fix). Cost, on a GPU only: B*T*V*2 bytes
+  more for the logits and a float32 head matmul.
+- Large vocabularies: `token_logprobs` goes from hidden states to log-probs through
+  kernels.linear_logprobs and never holds the [B, T, V] logits (above FUSED_VOCAB tokens);
+  `grad_checkpoint` recomputes each block's activations in backward (the scripts' --grad_checkpoint).
 - Sampling: `generate` keeps a KV cache, so each new token costs one position's work, not the
   whole sequence's. With compile=True the per-token step (`GPT.decode_step`) has shapes that never
   change (a preallocated cache, the new key and value written at a slot given as a tensor,
@@ -50,10 +47,14 @@ from dataclasses import asdict, dataclass, fields
 import tiktoken
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 import torch.nn.functional as F
+
+from kernels import linear_logprobs, logprobs
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
+FUSED_VOCAB = 8192   # completion_logprobs fuses the LM head and the log-softmax above this vocabulary size
 
 
 # -----------------------------------------------------------------------------
@@ -319,6 +320,7 @@ class GPT(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
         # generate(compile=True)'s caches, one per (rows, slots, dtype, device): see static_cache
         self._static_caches = {}
+        self.grad_checkpoint = False  # --grad_checkpoint: recompute each block's activations in backward
 
     @staticmethod
     def _init_weights(module):
@@ -360,8 +362,12 @@ class GPT(nn.Module):
         attn_mask = (k_pos <= q_pos) & key_mask[:, None, :]        # (B, T, S): causal and not padding
         attn_mask = (attn_mask | (k_pos == q_pos))[:, None]        # (B, 1, T, S): padding queries see themselves
         x, rope = self.embed(idx, pos)                             # (B, T, C)
+        recompute = self.grad_checkpoint and cache is None and torch.is_grad_enabled()
         for i, block in enumerate(self.blocks):
-            x = block(x, attn_mask, cache, i, rope=rope)
+            if recompute:   # keep only each block's input; its activations are recomputed in backward
+                x = torch.utils.checkpoint.checkpoint(block, x, attn_mask, rope=rope, use_reentrant=False)
+            else:
+                x = block(x, attn_mask, cache, i, rope=rope)
         if cache is not None:
             cache.length += T
         return self.ln_f(x)
@@ -385,9 +391,16 @@ class GPT(nn.Module):
         with autocast_off(x.device.type):
             return F.linear(x.float(), self.lm_head.weight.float())
 
-    def forward(self, idx, mask=None, cache=None):
-        """Logits (B, T, V) float32: position t predicts token t + 1."""
-        return self.logits(self.hidden(idx, mask, cache))
+    def forward(self, idx, mask=None, cache=None, targets=None, temperature=1.0):
+        """Logits (B, T, V) float32: position t predicts token t + 1. With targets (B, Tn): instead, the float32
+        log-probs (B, Tn) of the targets at the last Tn positions, from the hidden states and the LM head's weight
+        through kernels.linear_logprobs, which never writes the logits (the fused path, for a large V)."""
+        h = self.hidden(idx, mask, cache)
+        if targets is None:
+            return self.logits(h)
+        with autocast_off(h.device.type):                          # float32, as self.logits
+            return linear_logprobs(h[:, h.size(1) - targets.size(1):].float(), self.lm_head.weight.float(), targets,
+                                   temperature)
 
     def decode_step(self, idx, cache, slot):
         """The sampler's per-token step with shapes that never change, for torch.compile (generate(compile=True)).
@@ -430,7 +443,7 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, prompt, prompt_mask, max_new_tokens, eos_id, pad_id=None, num_samples=1,
-                 temperature=1.0, top_k=None, generator=None, compile=None):
+                 temperature=1.0, top_k=None, generator=None, compile=None, return_logprobs=False):
         """Sample completions with a KV cache.
 
         prompt (B, Tp) left-padded token ids, prompt_mask (B, Tp) 1 on real tokens.
@@ -448,7 +461,9 @@ class GPT(nn.Module):
         sample in eval mode.
         Returns tokens (B*G, Tn) with pad_id after each EOS, mask (B*G, Tn) float (1.0 on tokens
         through the first EOS, 0 after), and truncated (B*G,) bool (no EOS within max_new_tokens).
-        Tn <= max_new_tokens: sampling stops once every row has ended.
+        Tn <= max_new_tokens: sampling stops once every row has ended. return_logprobs=True (temperature > 0) also
+        returns the sampler's own log-probs of the sampled tokens (B*G, Tn) float32, log softmax(logits / T)
+        [token] as this loop computed it (0 after EOS): the behaviour policy's, as an inference engine reports it.
         """
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens = {max_new_tokens}; it must be at least 1")
@@ -470,6 +485,7 @@ class GPT(nn.Module):
         logits = self(idx, idx_mask, cache)[:, -1, :]                   # (N, V) predicts the first new token
         tokens = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=idx.device)
         mask = torch.zeros(N, max_new_tokens, device=idx.device)
+        sampled_logp = torch.zeros(N, max_new_tokens, device=idx.device)
         done = torch.zeros(N, dtype=torch.bool, device=idx.device)
         for t in range(max_new_tokens):
             if temperature == 0:
@@ -480,6 +496,9 @@ class GPT(nn.Module):
                     kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
                     logits = logits.masked_fill(logits < kth, float("-inf"))
                 nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator).squeeze(1)
+                if return_logprobs:
+                    step_logp = F.log_softmax(logits, dim=-1).gather(1, nxt[:, None]).squeeze(1)   # (N,)
+                    sampled_logp[:, t] = torch.where(done, 0.0, step_logp)
             tokens[:, t] = torch.where(done, pad_id, nxt)
             mask[:, t] = (~done).float()
             done = done | (nxt == eos_id)
@@ -496,6 +515,8 @@ class GPT(nn.Module):
                 slot = slot + 1
             else:
                 logits = self(tokens[:, t:t + 1], torch.ones(N, 1, device=idx.device), cache)[:, -1, :]
+        if return_logprobs:
+            return tokens[:, :t + 1], mask[:, :t + 1], ~done, sampled_logp[:, :t + 1]
         return tokens[:, :t + 1], mask[:, :t + 1], ~done
 
 
@@ -576,6 +597,25 @@ def completion_logits(model, prompt, prompt_mask, tokens, mask):
     idx = torch.cat([prompt, tokens], dim=1)                           # (B, Tp+Tn)
     attn = torch.cat([prompt_mask, mask], dim=1)
     return model(idx[:, :-1], attn[:, :-1])[:, prompt.size(1) - 1:]    # (B, Tn, V)
+
+
+def token_logprobs(model, idx, mask, targets, temperature=1.0, fused=None):
+    """log pi(targets) (B, Tn) float32 at `temperature`, read at the last Tn positions of model(idx, mask): as
+    logprobs(model(idx, mask)[:, -Tn:], targets). fused (default: a vocabulary above FUSED_VOCAB) takes the LM head
+    and the log-softmax in one kernel and never holds the (B, Tn, V) logits: what lets a real checkpoint's
+    V = 151936 train (README: A real model on one GPU)."""
+    config = getattr(model, "module", model).config                   # through DistributedDataParallel too
+    if config.vocab_size > FUSED_VOCAB if fused is None else fused:
+        return model(idx, mask, targets=targets, temperature=temperature)
+    return logprobs(model(idx, mask)[:, idx.size(1) - targets.size(1):], targets, temperature)
+
+
+def completion_logprobs(model, prompt, prompt_mask, tokens, mask, temperature=1.0, fused=None):
+    """log pi(token_t | prompt, tokens_<t) (B, Tn) float32: token_logprobs of the completion (completion_logits'
+    positions)."""
+    idx = torch.cat([prompt, tokens], dim=1)                           # (B, Tp+Tn)
+    attn = torch.cat([prompt_mask, mask], dim=1)
+    return token_logprobs(model, idx[:, :-1], attn[:, :-1], tokens, temperature, fused)   # (B, Tn)
 
 
 def left_pad(seqs, pad_id, device="cpu"):

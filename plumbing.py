@@ -123,6 +123,9 @@ def add_run_flags(parser, script, log_every, eval_every):
     group.add_argument("--compile", action="store_true",
                        help="sample through a compiled decode step (model.GPT.generate(compile=True); CUDA graphs on a "
                             "GPU): the same tokens, faster once compiled")
+    group.add_argument("--grad_checkpoint", action="store_true",
+                       help="recompute each transformer block's activations in backward (less memory, ~30%% more "
+                            "compute; for real checkpoints)")
     add_task_flags(parser)
     return group
 
@@ -331,13 +334,17 @@ class Run:
         run.finish(policy, tok, optimizer)
     """
 
-    def __init__(self, script, args, name=None, batch_flag=None):
+    def __init__(self, script, args, name=None, batch_flag=None, solo=False):
         """script: the file's name without .py; name: the stem of the checkpoint, log and lock files (default: script);
-        batch_flag: the flag whose count is shared among ranks and micro-batches (checked to divide evenly)."""
+        batch_flag: the flag whose count is shared among ranks and micro-batches (checked to divide evenly);
+        solo: this process alone trains, whatever the process group (async_grpo.py's learner: its sums, shares and
+        checkpoints are its own, and the script owns the group)."""
         self.script, self.args, name = script, args, name or script
         self.total_steps = args.steps
         # torchrun sets WORLD_SIZE, RANK and LOCAL_RANK; a plain `python script.py` is one process of rank 0
         self.world, self.rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+        if solo:
+            self.world, self.rank = 1, 0
         self.is_main = self.rank == 0
         if batch_flag is not None:
             n, k = getattr(args, batch_flag), getattr(args, "grad_accum", 1)
@@ -425,6 +432,7 @@ class Run:
     def load(self, path, kind="gpt", expect=None):
         """load_model on this run's device, remembering what was loaded (resume checks it). Returns (model, tok)."""
         model, tok, ckpt = load_model(path, self.device, kind, expect)
+        getattr(model, "backbone", model).grad_checkpoint = getattr(self.args, "grad_checkpoint", False)  # GPT.hidden
         self.sources[os.path.abspath(path)] = fingerprint(model)
         self.tokenizer_name = self.tokenizer_name or ckpt["tokenizer"]
         return model, tok

@@ -34,7 +34,7 @@ import torch
 
 import task
 from kernels import entropy, kl, kl_penalty, logprobs
-from model import completion_logits
+from model import completion_logits, completion_logprobs
 from plumbing import SFT_PATH, TEMPERATURE, Float, Int, Run, add_run_flags, parser
 
 
@@ -171,9 +171,9 @@ def main(args):
         optimizer.zero_grad(set_to_none=True)
         loss, stats = 0.0, {}
         for rows in run.micro_batches(len(mask), train_policy):
-            with run.autocast:
-                logits = completion_logits(train_policy, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
-            logp = logprobs(logits, tokens[rows], temp)                            # (b, Tn) log pi_theta
+            with run.autocast:                                                     # (b, Tn) log pi_theta
+                logp = completion_logprobs(train_policy, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows],
+                                           temp)
             part, part_stats = reinforce_loss(logp, advantages[rows], mask[rows], num_seqs=n_seqs)
             run.check_finite(part, f"lower --lr (now {args.lr})")
             part.backward()

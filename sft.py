@@ -20,8 +20,7 @@ Metrics: one JSON object per log step in out/sft/metrics.jsonl.
 import torch
 
 import task
-from kernels import logprobs
-from model import GPT, GPTConfig, Tokenizer, masked_mean
+from model import GPT, GPTConfig, Tokenizer, masked_mean, token_logprobs
 from plumbing import Float, Int, Run, add_run_flags, lr_schedule, parser
 
 
@@ -75,6 +74,7 @@ def main(args):
                              f"--block_size >= {longest + budget}")
         model = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
                               n_head=args.n_head, n_embd=args.n_embd)).to(run.device)
+    model.grad_checkpoint = args.grad_checkpoint
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     run.resume(model, optimizer)
     train_model = run.ddp(model)                    # DistributedDataParallel under torchrun, else the model itself
@@ -98,9 +98,8 @@ def main(args):
         optimizer.zero_grad(set_to_none=True)
         loss = 0.0
         for rows in run.micro_batches(len(tokens), train_model):
-            with run.autocast:
-                logits = train_model(tokens[rows, :-1], attn[rows, :-1])    # (b, T-1, V)
-            logp = logprobs(logits, tokens[rows, 1:])                        # (b, T-1) float32: log pi(y_t | .)
+            with run.autocast:                                               # (b, T-1) float32: log pi(y_t | .)
+                logp = token_logprobs(train_model, tokens[rows, :-1], attn[rows, :-1], tokens[rows, 1:])
             part = -masked_mean(logp, loss_mask[rows], n_tokens)             # this part's share of the mean NLL
             run.check_finite(part, f"lower --lr (now {args.lr})")
             part.backward()

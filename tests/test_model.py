@@ -395,3 +395,75 @@ def test_vocabulary_mismatch_is_a_clear_error(tmp_path):
     save_checkpoint(path, GPT(GPTConfig(vocab_size=100, n_layer=1, n_head=1, n_embd=16)), "bytes")
     with pytest.raises(CheckpointError, match="vocabulary mismatch"):
         load_checkpoint(path, tokenizer=Tokenizer())
+
+
+# -----------------------------------------------------------------------------
+# The fused log-prob path (a large vocabulary) and gradient checkpointing
+
+def test_the_fused_path_gives_the_log_probs_and_gradients_of_the_logits_path():
+    """completion_logprobs with fused=True (LM head and log-softmax in kernels.linear_logprobs) against the float64
+    log-softmax of the model's own logits, on a left-padded batch at temperature 0.7: the values, and the gradient
+    of every parameter through a loss that weights each token differently."""
+    from model import completion_logprobs
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=9001, n_layer=2, n_head=2, n_embd=32))   # an odd V above FUSED_VOCAB
+    prompt = torch.randint(0, 9001, (3, 5))
+    prompt_mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1]], dtype=torch.float)
+    tokens = torch.randint(0, 9001, (3, 4))
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.float)
+    weights = torch.randn(3, 4)
+
+    def grads(logp):
+        model.zero_grad()
+        (torch.where(mask > 0, logp, 0.0) * weights).sum().backward()
+        return {k: p.grad.clone() for k, p in model.named_parameters()}
+
+    logits = completion_logits(model, prompt, prompt_mask, tokens, mask).double() / 0.7
+    reference = torch.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0]        # (B, Tn) float64
+    expected = grads(reference)
+    fused = completion_logprobs(model, prompt, prompt_mask, tokens, mask, 0.7, fused=True)
+    assert fused.dtype == torch.float32
+    torch.testing.assert_close(fused.double()[mask > 0], reference[mask > 0], rtol=0, atol=2e-5)
+    for k, g in grads(fused).items():
+        scale = expected[k].abs().max().item()                  # float32 rounding of sums over 9001 logits
+        torch.testing.assert_close(g, expected[k], rtol=1e-4, atol=2e-6 * scale, msg=lambda m: f"{k}: {m}")
+    unfused = completion_logprobs(model, prompt, prompt_mask, tokens, mask, 0.7, fused=False)
+    torch.testing.assert_close(unfused, fused, rtol=0, atol=2e-5)
+
+
+def test_the_fused_path_is_the_default_above_fused_vocab_only(monkeypatch):
+    """Below FUSED_VOCAB the scripts' log-probs come from the logits (every default run bit-identical); above it,
+    from the fused kernel: which one ran is seen by making the other raise."""
+    import model as model_module
+    calls = []
+    monkeypatch.setattr(model_module, "linear_logprobs", lambda *a: calls.append("fused") or torch.zeros(1, 2))
+    small = GPT(GPTConfig(vocab_size=258, n_layer=1, n_head=2, n_embd=16))
+    large = GPT(GPTConfig(vocab_size=model_module.FUSED_VOCAB + 1, n_layer=1, n_head=2, n_embd=16))
+    idx, mask = torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 3)
+    out = model_module.token_logprobs(small, idx, mask, idx[:, 1:])
+    assert calls == [] and out.shape == (1, 2) and torch.isfinite(out).all()
+    model_module.token_logprobs(large, idx, mask, idx[:, 1:])
+    assert calls == ["fused"]
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    """grad_checkpoint recomputes each block in backward: the same loss and gradients (rotary positions, grouped
+    heads and dropout included: the recomputation replays the dropout masks), within float32 rounding."""
+    config = GPTConfig(vocab_size=101, n_layer=3, n_head=4, n_kv_head=2, n_embd=32, pos="rope", norm="rmsnorm",
+                       mlp="swiglu", dropout=0.1)
+    idx = torch.randint(0, 101, (2, 9))
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1], [1] * 9], dtype=torch.float)
+    results = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = GPT(config).train()
+        model.grad_checkpoint = checkpointing
+        torch.manual_seed(1)                                   # the same dropout masks in both runs
+        loss = (model(idx, mask).log_softmax(-1)[..., 0] * mask).sum()
+        loss.backward()
+        results.append((loss.detach(), {k: p.grad for k, p in model.named_parameters()}))
+    (loss0, g0), (loss1, g1) = results
+    torch.testing.assert_close(loss1, loss0)
+    assert any(g.abs().max() > 0 for g in g0.values())
+    for k in g0:
+        torch.testing.assert_close(g1[k], g0[k], rtol=1e-5, atol=1e-7, msg=k)

@@ -1,0 +1,152 @@
+"""
+Peak memory of one GRPO update at a real checkpoint's shapes (Qwen2.5-0.5B by default, random weights), with and
+without the fused log-prob path and gradient checkpointing: what --grad_checkpoint and model.token_logprobs buy.
+
+    python bench/memory.py                          # CPU: 4 configurations, a fresh process each (~10 min, 2 cores)
+    python bench/memory.py --device cuda --rows 32 --completion_len 1024 --grad_accum 4    # a GPU (bench/gpu.py)
+
+One update is grpo.py's steps 2 and 4 on one batch of random tokens (sampling is not measured). Step 2 scores
+without gradient, per micro-batch, as grpo.py does: the policy's and the reference's logits, the old and reference
+log-probs from them, the exact KL and the entropy (the same whatever the path). Step 4, per micro-batch: the policy's
+log-probs with gradient (model.completion_logprobs, through the logits or fused), grpo_loss, backward; then AdamW's
+step. Each phase's peak is measured on its own: on CUDA torch.cuda.max_memory_allocated, on the CPU the process's
+peak resident memory (VmHWM, reset between phases through /proc/self/clear_refs). "State" is the memory in use before
+the update: both models' weights and AdamW's two moments, which no path changes.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from grpo import grpo_advantages, grpo_loss  # noqa: E402
+from kernels import entropy, kl, logprobs  # noqa: E402
+from model import GPT, GPTConfig, completion_logits, completion_logprobs  # noqa: E402
+
+SHAPES = {   # config.json of each family's checkpoint, as model.pretrained_config reads it
+    "qwen2.5-0.5b": dict(vocab_size=151936, block_size=32768, n_layer=24, n_head=14, n_kv_head=2, n_embd=896,
+                         mlp_hidden=4864, norm="rmsnorm", norm_eps=1e-6, pos="rope", rope_theta=1e6, mlp="swiglu",
+                         bias=False, qkv_bias=True, tie_embeddings=True),
+    "gpt2": dict(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768, gelu="tanh"),
+}
+CONFIGS = [("logits", False), ("logits", True), ("fused", False), ("fused", True)]   # (log-prob path, checkpointing)
+
+
+def peak_reset(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        with open("/proc/self/clear_refs", "w") as f:   # Linux: VmHWM restarts from the current resident memory
+            f.write("5")
+
+
+def peak_gib(device, now=False):
+    """The peak since peak_reset (now=True: the current use), GiB."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        return (torch.cuda.memory_allocated() if now else torch.cuda.max_memory_allocated()) / 2**30
+    with open("/proc/self/status") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS" if now else "VmHWM"))
+    return kib / 2**20
+
+
+def one_update(args, path, checkpointing):
+    """Steps 2 and 4 of grpo.py on one batch: {phase: peak GiB} and the seconds each took."""
+    torch.manual_seed(0)
+    config = GPTConfig(**SHAPES[args.shape])
+    policy = GPT(config).to(args.device)
+    ref = GPT(config).to(args.device).requires_grad_(False)
+    policy.grad_checkpoint = checkpointing
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
+    for p in policy.parameters():                      # AdamW's moments exist before the first step in a long run
+        optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                              "exp_avg_sq": torch.zeros_like(p)}
+    B, Tp, Tn, V = args.rows, args.prompt_len, args.completion_len, config.vocab_size
+    prompt, tokens = torch.randint(0, V, (B, Tp), device=args.device), torch.randint(0, V, (B, Tn), device=args.device)
+    prompt_mask, mask = torch.ones(B, Tp, device=args.device), torch.ones(B, Tn, device=args.device)
+    rewards = torch.randint(0, 2, (B,), device=args.device).float()
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.device == "cuda")
+    micro = [torch.arange(i, min(i + -(-B // args.grad_accum), B)) for i in range(0, B, -(-B // args.grad_accum))]
+    out = {"state": peak_gib(args.device, now=True)}
+
+    peak_reset(args.device)                            # 2. score without gradient, as grpo.py logs it
+    start = time.time()
+    old_logp, ref_logp = torch.zeros_like(mask), torch.zeros_like(mask)
+    for rows in micro:
+        a = (prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
+        with torch.no_grad(), autocast:
+            logits, ref_logits = completion_logits(policy, *a), completion_logits(ref, *a)     # (b, Tn, V) each
+            old_logp[rows], ref_logp[rows] = logprobs(logits, tokens[rows]), logprobs(ref_logits, tokens[rows])
+            kl(logits, ref_logits).sum(), entropy(logits).sum()
+        del logits, ref_logits
+    out["score"], out["score_s"] = peak_gib(args.device), time.time() - start
+
+    peak_reset(args.device)                            # 4. the loss with gradient, then the optimiser's step
+    start = time.time()
+    advantages = grpo_advantages(rewards, args.group_size)
+    for rows in micro:
+        with autocast:
+            logp = completion_logprobs(policy, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows],
+                                       fused=path == "fused")                                   # (b, Tn)
+        loss, _ = grpo_loss(logp, old_logp[rows], ref_logp[rows], advantages[rows], mask[rows], num_seqs=B,
+                            num_tokens=mask.sum())
+        loss.backward()
+        del logp, loss
+    optimizer.step()
+    out["update"], out["update_s"] = peak_gib(args.device), time.time() - start
+    return out
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
+    p.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--rows", type=int, default=8, help="completions in the batch (P x G)")
+    p.add_argument("--group_size", type=int, default=4, help="G (divides --rows)")
+    p.add_argument("--prompt_len", type=int, default=64)
+    p.add_argument("--completion_len", type=int, default=192)
+    p.add_argument("--grad_accum", type=int, default=1, help="micro-batches of each phase")
+    p.add_argument("--config", default=None, help="internal: one configuration, 'path,checkpointing'")
+    args = p.parse_args(argv)
+    for name in ("rows", "group_size", "prompt_len", "completion_len", "grad_accum"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} {getattr(args, name)}; allowed: at least 1")
+    if args.rows % args.group_size:
+        p.error(f"--rows {args.rows} is not a multiple of --group_size {args.group_size}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: CUDA is not available here")
+    if args.device == "cpu" and not os.path.exists("/proc/self/clear_refs"):
+        p.error("--device cpu measures peak resident memory through /proc (Linux); use a Linux machine or CUDA")
+    return args
+
+
+def main(args):
+    if args.config:                                    # a child: one configuration, one JSON line
+        path, checkpointing = args.config.split(",")
+        print(json.dumps(one_update(args, path, checkpointing == "1")))
+        return
+    flags = sys.argv[1:]
+    print(f"one GRPO update at {args.shape}'s shapes, {args.rows} rows x ({args.prompt_len} + {args.completion_len}) "
+          f"tokens, {args.grad_accum} micro-batch(es), {args.device}, torch {torch.__version__}")
+    print("| log-prob path | --grad_checkpoint | state GiB | peak, scoring (step 2) GiB | peak, update (step 4) GiB "
+          "| update above state GiB | update s |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for path, checkpointing in CONFIGS:
+        child = subprocess.run([sys.executable, __file__, *flags, "--config", f"{path},{int(checkpointing)}"],
+                               capture_output=True, text=True)
+        if child.returncode != 0:
+            print(f"| {path} | {checkpointing} | failed: {child.stderr.strip().splitlines()[-1]} | | | | |")
+            continue
+        r = json.loads(child.stdout.strip().splitlines()[-1])
+        print(f"| {path} | {'on' if checkpointing else 'off'} | {r['state']:.2f} | {r['score']:.2f} | "
+              f"{r['update']:.2f} | {r['update'] - r['state']:.2f} | {r['update_s']:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main(parse_args())
