@@ -242,21 +242,24 @@ class Rollout(NamedTuple):
 
 @torch.no_grad()
 def rollout(policy, tokenizer, prompts, group_size, temperature, max_new_tokens=None, format_weight=0.0,
-            generator=None):
+            generator=None, return_logprobs=False):
     """The rollout of the RL scripts: group_size completions per prompt at `temperature` (the full softmax, no
-    top-k), scored by the verifier, a prompt's samples on consecutive rows; a Rollout on the policy's device."""
+    top-k), scored by the verifier, a prompt's samples on consecutive rows; a Rollout on the policy's device.
+    return_logprobs: (Rollout, the sampler's log-probs of the sampled tokens (P*G, Tn)), see GPT.generate."""
     device = next(policy.parameters()).device
     max_new_tokens = max_new_tokens or default_max_new_tokens()
     prompt, prompt_mask = tokenizer.encode_batch(prompts, device)                     # (P, Tp)
-    tokens, mask, truncated = policy.generate(prompt, prompt_mask, max_new_tokens, tokenizer.eos_id, tokenizer.pad_id,
-                                              num_samples=group_size, temperature=temperature, generator=generator)
+    tokens, mask, truncated, *logp = policy.generate(prompt, prompt_mask, max_new_tokens, tokenizer.eos_id,
+                                                     tokenizer.pad_id, num_samples=group_size, temperature=temperature,
+                                                     generator=generator, return_logprobs=return_logprobs)
     completions = tokenizer.decode_completions(tokens, mask)
     G = group_size
     rewards = torch.tensor([reward(prompts[i // G], c, format_weight) for i, c in enumerate(completions)],
                            device=device)                                             # (P*G,)
     correct = torch.tensor([reward(prompts[i // G], c) == 1.0 for i, c in enumerate(completions)], device=device)
-    return Rollout(prompt.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0), tokens, mask, truncated,
-                   rewards, correct)
+    batch = Rollout(prompt.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0), tokens, mask, truncated,
+                    rewards, correct)
+    return (batch, logp[0]) if return_logprobs else batch
 
 
 def concat_rollouts(batches, pad_id):
