@@ -119,7 +119,7 @@ def parse_args(argv=None):
                    help="the most weight versions a group's sampler may be behind the step that trains on it")
     g.add_argument("--sync_every", type=Int(ge=1), default=1, help="publish the weights every this many steps")
     g.add_argument("--threads", type=Int(ge=1), default=None,
-                   help="torch threads per process (default: the CPU's cores over K + 1, at least 1)")
+                   help="torch threads per process (default: OMP_NUM_THREADS, else the CPU's cores over K + 1)")
     g = p.add_argument_group("sampling")
     g.add_argument("--steps", type=Int(ge=1), default=50, help="learner steps (P groups each)")
     g.add_argument("--prompts_per_step", type=Int(ge=1), default=32, help="P: groups per learner step")
@@ -434,7 +434,8 @@ def free_port():
 
 
 def main(args):
-    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // (args.actors + 1)))
+    omp, per_process = os.environ.get("OMP_NUM_THREADS", ""), max(1, (os.cpu_count() or 1) // (args.actors + 1))
+    torch.set_num_threads(args.threads or (int(omp) if omp.isdigit() else per_process))
     procs = []
     if "RANK" not in os.environ:                    # a plain `python async_grpo.py`: this process is the learner
         env = {**os.environ, "WORLD_SIZE": str(args.actors + 1), "MASTER_ADDR": "127.0.0.1",

@@ -53,16 +53,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 NOT_ALGORITHMS = {"prm", "search"}       # start from the SFT policy but are test-time tools, with outputs of their own
-ORDER = ["sft", "reward_model", "grpo", "rloo", "reinforce", "trpo", "ppo", "expert_iteration", "dpo", "ipo"]
+ORDER = ["sft", "reward_model", "grpo", "async_grpo", "rloo", "reinforce", "trpo", "ppo", "expert_iteration", "dpo",
+         "ipo", "online_dpo", "kto", "simpo", "orpo"]
 LABELS = {"sft": "SFT", "reward_model": "Reward model", "grpo": "GRPO", "rloo": "RLOO", "reinforce": "REINFORCE++",
           "trpo": "TRPO", "ppo": "PPO (reward model)", "expert_iteration": "Expert iteration", "dpo": "DPO",
-          "ipo": "IPO"}
+          "ipo": "IPO", "async_grpo": "Async GRPO (1 actor)", "online_dpo": "Online DPO", "kto": "KTO",
+          "simpo": "SimPO", "orpo": "ORPO"}
 FILES = {"reward_model": "rm"}           # the stem of a script's checkpoint and log, where it is not the script's name
 # --quick: tiny settings. The run flags every script has (plumbing.add_run_flags), then flags passed to the scripts that
 # declare them; the SFT policy is tiny too.
 QUICK_RUN = ["--eval_n", "32", "--eval_every", "2", "--log_every", "2"]
 QUICK = {"--steps": "4", "--rounds": "2", "--epochs": "1", "--n_train": "128", "--n_pairs": "128",
-         "--prompts_per_step": "8", "--prompts_per_round": "16"}
+         "--prompts_per_step": "8", "--prompts_per_round": "16", "--n_examples": "128"}
 QUICK_SFT = ["--steps", "200", "--n_layer", "2", "--n_head", "2", "--n_embd", "64", "--lr", "3e-3",
              "--batch_size", "32",
              "--eval_n", "32", "--eval_every", "100", "--log_every", "50"]
