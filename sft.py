@@ -41,7 +41,8 @@ def parse_args(argv=None):
     g.add_argument("--n_embd", type=Int(ge=1), default=128, help="model width (a multiple of --n_head)")
     g.add_argument("--tokenizer", default="bytes", help="'bytes' (built in, offline) or a tiktoken encoding name")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--steps", type=Int(ge=1), default=1500, help="optimisation steps")
+    g.add_argument("--steps", type=Int(ge=1), default=None,
+                   help="optimisation steps (default 1500; 4000 for --task countdown, slower to fit)")
     g.add_argument("--batch_size", type=Int(ge=1), default=64, help="demonstrations per step")
     g.add_argument("--lr", type=Float(gt=0), default=2e-3, help="peak AdamW learning rate")
     g.add_argument("--warmup", type=Int(ge=0), default=50, help="linear warm-up steps, then cosine decay to lr/10")
@@ -51,6 +52,8 @@ def parse_args(argv=None):
     g.add_argument("--init", default=None, help="fine-tune this checkpoint or Hugging Face folder (GPT-2, Llama, "
                    "Qwen2) instead of a new model (the model flags are then the checkpoint's)")
     args = p.parse_args(argv)
+    if args.steps is None:   # countdown at 1500 steps: held-out 0.35, its arithmetic half learned; at 4000: 0.45
+        args.steps = 4000 if args.task == "countdown" else 1500
     if args.n_embd % args.n_head:
         p.error(f"--n_embd {args.n_embd} must be a multiple of --n_head {args.n_head}")
     return args

@@ -4,7 +4,7 @@ benchmark, every training script's default command, the sampler benchmark and th
 agreement, written up in results/gpu.md with the device, the versions and every command.
 
     python bench/gpu.py                     # everything; writes results/gpu.md (re-run: finished steps are skipped)
-    python bench/gpu.py --only tests,ratio  # some steps: tests, kernels, sampler, scripts, ratio, or a script's name
+    python bench/gpu.py --only tests,ratio  # some steps: tests, kernels, sampler, scripts, ratio, memory, a script
     python bench/gpu.py --fresh             # forget what is recorded and run everything again
     python bench/gpu.py --measure_ratio     # step 5 alone, printed (what step 5 runs)
 
@@ -29,6 +29,9 @@ Without CUDA it refuses with one line. Steps, in this order:
    (the first update, weights unchanged: lr = 0), under the same bfloat16 autocast. Reported: the share of
    completion tokens with |exp(logp_micro - logp_full) - 1| > 1e-3, with the float32 LM head (model.py's
    docstring, Precision), with a bfloat16 head for contrast, and with no autocast at all.
+6. memory: `python bench/memory.py --device cuda`: peak memory of one GRPO update at Qwen2.5-0.5B's shapes (random
+   weights), through the logits or the fused kernel, with and without --grad_checkpoint; at the CPU's batch and at
+   the README recipe's (32 rows of 256 + 1024 tokens, 4 micro-batches).
 Each finished step is recorded in out/gpu/steps.json (its command, wall time and output; full logs in
 out/gpu/logs/) and results/gpu.md is rewritten from the records after every step, so an interrupted run
 keeps what it measured and a re-run continues where it stopped (a script cut off mid-run starts again).
@@ -54,7 +57,7 @@ import task  # noqa: E402
 from kernels import logprobs  # noqa: E402
 from model import completion_logits  # noqa: E402
 
-GROUPS = ["tests", "kernels", "sampler", "scripts", "ratio"]
+GROUPS = ["tests", "kernels", "sampler", "scripts", "ratio", "memory"]
 FIRST = ["sft", "reward_model", "prm"]   # prerequisites: the SFT policy, PPO's reward model, search's verifiers
 LAST = ["search"]                          # test-time search reads the checkpoints the others write
 TOL = 1e-3                                 # |ratio - 1| above this counts as off
@@ -218,6 +221,10 @@ def steps(args):
     out.append(("ratio", "ratio", "Sampler/trainer agreement at the first update",
                 [py, "bench/gpu.py", "--measure_ratio", "--out", args.out, "--ratio_batches",
                  str(args.ratio_batches)], ROOT))
+    for name, flags in (("memory", []), ("memory:recipe", ["--rows", "32", "--completion_len", "1024",
+                                                           "--prompt_len", "256", "--grad_accum", "4"])):
+        out.append((name, "memory", f"Peak memory of one GRPO update at Qwen2.5-0.5B's shapes {' '.join(flags)}",
+                    [py, "bench/memory.py", "--device", "cuda", *flags], ROOT))
     return out
 
 

@@ -2,15 +2,16 @@
 Peak memory of one GRPO update at a real checkpoint's shapes (Qwen2.5-0.5B by default, random weights), with and
 without the fused log-prob path and gradient checkpointing: what --grad_checkpoint and model.token_logprobs buy.
 
-    python bench/memory.py                          # CPU: 4 configurations, a fresh process each (~10 min, 2 cores)
+    python bench/memory.py                          # CPU: 5 processes (~20 min on 2 cores)
     python bench/memory.py --device cuda --rows 32 --completion_len 1024 --grad_accum 4    # a GPU (bench/gpu.py)
 
 One update is grpo.py's steps 2 and 4 on one batch of random tokens (sampling is not measured). Step 2 scores
 without gradient, per micro-batch, as grpo.py does: the policy's and the reference's logits, the old and reference
 log-probs from them, the exact KL and the entropy (the same whatever the path). Step 4, per micro-batch: the policy's
 log-probs with gradient (model.completion_logprobs, through the logits or fused), grpo_loss, backward; then AdamW's
-step. Each phase's peak is measured on its own: on CUDA torch.cuda.max_memory_allocated, on the CPU the process's
-peak resident memory (VmHWM, reset between phases through /proc/self/clear_refs). "State" is the memory in use before
+step. Each phase runs in a fresh process of its own (an allocator keeps what an earlier phase freed), and its peak is
+on CUDA torch.cuda.max_memory_allocated, on the CPU the peak resident memory (VmHWM, restarted through
+/proc/self/clear_refs once the models are built). "State" is the memory in use before
 the update: both models' weights and AdamW's two moments, which no path changes.
 """
 import argparse
@@ -56,8 +57,9 @@ def peak_gib(device, now=False):
     return kib / 2**20
 
 
-def one_update(args, path, checkpointing):
-    """Steps 2 and 4 of grpo.py on one batch: {phase: peak GiB} and the seconds each took."""
+def one_phase(args, phase, path, checkpointing):
+    """Step 2 ("score") or step 4 ("update") of grpo.py on one batch, alone in this process (an allocator keeps what
+    an earlier phase freed): {"state": GiB in use before it, phase: its peak GiB, phase + "_s": its seconds}."""
     torch.manual_seed(0)
     config = GPTConfig(**SHAPES[args.shape])
     policy = GPT(config).to(args.device)
@@ -73,34 +75,44 @@ def one_update(args, path, checkpointing):
     rewards = torch.randint(0, 2, (B,), device=args.device).float()
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.device == "cuda")
     micro = [torch.arange(i, min(i + -(-B // args.grad_accum), B)) for i in range(0, B, -(-B // args.grad_accum))]
+    old_logp, ref_logp = -torch.rand(B, Tn, device=args.device), -torch.rand(B, Tn, device=args.device)
     out = {"state": peak_gib(args.device, now=True)}
-
-    peak_reset(args.device)                            # 2. score without gradient, as grpo.py logs it
+    peak_reset(args.device)
     start = time.time()
-    old_logp, ref_logp = torch.zeros_like(mask), torch.zeros_like(mask)
+    if phase == "score":
+        score(policy, ref, prompt, prompt_mask, tokens, mask, micro, autocast)
+    else:
+        update(policy, optimizer, prompt, prompt_mask, tokens, mask, old_logp, ref_logp, rewards, micro, autocast,
+               path == "fused", args.group_size)
+    out[phase], out[phase + "_s"] = peak_gib(args.device), time.time() - start
+    return out
+
+
+def score(policy, ref, prompt, prompt_mask, tokens, mask, micro, autocast):
+    """grpo.py's step 2: without gradient, per micro-batch, both models' logits -> log-probs, exact KL, entropy."""
     for rows in micro:
         a = (prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
         with torch.no_grad(), autocast:
             logits, ref_logits = completion_logits(policy, *a), completion_logits(ref, *a)     # (b, Tn, V) each
-            old_logp[rows], ref_logp[rows] = logprobs(logits, tokens[rows]), logprobs(ref_logits, tokens[rows])
+            logprobs(logits, tokens[rows]), logprobs(ref_logits, tokens[rows])
             kl(logits, ref_logits).sum(), entropy(logits).sum()
         del logits, ref_logits
-    out["score"], out["score_s"] = peak_gib(args.device), time.time() - start
 
-    peak_reset(args.device)                            # 4. the loss with gradient, then the optimiser's step
-    start = time.time()
-    advantages = grpo_advantages(rewards, args.group_size)
+
+def update(policy, optimizer, prompt, prompt_mask, tokens, mask, old_logp, ref_logp, rewards, micro, autocast, fused,
+           group_size):
+    """grpo.py's step 4: per micro-batch the policy's log-probs with gradient, grpo_loss, backward; AdamW's step."""
+    advantages = grpo_advantages(rewards, group_size)
+    B = len(rewards)
     for rows in micro:
         with autocast:
             logp = completion_logprobs(policy, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows],
-                                       fused=path == "fused")                                   # (b, Tn)
+                                       fused=fused)                                             # (b, Tn)
         loss, _ = grpo_loss(logp, old_logp[rows], ref_logp[rows], advantages[rows], mask[rows], num_seqs=B,
                             num_tokens=mask.sum())
         loss.backward()
         del logp, loss
     optimizer.step()
-    out["update"], out["update_s"] = peak_gib(args.device), time.time() - start
-    return out
 
 
 def parse_args(argv=None):
@@ -112,7 +124,7 @@ def parse_args(argv=None):
     p.add_argument("--prompt_len", type=int, default=64)
     p.add_argument("--completion_len", type=int, default=192)
     p.add_argument("--grad_accum", type=int, default=1, help="micro-batches of each phase")
-    p.add_argument("--config", default=None, help="internal: one configuration, 'path,checkpointing'")
+    p.add_argument("--config", default=None, help="internal: one phase, 'phase,path,checkpointing'")
     args = p.parse_args(argv)
     for name in ("rows", "group_size", "prompt_len", "completion_len", "grad_accum"):
         if getattr(args, name) < 1:
@@ -126,26 +138,32 @@ def parse_args(argv=None):
     return args
 
 
+def child(flags, phase, path, checkpointing):
+    p = subprocess.run([sys.executable, __file__, *flags, "--config", f"{phase},{path},{int(checkpointing)}"],
+                       capture_output=True, text=True)
+    if p.returncode != 0:
+        raise SystemExit(f"error: the {phase} phase ({path}, checkpointing {checkpointing}) failed: "
+                         f"{(p.stderr.strip().splitlines() or ['?'])[-1]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
 def main(args):
-    if args.config:                                    # a child: one configuration, one JSON line
-        path, checkpointing = args.config.split(",")
-        print(json.dumps(one_update(args, path, checkpointing == "1")))
+    if args.config:                                    # a child: one phase, one JSON line
+        phase, path, checkpointing = args.config.split(",")
+        print(json.dumps(one_phase(args, phase, path, checkpointing == "1")))
         return
     flags = sys.argv[1:]
     print(f"one GRPO update at {args.shape}'s shapes, {args.rows} rows x ({args.prompt_len} + {args.completion_len}) "
           f"tokens, {args.grad_accum} micro-batch(es), {args.device}, torch {torch.__version__}")
-    print("| log-prob path | --grad_checkpoint | state GiB | peak, scoring (step 2) GiB | peak, update (step 4) GiB "
-          "| update above state GiB | update s |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    s = child(flags, "score", "logits", False)         # step 2 is the same whatever the path
+    print(f"state (weights of both models, AdamW's moments) {s['state']:.2f} GiB; scoring (step 2) peak "
+          f"{s['score']:.2f} GiB, {s['score'] - s['state']:.2f} above the state, {s['score_s']:.0f} s")
+    print("| log-prob path | --grad_checkpoint | update (step 4) peak GiB | above the state GiB | seconds |")
+    print("| --- | --- | ---: | ---: | ---: |")
     for path, checkpointing in CONFIGS:
-        child = subprocess.run([sys.executable, __file__, *flags, "--config", f"{path},{int(checkpointing)}"],
-                               capture_output=True, text=True)
-        if child.returncode != 0:
-            print(f"| {path} | {checkpointing} | failed: {child.stderr.strip().splitlines()[-1]} | | | | |")
-            continue
-        r = json.loads(child.stdout.strip().splitlines()[-1])
-        print(f"| {path} | {'on' if checkpointing else 'off'} | {r['state']:.2f} | {r['score']:.2f} | "
-              f"{r['update']:.2f} | {r['update'] - r['state']:.2f} | {r['update_s']:.0f} |", flush=True)
+        r = child(flags, "update", path, checkpointing)
+        print(f"| {path} | {'on' if checkpointing else 'off'} | {r['update']:.2f} | {r['update'] - r['state']:.2f} | "
+              f"{r['update_s']:.0f} |", flush=True)
 
 
 if __name__ == "__main__":
