@@ -1,4 +1,4 @@
-"""Run a training script's main() with fixed rollouts, for tests/test_distributed.py.
+"""Run a training script's main() with fixed rollouts, for tests/test_distributed.py and tests/test_updates.py.
 
     python tests/ddp_worker.py grpo --steps 1 ...                                  # one process
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/ddp_worker.py grpo --steps 1 ...
@@ -7,9 +7,24 @@ The script's sampler is replaced by one whose completions depend only on the pro
 group (a correct demonstration or the left-to-right mistake, padded to a fixed width), so that one process with a
 batch of P prompts, two processes with P/2 each, and one process with --grad_accum 2 see exactly the same rollouts:
 what the test then compares is the update alone. The optimiser is plain SGD with a large step (lr 0.1 in every
-parameter group): its update is -0.1 * gradient, far above the float32 rounding of the weights, so any difference in
-the gradient (a wrong normaliser) shows in the weights, where AdamW's first step, about -lr * sign(gradient), would
-hide it.
+parameter group; a script that sets the learning rate each step, for its warm-up or schedule, sets it here too, and
+AdamW's decoupled weight decay is SGD's, which for SGD is the same update): its update is -lr * gradient, far above
+the float32 rounding of the weights, so any difference in the gradient (a wrong normaliser) shows in the weights,
+where AdamW's first step, about -lr * sign(gradient), would hide it.
+
+Environment:
+    DDP_WORKER_INIT   a path: the starting weights of the model the first optimiser trains (trpo.py, which has none:
+                      of the policy), in model.parameters() order, for the test to subtract
+    DDP_WORKER_LOG    a path: what each step was fed, in order, for tests/test_updates.py to rebuild it (rank 0 only):
+                      a list of {"kind": ..., ...}: "rollout" (prompts, group_size), "ppo_rollout" (prompts),
+                      "complete" (prompts, n), "randperm" (perm: ppo.py's minibatch order), and the batches a loss saw
+                      (built with gradient enabled): "completion_batch" (prompts, completions), "pair_batch" (pairs);
+                      and each optimiser step, "step": its lr and gradients (after any clipping), per parameter group
+    DDP_WORKER_NAN_RANK   this rank's log-probs are NaN
+    DDP_WORKER_LR     the SGD learning rate in place of 0.1
+
+The script name "orm" runs prm.py --train orm (its checkpoint is orm.pt); a --steps flag goes to expert_iteration.py
+as --rounds and is dropped for prm.py and orm (their --epochs, --batch_size and data size set the steps).
 """
 import importlib
 import os
@@ -18,10 +33,20 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import plumbing  # noqa: E402
 import task  # noqa: E402
 from tasks import arithmetic  # noqa: E402
 
 WIDTH = arithmetic.MAX_NEW_TOKENS  # completions padded to a fixed width: the same tensors whatever the batch
+EVENTS = []
+
+
+def record(kind, **data):
+    """Append an event to $DDP_WORKER_LOG (rewritten whole: the file is complete however the run ends)."""
+    path = os.environ.get("DDP_WORKER_LOG")
+    if path and int(os.environ.get("RANK", 0)) == 0:
+        EVENTS.append({"kind": kind, **data})
+        torch.save(EVENTS, path)
 
 
 def fixed_completion(prompt, j):
@@ -41,6 +66,7 @@ def fixed_tokens(tokenizer, prompts, group_size, device):
 def fixed_rollout(policy, tokenizer, prompts, group_size, temperature, max_new_tokens=None, format_weight=0.0,
                   generator=None):
     """task.rollout's contract, with the fixed completions."""
+    record("rollout", prompts=list(prompts), group_size=group_size)
     device = next(policy.parameters()).device
     prompt, prompt_mask = tokenizer.encode_batch(prompts, device)
     tokens, mask, truncated = fixed_tokens(tokenizer, prompts, group_size, device)
@@ -54,34 +80,121 @@ def fixed_rollout(policy, tokenizer, prompts, group_size, temperature, max_new_t
                         rewards, correct)
 
 
+def fixed_complete(model, tokenizer, prompts, num_samples=1, temperature=0.0, max_new_tokens=None, batch_size=256,
+                   generator=None, return_ids=False):
+    """task.complete's contract, with the fixed completions (expert_iteration.py's and prm.py's samples)."""
+    record("complete", prompts=list(prompts), n=num_samples)
+    texts = [fixed_completion(p, j) for p in prompts for j in range(num_samples)]
+    return (texts, [tokenizer.encode(t) for t in texts]) if return_ids else texts
+
+
 def fixed_ppo_rollout(policy, tok, prompts, temperature, max_new_tokens, generator, device, autocast):
     """ppo.rollout's contract, with the fixed completions (one per prompt)."""
+    record("ppo_rollout", prompts=list(prompts))
     idx, idx_mask = tok.encode_batch(prompts, device)
     tokens, mask, truncated = fixed_tokens(tok, prompts, 1, device)
     return torch.cat([idx, tokens], 1), torch.cat([idx_mask, mask], 1), idx.size(1), tokens, mask, truncated
 
 
-def sgd(params, lr=None, **kwargs):
-    """SGD at lr 0.1 in place of AdamW; the first optimiser made (the policy's) records the starting weights, in
-    model.parameters() order, to $DDP_WORKER_INIT, for the test to subtract (sft.py starts from random weights)."""
-    params = [dict(g, params=list(g["params"])) if isinstance(g, dict) else g for g in params]
-    first = params[0]["params"] if isinstance(params[0], dict) else params      # the policy's (ppo.py: group 0)
+def recording_batches():
+    """task.completion_batch and task.pair_batch record what a loss is computed on (a call with gradient enabled;
+    scoring and evaluation run without); a pair batch is recorded as its pairs, not as the rows it builds."""
+    completion_batch, pair_batch = task.completion_batch, task.pair_batch
+    inside_pairs = []
+
+    def completion_batch_(prompts, completions, tokenizer, device="cpu"):
+        if torch.is_grad_enabled() and not inside_pairs:
+            record("completion_batch", prompts=list(prompts),
+                   completions=[c if isinstance(c, str) else list(c) for c in completions])
+        return completion_batch(prompts, completions, tokenizer, device)
+
+    def pair_batch_(pairs, tokenizer, device="cpu"):
+        if torch.is_grad_enabled():
+            record("pair_batch", pairs=[dict(p) for p in pairs])
+        inside_pairs.append(True)
+        try:
+            return pair_batch(pairs, tokenizer, device)
+        finally:
+            inside_pairs.pop()
+    task.completion_batch, task.pair_batch = completion_batch_, pair_batch_
+
+
+def recording_randperm():
+    randperm = torch.randperm
+
+    def randperm_(*args, **kwargs):
+        perm = randperm(*args, **kwargs)
+        record("randperm", perm=perm.cpu().clone())
+        return perm
+    torch.randperm = randperm_
+
+
+def save_init(params):
     path = os.environ.get("DDP_WORKER_INIT")
     if path and int(os.environ.get("RANK", 0)) == 0 and not os.path.exists(path):
-        torch.save([p.detach().cpu().clone() for p in first], path)
-    optimizer = torch.optim.SGD(params, lr=0.1)
+        torch.save([p.detach().cpu().clone() for p in params], path)
+
+
+class SGD(torch.optim.SGD):
+    """torch.optim.SGD that records each step's gradients (after any clipping) and learning rates to $DDP_WORKER_LOG,
+    one list per parameter group."""
+
+    def step(self, closure=None):
+        if os.environ.get("DDP_WORKER_LOG"):
+            record("step", lr=[g["lr"] for g in self.param_groups],
+                   grads=[[None if p.grad is None else p.grad.detach().cpu().clone() for p in g["params"]]
+                          for g in self.param_groups])
+        return super().step(closure)
+
+
+def sgd(params, lr=None, weight_decay=0.0, **kwargs):
+    """SGD at lr 0.1 ($DDP_WORKER_LR) in place of AdamW (the weight decay passed on: for SGD, AdamW's decoupled decay
+    is the same update); the first optimiser made (the policy's) records the starting weights, in model.parameters()
+    order, to $DDP_WORKER_INIT, for the test to subtract (sft.py starts from random weights)."""
+    params = [dict(g, params=list(g["params"])) if isinstance(g, dict) else g for g in params]
+    first = params[0]["params"] if isinstance(params[0], dict) else params      # the policy's (ppo.py: group 0)
+    save_init(first)
+    lr = float(os.environ.get("DDP_WORKER_LR", 0.1))
+    optimizer = SGD(params, lr=lr, weight_decay=weight_decay)
     for group in optimizer.param_groups:
-        group["lr"] = 0.1
+        group["lr"] = lr
     return optimizer
 
 
+def trpo_init():
+    """trpo.py has no optimiser: the starting weights are the first policy loaded."""
+    load_policy = plumbing.Run.load_policy
+
+    def load_policy_(self, path):
+        policy, tok = load_policy(self, path)
+        save_init(policy.parameters())
+        return policy, tok
+    plumbing.Run.load_policy = load_policy_
+
+
+def script_args(name, argv):
+    """(module name, its flags): the "orm" alias, and --steps where a script counts its steps otherwise."""
+    if name == "orm":
+        name, argv = "prm", argv + ["--train", "orm"]
+    if name in ("expert_iteration", "prm") and "--steps" in argv:
+        i = argv.index("--steps")
+        argv = argv[:i] + (["--rounds", argv[i + 1]] if name == "expert_iteration" else []) + argv[i + 2:]
+    return name, argv
+
+
 if __name__ == "__main__":
-    script = importlib.import_module(sys.argv[1])
+    name, argv = script_args(sys.argv[1], sys.argv[2:])
+    script = importlib.import_module(name)
     task.rollout = fixed_rollout
+    task.complete = fixed_complete
+    recording_batches()
     torch.optim.AdamW = sgd
-    if sys.argv[1] == "ppo":
+    if name == "ppo":
         script.rollout = fixed_ppo_rollout
+        recording_randperm()
+    if name == "trpo":
+        trpo_init()
     if os.environ.get("DDP_WORKER_NAN_RANK") == os.environ.get("RANK", "0"):    # this rank's log-probs are NaN
         logprobs = script.logprobs
         script.logprobs = lambda *a, **k: logprobs(*a, **k) * float("nan")
-    script.main(script.parse_args(sys.argv[2:]))
+    script.main(script.parse_args(argv))

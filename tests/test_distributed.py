@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from model import load_checkpoint
+from model import load_checkpoint, save_checkpoint
 
 WORKER = os.path.join(ROOT, "tests", "ddp_worker.py")
 
@@ -35,12 +35,12 @@ def launch(args, nproc, timeout=300, env=None):
 
 
 def update(script, flags, out, nproc=1, grad_accum=1):
-    """One update step of `script` on fixed rollouts, SGD in place of AdamW: (the change of every weight, the step's
-    logged metrics)."""
+    """One update step of `script` (or the case's own --steps, which comes after) on fixed rollouts, SGD in place of
+    AdamW: (the change of every weight, the last step's logged metrics)."""
     os.makedirs(out)
     start = os.path.join(out, "start.pt")            # the starting weights, recorded by the worker
     one_step = ["--epochs", "1"] if script == "reward_model" else ["--steps", "1"]   # reward_model: --n_train = batch
-    p = launch([WORKER, script, *flags, *one_step, "--log_every", "1", "--eval_every", "1", "--eval_n", "1",
+    p = launch([WORKER, script, *one_step, *flags, "--log_every", "1", "--eval_every", "1", "--eval_n", "1",
                 "--grad_accum", str(grad_accum), "--out", out], nproc, env={"DDP_WORKER_INIT": start})
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     name = "rm" if script == "reward_model" else script
@@ -77,20 +77,71 @@ CASES = {
     "ipo": ("ipo", ["--batch_size", "8", "--n_pairs", "64"], ["loss", "grad_norm", "reward_margin"]),
     "rloo": ("rloo", RL, ["loss", "grad_norm", "kl_exact", "reward_mean"]),
     "reward_model": ("reward_model", ["--batch_size", "8", "--n_train", "8"], ["loss", "grad_norm", "train_margin"]),
+    # SimPO: at its default lr (1e-5, warmed up over 20 steps) the update is below what float32 resolves
+    "simpo": ("simpo", ["--batch_size", "8", "--n_pairs", "64", "--lr", "0.1", "--warmup", "0"],
+              ["loss", "grad_norm", "reward_margin"]),
+    "orpo": ("orpo", ["--batch_size", "8", "--n_pairs", "64"], ["loss", "grad_norm", "reward_margin", "nll"]),
+    # KTO: two steps, the second from weights that have moved (lr 0.3), where the reference point z0, the mean
+    # log-ratio of the mismatched pairs (prompt k, completion k+1 of the whole step's batch), is not 0
+    "kto": ("kto", ["--batch_size", "8", "--n_examples", "64", "--steps", "2", "--lr", "0.3", "--warmup", "0"],
+            ["loss", "grad_norm", "kl_estimate", "z0", "desirable_reward"]),
+    # online DPO: three fixed samples per precedence prompt, one of them the left-to-right path (wrong, mostly)
+    "online_dpo": ("online_dpo", ["--batch_size", "8", "--group_size", "3", "--precedence_share", "1"],
+                   ["loss", "grad_norm", "reward_margin", "informative"]),
+    # distill: the teacher is tiny_sft with its weights moved (moved_teacher), so that every token's KL has a gradient
+    "distill exact": ("distill", RL + ["--teacher", "TEACHER", "--reward_weight", "1"],
+                      ["loss", "grad_norm", "kl_exact", "kl_forward", "reward_mean", "teacher_reward"]),
+    "distill topk": ("distill", RL + ["--teacher", "TEACHER", "--estimator", "topk", "--topk", "4"],
+                     ["loss", "grad_norm", "kl_exact", "kl_forward"]),
+    # TRPO: the gradient, every Fisher-vector product and the line search's KL and gain are sums of the ranks' shares
+    "trpo": ("trpo", RL + ["--cg_iters", "4", "--beta", "0.3"],
+             ["grad_norm", "step_norm", "kl_step", "kl_full_step", "improvement", "kl_exact"]),
+    # expert iteration (--steps 1 is --rounds 1): 8 prompts, each with an accepted sample (the fixed completions), two
+    # fine-tuning steps of 4; every rank fine-tunes on its share of the same gathered data
+    "expert_iteration": ("expert_iteration", ["--prompts_per_round", "8", "--samples_per_prompt", "4", "--batch_size",
+                                              "4", "--epochs", "1", "--precedence_share", "1"],
+                         ["loss", "grad_norm", "data_size", "reward_mean"]),
+    # ORM and PRM (ddp_worker: "orm" is prm.py --train orm; --steps is dropped): two steps of 8 completions, each with
+    # at least one read position and label
+    "orm": ("orm", ["--n_prompts", "8", "--samples_per_prompt", "2", "--batch_size", "8", "--epochs", "1"],
+            ["loss", "grad_norm", "train_accuracy"]),
+    "prm": ("prm", ["--train", "prm", "--n_prompts", "8", "--samples_per_prompt", "2", "--batch_size", "8",
+                    "--epochs", "1"], ["loss", "grad_norm", "train_accuracy"]),
 }
 
 
+@pytest.fixture(scope="module")
+def moved_teacher(tiny_sft, tmp_path_factory):
+    """tiny_sft with noise added to every weight: a teacher the student (tiny_sft itself) differs from."""
+    model, ckpt = load_checkpoint(tiny_sft)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    path = str(tmp_path_factory.mktemp("moved_teacher") / "teacher.pt")
+    save_checkpoint(path, model, ckpt["tokenizer"])
+    return path
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_two_processes_and_grad_accum_make_the_same_update_as_one_process(case, tiny_sft, tmp_path):
+def test_two_processes_and_grad_accum_make_the_same_update_as_one_process(case, tiny_sft, tmp_path, request):
     """1 process, 1 process x 2 micro-batches, 2 processes x 2 micro-batches: the same update. The last is where DDP
     must not all-reduce before the last micro-batch (an early all-reduce counts the first micro-batch twice)."""
     script, flags, keys = CASES[case]
+    if "TEACHER" in flags:
+        flags = [request.getfixturevalue("moved_teacher") if f == "TEACHER" else f for f in flags]
     flags = flags + (["--init", tiny_sft] if script != "sft" else [])
     one = update(script, flags, str(tmp_path / "one"))
     accum = update(script, flags, str(tmp_path / "accum"), grad_accum=2)
     two_accum = update(script, flags, str(tmp_path / "two_accum"), nproc=2, grad_accum=2)
     assert_same_update(one, accum, keys)
     assert_same_update(one, two_accum, keys)
+    if script == "kto":
+        assert one[1]["z0"] > 0.1                                      # z0 acts in the step compared
+    if script == "online_dpo":
+        # 6 of 8 informative: 9-9*1 and 5-3*1 tie (left to right gives the right answer too); 3 on each rank, so
+        # every micro-batch of every rank carries gradient, and the dropped ties leave the normaliser global
+        assert one[1]["informative"] == 0.75 and one[1]["ties"] == 2
 
 
 def test_a_nan_loss_on_one_rank_stops_every_rank(tiny_sft, tmp_path):

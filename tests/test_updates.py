@@ -1,0 +1,860 @@
+"""One exact update per training script: what each loop feeds its loss, not only the loss.
+
+Each script runs through tests/ddp_worker.py: fixed completions (a function of the prompt and the sample's index), plain
+SGD in place of AdamW, and a record of what each step was fed (the prompts, the batches) and of each optimiser step's
+gradient. The test rebuilds every sequence from the recorded prompts and texts alone (its own tokens, one sequence at a
+time with no padding, its own position slices, its own rewards and labels), writes the loss again from the paper's
+equation in float64 on a float64 copy of the starting weights, and asks for the same gradient at every optimiser step
+and the same weights at the end (SGD: w - lr (g + wd w), with the learning rate of the test's own schedule).
+
+The first step of an RL run starts with the policy equal to the reference and the ratio at 1: there the KL terms have
+no gradient and the clip never acts. So every RL case runs a second pass or a second step, simulated here too, with a
+non-default temperature and beta: a flipped KL sign or a dropped temperature changes the update. Each flag under test is
+shown to take effect: the script's update is also compared with what the equation gives with that flag at its default
+(or with a planted mistake: a KL of the wrong sign, a score read one token off), and must be far from it.
+"""
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import task
+from conftest import ROOT
+from ddp_worker import fixed_completion
+from model import Tokenizer, load_checkpoint
+from tasks import arithmetic
+
+WORKER = os.path.join(ROOT, "tests", "ddp_worker.py")
+TOK = Tokenizer()
+EOS = TOK.eos_id
+SGD_LR = 0.02                  # the worker's SGD learning rate, where the script does not set one each step
+GRAD_TOL = 1e-4                # float32 gradient against float64: relative error (norm over all parameters)
+WEIGHT_TOL = 3e-4              # the same for the weights' change (float32 weights rounded)
+FAR = 1e-3                     # an update with a flag ignored is at least this far (relative)
+
+
+# -----------------------------------------------------------------------------
+# Running a script, and what it recorded
+
+class Result:
+    def __init__(self, out, name, start, events):
+        self.out, self.start, self.events = out, start, events
+        self.model, self.ckpt = load_checkpoint(os.path.join(out, f"{name}.pt"))
+        self.steps = [e for e in events if e["kind"] == "step"]
+        with open(os.path.join(out, name, "metrics.jsonl")) as f:
+            self.metrics = [json.loads(line) for line in f]
+
+    def of(self, kind):
+        return [e for e in self.events if e["kind"] == kind]
+
+    def weights(self):
+        return [p.detach() for p in self.model.parameters()]
+
+
+def train(script, flags, out, name=None, lr=SGD_LR):
+    """Run `script` (a ddp_worker name) with `flags` in one process, SGD at `lr` where the script does not set the
+    learning rate: its Result (checkpoint `name`.pt)."""
+    os.makedirs(out, exist_ok=True)
+    start, log = os.path.join(out, "start.pt"), os.path.join(out, "log.pt")
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "OMP_NUM_THREADS": "1",
+           "DDP_WORKER_INIT": start, "DDP_WORKER_LOG": log,
+           "DDP_WORKER_LR": str(lr)}
+    p = subprocess.run([sys.executable, WORKER, script, *flags, "--log_every", "1", "--eval_n", "1", "--out", out],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return Result(out, name or script, torch.load(start), torch.load(log))
+
+
+# -----------------------------------------------------------------------------
+# float64 models, their gradients and SGD steps, and the comparisons
+
+def f64(model, weights=None):
+    """A float64 copy of `model` in eval mode (no dropout), its parameters set to `weights` if given."""
+    m = copy.deepcopy(model).double().eval()
+    if weights is not None:
+        with torch.no_grad():
+            for p, w in zip(m.parameters(), weights):
+                p.copy_(w)
+    return m
+
+
+def frozen(model):
+    return copy.deepcopy(model).requires_grad_(False)
+
+
+def grad_of(loss, model):
+    params = list(model.parameters())
+    return [torch.zeros_like(p) if g is None else g
+            for p, g in zip(params, torch.autograd.grad(loss, params, allow_unused=True))]
+
+
+def sgd_step(model, grads, lr, weight_decay=0.0):
+    with torch.no_grad():
+        for p, g in zip(model.parameters(), grads):
+            p.sub_(lr * (g + weight_decay * p))
+
+
+def clip(grads, max_norm):
+    """torch.nn.utils.clip_grad_norm_'s rule: scale by max_norm / (norm + 1e-6) when that is below 1."""
+    norm = torch.sqrt(sum((g ** 2).sum() for g in grads)).item()
+    return [g * min(1.0, max_norm / (norm + 1e-6)) for g in grads]
+
+
+def rel_err(got, want):
+    """|got - want| / |want|, the norms over every tensor of the lists."""
+    num = sum(((g.double() - w.detach().double()) ** 2).sum() for g, w in zip(got, want))
+    return math.sqrt(float(num / sum((w.detach().double() ** 2).sum() for w in want)))
+
+
+def check_grads(result, expected, group=0, far=()):
+    """Each optimiser step's recorded gradient (of parameter group `group`) is the expected one. far: (name, the
+    gradients of a wrong update), each at least FAR away from the recorded ones at some step."""
+    got = [s["grads"][group] for s in result.steps]
+    assert len(got) == len(expected), f"{len(got)} optimiser steps, {len(expected)} expected"
+    for i, (g, w) in enumerate(zip(got, expected)):
+        err = rel_err(g, w)
+        assert err < GRAD_TOL, f"step {i + 1}: gradient off by {err:.2e} (relative)"
+    for name, wrong in far:
+        if len(wrong) != len(got):
+            continue                                                  # told apart by the number of steps
+        err = max(rel_err(g, w) for g, w in zip(got, wrong))
+        assert err > FAR, f"the update does not tell {name} apart ({err:.2e})"
+
+
+def weight_change_error(result, model, start=None):
+    start = result.start if start is None else start
+    return rel_err([w - s for w, s in zip(result.weights(), start)],
+                   [w - s.double() for w, s in zip(model.parameters(), start)])
+
+
+def check_weights(result, model, far=()):
+    """The checkpoint's weights are the simulated model's (their change from the start); far: (name, the model of a
+    wrong update), each at least FAR away."""
+    err = weight_change_error(result, model)
+    assert err < WEIGHT_TOL, f"the weights' change is off by {err:.2e} (relative)"
+    for name, wrong in far:
+        err = weight_change_error(result, wrong)
+        assert err > FAR, f"the weights do not tell {name} apart ({err:.2e})"
+
+
+# -----------------------------------------------------------------------------
+# One sequence at a time: logits, token log-probs, scalar scores
+
+def logits_of(gpt, ids):
+    """(L, V) float64 logits of one unpadded sequence: row t predicts ids[t + 1]. The LM head written here."""
+    h = gpt.hidden(torch.tensor([ids]), torch.ones(1, len(ids)))[0]
+    return h @ gpt.lm_head.weight.T
+
+
+def completion_logits(gpt, prompt_ids, completion_ids, temperature=1.0):
+    """(n, V) logits / temperature predicting each of the n completion tokens, after the prompt and those before."""
+    seq = list(prompt_ids) + list(completion_ids)
+    return logits_of(gpt, seq)[len(prompt_ids) - 1:len(seq) - 1] / temperature
+
+
+def token_logp(logits, ids):
+    return logits.log_softmax(-1).gather(1, torch.tensor(ids)[:, None])[:, 0]
+
+
+class Rows:
+    """Completions as the test builds them, one row each: prompt ids, completion ids with the EOS, the text, and the
+    verifier's reward of the text for its own prompt. G: rows per prompt (a prompt's G on consecutive rows)."""
+
+    def __init__(self, items, G=1):
+        self.prompts, self.texts = [p for p, _ in items], [t for _, t in items]
+        self.prompt_ids = [TOK.encode(p) for p in self.prompts]
+        self.ids = [TOK.encode(t) + [EOS] for t in self.texts]
+        self.rewards = torch.tensor([task.reward(p, t) for p, t in items], dtype=torch.float64)
+        self.well_formed = torch.tensor([float(arithmetic.is_well_formed(t)) for t in self.texts], dtype=torch.float64)
+        self.G = G
+
+    @classmethod
+    def fixed(cls, prompts, G):
+        """The worker's fixed completions: G for each prompt."""
+        return cls([(p, fixed_completion(p, j)) for p in prompts for j in range(G)], G)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def logits(self, gpt, temperature=1.0):
+        return [completion_logits(gpt, p, c, temperature) for p, c in zip(self.prompt_ids, self.ids)]
+
+    def logp(self, gpt, temperature=1.0):
+        return [token_logp(z, c) for z, c in zip(self.logits(gpt, temperature), self.ids)]
+
+
+def scores_of(scalar, ids):
+    """(L,) float64 outputs of a ScalarGPT along one unpadded sequence. The head written here."""
+    h = scalar.backbone.hidden(torch.tensor([ids]), torch.ones(1, len(ids)))[0]
+    return h @ scalar.head.weight[0] + scalar.head.bias[0]
+
+
+def kl_estimate(logp, ref_logp, estimator, clamp=None):
+    """Schulman's estimators of KL(pi || pi_ref) on a token sampled from pi; log r = log pi_ref - log pi."""
+    log_r = ref_logp - logp
+    if clamp is not None:
+        log_r = log_r.clamp(-clamp, clamp)
+    return {"k1": -log_r, "k2": log_r ** 2 / 2, "k3": torch.exp(log_r) - 1 - log_r}[estimator]
+
+
+def exact_kl(logits_p, logits_q):
+    """KL(softmax(p) || softmax(q)) at each position, over the vocabulary: (n, V), (n, V) -> (n,)."""
+    lp, lq = logits_p.log_softmax(-1), logits_q.log_softmax(-1)
+    return (lp.exp() * (lp - lq)).sum(-1)
+
+
+def entropy(logits):
+    lp = logits.log_softmax(-1)
+    return -(lp.exp() * lp).sum(-1)
+
+
+def lr_schedule(step, lr, warmup, total):
+    """sft.py's, reward_model.py's and prm.py's: linear warm-up to lr over `warmup` steps, then cosine to lr / 10 at
+    `total` (step 0-based)."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    return lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup)))))
+
+
+# -----------------------------------------------------------------------------
+# GRPO (DeepSeekMath eq. 3) and its family
+
+def group_advantages(rewards, G, std="population", scale=True):
+    out = torch.zeros_like(rewards)
+    for g in range(len(rewards) // G):
+        r = rewards[g * G:(g + 1) * G]
+        if (r == r[0]).all():
+            continue                                             # no signal: A = 0
+        dev = r - r.mean()
+        sd = torch.sqrt((dev ** 2).sum() / (G if std == "population" else G - 1))
+        out[g * G:(g + 1) * G] = dev / (sd + 1e-6) if scale else dev
+    return out
+
+
+def grpo_expected(gpt, rows, c):
+    """mu SGD passes on GRPO's loss (negated eq. 3) and its family, c the settings: (model after, gradients)."""
+    ref, model = frozen(gpt), copy.deepcopy(gpt)
+    rewards = rows.rewards.clone()
+    if c["overlong"]:                                               # DAPO eq. 13, on the length (EOS included)
+        L, start = torch.tensor([len(x) for x in rows.ids], dtype=torch.float64), c["max_new"] - c["overlong"]
+        rewards += torch.where(L <= start, 0.0, torch.where(L <= c["max_new"], (start - L) / c["overlong"], -1.0))
+    A = group_advantages(rewards, rows.G, c["std"], c["scale"])
+    with torch.no_grad():
+        old, ref_lp = rows.logp(gpt, c["T"]), rows.logp(ref, c["T"])
+    lo, hi = c["clip"], c["eps_high"] or c["clip"]
+    n_tokens, grads = sum(len(x) for x in rows.ids), []
+    for _ in range(c["mu"]):
+        total = 0.0
+        for i, lp in enumerate(rows.logp(model, c["T"])):
+            log_ratio = lp - old[i]
+            ratio = torch.exp(log_ratio) if c["ratio"] == "token" else torch.exp(log_ratio.mean()).expand_as(lp)
+            if c["loss"] == "clip":
+                pg = -torch.min(ratio * A[i], ratio.clamp(1 - lo, 1 + hi) * A[i])
+            else:                                                   # CISPO: -sg(clip(ratio)) A log pi
+                pg = -ratio.clamp(1 - lo, 1 + hi).detach() * A[i] * lp
+            per_token = pg + c["beta"] * kl_estimate(lp, ref_lp[i], c["kl"], c["kl_clamp"])
+            total = total + {"seq": per_token.mean() / len(rows), "token": per_token.sum() / n_tokens,
+                             "dr_grpo": per_token.sum() / (len(rows) * c["max_new"])}[c["agg"]]
+        g = grad_of(total, model)
+        grads.append(g)
+        sgd_step(model, g, c["lr"])
+    return model, grads
+
+
+def dynamic_sampling_rows(rollouts, P, G):
+    """DAPO's dynamic sampling over the rounds drawn: the groups with 0 < #correct < G, in order, the first P."""
+    kept = []
+    for r in rollouts:
+        rows = Rows.fixed(r["prompts"], G)
+        for g in range(P):
+            n = int(rows.rewards[g * G:(g + 1) * G].sum())
+            if 0 < n < G:
+                kept += [(rows.prompts[i], rows.texts[i]) for i in range(g * G, (g + 1) * G)]
+    return Rows(kept[:P * G], G), len(kept)
+
+
+GRPO = {"lr": SGD_LR, "T": 0.7, "beta": 0.3, "clip": 0.1, "eps_high": None, "kl": "k3", "kl_clamp": None, "mu": 2,
+        "agg": "seq", "std": "population", "scale": True, "ratio": "token", "loss": "clip", "overlong": 0,
+        "max_new": 24, "dynamic": False}
+GRPO_FLAGS = ["--steps", "1", "--mu", "2", "--prompts_per_step", "4", "--group_size", "4", "--precedence_share", "1",
+              "--temperature", "0.7", "--beta", "0.3", "--clip_eps", "0.1", "--grad_clip", "1e9"]
+GRPO_CASES = {   # name: (flags, settings, the defaults of the flags under test: each must change the update)
+    "grpo": ([], {}, {"T": 1.0, "beta": 0.04, "clip": 0.2}),
+    "--std sample --loss_agg token --eps_high --kl_estimator k1 --kl_clamp": (
+        ["--std", "sample", "--loss_agg", "token", "--eps_high", "0.3", "--kl_estimator", "k1", "--kl_clamp", "0.05"],
+        {"std": "sample", "agg": "token", "eps_high": 0.3, "kl": "k1", "kl_clamp": 0.05},
+        {"std": "population", "agg": "seq", "eps_high": None, "kl": "k3", "kl_clamp": None}),
+    "Dr. GRPO --kl_estimator k2 --overlong_buffer": (
+        ["--no_std_scaling", "--loss_agg", "dr_grpo", "--kl_estimator", "k2", "--overlong_buffer", "16"],
+        {"scale": False, "agg": "dr_grpo", "kl": "k2", "overlong": 16},
+        {"scale": True, "agg": "seq", "kl": "k3", "overlong": 0}),
+    "GSPO": (["--ratio_level", "sequence", "--clip_eps", "0.02", "--eps_high", "0.05"],
+             {"ratio": "sequence", "clip": 0.02, "eps_high": 0.05}, {"ratio": "token", "eps_high": None}),
+    "CISPO": (["--loss_type", "cispo", "--loss_agg", "token", "--clip_eps", "0.05", "--eps_high", "0.05"],
+              {"loss": "cispo", "agg": "token", "clip": 0.05, "eps_high": 0.05}, {"loss": "clip", "clip": 0.2}),
+    "DAPO --dynamic_sampling": (["--dynamic_sampling", "--precedence_share", "0.5", "--loss_agg", "token",
+                                 "--eps_high", "0.3"],
+                                {"dynamic": True, "agg": "token", "eps_high": 0.3}, {"dynamic": False}),
+}
+
+
+@pytest.mark.parametrize("case", list(GRPO_CASES))
+def test_grpo_update(case, tiny_sft, tmp_path):
+    flags, settings, defaults = GRPO_CASES[case]
+    c = {**GRPO, **settings}
+    result = train("grpo", ["--init", tiny_sft, *GRPO_FLAGS, *flags], str(tmp_path))
+    rollouts = result.of("rollout")
+    gpt = f64(result.model, result.start)
+    if c["dynamic"]:
+        rows, n_kept = dynamic_sampling_rows(rollouts, 4, 4)
+        assert len(rollouts) == 4 or n_kept >= 16 > dynamic_sampling_rows(rollouts[:-1], 4, 4)[1]  # rounds: enough
+        assert 0 < len(rows) < len(rollouts) * 16                  # some groups dropped, some kept
+        first = Rows.fixed(rollouts[0]["prompts"], 4)                # --dynamic_sampling ignored
+        wrong = [("--dynamic_sampling", grpo_expected(gpt, first, c)[1])]
+    else:
+        (rollout,) = rollouts
+        rows = Rows.fixed(rollout["prompts"], 4)
+        wrong = []
+    model, grads = grpo_expected(gpt, rows, c)
+    wrong += [(f"{k} {v}", grpo_expected(gpt, rows, {**c, k: v})[1]) for k, v in defaults.items() if k != "dynamic"]
+    wrong.append(("a flipped KL sign", grpo_expected(gpt, rows, {**c, "beta": -c["beta"]})[1]))
+    check_grads(result, grads, far=wrong)                            # --mu 2: two steps, else a count mismatch
+    check_weights(result, model)
+
+
+# -----------------------------------------------------------------------------
+# RLOO and REINFORCE: the KL to the reference in the reward, one step per batch; two steps (the KL is 0 at the first)
+
+def reinforce_expected(gpt, rounds, c):
+    """One SGD step per batch of rows on -1/B sum_i sum_t A_it log pi (Williams; RLOO; REINFORCE++): (model, grads)."""
+    ref, model = frozen(gpt), copy.deepcopy(gpt)
+    moving_average, grads = None, []
+    for rows in rounds:
+        with torch.no_grad():
+            old, ref_lp = rows.logp(model, c["T"]), rows.logp(ref, c["T"])
+        kl_t = [kl_estimate(o, r, c["kl"]) for o, r in zip(old, ref_lp)]
+        r = rows.rewards + c["format"] * rows.well_formed                         # the format bonus
+        R = r - c["beta"] * torch.stack([k.sum() for k in kl_t])                 # R_i = r_i - beta sum_t KL_it
+        if c["baseline"] == "rloo":
+            Rg = R.view(-1, rows.G)
+            A = (Rg - (Rg.sum(1, keepdim=True) - Rg) / (rows.G - 1)).view(-1)    # minus the others' mean
+        elif c["baseline"] == "reinforce_pp":                                    # REINFORCE++: returns-to-go
+            returns = []
+            for i, k in enumerate(kl_t):
+                r_t = -c["beta"] * k
+                r_t[-1] += r[i]                                                # the outcome on the last token
+                returns.append(r_t.flip(0).cumsum(0).flip(0))
+            every = torch.cat(returns)
+            mean, std = every.mean(), every.std(unbiased=False)                 # over every token of the batch
+            A = [(x - mean) / (std + 1e-8) for x in returns]
+        else:
+            b = {"none": 0.0, "batch_mean": R.mean(), "moving_average": moving_average or 0.0}[c["baseline"]]
+            A = R - b
+            m = R.mean().item()
+            moving_average = m if moving_average is None else c["decay"] * moving_average + (1 - c["decay"]) * m
+        loss = -sum((A[i] * lp).sum() for i, lp in enumerate(rows.logp(model, c["T"]))) / len(rows)
+        g = grad_of(loss, model)
+        grads.append(g)
+        sgd_step(model, g, c["lr"])
+    return model, grads
+
+
+PG_FLAGS = ["--prompts_per_step", "4", "--group_size", "4", "--precedence_share", "1", "--temperature", "0.7",
+            "--beta", "0.3", "--grad_clip", "1e9"]
+PG_CASES = {   # name: (script, flags, settings, the defaults of the flags under test)
+    "rloo": ("rloo", ["--steps", "2", "--kl_estimator", "k2"], {"baseline": "rloo", "kl": "k2"},
+             {"T": 1.0, "beta": 0.04, "kl": "k1"}),
+    "reinforce++": ("reinforce", ["--steps", "2", "--kl_estimator", "k3"],     # a smaller step: the whitened token
+                    {"baseline": "reinforce_pp", "kl": "k3", "lr": 0.002},     # advantages give a larger gradient
+                    {"T": 1.0, "beta": 0.04, "kl": "k1"}),
+    "reinforce none --format_weight": ("reinforce", ["--steps", "2", "--baseline", "none", "--format_weight", "0.5"],
+                                       {"baseline": "none", "format": 0.5},
+                                       {"baseline": "batch_mean", "T": 1.0, "format": 0.0}),
+    "reinforce batch_mean": ("reinforce", ["--steps", "2", "--baseline", "batch_mean"], {"baseline": "batch_mean"},
+                             {"baseline": "none", "beta": 0.04}),
+    "reinforce moving_average": ("reinforce", ["--steps", "3", "--baseline", "moving_average", "--ema_decay", "0.5"],
+                                 {"baseline": "moving_average", "decay": 0.5},
+                                 {"baseline": "none", "decay": 0.9}),
+}
+
+
+@pytest.mark.parametrize("case", list(PG_CASES))
+def test_rloo_and_reinforce_update(case, tiny_sft, tmp_path):
+    script, flags, settings, defaults = PG_CASES[case]
+    c = {"lr": SGD_LR, "T": 0.7, "beta": 0.3, "kl": "k1", "decay": 0.9, "format": 0.0, **settings}
+    result = train(script, ["--init", tiny_sft, *PG_FLAGS, *flags], str(tmp_path), lr=c["lr"])
+    rounds = [Rows.fixed(r["prompts"], 4) for r in result.of("rollout")]
+    gpt = f64(result.model, result.start)
+    model, grads = reinforce_expected(gpt, rounds, c)
+    wrong = [(f"{k} {v}", reinforce_expected(gpt, rounds, {**c, k: v})[1]) for k, v in defaults.items()]
+    wrong.append(("a flipped KL sign", reinforce_expected(gpt, rounds, {**c, "beta": -c["beta"]})[1]))
+    check_grads(result, grads, far=wrong)
+    check_weights(result, model)
+
+
+# -----------------------------------------------------------------------------
+# The reward model (Bradley-Terry, InstructGPT eq. 1): its update, and the checkpoint ppo.py and expert iteration use
+
+def pair_ids(pair, side):
+    return TOK.encode(pair["prompt"]), pair[f"{side}_ids"] + [EOS]
+
+
+def rm_expected(scalar, batches, c):
+    """SGD on -mean log sigmoid(r_c - r_r - margin), r read at each sequence's EOS (its last token)."""
+    model, grads = copy.deepcopy(scalar), []
+    for step, pairs in enumerate(batches):
+        read = -1 - c["read_early"]
+        score = lambda pair, side: scores_of(model, sum(pair_ids(pair, side), []))[read]
+        loss = sum(-F.logsigmoid(score(p, "chosen") - score(p, "rejected") - c["margin"]) for p in pairs) / len(pairs)
+        g = grad_of(loss, model)
+        grads.append(g)
+        lr = lr_schedule(step, 0.3, 1, 3) if c["schedule"] else 0.3
+        sgd_step(model, g, lr)
+    return model, grads
+
+
+@pytest.fixture(scope="module")
+def reward_model_run(tiny_sft, tmp_path_factory):
+    """reward_model.py for 3 steps of 8 pairs (warm-up 1, then the cosine): its Result; its rm.pt serves ppo.py and
+    expert_iteration.py --select rm below."""
+    out = str(tmp_path_factory.mktemp("rm"))
+    return train("reward_model", ["--init", tiny_sft, "--n_train", "24", "--batch_size", "8", "--epochs", "1",
+                                  "--margin", "0.5", "--lr", "0.3", "--warmup", "1", "--grad_clip", "1e9"], out, "rm")
+
+
+def test_reward_model_update(reward_model_run):
+    result = reward_model_run
+    batches = [e["pairs"] for e in result.of("pair_batch")]
+    assert len(batches) == 3 and all(len(b) == 8 for b in batches)
+    for pairs in batches:                                            # chosen correct, rejected wrong
+        assert all(task.reward(p["prompt"], TOK.decode(p["chosen_ids"])) == 1.0 for p in pairs)
+        assert all(task.reward(p["prompt"], TOK.decode(p["rejected_ids"])) == 0.0 for p in pairs)
+    scalar = f64(result.model, result.start)
+    c = {"margin": 0.5, "read_early": 0, "schedule": True}
+    model, grads = rm_expected(scalar, batches, c)
+    wrong = [(name, rm_expected(scalar, batches, {**c, **v})[1]) for name, v in
+             (("--margin 0", {"margin": 0.0}), ("the score read one token early", {"read_early": 1}))]
+    check_grads(result, grads, far=wrong)
+    check_weights(result, model)
+    constant = rm_expected(scalar, batches, {**c, "schedule": False})[0]   # the warm-up and cosine matter
+    check_weights(result, model, far=[("a constant lr", constant)])
+
+
+# -----------------------------------------------------------------------------
+# PPO: critic, GAE, whitening, clipped policy and value losses, minibatches, the adaptive KL controller
+
+def ppo_expected(gpt, critic, rm, prompts, perms, c):
+    """PPO as ppo.py's docstring writes it (Schulman et al. 2017 eqs. 7, 9; GAE eq. 16; Ziegler et al. eq. 2 and
+    section 2.2): (policy, critic, policy gradients, critic gradients, beta after, the logged KL per step)."""
+    ref, rm = frozen(gpt), frozen(rm)
+    policy, critic = copy.deepcopy(gpt), copy.deepcopy(critic)
+    beta, perms, grads, critic_grads, kls = c["beta"], list(perms), [], [], []
+    T = c["T"]
+    for batch in prompts:
+        rows = Rows.fixed(batch, 1)
+        seqs = [p + x for p, x in zip(rows.prompt_ids, rows.ids)]
+        with torch.no_grad():
+            old_logits, ref_logits = rows.logits(policy, T), rows.logits(ref, T)
+            old = [token_logp(z, x) for z, x in zip(old_logits, rows.ids)]
+            ref_lp = [token_logp(z, x) for z, x in zip(ref_logits, rows.ids)]
+            late = c["late"]
+            values = [scores_of(critic, s)[len(p) - 1 + late:len(s) - 1 + late] for p, s in zip(rows.prompt_ids, seqs)]
+            score = rows.rewards if c["reward"] == "verifier" else torch.stack([scores_of(rm, s)[-1] for s in seqs])
+            kls.append(torch.stack([exact_kl(a, b).sum() for a, b in zip(old_logits, ref_logits)]).mean().item())
+        advantages, returns = [], []
+        for i in range(len(rows)):
+            r = -beta * (old[i] - ref_lp[i])                        # -beta log(pi_old / pi_ref) on every token
+            r[-1] += score[i]                                        # the score on the last
+            A, next_A, next_V = torch.zeros_like(r), 0.0, 0.0
+            for t in reversed(range(len(r))):
+                delta = r[t] + c["gamma"] * next_V - values[i][t]
+                A[t] = next_A = delta + c["gamma"] * c["lam"] * next_A
+                next_V = values[i][t]
+            advantages.append(A)
+            returns.append(A + values[i])
+        if c["whiten"]:
+            flat = torch.cat(advantages)
+            advantages = [(a - flat.mean()) / (flat.std(unbiased=False) + 1e-8) for a in advantages]
+        stop = False                                                 # --target_kl: the epochs stop early
+        for _ in range(c["epochs"]):
+            perm = perms.pop(0) if perms else torch.arange(len(rows))   # (a wrong update may run more epochs)
+            for mb in torch.tensor_split(perm, c["minibatches"]):
+                mb = mb.tolist()
+                n = sum(len(rows.ids[i]) for i in mb)
+                loss = approx_kl = 0.0
+                for i in mb:
+                    logits = completion_logits(policy, rows.prompt_ids[i], rows.ids[i], T)
+                    log_ratio = token_logp(logits, rows.ids[i]) - old[i]
+                    ratio = torch.exp(log_ratio)
+                    approx_kl += (ratio - 1 - log_ratio).sum().item() / n      # k3 of KL(pi_old || pi_theta)
+                    A = advantages[i]
+                    pg = -torch.min(ratio * A, ratio.clamp(1 - c["clip"], 1 + c["clip"]) * A)
+                    V = scores_of(critic, seqs[i])[len(rows.prompt_ids[i]) - 1 + late:len(seqs[i]) - 1 + late]
+                    V_clipped = values[i] + (V - values[i]).clamp(-c["clip_value"], c["clip_value"])
+                    vf = 0.5 * torch.max((V - returns[i]) ** 2, (V_clipped - returns[i]) ** 2)
+                    loss = loss + (pg + c["vf"] * vf - c["ent"] * entropy(logits)).sum() / n
+                both = grad_of(loss, torch.nn.ModuleList([policy, critic]))
+                g, gc = both[:len(list(policy.parameters()))], both[len(list(policy.parameters())):]
+                grads.append(g)
+                critic_grads.append(gc)
+                sgd_step(policy, g, SGD_LR)
+                sgd_step(critic, gc, SGD_LR)
+                stop = c["target_kl"] is not None and approx_kl > 1.5 * c["target_kl"]
+                if stop:
+                    break
+            if stop:
+                break
+        if c["adaptive"]:
+            error = min(max(kls[-1] / c["target"] - 1, -0.2), 0.2)
+            beta *= 1 + error * len(rows) / c["horizon"]
+    return policy, critic, grads, critic_grads, beta, kls, len(perms)
+
+
+PPO = {"T": 0.7, "beta": 1.0, "adaptive": True, "target": 0.05, "horizon": 8, "clip": 0.1, "clip_value": 0.05,
+       "vf": 0.7, "ent": 0.05, "gamma": 0.9, "lam": 0.8, "whiten": True, "epochs": 2, "minibatches": 2, "late": 0,
+       "reward": "rm", "target_kl": None}
+PPO_FLAGS = ["--steps", "2", "--batch_size", "8", "--minibatches", "2", "--ppo_epochs", "2", "--temperature", "0.7",
+             "--beta", "1.0", "--adaptive_kl", "--kl_target", "0.05", "--kl_horizon", "8", "--clip_eps", "0.1",
+             "--clip_value", "0.05", "--vf_coef", "0.7", "--ent_coef", "0.05", "--gamma", "0.9", "--gae_lambda", "0.8",
+             "--grad_clip", "1e9"]
+PPO_CASES = {   # name: (flags, settings, the defaults of the flags under test)
+    "reward model, critic from it": ([], {}, {"T": 1.0, "beta": 0.3, "adaptive": False, "clip": 0.2,
+                                              "clip_value": 0.2, "vf": 0.5, "ent": 0.0, "gamma": 1.0, "lam": 0.95,
+                                              "late": 1}),
+    "verifier, --no_whiten, --target_kl, critic from SFT": (
+        ["--reward", "verifier", "--no_whiten", "--target_kl", "5e-4"],
+        {"reward": "verifier", "whiten": False, "target_kl": 5e-4},
+        {"reward": "rm", "whiten": True, "target_kl": None}),
+}
+
+
+@pytest.mark.parametrize("case", list(PPO_CASES))
+def test_ppo_update(case, reward_model_run, tmp_path):
+    flags, settings, defaults = PPO_CASES[case]
+    c = {**PPO, **settings}
+    rm_path = os.path.join(reward_model_run.out, "rm.pt")
+    init = reward_model_run.ckpt["args"]["init"]
+    result = train("ppo", ["--init", init, "--rm", rm_path, *PPO_FLAGS, *flags], str(tmp_path))
+    prompts = [e["prompts"] for e in result.of("ppo_rollout") if len(e["prompts"]) == 8]   # not the evaluation's
+    perms = [e["perm"] for e in result.of("randperm")]
+    assert len(prompts) == 2
+    gpt = f64(result.model, result.start)
+    rm = f64(load_checkpoint(rm_path)[0])
+    critic = rm
+    if c["reward"] == "verifier":                                             # --critic_init sft: head 0
+        critic = f64(rm, [*gpt.parameters(), torch.zeros_like(rm.head.weight), torch.zeros_like(rm.head.bias)])
+    policy, critic_after, grads, critic_grads, beta, kls, unused = ppo_expected(gpt, critic, rm, prompts, perms, c)
+    assert unused == 0                                                        # one permutation per epoch
+    wrong = {k: ppo_expected(gpt, critic, rm, prompts, perms, {**c, k: v}) for k, v in defaults.items()}
+    wrong["a flipped KL sign"] = ppo_expected(gpt, critic, rm, prompts, perms, {**c, "beta": -c["beta"]})
+    check_grads(result, grads, 0, far=[(k, w[2]) for k, w in wrong.items()])
+    check_grads(result, critic_grads, 1)
+    check_weights(result, policy)
+    critic_start = [p.detach() for p in critic.parameters()]
+    got = [result.ckpt["critic"][k] for k, _ in critic_after.named_parameters()]
+    assert rel_err([g - s for g, s in zip(got, critic_start)],
+                   [w - s for w, s in zip(critic_after.parameters(), critic_start)]) < 1e-4
+    rows = [r for r in result.metrics if r["step"] > 0]
+    assert [r["kl"] for r in rows] == pytest.approx(kls, rel=1e-4, abs=1e-7)   # exact KL(pi_old || pi_ref)
+    assert result.ckpt["beta"] == pytest.approx(beta, rel=1e-6)
+    if c["adaptive"]:
+        assert abs(beta - c["beta"]) > 1e-3 * c["beta"]                       # the controller moved it
+
+
+# -----------------------------------------------------------------------------
+# TRPO: the natural gradient by conjugate gradient on Fisher-vector products computed here another way (forward- then
+# reverse-mode: F v = J^T (diag p - p p^T) J v / N, J the Jacobian of the logits / T), and the line search
+
+class CompletionLogits(torch.nn.Module):
+    """(sum_i n_i, V) logits / T of every completion token of `rows` under `gpt`, as a module for torch.func."""
+
+    def __init__(self, gpt, rows, T):
+        super().__init__()
+        self.gpt, self.rows, self.T = gpt, rows, T
+
+    def forward(self):
+        return torch.cat(self.rows.logits(self.gpt, self.T))
+
+
+def flat(tensors):
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def conjugate_gradient(Fv, b, iters):
+    """Hestenes and Stiefel's conjugate gradient from x = 0 (stopping when r.r <= 1e-10 b.b, as trpo.py)."""
+    x, r = torch.zeros_like(b), b.clone()
+    p, rr = r.clone(), r @ r
+    for _ in range(iters):
+        if rr <= 1e-10 * (b @ b):
+            break
+        Fp = Fv(p)
+        alpha = rr / (p @ Fp)
+        x, r = x + alpha * p, r - alpha * Fp
+        rr, p = r @ r, r + (r @ r) / rr * p
+    return x
+
+
+def trpo_step(model, ref, rows, c):
+    """Schulman et al. 2015, appendix C: one update on a batch, the reward and baseline of RLOO: (the model after,
+    the step's metrics as trpo.py logs them)."""
+    model = copy.deepcopy(model)
+    module = CompletionLogits(model, rows, c["T"])
+    names = [n for n, _ in module.named_parameters()]
+    theta = {n: p.detach().clone() for n, p in module.named_parameters()}
+    unflat = lambda v: {n: t.view_as(theta[n]) for n, t in zip(names, v.split([t.numel() for t in theta.values()]))}
+    logits_at = lambda params: torch.func.functional_call(module, params, ())
+    with torch.no_grad():
+        old_logits = module()                                       # (N, V) at theta_old, / T
+        ref_logits = torch.cat(rows.logits(ref, c["T"]))
+    n_i = [len(x) for x in rows.ids]
+    targets = torch.tensor(sum(rows.ids, []))
+    old, ref_lp = token_logp(old_logits, targets.tolist()), token_logp(ref_logits, targets.tolist())
+    R = rows.rewards - c["beta"] * torch.stack([k.sum() for k in kl_estimate(old, ref_lp, c["kl"]).split(n_i)])
+    Rg = R.view(-1, rows.G)
+    A = (Rg - (Rg.sum(1, keepdim=True) - Rg) / (rows.G - 1)).view(-1).repeat_interleave(torch.tensor(n_i))
+    N = len(A)
+    surrogate = lambda logits: (torch.exp(token_logp(logits, targets.tolist()) - old) * A).sum() / N
+    g = flat(torch.func.grad(lambda params: surrogate(logits_at(params)))(theta).values())
+    p_old = old_logits.softmax(-1)
+    with sdpa_kernel(SDPBackend.MATH):                              # forward-mode AD: the math attention
+        _, pullback = torch.func.vjp(logits_at, theta)
+
+        def Fv(v):                                                  # (F + damping) v
+            _, u = torch.func.jvp(logits_at, (theta,), (unflat(v),))    # J v, (N, V)
+            hessian_u = p_old * u - p_old * (p_old * u).sum(-1, keepdim=True)
+            return flat(pullback(hessian_u / N)[0].values()) + c["damping"] * v
+
+        x = conjugate_gradient(Fv, g, c["cg_iters"])
+        step = torch.sqrt(2 * c["max_kl"] / (x @ Fv(x))) * x
+    theta0 = flat(theta.values())
+    for j in range(c["backtracks"] + 1):
+        with torch.no_grad():
+            trial = unflat(theta0 + 0.5 ** j * step)
+            logits = logits_at(trial)
+            kl = exact_kl(old_logits, logits).mean().item()
+            gain = (surrogate(logits) - A.sum() / N).item()
+        if kl <= c["max_kl"] and gain > 0:
+            with torch.no_grad():
+                for p, t in zip(model.parameters(), trial.values()):
+                    p.copy_(t)
+            return model, {"kl_step": kl, "backtracks": j, "improvement": gain, "grad_norm": g.norm().item(),
+                           "step_norm": 0.5 ** j * step.norm().item(),
+                           "expected_improvement": 0.5 ** j * (g @ step).item()}
+    raise AssertionError("the line search found no step: choose settings where it does")
+
+
+TRPO = {"T": 0.7, "beta": 2.0, "kl": "k2", "max_kl": 0.02, "damping": 0.5, "cg_iters": 2, "backtracks": 4}
+TRPO_FLAGS = ["--steps", "2", "--prompts_per_step", "2", "--group_size", "4", "--precedence_share", "1",
+              "--temperature", "0.7", "--beta", "2.0", "--kl_estimator", "k2", "--max_kl", "0.02", "--damping", "0.5",
+              "--cg_iters", "2", "--backtracks", "4"]
+TRPO_LOGGED = ("grad_norm", "step_norm", "expected_improvement", "improvement", "kl_step")
+
+
+def test_trpo_update(tiny_sft, tmp_path):
+    """Two TRPO updates: each step's logged gradient norm, step length, gains and KL, and the weights after both.
+    The reference's KL enters the reward at the second step only (beta, --kl_estimator); the rest shows at the
+    first."""
+    result = train("trpo", ["--init", tiny_sft, *TRPO_FLAGS], str(tmp_path))
+    rows = [Rows.fixed(r["prompts"], 4) for r in result.of("rollout")]
+    gpt = f64(result.model, result.start)
+    ref = frozen(gpt)
+    logged = [r for r in result.metrics if r["step"] > 0]
+    after_1, m1 = trpo_step(gpt, ref, rows[0], TRPO)
+    after_2, m2 = trpo_step(after_1, ref, rows[1], TRPO)
+    for got, want in zip(logged, (m1, m2)):
+        assert got["backtracks"] == want["backtracks"] and got["accepted"] == 1.0
+        assert [got[k] for k in TRPO_LOGGED] == pytest.approx([want[k] for k in TRPO_LOGGED], rel=1e-4, abs=1e-9)
+    check_weights(result, after_2)
+    for k, v in {"T": 1.0, "max_kl": 0.01, "damping": 0.1, "cg_iters": 1}.items():     # at the first step
+        wrong = trpo_step(gpt, ref, rows[0], {**TRPO, k: v})[1]
+        assert max(abs(logged[0][m] / wrong[m] - 1) for m in TRPO_LOGGED) > FAR, k
+    for k, v in {"beta": 0.04, "kl": "k1", "a flipped KL sign": -2.0}.items():           # at the second
+        wrong = trpo_step(after_1, ref, rows[1], {**TRPO, "beta" if k.startswith("a") else k: v})[0]
+        check_weights(result, after_2, far=[(k, wrong)])
+
+
+# -----------------------------------------------------------------------------
+# DPO (Rafailov et al. eq. 7) and IPO (Azar et al. section 5): the reference log-probs, beta / tau, the warm-up
+
+def preference_expected(gpt, batches, c):
+    ref, model, grads = frozen(gpt), copy.deepcopy(gpt), []
+
+    def seq_logp(m, pair, side):
+        prompt, ids = pair_ids(pair, side)
+        lp = token_logp(completion_logits(m, prompt, ids), ids)
+        return lp.mean() if c["mean"] else lp.sum()
+    for step, pairs in enumerate(batches):
+        loss = 0.0
+        for p in pairs:
+            with torch.no_grad():
+                ref_c, ref_r = seq_logp(ref, p, "chosen"), seq_logp(ref, p, "rejected")
+            h = (seq_logp(model, p, "chosen") - ref_c) - (seq_logp(model, p, "rejected") - ref_r)
+            loss = loss + (-F.logsigmoid(c["beta"] * h) if c["loss"] == "dpo" else (h - 1 / (2 * c["beta"])) ** 2)
+        g = grad_of(loss / len(pairs), model)
+        grads.append(g)
+        sgd_step(model, g, c["lr"] * min(1.0, (step + 1) / max(c["warmup"], 1)), c["wd"])
+    return model, grads
+
+
+PREFERENCE_FLAGS = ["--steps", "2", "--batch_size", "4", "--n_pairs", "8", "--lr", "0.5", "--warmup", "3",
+                    "--grad_clip", "1e9"]
+PREFERENCE_CASES = {   # name: (script, flags, settings, the defaults of the flags under test)
+    "dpo": ("dpo", ["--beta", "0.5"], {"loss": "dpo", "beta": 0.5}, {"beta": 0.1, "warmup": 0}),
+    "dpo --seq_logp mean --weight_decay": ("dpo", ["--beta", "0.5", "--seq_logp", "mean", "--weight_decay", "0.2"],
+                                           {"loss": "dpo", "beta": 0.5, "mean": True, "wd": 0.2},
+                                           {"mean": False, "wd": 0.0}),
+    "ipo": ("ipo", ["--tau", "0.5"], {"loss": "ipo", "beta": 0.5}, {"beta": 0.1}),
+}
+
+
+@pytest.mark.parametrize("case", list(PREFERENCE_CASES))
+def test_dpo_and_ipo_update(case, tiny_sft, tmp_path):
+    script, flags, settings, defaults = PREFERENCE_CASES[case]
+    c = {"lr": 0.5, "warmup": 3, "mean": False, "wd": 0.0, **settings}
+    result = train(script, ["--init", tiny_sft, *PREFERENCE_FLAGS, *flags], str(tmp_path))
+    batches = [e["pairs"] for e in result.of("pair_batch")]
+    assert [len(b) for b in batches] == [4, 4]
+    gpt = f64(result.model, result.start)
+    model, grads = preference_expected(gpt, batches, c)
+    wrong = [(f"{k} {v}", preference_expected(gpt, batches, {**c, k: v})) for k, v in defaults.items()]
+    check_grads(result, grads, far=[(k, g) for k, (_, g) in wrong if k != "warmup 0" and not k.startswith("wd")])
+    check_weights(result, model, far=[(k, m) for k, (m, _) in wrong])
+
+
+# -----------------------------------------------------------------------------
+# SFT and expert iteration: the mean negative log-likelihood of the completion tokens and the EOS
+
+def nll_expected(gpt, batches, lrs, wd, max_norm=None, shift=0):
+    """SGD on -1/sum|y| sum_(x, y) sum_t log pi(y_t | x, y_<t) over each batch of (prompt, completion) pairs, the EOS
+    a target; lrs: each step's learning rate; max_norm: gradient clipping. shift: the targets moved (a wrong mask)."""
+    model, grads = copy.deepcopy(gpt), []
+    for batch, lr in zip(batches, lrs):
+        total, n = 0.0, 0
+        for prompt, completion in batch:
+            p = TOK.encode(prompt)
+            ids = (TOK.encode(completion) if isinstance(completion, str) else list(completion)) + [EOS]
+            seq = p + ids
+            lp = token_logp(logits_of(model, seq)[:-1], seq[1:])[len(p) - 1 - shift:]
+            total, n = total - lp.sum(), n + len(lp)
+        g = grad_of(total / n, model)
+        if max_norm is not None:
+            g = clip(g, max_norm)
+        grads.append(g)
+        sgd_step(model, g, lr, wd)
+    return model, grads
+
+
+def test_sft_update(tmp_path):
+    """Four steps from random weights: the warm-up (2 steps), the cosine, AdamW's weight decay (SGD's here), and the
+    gradient clipped to --grad_clip."""
+    result = train("sft", ["--steps", "4", "--batch_size", "4", "--n_layer", "1", "--n_head", "2", "--n_embd", "32",
+                           "--lr", "0.5", "--warmup", "2", "--weight_decay", "0.1", "--grad_clip", "0.5"],
+                   str(tmp_path))
+    batches = [list(zip(e["prompts"], e["completions"])) for e in result.of("completion_batch")]
+    assert [len(b) for b in batches] == [4, 4, 4, 4]
+    assert [s["lr"][0] for s in result.steps] == pytest.approx([lr_schedule(s, 0.5, 2, 4) for s in range(4)])
+    gpt = f64(result.model, result.start)
+    lrs = [lr_schedule(s, 0.5, 2, 4) for s in range(4)]
+    model, grads = nll_expected(gpt, batches, lrs, 0.1, 0.5)
+    unclipped = nll_expected(gpt, batches, lrs, 0.1)[1][0]
+    assert torch.sqrt(sum((g ** 2).sum() for g in unclipped)) > 1.0           # the clip acts
+    check_grads(result, grads, far=[("--grad_clip", [unclipped]), ("the targets one token early",
+                                                                    nll_expected(gpt, batches, lrs, 0.1, 0.5, 1)[1]),
+                                    ("a flipped sign", [[-g for g in x] for x in grads])])
+    check_weights(result, model, far=[("--weight_decay 0", nll_expected(gpt, batches, lrs, 0.0, 0.5)[0]),
+                                      ("a constant lr", nll_expected(gpt, batches, [0.5] * 4, 0.1, 0.5)[0])])
+
+
+def expert_iteration_data(rounds, N, scorer=None, max_per_prompt=4):
+    """What a round keeps: per prompt, the distinct completions with reward 1 (scorer None; highest first, ties in
+    the order sampled), or the scorer's highest (threshold none), at most max_per_prompt."""
+    data = []
+    for r in rounds:
+        for p in r["prompts"]:
+            texts = [fixed_completion(p, j) for j in range(N)]
+            scores = [task.reward(p, t) if scorer is None else scorer(p, t) for t in texts]
+            kept = []
+            for j in sorted(range(N), key=lambda j: -scores[j]):
+                if len(kept) == max_per_prompt or (scorer is None and scores[j] < 1.0):
+                    break
+                if texts[j] not in kept:
+                    kept.append(texts[j])
+            data += [(p, t) for t in kept]
+    return data
+
+
+EI_FLAGS = ["--rounds", "1", "--prompts_per_round", "6", "--samples_per_prompt", "4", "--batch_size", "4",
+            "--epochs", "2", "--weight_decay", "0.05", "--grad_clip", "1e9"]
+
+
+@pytest.mark.parametrize("select", ["verifier", "rm"])
+def test_expert_iteration_update(select, reward_model_run, tmp_path):
+    rm_path = os.path.join(reward_model_run.out, "rm.pt")
+    init = reward_model_run.ckpt["args"]["init"]
+    result = train("expert_iteration", ["--init", init, "--rm", rm_path, "--select", select, *EI_FLAGS],
+                   str(tmp_path))
+    rounds = [e for e in result.of("complete") if len(e["prompts"]) == 6]  # not the evaluation's
+    rm = f64(load_checkpoint(rm_path)[0])
+    with torch.no_grad():
+        rm_score = lambda p, t: scores_of(rm, TOK.encode(p) + TOK.encode(t) + [EOS])[-1].item()
+        data = expert_iteration_data(rounds, 4, rm_score if select == "rm" else None, 1 if select == "rm" else 4)
+        other = expert_iteration_data(rounds, 4, None if select == "rm" else rm_score, 4 if select == "rm" else 1)
+    assert sorted(data) != sorted(other)                                      # the rule decides what is kept
+    batches = [[(p, TOK.decode(c)) for p, c in zip(e["prompts"], e["completions"])]
+               for e in result.of("completion_batch")]
+    assert len(batches) == math.ceil(2 * len(data) / 4)                       # --epochs 2 over the kept data
+    items = [x for b in batches for x in b]                                   # two shuffled passes over the data
+    assert sorted(items[:len(data)]) == sorted(data) and sorted(items[len(data):2 * len(data)]) == sorted(data)
+    gpt = f64(result.model, result.start)
+    model, grads = nll_expected(gpt, batches, [SGD_LR] * len(batches), 0.05)
+    check_grads(result, grads, far=[("a flipped sign", [[-g for g in x] for x in grads])])
+    check_weights(result, model, far=[("--weight_decay 0", nll_expected(gpt, batches, [SGD_LR] * len(batches), 0)[0])])
+
+
+# -----------------------------------------------------------------------------
+# ORM and PRM: binary cross-entropy of the scores read at each step's end (the ORM: the EOS) against the labels
+
+def verifier_expected(scalar, batches, kind, c):
+    model, grads = copy.deepcopy(scalar), []
+    for step, batch in enumerate(batches):
+        total, n = 0.0, 0
+        for prompt, ids in batch:
+            p, text = TOK.encode(prompt), TOK.decode(ids)
+            seq = p + list(ids) + [EOS]
+            if kind == "orm":
+                reads, labels = [len(seq) - 1], [task.reward(prompt, text)]
+            else:                                                    # each ',' and the EOS
+                reads = [len(p) + j for j, t in enumerate(ids) if TOK.decode([t]) == ","] + [len(seq) - 1]
+                labels = arithmetic.step_labels(prompt, text)
+            assert len(reads) == len(labels)
+            r = scores_of(model, seq)[torch.tensor(reads) - c["early"]]
+            y = torch.tensor(labels, dtype=torch.float64)
+            total = total - (y * F.logsigmoid(r) + (1 - y) * F.logsigmoid(-r)).sum()
+            n += len(reads)
+        g = grad_of(total / n, model)
+        grads.append(g)
+        sgd_step(model, g, lr_schedule(step, 0.3, 1, len(batches)))
+    return model, grads
+
+
+@pytest.mark.parametrize("kind", ["orm", "prm"])
+def test_orm_and_prm_update(kind, tiny_sft, tmp_path):
+    result = train("orm" if kind == "orm" else "prm",
+                   ["--init", tiny_sft, "--n_prompts", "8", "--samples_per_prompt", "2", "--batch_size", "8",
+                    "--epochs", "1", "--lr", "0.3", "--warmup", "1", "--grad_clip", "1e9"]
+                   + (["--train", "prm"] if kind == "prm" else []), str(tmp_path), kind)
+    batches = [list(zip(e["prompts"], e["completions"])) for e in result.of("completion_batch")]
+    assert [len(b) for b in batches] == [8, 8]
+    scalar = f64(result.model, result.start)
+    model, grads = verifier_expected(scalar, batches, kind, {"early": 0})
+    check_grads(result, grads, far=[("the scores read one token early",
+                                     verifier_expected(scalar, batches, kind, {"early": 1})[1])])
+    check_weights(result, model)
+
