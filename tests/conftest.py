@@ -22,6 +22,35 @@ def run_script(script, args, timeout=600):
                           timeout=timeout, env=env)
 
 
+def run_scripts(calls, cwd=ROOT, timeout=600):
+    """run_script on every (script, args) of `calls` at once, from `cwd`: their CompletedProcesses, in order. For
+    independent refusals, which are mostly torch's import on one core (each call its own --out)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, script), *args], cwd=cwd, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for script, args in calls]
+    done = []
+    for p in procs:
+        try:
+            stdout, stderr = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    return done
+
+
+def refuses_all(script, cases, tmp_path, cwd=ROOT):
+    """Each (args, words) of `cases` is refused by `script` (refused(p, *words)), the runs at once, each with its own
+    --out under tmp_path unless its args name one. Returns the CompletedProcesses."""
+    calls = [(script, args if "--out" in args else [*args, "--out", str(tmp_path / f"out{i}")])
+             for i, (args, _) in enumerate(cases)]
+    done = run_scripts(calls, cwd)
+    for p, (args, words) in zip(done, cases):
+        refused(p, *words)
+    return done
+
+
 def refused(p, *words):
     """A run refused bad input the way every script must: a non-zero exit, one error line naming each of
     `words` (the flag and its value), and no traceback."""

@@ -12,7 +12,7 @@ import torch
 
 import distill
 import kernels
-from conftest import ROOT, refused, run_script
+from conftest import ROOT, refuses_all, run_script
 from distill import distillation_loss, topk_kl
 from model import load_checkpoint
 
@@ -291,16 +291,14 @@ def test_distillation_lowers_the_kl_to_the_teacher(tiny_sft, tiny_student, tmp_p
 
 
 def test_script_refuses_bad_input_with_one_line(tiny_sft, tiny_student, tmp_path):
-    out = ["--out", str(tmp_path)]
-    refused(run_script("distill.py", ["--estimator", "k2"] + out), "--estimator", "k2")
-    refused(run_script("distill.py", ["--topk", "0"] + out), "--topk", "0")
-    both = ["--teacher", tiny_sft, "--init", tiny_student, "--steps", "1"] + out
-    refused(run_script("distill.py", both + ["--estimator", "topk", "--topk", "300"]), "--topk 300", "258")
+    both = ["--teacher", tiny_sft, "--init", tiny_student, "--steps", "1"]
     gpt2 = os.path.join(ROOT, "tests", "golden", "gpt2")             # a Hugging Face folder: another tokenizer
-    p = run_script("distill.py", ["--teacher", gpt2, "--init", tiny_student, "--steps", "1"] + out)
-    refused(p, f"--teacher {gpt2}", "'bytes' (258 tokens)", tiny_student)
-    assert len(p.stderr.strip().splitlines()) == 1
-    p = run_script("distill.py", ["--teacher", str(tmp_path / "none.pt"), "--init", tiny_student] + out)
-    refused(p, "--teacher", "no checkpoint at")
-    p = run_script("distill.py", ["--teacher", tiny_sft, "--init", str(tmp_path / "none.pt")] + out)
-    refused(p, "no checkpoint at", "none.pt")
+    done = refuses_all("distill.py", [
+        (["--estimator", "k2"], ["--estimator", "k2"]),
+        (["--topk", "0"], ["--topk", "0"]),
+        (both + ["--estimator", "topk", "--topk", "300"], ["--topk 300", "258"]),
+        (["--teacher", gpt2, "--init", tiny_student, "--steps", "1"],
+         [f"--teacher {gpt2}", "'bytes' (258 tokens)", tiny_student]),
+        (["--teacher", str(tmp_path / "none.pt"), "--init", tiny_student], ["--teacher", "no checkpoint at"]),
+        (["--teacher", tiny_sft, "--init", str(tmp_path / "none.pt")], ["no checkpoint at", "none.pt"])], tmp_path)
+    assert len(done[3].stderr.strip().splitlines()) == 1

@@ -1,5 +1,5 @@
-"""More than one process (torchrun, gloo on CPU): for fixed rollouts, one process with a batch of P prompts, two
-processes with P/2 each, and one process with --grad_accum 2 must make the same update: the same weights after it,
+"""More than one process (torchrun, gloo on CPU): for fixed rollouts, one process with a batch of P prompts and two
+processes with P/2 each in --grad_accum 2 micro-batches must make the same update: the same weights after it,
 and the same loss and pre-clip gradient norm (both scale with the normalisers, which AdamW's first step does not:
 a wrong token count would still give nearly the same weights). Then a real torchrun run of grpo.py, and its resume."""
 import json
@@ -23,7 +23,8 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch(args, nproc, timeout=300, env=None):
+def launch(args, nproc, env=None):
+    """Start `args` as one process, or as nproc processes under torchrun: the Popen."""
     env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, **(env or {})}
     env["OMP_NUM_THREADS"] = "1"                     # two processes on two cores
     if nproc == 1:
@@ -31,22 +32,40 @@ def launch(args, nproc, timeout=300, env=None):
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
-def update(script, flags, out, nproc=1, grad_accum=1):
-    """One update step of `script` (or the case's own --steps, which comes after) on fixed rollouts, SGD in place of
-    AdamW: (the change of every weight, the last step's logged metrics)."""
+def finished(p, timeout=300):
+    """Wait for the Popen p: its CompletedProcess."""
+    try:
+        stdout, stderr = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise
+    return subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+
+
+def start_update(script, flags, out, nproc=1, grad_accum=1):
+    """Start one update step of `script` (or the case's own --steps, which comes after) on fixed rollouts, SGD in
+    place of AdamW; update() reads it. Several run at once (a process importing torch leaves a core idle)."""
     os.makedirs(out)
     start = os.path.join(out, "start.pt")            # the starting weights, recorded by the worker
     one_step = ["--epochs", "1"] if script == "reward_model" else ["--steps", "1"]   # reward_model: --n_train = batch
     p = launch([WORKER, script, *one_step, *flags, "--log_every", "1", "--eval_every", "1", "--eval_n", "1",
                 "--grad_accum", str(grad_accum), "--out", out], nproc, env={"DDP_WORKER_INIT": start})
+    return p, script, out
+
+
+def update(started):
+    """The started update's result: (the change of every weight, the last step's logged metrics)."""
+    p, script, out = started
+    p = finished(p)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     name = "rm" if script == "reward_model" else script
     model, _ = load_checkpoint(os.path.join(out, f"{name}.pt"))
     rows = [json.loads(line) for line in open(os.path.join(out, name, "metrics.jsonl"))]
-    return {k: p.detach() - p0 for (k, p), p0 in zip(model.named_parameters(), torch.load(start))}, rows[-1]
+    start = torch.load(os.path.join(out, "start.pt"))
+    return {k: p.detach() - p0 for (k, p), p0 in zip(model.named_parameters(), start)}, rows[-1]
 
 
 def assert_same_update(a, b, keys):
@@ -81,7 +100,7 @@ CASES = {
     "simpo": ("simpo", ["--batch_size", "8", "--n_pairs", "64", "--lr", "0.1", "--warmup", "0"],
               ["loss", "grad_norm", "reward_margin"]),
     "orpo": ("orpo", ["--batch_size", "8", "--n_pairs", "64"], ["loss", "grad_norm", "reward_margin", "nll"]),
-    # KTO: two steps, the second from weights that have moved (lr 0.3), where the reference point z0, the mean
+    # KTO: two steps, the second from weights that have moved (lr 0.3), where the KL estimate behind z0, the mean
     # log-ratio of the mismatched pairs (prompt k, completion k+1 of the whole step's batch), is not 0
     "kto": ("kto", ["--batch_size", "8", "--n_examples", "64", "--steps", "2", "--lr", "0.3", "--warmup", "0"],
             ["loss", "grad_norm", "kl_estimate", "z0", "desirable_reward"]),
@@ -125,19 +144,23 @@ def moved_teacher(tiny_sft, tmp_path_factory):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_two_processes_and_grad_accum_make_the_same_update_as_one_process(case, tiny_sft, tmp_path, request):
-    """1 process, 1 process x 2 micro-batches, 2 processes x 2 micro-batches: the same update. The last is where DDP
-    must not all-reduce before the last micro-batch (an early all-reduce counts the first micro-batch twice)."""
+    """1 process, and 2 processes x 2 micro-batches: the same update (a normaliser per micro-batch or per process,
+    or an all-reduce before the last micro-batch, which counts the first twice, would differ). For sft and grpo also
+    1 process x 2 micro-batches, so that a difference there points at the micro-batches rather than the processes
+    (each script's normalisers go through the same run.all_sum and run.micro_batches)."""
     script, flags, keys = CASES[case]
     if "TEACHER" in flags:
         flags = [request.getfixturevalue("moved_teacher") if f == "TEACHER" else f for f in flags]
     flags = flags + (["--init", tiny_sft] if script != "sft" else [])
-    one = update(script, flags, str(tmp_path / "one"))
-    accum = update(script, flags, str(tmp_path / "accum"), grad_accum=2)
-    two_accum = update(script, flags, str(tmp_path / "two_accum"), nproc=2, grad_accum=2)
-    assert_same_update(one, accum, keys)
-    assert_same_update(one, two_accum, keys)
-    if script == "kto":
-        assert one[1]["z0"] > 0.1                                      # z0 acts in the step compared
+    runs = [start_update(script, flags, str(tmp_path / "one")),
+            start_update(script, flags, str(tmp_path / "two_accum"), nproc=2, grad_accum=2)]
+    if case in ("sft", "grpo seq"):
+        runs.append(start_update(script, flags, str(tmp_path / "accum"), grad_accum=2))
+    one, *others = [update(r) for r in runs]
+    for other in others:
+        assert_same_update(one, other, keys)
+    if script == "kto":                                                # the mismatched pairs' estimate is compared
+        assert abs(one[1]["kl_estimate"]) > 1e-3 and one[1]["z0"] == max(0.0, one[1]["kl_estimate"])
     if script == "online_dpo":
         # 6 of 8 informative: 9-9*1 and 5-3*1 tie (left to right gives the right answer too); 3 on each rank, so
         # every micro-batch of every rank carries gradient, and the dropped ties leave the normaliser global
@@ -147,8 +170,8 @@ def test_two_processes_and_grad_accum_make_the_same_update_as_one_process(case, 
 def test_a_nan_loss_on_one_rank_stops_every_rank(tiny_sft, tmp_path):
     """Rank 1 alone sees a NaN loss: both ranks stop at once with one message (a rank that left alone would leave
     the other waiting in the next all-reduce until the backend's timeout, here the test's)."""
-    p = launch([WORKER, "grpo", *RL, "--steps", "2", "--init", tiny_sft, "--out", str(tmp_path)], nproc=2,
-               timeout=120, env={"DDP_WORKER_NAN_RANK": "1"})
+    p = finished(launch([WORKER, "grpo", *RL, "--steps", "2", "--init", tiny_sft, "--out", str(tmp_path)], nproc=2,
+                        env={"DDP_WORKER_NAN_RANK": "1"}), timeout=120)
     assert p.returncode != 0
     assert p.stderr.count("the loss is not finite on rank 1 of 2 at step 1") == 1, p.stderr[-3000:]  # rank 0 says it
 
@@ -157,7 +180,7 @@ def test_torchrun_grpo_writes_from_rank_0_and_resumes(tiny_sft, tmp_path):
     out = str(tmp_path)
     flags = ["grpo.py", "--prompts_per_step", "4", "--group_size", "2", "--log_every", "1", "--eval_every", "2",
              "--eval_n", "8", "--init", tiny_sft, "--out", out]
-    p = launch(flags + ["--steps", "2"], nproc=2)
+    p = finished(launch(flags + ["--steps", "2"], nproc=2))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert p.stdout.count("done: 2 steps") == 1                       # rank 0 alone reports
     rows = [json.loads(line) for line in open(os.path.join(out, "grpo", "metrics.jsonl"))]
@@ -165,7 +188,7 @@ def test_torchrun_grpo_writes_from_rank_0_and_resumes(tiny_sft, tmp_path):
     _, ckpt = load_checkpoint(os.path.join(out, "grpo.pt"))
     assert ckpt["step"] == 2 and len(ckpt["generators"]) == 2           # every rank's sampling stream is kept
     assert not torch.equal(ckpt["generators"][0], ckpt["generators"][1])
-    p = launch(flags + ["--steps", "3", "--resume"], nproc=2)
+    p = finished(launch(flags + ["--steps", "3", "--resume"], nproc=2))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "resuming from" in p.stdout
     assert [json.loads(line)["step"] for line in open(os.path.join(out, "grpo", "metrics.jsonl"))] == [0, 1, 2, 3]
@@ -173,5 +196,5 @@ def test_torchrun_grpo_writes_from_rank_0_and_resumes(tiny_sft, tmp_path):
 
 
 def test_a_batch_that_does_not_split_over_the_processes_is_refused(tiny_sft, tmp_path):
-    p = launch(["grpo.py", "--prompts_per_step", "3", "--init", tiny_sft, "--out", str(tmp_path)], nproc=2)
+    p = finished(launch(["grpo.py", "--prompts_per_step", "3", "--init", tiny_sft, "--out", str(tmp_path)], nproc=2))
     assert p.returncode != 0 and "--prompts_per_step 3 must split evenly over 2 processes" in p.stdout + p.stderr

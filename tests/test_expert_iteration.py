@@ -11,7 +11,7 @@ import torch
 
 import task
 from tasks import arithmetic
-from conftest import refused, run_script
+from conftest import refused, refuses_all, run_script
 from expert_iteration import demonstrations, hindsight_pairs, minibatches, reward_model_scores, round_counts, select
 from model import GPTConfig, ScalarGPT, Tokenizer, load_checkpoint, save_checkpoint
 
@@ -225,10 +225,9 @@ def test_hindsight_and_demos_in_the_round_data(tiny_sft, tmp_path):
 
 
 def test_script_rejects_bad_settings_with_a_message(tiny_sft, tmp_path):
-    for flag, value in (("--samples_per_prompt", "0"), ("--max_per_prompt", "0"), ("--rounds", "0"),
-                        ("--temperature", "0"), ("--epochs", "0")):
-        refused(run_script("expert_iteration.py", [flag, value, "--out", str(tmp_path)]), flag, value)
-    refused(run_script("expert_iteration.py", ["--select", "best", "--out", str(tmp_path)]), "--select", "'best'")
-    p = run_script("expert_iteration.py", ["--select", "rm", "--rm", str(tmp_path / "missing.pt"), "--init", tiny_sft,
-                                           "--out", str(tmp_path)])
-    refused(p, "no checkpoint at", "missing.pt")
+    cases = [([flag, value], [flag, value]) for flag, value in (("--samples_per_prompt", "0"),
+             ("--max_per_prompt", "0"), ("--rounds", "0"), ("--temperature", "0"), ("--epochs", "0"))]
+    cases += [(["--select", "best"], ["--select", "'best'"]),
+              (["--select", "rm", "--rm", str(tmp_path / "missing.pt"), "--init", tiny_sft],
+               ["no checkpoint at", "missing.pt"])]
+    refuses_all("expert_iteration.py", cases, tmp_path)

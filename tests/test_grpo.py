@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import task
-from conftest import refused, run_script
+from conftest import refuses_all, run_script
 import grpo
 import kernels
 from grpo import dynamic_sampling_keep, grpo_advantages, grpo_loss, overlong_penalty
@@ -396,14 +396,10 @@ def test_dynamic_sampling_with_fewer_kept_rows_than_micro_batches(tiny_sft, tmp_
 
 
 def test_script_rejects_bad_settings_with_a_message(tmp_path):
-    p = run_script("grpo.py", ["--group_size", "1", "--out", str(tmp_path)])
-    refused(p, "--group_size", "1")
-    p = run_script("grpo.py", ["--temperature", "0", "--out", str(tmp_path)])
-    refused(p, "--temperature", "0")
-    refused(run_script("grpo.py", ["--overlong_buffer", "30", "--out", str(tmp_path)]), "--overlong_buffer 30",
-            "--max_new_tokens 24")
-    p = run_script("grpo.py", ["--init", str(tmp_path / "missing.pt"), "--out", str(tmp_path)])
-    assert p.returncode != 0 and "no checkpoint at" in p.stderr
+    refuses_all("grpo.py", [(["--group_size", "1"], ["--group_size", "1"]),
+                            (["--temperature", "0"], ["--temperature", "0"]),
+                            (["--overlong_buffer", "30"], ["--overlong_buffer 30", "--max_new_tokens 24"]),
+                            (["--init", str(tmp_path / "missing.pt")], ["no checkpoint at"])], tmp_path)
 
 
 def test_grpo_raises_the_training_reward(tiny_sft, tmp_path):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import plumbing
-from conftest import ROOT, refused, run_script
+from conftest import ROOT, refused, run_script, run_scripts
 from model import load_checkpoint, save_checkpoint
 
 SCRIPTS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "*.py"))
@@ -97,14 +97,6 @@ def test_max_new_tokens_past_the_context_is_refused_before_any_work(script, tiny
     assert not os.path.exists(tmp_path / script / "metrics.jsonl")    # not even the step-0 evaluation ran
 
 
-def run_elsewhere(cwd, script, args, timeout=120):
-    """Run a script from the folder `cwd` (where out/sft.pt, the default --init, is missing): a run that started
-    building it would print so and take minutes; the timeout says it did not."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run([sys.executable, os.path.join(ROOT, script), *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout, env=env)
-
-
 def test_what_can_be_refused_at_start_is_refused_before_building_a_prerequisite(tmp_path):
     """out/sft.pt is the missing default here: each of these is refused without building it first."""
     junk = tmp_path / "junk.pt"
@@ -114,11 +106,11 @@ def test_what_can_be_refused_at_start_is_refused_before_building_a_prerequisite(
              ("grpo.py", ["--resume", "--out", str(tmp_path / "x")], ["--resume", "no checkpoint at"]),
              ("expert_iteration.py", ["--select", "rm", "--rm", str(junk)], ["--rm", "junk.pt"]),
              ("ppo.py", ["--rm", str(tmp_path / "missing.pt")], ["--rm", "no checkpoint at", "missing.pt"])]
-    for script, args, words in cases:
-        p = run_elsewhere(tmp_path, script, args)
+    done = run_scripts([(script, args) for script, args, _ in cases], cwd=tmp_path, timeout=120)
+    for p, (script, args, words) in zip(done, cases):
         refused(p, *words)
         assert "building it first" not in p.stdout, (script, args)
-        assert not os.path.exists(tmp_path / "out" / "sft.pt")
+    assert not os.path.exists(tmp_path / "out" / "sft.pt")
 
 
 def write_run(out, steps, tiny_sft):

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from conftest import ROOT, refused, run_script
+from conftest import ROOT, refuses_all, run_script
 
 spec = importlib.util.spec_from_file_location("ppo", os.path.join(ROOT, "ppo.py"))
 ppo = importlib.util.module_from_spec(spec)
@@ -284,10 +284,8 @@ def test_a2c_and_verifier_reward_settings_run(tiny_sft, tmp_path):
 
 
 def test_ppo_rejects_bad_settings_with_a_message(tmp_path):
-    p = run_script("ppo.py", ["--gae_lambda", "1.5", "--out", str(tmp_path)])
-    refused(p, "--gae_lambda", "1.5")
-    p = run_script("ppo.py", ["--minibatches", "9", "--batch_size", "8", "--out", str(tmp_path)])
-    refused(p, "--minibatches", "9")
-    p = run_script("ppo.py", ["--rm", str(tmp_path / "missing.pt"), "--out", str(tmp_path)])
-    refused(p, "--rm", "no checkpoint at", "missing.pt")
+    missing = str(tmp_path / "missing.pt")
+    *_, p = refuses_all("ppo.py", [(["--gae_lambda", "1.5"], ["--gae_lambda", "1.5"]),
+                                   (["--minibatches", "9", "--batch_size", "8"], ["--minibatches", "9"]),
+                                   (["--rm", missing], ["--rm", "no checkpoint at", "missing.pt"])], tmp_path)
     assert "building" not in p.stdout                     # refused before any work: no SFT policy built first

@@ -13,7 +13,7 @@ import torch
 import prm
 import task
 from tasks import arithmetic
-from conftest import refused, run_script
+from conftest import refuses_all, run_script
 from model import GPT, GPTConfig, ScalarGPT, Tokenizer, load_checkpoint, scores_at
 
 
@@ -275,10 +275,8 @@ def test_script_mc_labels_report_agreement(tiny_sft, tmp_path):
 
 
 def test_script_refuses_bad_input(tmp_path):
-    refused(run_script("prm.py", ["--mc_k", "0", "--out", str(tmp_path)]), "--mc_k", "0 is not allowed")
-    refused(run_script("prm.py", ["--n_prompts", "4", "--samples_per_prompt", "2", "--batch_size", "9",
-                                  "--out", str(tmp_path)]),
-            "--batch_size 9", "8 training completions")
-    refused(run_script("prm.py", ["--labels", "human", "--out", str(tmp_path)]), "--labels")
-    refused(run_script("prm.py", ["--init", str(tmp_path / "nope.pt"), "--out", str(tmp_path)]), "no checkpoint at",
-            "nope.pt")
+    refuses_all("prm.py", [(["--mc_k", "0"], ["--mc_k", "0 is not allowed"]),
+                           (["--n_prompts", "4", "--samples_per_prompt", "2", "--batch_size", "9"],
+                            ["--batch_size 9", "8 training completions"]),
+                           (["--labels", "human"], ["--labels"]),
+                           (["--init", str(tmp_path / "nope.pt")], ["no checkpoint at", "nope.pt"])], tmp_path)

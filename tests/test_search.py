@@ -16,7 +16,7 @@ import torch
 import search
 import task
 from tasks import arithmetic
-from conftest import ROOT, refused, run_script
+from conftest import ROOT, refused, refuses_all, run_script
 from model import GPT, GPTConfig, ScalarGPT, Tokenizer, load_checkpoint, save_checkpoint
 
 
@@ -231,16 +231,15 @@ def test_script_end_to_end(tiny_sft, verifiers, tmp_path):
 
 
 def test_script_refuses_bad_input(tiny_sft, verifiers, tmp_path):
-    common = ["--init", tiny_sft, "--rm", verifiers["rm"], "--eval_n", "2", "--out", str(tmp_path)]
-    p = run_script("search.py", common + ["--orm", verifiers["orm"], "--prm", verifiers["orm"]])
-    refused(p, "reward_type 'orm'", "reward_type 'prm' is needed")                  # an ORM where a PRM is expected
-    p = run_script("search.py", common + ["--orm", verifiers["rm"], "--prm", verifiers["prm"]])
-    refused(p, "script 'reward_model'")
-    p = run_script("search.py", common + ["--orm", str(tmp_path / "none.pt"), "--prm", verifiers["prm"]])
-    refused(p, "no checkpoint at", "none.pt", "prm.py")
-    for flag in ("--max_n", "--beam", "--expand"):
-        refused(run_script("search.py", [flag, "0", "--out", str(tmp_path)]), flag, "0 is not allowed")
-    refused(run_script("search.py", ["--max_n", "1000000000", "--out", str(tmp_path)]), "--max_n", "<= 256")
+    common = ["--init", tiny_sft, "--rm", verifiers["rm"], "--eval_n", "2"]
+    refuses_all("search.py", [
+        (common + ["--orm", verifiers["orm"], "--prm", verifiers["orm"]],            # an ORM where a PRM is expected
+         ["reward_type 'orm'", "reward_type 'prm' is needed"]),
+        (common + ["--orm", verifiers["rm"], "--prm", verifiers["prm"]], ["script 'reward_model'"]),
+        (common + ["--orm", str(tmp_path / "none.pt"), "--prm", verifiers["prm"]],
+         ["no checkpoint at", "none.pt", "prm.py"]),
+        *[([flag, "0"], [flag, "0 is not allowed"]) for flag in ("--max_n", "--beam", "--expand")],
+        (["--max_n", "1000000000"], ["--max_n", "<= 256"])], tmp_path)
 
 
 def test_what_can_be_refused_is_refused_before_any_prerequisite_is_built(tmp_path):

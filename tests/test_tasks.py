@@ -5,7 +5,7 @@ import random
 import pytest
 
 import task
-from conftest import refused, run_script, task_args
+from conftest import refused, run_script, run_scripts, task_args
 from model import Tokenizer
 from plumbing import add_run_flags, parser
 from tasks import arithmetic, countdown, gsm8k
@@ -133,12 +133,15 @@ def test_task_flags_move_the_default_paths_and_budget_and_refuse_what_does_not_f
 def test_scripts_refuse_bad_task_input_in_one_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "q", "answer": "#### 1"}\n{"question": "q"}\n')
-    refused(run_script("grpo.py", ["--task", "gsm8k", "--data", str(bad), "--out", str(tmp_path)]), "line 2")
-    refused(run_script("grpo.py", ["--task", "gsm8k", "--data", str(tmp_path / "none.jsonl"), "--out",
-                                   str(tmp_path)]), "none.jsonl")
-    refused(run_script("grpo.py", ["--task", "chess"]), "chess")
-    refused(run_script("prm.py", ["--task", "countdown", "--out", str(tmp_path)]), "arithmetic")
-    refused(run_script("sft.py", ["--task", "countdown", "--format", "r1", "--out", str(tmp_path)]), "--block_size")
+    cases = [("grpo.py", ["--task", "gsm8k", "--data", str(bad)], ["line 2"]),
+             ("grpo.py", ["--task", "gsm8k", "--data", str(tmp_path / "none.jsonl")], ["none.jsonl"]),
+             ("grpo.py", ["--task", "chess"], ["chess"]),
+             ("prm.py", ["--task", "countdown"], ["arithmetic"]),
+             ("sft.py", ["--task", "countdown", "--format", "r1"], ["--block_size"])]
+    done = run_scripts([(script, args + ["--out", str(tmp_path / f"out{i}")])
+                        for i, (script, args, _) in enumerate(cases)])
+    for p, (_, _, words) in zip(done, cases):
+        refused(p, *words)
 
 
 def test_grpo_trains_on_countdown_from_a_countdown_sft_policy(tmp_path):

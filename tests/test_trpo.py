@@ -16,7 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.utils import parameters_to_vector
 
 import kernels
-from conftest import ROOT, refused, run_script
+from conftest import ROOT, refuses_all, run_script
 from model import GPT, GPTConfig, load_checkpoint
 from trpo import (LineSearch, backtracking_line_search, conjugate_gradient, fisher_vector_product, flat_grad, mean_kl,
                   natural_gradient_step, rloo_advantages, set_flat_params, surrogate)
@@ -399,11 +399,9 @@ def test_script_runs_end_to_end_within_the_trust_region_and_resumes_bit_exactly(
 
 
 def test_script_rejects_bad_settings_with_a_message(tmp_path):
-    refused(run_script("trpo.py", ["--group_size", "1", "--out", str(tmp_path)]), "--group_size", "1")
-    refused(run_script("trpo.py", ["--max_kl", "0", "--out", str(tmp_path)]), "--max_kl", "0")
-    refused(run_script("trpo.py", ["--damping", "-1", "--out", str(tmp_path)]), "--damping", "-1")
-    p = run_script("trpo.py", ["--init", str(tmp_path / "missing.pt"), "--out", str(tmp_path)])
-    assert p.returncode != 0 and "no checkpoint at" in p.stderr
+    refuses_all("trpo.py", [(["--group_size", "1"], ["--group_size", "1"]), (["--max_kl", "0"], ["--max_kl", "0"]),
+                            (["--damping", "-1"], ["--damping", "-1"]),
+                            (["--init", str(tmp_path / "missing.pt")], ["no checkpoint at"])], tmp_path)
 
 
 def test_a_step_that_is_not_finite_is_refused_and_the_weights_stay_theta_old(tiny_sft, tmp_path):
