@@ -22,18 +22,20 @@ import json
 import os
 import random
 import re
+from functools import lru_cache
 from typing import NamedTuple
 
 
 import torch
+import torch.nn.functional as F
 
-from model import fingerprint
-from tasks import arithmetic, countdown, gsm8k
+from model import KVCache, fingerprint
+from tasks import arithmetic, countdown, gsm8k, toolcalc
 
 # -----------------------------------------------------------------------------
 # The task in use: --task and --format choose it, use(args) sets it, every function below reads it
 
-TASKS = ("arithmetic", "countdown", "gsm8k")
+TASKS = ("arithmetic", "countdown", "gsm8k", "toolcalc")
 FORMATS = ("plain", "r1")
 R1_TEMPLATE = ("A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
                "The assistant first thinks about the reasoning process in the mind and then provides the user with "
@@ -47,6 +49,8 @@ R1_EXTRA_TOKENS = 34           # ' <think></think> <answer></answer>' in bytes: 
 _R1_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
 
 _task, _format = arithmetic.task(), "plain"     # the default; use(args) replaces both
+_max_calls = toolcalc.MAX_CALLS                  # calls answered per episode (agent.py --max_calls sets it)
+calculator = toolcalc.calculator                 # the tool: calculator('12*46') -> '552'; "error..." for the rest
 
 
 def check_args(parser, args):
@@ -60,14 +64,32 @@ def check_args(parser, args):
         parser.error(f"--data is for --task gsm8k; --task {args.task} is generated in code")
     if args.data and len(args.data) > 2:
         parser.error(f"--data takes one or two files (training, held-out); got {len(args.data)}")
+    if args.task == "toolcalc":
+        check_tool_args(parser, args)
     for flag in ("out", "init", "rm"):                     # the defaults move to the task's folder (folder())
         default = {"out": "out", "init": os.path.join("out", "sft.pt"), "rm": os.path.join("out", "rm.pt")}[flag]
         if getattr(args, flag, None) == default:
             setattr(args, flag, folder(args) if flag == "out" else default_path(default, args))
     if getattr(args, "max_new_tokens", 0) is None:         # the task's completion budget (default_max_new_tokens)
         budget = {"arithmetic": arithmetic.MAX_NEW_TOKENS, "gsm8k": gsm8k.MAX_NEW_TOKENS,
-                  "countdown": countdown.MAX_NEW_TOKENS[args.countdown_numbers]}[args.task]
+                  "toolcalc": toolcalc.MAX_NEW_TOKENS, "countdown": countdown.MAX_NEW_TOKENS[args.countdown_numbers]
+                  }[args.task]
         args.max_new_tokens = budget + (R1_EXTRA_TOKENS if args.format == "r1" else 0)
+
+
+def check_tool_args(parser, args):
+    """--task toolcalc: its episodes need the environment, which only agent.py (and sft.py, on demonstrations) run; the
+    plain format only; sft.py's --block_size default becomes toolcalc.BLOCK_SIZE (two attempts must fit)."""
+    if not (hasattr(args, "max_calls") or hasattr(args, "mistake_rate")):
+        parser.error("--task toolcalc needs its environment (the calculator answering calls): train on it with sft.py "
+                     "(demonstrations) and agent.py (episodes)")
+    if args.format != "plain":
+        parser.error(f"--task toolcalc is defined in the plain format only; got --format {args.format}")
+    if getattr(args, "block_size", None) == 64:
+        args.block_size = toolcalc.BLOCK_SIZE
+    elif getattr(args, "block_size", toolcalc.BLOCK_SIZE) < toolcalc.BLOCK_SIZE:
+        parser.error(f"--block_size {args.block_size} is too short for --task toolcalc's two-attempt demonstrations; "
+                     f"allowed: --block_size >= {toolcalc.BLOCK_SIZE}")
 
 
 def require_arithmetic(parser, args, what):
@@ -103,12 +125,15 @@ def flags(args):
 def use(args):
     """Make args.task (in args.format) the task every function here uses; returns a line that says which.
     ValueError for a --data file it cannot use (naming the file and the line)."""
-    global _task, _format
+    global _task, _format, _max_calls
     name, skipped = getattr(args, "task", "arithmetic"), 0
+    _max_calls = getattr(args, "max_calls", toolcalc.MAX_CALLS)
     if name == "countdown":
         chosen = countdown.task(n_numbers=args.countdown_numbers)
     elif name == "gsm8k":
         chosen, skipped = gsm8k.task(args.data)
+    elif name == "toolcalc":
+        chosen = toolcalc.task()
     else:
         chosen = arithmetic.task()
     _task, _format = chosen, getattr(args, "format", "plain")
@@ -219,9 +244,14 @@ def complete(model, tokenizer, prompts, num_samples=1, temperature=0.0, max_new_
     max_new_tokens = max_new_tokens or default_max_new_tokens()
     texts, ids = [], []
     for i in range(0, len(prompts), batch_size):
-        idx, mask = tokenizer.encode_batch(prompts[i:i + batch_size], device)
-        tokens, cmask, _ = model.generate(idx, mask, max_new_tokens, tokenizer.eos_id, tokenizer.pad_id,
-                                          num_samples=num_samples, temperature=temperature, generator=generator)
+        if _task.name == "toolcalc":                   # episodes: the calculator answers the calls
+            e = episodes(model, tokenizer, prompts[i:i + batch_size], num_samples, temperature, max_new_tokens,
+                         generator=generator)
+            tokens, cmask = e.tokens, e.mask
+        else:
+            idx, mask = tokenizer.encode_batch(prompts[i:i + batch_size], device)
+            tokens, cmask, _ = model.generate(idx, mask, max_new_tokens, tokenizer.eos_id, tokenizer.pad_id,
+                                              num_samples=num_samples, temperature=temperature, generator=generator)
         texts += tokenizer.decode_completions(tokens, cmask)
         if return_ids:
             ids += [[t for t, keep in zip(row, m) if keep and t != tokenizer.eos_id]
@@ -273,6 +303,142 @@ def concat_rollouts(batches, pad_id):
                    torch.cat([right(b.tokens, Tn, pad_id) for b in batches]),
                    torch.cat([right(b.mask, Tn, 0.0) for b in batches]),
                    *(torch.cat([b[i] for b in batches]) for i in (4, 5, 6)))
+
+
+class Episodes(NamedTuple):
+    """A batch of episodes (--task toolcalc): each the prompt, then one sequence of the policy's and the environment's
+    tokens, an episode's G samples on consecutive rows (B = P*G rows). Built from token ids as they were sampled and
+    written, never re-tokenised from text, so the masks are exact whatever the tokenizer."""
+    prompt: torch.Tensor         # (B, Tp) prompt ids, left-padded
+    prompt_mask: torch.Tensor    # (B, Tp) 1.0 on prompt tokens
+    tokens: torch.Tensor         # (B, Tn) after the prompt: the policy's and the environment's tokens, right-padded
+    mask: torch.Tensor           # (B, Tn) 1.0 on every real token (what attention sees)
+    sampled: torch.Tensor        # (B, Tn) 1.0 on the tokens the policy sampled (what a loss may see); 0 elsewhere
+    turn: torch.Tensor           # (B, Tn) int64: the attempt each token belongs to (0, 1, ...)
+    truncated: torch.Tensor      # (B,) bool: an attempt ran out of max_new_tokens
+    correct: torch.Tensor        # (B, turns) float32: 1.0 where that attempt's answer is right
+    calls: torch.Tensor          # (B, turns) float32: calls the policy opened in each attempt
+    malformed: torch.Tensor      # (B, turns) float32: of those, the ones the tool did not answer
+
+
+_POLICY, _ENV = 1, 2             # who wrote a token (0: padding)
+
+
+class _Episode:
+    """One episode's state while it is sampled: what is written so far, by whom, and what the environment has yet to
+    write (a tool reply, the revision prompt)."""
+
+    def __init__(self, turns):
+        self.ids, self.who, self.turn_of, self.queue, self.segment = [], [], [], [], []
+        self.turn, self.used, self.done, self.truncated = 0, 0, False, False
+        self.answer_ids = [[] for _ in range(turns)]      # each attempt's tokens, the tool's replies included
+        self.calls, self.malformed = [0] * turns, [0] * turns
+
+    def write(self, token, who, counts=True):
+        self.ids.append(token)
+        self.who.append(who)
+        self.turn_of.append(self.turn)
+        self.used += counts
+        if counts:
+            self.answer_ids[self.turn].append(token)
+
+
+@lru_cache(maxsize=8)
+def _markers(tokenizer):
+    """(ids whose text holds CALL_OPEN, ids whose text holds CALL_CLOSE), special tokens excepted."""
+    special = {tokenizer.eos_id, tokenizer.pad_id}
+    texts = [(i, tokenizer.decode([i])) for i in range(tokenizer.vocab_size) if i not in special]
+    opens, closes = [i for i, t in texts if toolcalc.CALL_OPEN in t], [i for i, t in texts if toolcalc.CALL_CLOSE in t]
+    return opens, frozenset(closes)
+
+
+def _unclosed_call(e, tokenizer):
+    """At the end of an attempt: a call opened and never closed is a call, and malformed."""
+    text = tokenizer.decode(e.segment)
+    if text.rfind(toolcalc.CALL_OPEN) > text.rfind(toolcalc.CALL_CLOSE):
+        e.calls[e.turn] += 1
+        e.malformed[e.turn] += 1
+
+
+def _advance(e, sampled, tokenizer, closes, revise, turns, budget, max_calls):
+    """Write one position of episode e and return the token written: the environment's next queued token if it has
+    one, else the policy's `sampled` token, acted on: a token that closes a call gets the tool's reply queued (calls
+    past max_calls are answered "error"); an EOS ends the attempt, and before the last attempt is replaced by REVISE
+    (the policy's EOS is not kept: the environment's text takes its place, as a chat template's next turn does)."""
+    if e.done:
+        return tokenizer.pad_id
+    if e.queue:
+        token, counts = e.queue.pop(0)
+        e.write(token, _ENV, counts)
+    elif sampled == tokenizer.eos_id:
+        _unclosed_call(e, tokenizer)
+        if e.turn + 1 < turns:
+            e.turn, e.used, e.segment = e.turn + 1, 0, []
+            e.write(revise[0], _ENV, counts=False)
+            e.queue = [(t, False) for t in revise[1:]]
+            return revise[0]
+        e.write(sampled, _POLICY, counts=False)
+        e.done = True
+        return sampled
+    else:
+        e.write(sampled, _POLICY)
+        e.segment.append(sampled)
+        if sampled in closes:
+            text = tokenizer.decode(e.segment)
+            close = text.rfind(toolcalc.CALL_CLOSE)
+            start = text.rfind(toolcalc.CALL_OPEN, 0, close)
+            if start >= 0:                                  # a call: <expression>
+                e.calls[e.turn] += 1
+                reply = toolcalc.tool_reply(text[start + 1:close]) if sum(e.calls) <= max_calls else "error"
+                e.malformed[e.turn] += reply == "error"
+                e.queue, e.segment = [(t, True) for t in tokenizer.encode(reply)], []
+    if e.used >= budget:                                   # this attempt ran out of tokens: the episode ends
+        _unclosed_call(e, tokenizer)
+        e.done = e.truncated = True
+    return e.ids[-1]
+
+
+@torch.no_grad()
+def episodes(policy, tokenizer, prompts, group_size=1, temperature=1.0, max_new_tokens=None, max_calls=None, turns=1,
+             tool=True, generator=None):
+    """Episodes of the tool task, sampled token by token with a KV cache, all rows at once: at each position a row
+    takes the environment's next queued token if it has one (a tool reply, REVISE), else the token the policy samples
+    (at `temperature`, the full softmax; 0 is greedy). Each attempt gets max_new_tokens (tool replies included);
+    tool=False bans every token that opens a call (the policy without its tool). Returns Episodes, scored."""
+    device = next(policy.parameters()).device
+    budget = max_new_tokens or default_max_new_tokens()
+    max_calls = _max_calls if max_calls is None else max_calls
+    opens, closes = _markers(tokenizer)
+    revise = tokenizer.encode(toolcalc.REVISE)
+    prompt, prompt_mask = tokenizer.encode_batch(prompts, device)                     # (P, Tp)
+    prompt, prompt_mask = prompt.repeat_interleave(group_size, 0), prompt_mask.repeat_interleave(group_size, 0)
+    B, Tn = prompt.size(0), turns * budget + (turns - 1) * len(revise)                # (B, Tp); longest episode
+    cache = KVCache(policy.config.n_layer, B, prompt.size(1) + Tn, device)
+    logits = policy(prompt, prompt_mask, cache)[:, -1].float()                        # (B, V) the first token's
+    state = [_Episode(turns) for _ in range(B)]
+    for _ in range(Tn):
+        if not tool:
+            logits[:, opens] = float("-inf")
+        if temperature == 0:
+            sampled = logits.argmax(-1)                                               # (B,)
+        else:
+            sampled = torch.multinomial(F.softmax(logits / temperature, -1), 1, generator=generator).squeeze(1)
+        written = [_advance(e, s, tokenizer, closes, revise, turns, budget, max_calls)
+                   for e, s in zip(state, sampled.tolist())]
+        if all(e.done for e in state):
+            break
+        logits = policy(torch.tensor(written, device=device)[:, None], torch.ones(B, 1, device=device),
+                        cache)[:, -1].float()
+    T = max(len(e.ids) for e in state)
+    pad = lambda rows, v: torch.tensor([r + [v] * (T - len(r)) for r in rows], device=device)
+    who = pad([e.who for e in state], 0)                                              # (B, T)
+    correct = [[reward(prompts[i // group_size], tokenizer.decode(ids)) == 1.0 for ids in e.answer_ids]
+               for i, e in enumerate(state)]
+    as_float = lambda rows: torch.tensor(rows, dtype=torch.float32, device=device)
+    return Episodes(prompt, prompt_mask, pad([e.ids for e in state], tokenizer.pad_id), (who > 0).float(),
+                    (who == _POLICY).float(), pad([e.turn_of for e in state], 0),
+                    torch.tensor([e.truncated for e in state], device=device), as_float(correct),
+                    as_float([e.calls for e in state]), as_float([e.malformed for e in state]))
 
 
 def evaluate(model, tokenizer, prompts=None, num_samples=4, temperature=1.0, seed=0):
@@ -376,9 +542,15 @@ def completion_batch(prompts, completions, tokenizer, device="cpu"):
     """Right-padded batch of prompt + completion + EOS sequences: the prompt encoded on its own, each completion as
     token ids (a list of ints, as sampled; EOS not included) or as text (encoded). Returns tokens (B, T),
     attention mask (B, T) 1.0 on real tokens, and completion mask (B, T-1) 1.0 where the target token t+1 is a
-    completion token or the final EOS (the positions a teacher-forced loss or a sequence log-prob sums over)."""
-    ids = [(tokenizer.encode(p), (tokenizer.encode(c) if isinstance(c, str) else list(c)) + [tokenizer.eos_id])
-           for p, c in zip(prompts, completions)]
+    completion token or the final EOS (the positions a teacher-forced loss or a sequence log-prob sums over). With
+    --task toolcalc a text completion is encoded piece by piece and the environment's pieces (tool replies, REVISE)
+    are 0 in the completion mask: context, not targets."""
+    ids, targets = [], []
+    for p, c in zip(prompts, completions):
+        pieces = toolcalc.segments(c) if _task.name == "toolcalc" and isinstance(c, str) else [(c, False)]
+        encoded = [(tokenizer.encode(text) if isinstance(text, str) else list(text), env) for text, env in pieces]
+        ids.append((tokenizer.encode(p), [t for piece, _ in encoded for t in piece] + [tokenizer.eos_id]))
+        targets.append([float(not env) for piece, env in encoded for _ in piece] + [1.0])
     T = max(len(p) + len(c) for p, c in ids)
     tokens = torch.full((len(ids), T), tokenizer.pad_id, dtype=torch.long)
     attn = torch.zeros(len(ids), T)
@@ -386,7 +558,7 @@ def completion_batch(prompts, completions, tokenizer, device="cpu"):
     for i, (p, c) in enumerate(ids):
         tokens[i, :len(p) + len(c)] = torch.tensor(p + c)
         attn[i, :len(p) + len(c)] = 1.0
-        mask[i, len(p) - 1:len(p) + len(c) - 1] = 1.0   # the predictions of c[0] .. EOS
+        mask[i, len(p) - 1:len(p) + len(c) - 1] = torch.tensor(targets[i])   # the predictions of c[0] .. EOS
     return tokens.to(device), attn.to(device), mask.to(device)
 
 

@@ -5,6 +5,7 @@ which holds the one chosen with --task; each module here builds its Task with `t
     arithmetic   three-operand arithmetic where operator precedence matters (the default; generated)
     countdown    reach a target from 3 or 4 numbers with + - * / (Gandhi et al. 2024; generated)
     gsm8k        grade-school word problems from a local JSONL file in GSM8K's format (Cobbe et al. 2021)
+    toolcalc     two-digit products a small model cannot do in its head, and a calculator it may call (agent.py)
 """
 from typing import Callable, NamedTuple
 

@@ -1,0 +1,276 @@
+"""
+Agent: GRPO on multi-turn episodes, where the policy may call a calculator and the environment's tokens are context.
+
+An episode is one token sequence, the policy's tokens and the environment's in turn: the policy writes a call
+<37+12*46>, the environment writes the result 589 after it, the policy goes on to its answer #589. With --turns 2 the
+environment answers the end of the first attempt with a prompt to revise it, and the policy tries again. Each prompt
+gets G episodes; GRPO's group-relative advantage goes to every token the policy sampled and never to the
+environment's: the policy did not choose them, and a loss on them teaches it to predict the tool's output instead of
+using the tool (ReTool, Feng et al. 2025, arXiv 2504.11536; Search-R1, Jin et al. 2025, arXiv 2503.09516; RAGEN,
+Wang et al. 2025, arXiv 2504.20073; ARTIST, Singh et al. 2025, arXiv 2505.01441). --train_on_env_tokens does that,
+the wrong thing, to show what it does (experiments/README.md).
+
+Episode i, o_i the tokens the policy sampled (the environment's are in the context, never in the sum), t in o_i:
+    r_i = 1[final answer right] - c * calls_i                                     (c = --call_cost)
+    A_i = (r_i - mean(r_1..r_G)) / (std(r_1..r_G) + eps)
+    L = 1/G sum_i 1/|o_i| sum_t [ -min(rho_it A_i, clip(rho_it, 1-eps, 1+eps) A_i) + beta KL_it ]
+--turns 2 (SCoRe, Kumar et al. 2024, arXiv 2409.12917, its stage II bonus): the first attempt's tokens take A from
+    r_1 = right_1 - c calls_1, the second attempt's from r_2 = right_2 + alpha (right_2 - right_1) - c calls_2,
+so turning a wrong first answer right earns 1 + alpha, turning a right one wrong -alpha (alpha = --shaping).
+
+Deviations and choices:
+- Each attempt is trained on its own reward: one reward for both would pay the first attempt for being wrong.
+- No SCoRe stage I (its KL constraint on the first attempt); one revision prompt, REVISE in tasks/toolcalc.py.
+- The EOS that ends the first attempt is replaced by the revision prompt (as a chat template's next turn is).
+- A malformed call (never closed, refused by the calculator, past --max_calls) costs a call, is answered "error".
+- mu passes over the whole batch, the old log-probs kept from sampling time; equal rewards in a group give A = 0.
+
+Shapes: P prompts, G episodes per prompt, B = P*G rows; Tp prompt, Tn episode tokens after it (policy's and
+environment's); K attempts (--turns); V vocabulary.
+
+Run:
+    python agent.py                        # builds out/toolcalc/sft.pt first; about 9 minutes on 2 CPU cores in all
+    python agent.py --resume               # continue from out/toolcalc/agent.pt up to --steps
+    python agent.py --call_cost 0.5        # calls dearer: the policy calls only where its head fails
+    python agent.py --train_on_env_tokens  # the pitfall: the environment's tokens in the loss
+    python agent.py --turns 2              # self-correction: a second attempt after the revision prompt
+Metrics: out/toolcalc/agent/metrics.jsonl (docs/metrics.md says what each means); checkpoint out/toolcalc/agent.pt.
+"""
+import torch
+
+import task
+from kernels import entropy, kl, kl_penalty, logprobs
+from model import completion_logits, completion_logprobs
+from plumbing import SFT_PATH, TEMPERATURE, Float, Int, Run, add_run_flags, parser
+from tasks import toolcalc
+
+
+# -----------------------------------------------------------------------------
+# The algorithm: rewards per attempt, group-relative advantages, the clipped surrogate on the policy's tokens only
+
+def episode_rewards(correct, calls, call_cost, shaping):
+    """correct, calls (B, K): each attempt's 0/1 answer and its calls -> rewards (B, K): r_k = right_k - c calls_k,
+    and with a second attempt SCoRe's bonus alpha (right_2 - right_1) added to r_2."""
+    rewards = correct - call_cost * calls                              # (B, K)
+    if correct.size(1) == 2:
+        rewards[:, 1] += shaping * (correct[:, 1] - correct[:, 0])     # alpha (right_2 - right_1)
+    return rewards
+
+
+def grpo_advantages(rewards, group_size, eps=1e-6):
+    """rewards (P*G,), G = group_size consecutive episodes per prompt -> (r - mean_g) / (std_g + eps) (P*G,), population
+    std; 0 for a group whose rewards are all equal."""
+    r = rewards.view(-1, group_size)                                   # (P, G)
+    advantages = (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True, unbiased=False) + eps)
+    all_equal = (r == r[:, :1]).all(dim=1, keepdim=True)               # (P, 1) no signal in this group
+    return torch.where(all_equal, torch.zeros_like(advantages), advantages).view(-1)  # (P*G,)
+
+
+def agent_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps=0.2, beta=0.04, kl_estimator="k3", num_seqs=None,
+               num_tokens=None):
+    """GRPO's loss on episodes and its metrics (detached). logp (B, T) log pi_theta of the episode's tokens (with grad);
+    old_logp (B, T) at sampling time; ref_logp (B, T) under the reference; advantages (B, T), each token its attempt's
+    A; mask (B, T) 1.0 on the tokens the loss sees: the policy's (Episodes.sampled), never the environment's. Where mask
+    is 0 the gradient is exactly 0 (values there are never read). num_seqs, num_tokens: the whole step's counts when
+    this batch is a part of it."""
+    real = mask > 0                                                    # (B, T) bool
+    logp, old_logp, ref_logp = (torch.where(real, x, 0.0) for x in (logp, old_logp, ref_logp))
+    ratio = torch.exp(logp - old_logp)                                 # rho_it = pi_theta / pi_old
+    pg = -torch.min(ratio * advantages, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * advantages)   # (B, T)
+    kl_t = kl_penalty(logp, ref_logp, kl_estimator)                    # (B, T) KL_it
+    per_token = torch.where(real, pg + beta * kl_t, 0.0)               # (B, T) the environment's tokens: 0
+    n_seqs = mask.size(0) if num_seqs is None else num_seqs
+    loss = (per_token.sum(1) / mask.sum(1).clamp(min=1)).sum() / n_seqs   # 1/G sum_i 1/|o_i| sum_t
+    n_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
+    clipped = ((advantages > 0) & (ratio > 1 + clip_eps)) | ((advantages < 0) & (ratio < 1 - clip_eps))
+    return loss, {"clip_frac": torch.where(real, clipped.float(), 0.0).sum() / n_tokens,
+                  "kl_est": torch.where(real, kl_t.detach(), 0.0).sum() / n_tokens}
+
+
+# -----------------------------------------------------------------------------
+# Hyperparameters
+
+def parse_args(argv=None):
+    p = parser(__doc__)
+    g = p.add_argument_group("algorithm")
+    g.add_argument("--group_size", type=Int(ge=2), default=8, help="G: episodes sampled per prompt")
+    g.add_argument("--clip_eps", type=Float(gt=0, le=1), default=0.2, help="PPO clip: the ratio kept in [1-eps, 1+eps]")
+    g.add_argument("--beta", type=Float(ge=0), default=0.04, help="weight of the KL-to-reference penalty in the loss")
+    g.add_argument("--kl_estimator", default="k3", choices=["k1", "k2", "k3"], help="per-token KL estimate in the loss")
+    g.add_argument("--mu", type=Int(ge=1), default=1, help="optimisation passes over each batch of episodes")
+    g.add_argument("--call_cost", type=Float(ge=0), default=0.1, help="c: subtracted from the reward per call")
+    g.add_argument("--max_calls", type=Int(ge=0), default=toolcalc.MAX_CALLS,
+                   help="calls the tool answers per episode; later ones get 'error'")
+    g.add_argument("--turns", type=Int(ge=1, le=2), default=1, help="attempts: 2 adds a revision turn (SCoRe)")
+    g.add_argument("--shaping", type=Float(ge=0), default=1.0,
+                   help="alpha: --turns 2 adds alpha (right_2 - right_1) to the second attempt's reward")
+    g.add_argument("--train_on_env_tokens", action="store_true",
+                   help="WRONG, for the study: the environment's tokens (tool replies, revision prompt) in the loss")
+    g = p.add_argument_group("sampling")
+    g.add_argument("--steps", type=Int(ge=1), default=30, help="RL steps (one batch of episodes each)")
+    g.add_argument("--prompts_per_step", type=Int(ge=1), default=32, help="P: prompts drawn per step")
+    g.add_argument("--temperature", type=TEMPERATURE, default=1.0, help="sampling temperature; log-probs use the same")
+    g.add_argument("--max_new_tokens", type=Int(ge=1), default=None,
+                   help="tokens per attempt, tool replies included (default: the task's)")
+    g.add_argument("--precedence_share", type=Float(ge=0, le=1), default=None,
+                   help="share of hard problems (two-digit products; default: the task's, 0.5)")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--lr", type=Float(gt=0), default=3e-4, help="AdamW learning rate (constant)")
+    g.add_argument("--weight_decay", type=Float(ge=0), default=0.0, help="AdamW weight decay")
+    g.add_argument("--grad_clip", type=Float(gt=0), default=1.0, help="clip the gradient's global norm to this")
+    g = add_run_flags(p, "agent", log_every=5, eval_every=10)
+    g.add_argument("--init", default=SFT_PATH, help="SFT checkpoint: the starting policy and the frozen reference")
+    p.set_defaults(task="toolcalc")
+    args = p.parse_args(argv)
+    if args.task != "toolcalc":
+        p.error(f"--task {args.task}: agent.py's environment is the tool task's; use --task toolcalc")
+    return args
+
+
+def evaluate_tools(run, policy, tok, args):
+    """Held-out greedy episodes, beyond run.evaluate's accuracy: calls (all, hard and easy problems), accuracy with and
+    without a call and with the tool disabled; with --turns 2, the second attempt. Rank 0 alone; {} elsewhere."""
+    if not run.is_main:
+        return {}
+    prompts = task.eval_prompts()[:args.eval_n]
+    with run.autocast:
+        e = task.episodes(policy, tok, prompts, 1, 0.0, args.max_new_tokens, args.max_calls, args.turns)
+        off = task.episodes(policy, tok, prompts, 1, 0.0, args.max_new_tokens, args.max_calls, 1, tool=False)
+    right, calls = e.correct[:, 0], e.calls[:, 0]                       # (B,) the first attempt
+    called, hard = calls > 0, torch.tensor([task.is_precedence(p) for p in prompts])
+    mean = lambda x, where=None: (x[where] if where is not None else x).float().mean().item()
+    out = {"eval_accuracy_no_tool": mean(off.correct[:, 0]), "eval_calls": mean(calls),
+           "eval_call_share": mean(called), "eval_call_share_hard": mean(called, hard),
+           "eval_call_share_easy": mean(called, ~hard), "eval_malformed": mean(e.malformed[:, 0]),
+           "eval_accuracy_called": mean(right, called), "eval_accuracy_uncalled": mean(right, ~called)}
+    if args.turns == 2:
+        out.update({"eval_accuracy_turn2": mean(e.correct[:, 1]), "eval_calls_turn2": mean(e.calls[:, 1]),
+                    "eval_wrong_to_right": mean((right == 0) & (e.correct[:, 1] == 1)),
+                    "eval_right_to_wrong": mean((right == 1) & (e.correct[:, 1] == 0))})
+    return out
+
+
+def main(args):
+    run = Run("agent", args, batch_flag="prompts_per_step")  # device, seeds, lock, log, resume, torchrun: plumbing.py
+    policy, tok = run.load_policy(args.init)        # the policy starts as the SFT policy ...
+    ref, _ = run.load_policy(args.init)             # ... which stays frozen as the reference
+    ref.requires_grad_(False)
+    longest = args.turns * args.max_new_tokens + (args.turns - 1) * len(tok.encode(toolcalc.REVISE))
+    run.check_lengths(policy, tok, longest)         # the longest episode after its prompt
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
+    run.resume(policy, optimizer)
+    train_policy = run.ddp(policy)                  # DistributedDataParallel under torchrun, else the policy itself
+    P, G, K, temp = args.prompts_per_step, args.group_size, args.turns, args.temperature
+    run.print(f"agent: {policy.num_params() / 1e6:.2f}M parameters on {run.device}, {args.steps} steps of {P} prompts "
+              f"x {G} episodes, {K} attempt{'s' * (K > 1)}, at most {args.max_calls} calls, call cost "
+              f"{args.call_cost}, beta {args.beta}"
+              + (", ENVIRONMENT TOKENS IN THE LOSS (--train_on_env_tokens)" if args.train_on_env_tokens else ""))
+    if not args.resume:                             # a fresh run: the starting policy is step 0
+        run.log_start({**run.evaluate(policy, tok), **evaluate_tools(run, policy, tok, args)})
+    tools = {}
+
+    while run.training():
+        # 1. episodes: G per prompt, token by token; the tool answers each call, the revision prompt follows a
+        #    first attempt (--turns 2); one sequence per episode, and which of its tokens the policy sampled
+        prompts = run.shard(task.sample_prompts(run.rng, P, args.precedence_share))
+        with run.autocast:
+            ep = task.episodes(policy, tok, prompts, G, temp, args.max_new_tokens, args.max_calls, K, generator=run.gen)
+        prompt, prompt_mask, tokens, mask = ep.prompt, ep.prompt_mask, ep.tokens, ep.mask   # (B, Tp), (B, Tn)
+        loss_mask = mask if args.train_on_env_tokens else ep.sampled   # the policy's tokens; the pitfall: all of them
+        run.samples += P * G
+
+        # 2. rewards and advantages per attempt: the group is the baseline; each token takes its attempt's A
+        rewards = episode_rewards(ep.correct, ep.calls, args.call_cost, args.shaping)            # (B, K)
+        advantages = torch.stack([grpo_advantages(rewards[:, k], G) for k in range(K)], 1)       # (B, K)
+        advantages = advantages.gather(1, ep.turn)                                               # (B, Tn)
+
+        # 3. score without gradient: sampling-time and reference log-probs of every token (the environment's for the
+        #    log); the exact KL and entropy on the policy's tokens
+        old_logp, ref_logp = torch.zeros_like(mask), torch.zeros_like(mask)  # (B, Tn)
+        n_seqs, n_tokens = run.all_sum(len(mask)), run.all_sum(loss_mask.sum())   # the step's, over every rank
+        n_policy = run.all_sum(ep.sampled.sum())
+        kl_exact = ent = 0.0
+        for rows in run.micro_batches(len(mask)):
+            with torch.no_grad(), run.autocast:
+                logits = completion_logits(policy, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
+                ref_logits = completion_logits(ref, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
+            old_logp[rows] = logprobs(logits, tokens[rows], temp)
+            ref_logp[rows] = logprobs(ref_logits, tokens[rows], temp)
+            sampled = ep.sampled[rows] > 0
+            kl_exact += torch.where(sampled, kl(logits, ref_logits, temp), 0.0).sum() / n_policy   # KL(pi||ref)
+            ent += torch.where(sampled, entropy(logits, temp), 0.0).sum() / n_policy
+
+        # 4. mu passes of the loss over the --grad_accum micro-batches, normalised by the whole step's counts
+        for epoch in range(args.mu):
+            optimizer.zero_grad(set_to_none=True)
+            loss, stats = 0.0, {}
+            for rows in run.micro_batches(len(mask), train_policy):
+                with run.autocast:                                           # (b, Tn) log pi_theta
+                    logp = completion_logprobs(train_policy, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows],
+                                               temp)
+                part, part_stats = agent_loss(logp, old_logp[rows], ref_logp[rows], advantages[rows], loss_mask[rows],
+                                              args.clip_eps, args.beta, args.kl_estimator, n_seqs, n_tokens)
+                run.check_finite(part, f"lower --lr (now {args.lr})")
+                part.backward()
+                loss = loss + part.detach()
+                stats = {k: stats.get(k, 0.0) + v for k, v in part_stats.items()}
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
+            optimizer.step()
+        run.step += 1
+        run.tokens += int(run.all_sum(mask.sum()))
+
+        # 5. log, evaluate, checkpoint (every number over all ranks)
+        if run.log_due():
+            right, calls, env = ep.correct[:, -1], ep.calls.sum(1), mask - ep.sampled
+            called, groups = (calls > 0).float(), rewards[:, -1].view(-1, G)
+            stats = {k.replace("kl_est", f"kl_{args.kl_estimator}"): run.all_sum(v).item() for k, v in stats.items()}
+            metrics = {"loss": run.all_sum(loss).item(), "reward_mean": run.mean(rewards.sum(1)),
+                       "reward_std": run.std(rewards.sum(1)), "accuracy": run.mean(right), "calls": run.mean(calls),
+                       "call_share": run.mean(called), "malformed": run.mean(ep.malformed.sum(1)),
+                       "accuracy_called": run.mean(right, called), "accuracy_uncalled": run.mean(right, 1 - called),
+                       "zero_var_groups": run.mean((groups == groups[:, :1]).all(1).float()),
+                       "kl_exact": run.all_sum(kl_exact).item(), "entropy": run.all_sum(ent).item(), **stats,
+                       "completion_len": run.mean(ep.sampled.sum(1)), "env_tokens": run.mean(env.sum(1)),
+                       "env_logp": run.mean(old_logp, env), "truncated": run.mean(ep.truncated.float()),
+                       "grad_norm": grad_norm.item()}
+            if K == 2:
+                first = ep.correct[:, 0]
+                metrics.update({"accuracy_turn1": run.mean(first), "wrong_to_right": run.mean((1 - first) * right),
+                                "right_to_wrong": run.mean(first * (1 - right))})
+            if run.eval_due():
+                tools = evaluate_tools(run, policy, tok, args)
+                metrics.update({**run.evaluate(policy, tok), **tools})
+            run.log(metrics, f"reward {metrics['reward_mean']:.3f} | acc {metrics['accuracy']:.3f} | calls "
+                             f"{metrics['calls']:.2f} ({metrics['call_share']:.2f} of episodes, malformed "
+                             f"{metrics['malformed']:.3f}) | kl {metrics['kl_exact']:.4f} | len "
+                             f"{metrics['completion_len']:.1f} + env {metrics['env_tokens']:.1f} | gnorm "
+                             f"{metrics['grad_norm']:.3f}", tokens=True)
+        if run.eval_due():
+            run.save(policy, optimizer)
+    run.finish(policy, tok, optimizer, summary=summary(run, policy, tok, args, tools))
+
+
+def summary(run, policy, tok, args, tools):
+    """The final line: held-out greedy accuracy before -> after, on hard and easy problems and without the tool; calls;
+    with --turns 2 the second attempt."""
+    if not run.is_main or run.interrupted:
+        return None
+    if run.eval_step != run.step or not tools:                         # e.g. resumed at the step limit
+        tools = {**run.evaluate(policy, tok), **evaluate_tools(run, policy, tok, args)}
+    final, before = {**run.last_eval, **tools}, run.before or {}
+    b = lambda key, f=".3f": f"{before[key]:{f}} -> " if key in before else ""
+    line = (f"held-out greedy accuracy {b('eval_accuracy')}{final['eval_accuracy']:.3f} (hard "
+            f"{b('eval_accuracy_precedence')}{final['eval_accuracy_precedence']:.3f}, easy "
+            f"{b('eval_accuracy_other')}{final['eval_accuracy_other']:.3f}) | without the tool "
+            f"{b('eval_accuracy_no_tool')}{final['eval_accuracy_no_tool']:.3f} | calls per episode "
+            f"{b('eval_calls', '.2f')}{final['eval_calls']:.2f} (hard {final['eval_call_share_hard']:.2f}, easy "
+            f"{final['eval_call_share_easy']:.2f} of episodes)")
+    if args.turns == 2:
+        line += (f" | second attempt {b('eval_accuracy_turn2')}{final['eval_accuracy_turn2']:.3f} (wrong to right "
+                 f"{b('eval_wrong_to_right')}{final['eval_wrong_to_right']:.3f}, right to wrong "
+                 f"{b('eval_right_to_wrong')}{final['eval_right_to_wrong']:.3f})")
+    return line
+
+
+if __name__ == "__main__":
+    main(parse_args())

@@ -1,0 +1,313 @@
+"""agent.py and the episodes it trains on (task.episodes): a scripted policy's calls answered and placed where they
+belong; the mask over the policy's tokens (zero gradient on every position the environment wrote, a reply that
+tokenises differently inside the sequence than alone); rewards, SCoRe's shaping and per-attempt advantages by hand;
+the loss against a float64 reference; the script end to end, resumed, with its two study flags."""
+import json
+import math
+import os
+import re
+
+import pytest
+import tiktoken
+import torch
+
+import task
+from agent import agent_loss, episode_rewards, grpo_advantages
+from conftest import refuses_all, run_script, task_args
+from kernels import logprobs
+from model import GPT, GPTConfig, Tokenizer, completion_logits, load_checkpoint
+from tasks import toolcalc
+
+
+@pytest.fixture(autouse=True)
+def toolcalc_task():
+    task.use(task_args("toolcalc"))
+
+
+class Scripted(torch.nn.Module):
+    """A policy that puts all its probability on the token respond(text so far) names (None: EOS), whatever it was fed:
+    the prompt, its own tokens or the environment's. It reads what the sampler feeds it, so it sees the replies."""
+
+    def __init__(self, tok, respond):
+        super().__init__()
+        self.tok, self.respond, self.config = tok, respond, GPTConfig(vocab_size=tok.vocab_size)
+        self.dummy = torch.nn.Parameter(torch.zeros(1))          # the device
+
+    def forward(self, idx, mask=None, cache=None):
+        if cache.length == 0:                                   # the prompts
+            self.history = [[t for t, m in zip(r, mr) if m > 0] for r, mr in zip(idx.tolist(), mask.tolist())]
+        else:
+            for h, t in zip(self.history, idx[:, -1].tolist()):
+                h.append(t)
+        cache.length += idx.size(1)
+        logits = torch.zeros(idx.size(0), idx.size(1), self.tok.vocab_size)
+        for i, h in enumerate(self.history):
+            nxt = self.respond(self.tok.decode(h))
+            logits[i, -1, self.tok.eos_id if nxt is None else self.tok.encode(nxt)[0]] = 100.0
+        return logits
+
+
+def replies(episode):
+    """The environment's replies in an episode's text: what follows each call's '>'."""
+    return re.findall(r"(?<=>)(?:-?[0-9]+|error)", episode)
+
+
+def writer(*parts):
+    """A scripted policy that writes `parts` in order (None: an EOS), skipping past what the environment writes: a part
+    is text, or a function of the episode's text so far (after the prompt's '=')."""
+    def respond(text):
+        episode = text.partition("=")[2]
+        own = re.sub(r"(?<=>)(?:-?[0-9]+|error)", "", episode.replace(toolcalc.REVISE, "\0"))   # the policy's text
+        target = "".join("\0" if p is None else p(episode) if callable(p) else p for p in parts)
+        if not target.startswith(own) or len(own) == len(target):
+            return None
+        return None if target[len(own)] == "\0" else target[len(own)]
+    return respond
+
+
+def after_reply(episode):
+    """'#' and the environment's last reply."""
+    return "#" + replies(episode)[-1] if replies(episode) else ""
+
+
+def decode(tok, e, i, which):
+    return tok.decode(e.tokens[i][which[i] > 0].tolist())
+
+
+# -----------------------------------------------------------------------------
+# Episodes
+
+def test_a_scripted_call_is_answered_and_each_token_is_marked_by_who_wrote_it():
+    tok = Tokenizer()
+    policy = Scripted(tok, writer(lambda e: "<37+12*46>", after_reply))
+    e = task.episodes(policy, tok, ["37+12*46="], group_size=2, temperature=1.0)
+    assert tok.decode(e.tokens[0][e.mask[0] > 0].tolist()) == "<37+12*46>589#589<|endoftext|>"
+    assert e.sampled[0].tolist() == [1.0] * 10 + [0.0] * 3 + [1.0] * 5       # 589 is the environment's
+    assert decode(tok, e, 0, e.sampled) == "<37+12*46>#589<|endoftext|>"
+    assert decode(tok, e, 0, e.mask - e.sampled) == "589"
+    assert e.correct.tolist() == [[1.0], [1.0]] and e.calls.tolist() == [[1.0], [1.0]]
+    assert e.malformed.sum() == 0 and not e.truncated.any() and e.turn.max() == 0
+    assert torch.equal(e.prompt[0], e.prompt[1]) and e.prompt_mask.sum() == 2 * len("37+12*46=")
+
+
+def test_rows_of_different_lengths_two_calls_and_a_head_computation_in_one_batch():
+    tok = Tokenizer()
+
+    def respond(text):
+        if text.startswith("3+4*2="):                           # in the head, no call
+            return writer("4*2=8,3+8=11#11")(text)
+        return writer("<12*46>", lambda e: "<37+" + (replies(e) or ["?"])[0] + ">", after_reply)(text)
+    e = task.episodes(Scripted(tok, respond), tok, ["37+12*46=", "3+4*2="], temperature=0.0)
+    assert decode(tok, e, 0, e.mask) == "<12*46>552<37+552>589#589<|endoftext|>"
+    assert decode(tok, e, 0, e.mask - e.sampled) == "552589"
+    assert decode(tok, e, 1, e.mask) == "4*2=8,3+8=11#11<|endoftext|>" and (e.mask[1] == e.sampled[1]).all()
+    assert e.calls.tolist() == [[2.0], [0.0]] and e.correct.tolist() == [[1.0], [1.0]]
+    assert e.mask[1, len("4*2=8,3+8=11#11") + 1:].sum() == 0                   # padding after the EOS
+
+
+def test_malformed_calls_unclosed_calls_and_the_call_budget():
+    tok = Tokenizer()
+    e = task.episodes(Scripted(tok, writer("<12/4>", "#3")), tok, ["37+12*46="], temperature=0.0)
+    assert decode(tok, e, 0, e.mask) == "<12/4>error#3<|endoftext|>"
+    assert e.calls.tolist() == [[1.0]] and e.malformed.tolist() == [[1.0]] and e.correct.tolist() == [[0.0]]
+    e = task.episodes(Scripted(tok, writer("<12*46")), tok, ["37+12*46="], temperature=0.0)
+    assert decode(tok, e, 0, e.mask) == "<12*46<|endoftext|>" and e.malformed.tolist() == [[1.0]]
+    calls = writer("<1+1>", "<2+2>", "<3+3>", after_reply)
+    e = task.episodes(Scripted(tok, calls), tok, ["37+12*46="], temperature=0.0, max_calls=2)
+    assert decode(tok, e, 0, e.mask) == "<1+1>2<2+2>4<3+3>error#error<|endoftext|>"
+    assert e.calls.tolist() == [[3.0]] and e.malformed.tolist() == [[1.0]]
+    e = task.episodes(Scripted(tok, writer("<9*9>", after_reply)), tok, ["37+12*46="], temperature=0.0,
+                      max_new_tokens=8)
+    assert decode(tok, e, 0, e.mask) == "<9*9>81#" and e.truncated.all()                    # 8 tokens, reply included
+
+
+def test_without_the_tool_no_call_is_ever_opened():
+    tok = Tokenizer()
+    e = task.episodes(Scripted(tok, writer("<37+12*46>", after_reply)), tok, ["37+12*46="], 4, 1.0, tool=False,
+                      max_new_tokens=12)
+    assert not (e.tokens == tok.encode("<")[0]).any()
+    assert e.calls.sum() == 0 and (e.mask == e.sampled).all()
+
+
+def test_two_attempts_the_revision_prompt_replaces_the_first_eos():
+    tok = Tokenizer()
+    policy = Scripted(tok, writer("12*46=562,37+562=599#599", None, "<37+12*46>", after_reply))
+    e = task.episodes(policy, tok, ["37+12*46="], temperature=0.0, turns=2)
+    first = "12*46=562,37+562=599#599"
+    assert decode(tok, e, 0, e.mask) == first + toolcalc.REVISE + "<37+12*46>589#589<|endoftext|>"
+    assert decode(tok, e, 0, e.mask - e.sampled) == toolcalc.REVISE + "589"
+    assert e.correct.tolist() == [[0.0, 1.0]] and e.calls.tolist() == [[0.0, 1.0]]
+    n = len(first)
+    assert e.turn[0, :n].eq(0).all() and e.turn[0, n:int(e.mask.sum())].eq(1).all()
+    assert (e.tokens[0, :int(e.mask.sum()) - 1] != tok.eos_id).all()             # one EOS, at the end
+
+
+def merging_tokenizer():
+    """The byte tokenizer and one merge, '9#': a reply '589' then the policy's '#' re-tokenise as 5, 8, '9#'."""
+    tok = Tokenizer()
+    ranks = {bytes([i]): i for i in range(256)}
+    ranks[b"9#"] = 256
+    tok.enc = tiktoken.Encoding(name="bytes+9#", pat_str=r"[\s\S]{1,256}", mergeable_ranks=ranks,
+                                special_tokens={"<|endoftext|>": 257, "<|pad|>": 258})
+    tok.eos_id, tok.pad_id, tok.vocab_size = 257, 258, 259
+    return tok
+
+
+def test_a_reply_that_tokenises_differently_in_the_sequence_cannot_shift_the_mask():
+    tok = merging_tokenizer()
+    e = task.episodes(Scripted(tok, writer("<37+12*46>", after_reply)), tok, ["37+12*46="], temperature=0.0)
+    ids = e.tokens[0][e.mask[0] > 0].tolist()
+    assert ids == tok.encode("<37+12*46>") + tok.encode("589") + tok.encode("#") + tok.encode("589") + [tok.eos_id]
+    assert tok.encode(tok.decode(ids[:-1])) != ids[:-1]                          # re-tokenised, '9#' would merge
+    assert e.sampled[0, :len(ids)].tolist() == [1.0] * 10 + [0.0] * 3 + [1.0] * 5
+    assert e.correct.tolist() == [[1.0]]
+
+
+# -----------------------------------------------------------------------------
+# The mask in the loss: zero gradient where the environment wrote
+
+def test_every_position_the_environment_wrote_gets_exactly_zero_gradient():
+    tok = Tokenizer()
+    policy = Scripted(tok, writer("12*46=562,37+562=599#599", None, "<37+12*46>", after_reply))
+    e = task.episodes(policy, tok, ["37+12*46="] * 3, temperature=0.0, turns=2)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=96, n_layer=1, n_head=2, n_embd=16))
+    advantages = torch.tensor([[1.0], [-0.5], [2.0]]).expand_as(e.mask)
+    env = (e.mask - e.sampled) > 0
+    for loss_mask, env_grad in ((e.sampled, False), (e.mask, True)):          # the right mask; the pitfall
+        logits = completion_logits(model, e.prompt, e.prompt_mask, e.tokens, e.mask).detach().requires_grad_(True)
+        logp = logprobs(logits, e.tokens)
+        with torch.no_grad():
+            old, ref = logp + 0.1 * torch.randn_like(logp), logp + 0.2 * torch.randn_like(logp)
+        loss, _ = agent_loss(logp, old, ref, advantages, loss_mask)
+        loss.backward()
+        per_position = logits.grad.abs().sum(-1)                                # (B, Tn)
+        assert env.sum() == 3 * (len(toolcalc.REVISE) + 3)
+        assert (per_position[env] > 0).all() if env_grad else (per_position[env] == 0).all()
+        assert (per_position[e.sampled > 0] > 0).all() and (per_position[e.mask == 0] == 0).all()
+    model.zero_grad()                                           # and through the model: the same loss, every weight
+    logp = logprobs(completion_logits(model, e.prompt, e.prompt_mask, e.tokens, e.mask), e.tokens)
+    agent_loss(logp, logp.detach(), logp.detach(), advantages, e.sampled)[0].backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+# -----------------------------------------------------------------------------
+# Rewards, advantages, the loss
+
+def test_rewards_call_cost_and_scores_shaping_by_hand():
+    correct = torch.tensor([[1.0], [0.0], [1.0]])
+    calls = torch.tensor([[1.0], [0.0], [2.0]])
+    assert episode_rewards(correct, calls, 0.1, 1.0)[:, 0].tolist() == pytest.approx([0.9, 0.0, 0.8])
+    correct = torch.tensor([[0.0, 1.0], [1.0, 1.0], [1.0, 0.0], [0.0, 0.0]])  # wrong->right, right->right, ...
+    calls = torch.tensor([[0.0, 1.0], [1.0, 0.0], [0.0, 0.0], [1.0, 1.0]])
+    r = episode_rewards(correct, calls, 0.1, 2.0)
+    assert r[:, 0].tolist() == pytest.approx([0.0, 0.9, 1.0, -0.1])         # r_1 = right_1 - c calls_1
+    assert r[:, 1].tolist() == pytest.approx([2.9, 1.0, -2.0, -0.1])        # r_2 = right_2 + alpha (.) - c calls_2
+
+
+def test_each_attempts_tokens_take_their_attempts_advantage():
+    rewards = torch.tensor([[1.0, 0.0], [0.0, 2.0], [1.0, 1.0], [1.0, 1.0]])  # two groups of G = 2
+    adv = torch.stack([grpo_advantages(rewards[:, k], 2) for k in range(2)], 1)
+    assert torch.allclose(adv, torch.tensor([[1.0, -1.0], [-1.0, 1.0], [0.0, 0.0], [0.0, 0.0]]), atol=1e-5)
+    turn = torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1], [0, 0, 0, 0], [1, 1, 1, 1]])
+    assert torch.allclose(adv.gather(1, turn)[:2], torch.tensor([[1.0, 1, -1, -1], [-1, 1, 1, 1]]), atol=1e-5)
+
+
+def ref_loss(logp, old, ref, adv, mask, clip_eps, beta):
+    """GRPO's loss on episodes, token by token in float64: the mean over episodes of each one's mean over the tokens
+    its mask keeps of -min(rho A, clip(rho) A) + beta k3."""
+    total = 0.0
+    for i in range(logp.size(0)):
+        kept = [t for t in range(logp.size(1)) if mask[i, t] > 0]
+        s = 0.0
+        for t in kept:
+            rho = torch.exp(logp[i, t] - old[i, t])
+            a = adv[i, t]
+            k3 = torch.exp(ref[i, t] - logp[i, t]) - (ref[i, t] - logp[i, t]) - 1
+            s = s - torch.minimum(rho * a, torch.clamp(rho, 1 - clip_eps, 1 + clip_eps) * a) + beta * k3
+        total = total + (s / len(kept) if kept else 0.0)
+    return total / logp.size(0)
+
+
+def test_loss_and_gradient_match_a_float64_reference():
+    g = torch.Generator().manual_seed(0)
+    B, T = 5, 9
+    logp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    old = logp + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    ref = logp + 0.5 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    adv = torch.randn(B, 2, generator=g, dtype=torch.float64).gather(1, torch.randint(0, 2, (B, T), generator=g))
+    mask = (torch.rand(B, T, generator=g) > 0.3).double()
+    mask[1] = 0.0                                                   # an episode with no policy token left
+    logp_nan = logp.clone()                                         # values under the mask are never read
+    logp_nan[mask == 0], old[mask == 0] = float("inf"), float("nan")
+    lp = logp_nan.clone().requires_grad_(True)
+    loss, metrics = agent_loss(lp, old, ref, adv, mask, clip_eps=0.2, beta=0.04)
+    lp_ref = logp.clone().requires_grad_(True)
+    want = ref_loss(lp_ref, torch.where(mask > 0, old, 0.0), ref, adv, mask, 0.2, 0.04)
+    assert abs(loss.item() - want.item()) < 1e-10
+    grad, = torch.autograd.grad(loss, lp)
+    grad_ref, = torch.autograd.grad(want, lp_ref)
+    assert torch.allclose(grad, grad_ref, atol=1e-12) and (grad[mask == 0] == 0).all()
+    assert 0 < metrics["clip_frac"] < 1
+
+
+# -----------------------------------------------------------------------------
+# The script
+
+@pytest.fixture(scope="session")
+def tiny_tool_sft(tmp_path_factory):
+    """A small SFT policy on the tool task (2 layers, width 64, 400 steps): it has learned the format, calls and all."""
+    out = str(tmp_path_factory.mktemp("tiny_tool_sft"))
+    p = run_script("sft.py", ["--task", "toolcalc", "--steps", "400", "--batch_size", "32", "--n_layer", "2",
+                              "--n_head", "2", "--n_embd", "64", "--lr", "3e-3", "--log_every", "400",
+                              "--eval_every", "400", "--eval_n", "16", "--out", out])
+    assert p.returncode == 0, p.stderr
+    return os.path.join(out, "sft.pt")
+
+
+TINY = ["--prompts_per_step", "4", "--group_size", "4", "--log_every", "1", "--eval_every", "2", "--eval_n", "16"]
+
+
+def read_metrics(out):
+    return [json.loads(line) for line in open(os.path.join(out, "agent", "metrics.jsonl"))]
+
+
+def test_script_runs_end_to_end_and_resumes(tiny_tool_sft, tmp_path):
+    out = str(tmp_path)
+    p = run_script("agent.py", TINY + ["--steps", "2", "--init", tiny_tool_sft, "--out", out])
+    assert p.returncode == 0, p.stderr
+    assert "held-out greedy accuracy" in p.stdout and "without the tool" in p.stdout and "done: 2 steps" in p.stdout
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for key in ("reward_mean", "accuracy", "calls", "call_share", "malformed", "accuracy_called", "kl_exact",
+                "entropy", "completion_len", "env_tokens", "env_logp", "grad_norm", "clip_frac", "kl_k3"):
+        assert key in rows[1] and math.isfinite(rows[1][key]), key
+    for key in ("eval_accuracy", "eval_accuracy_no_tool", "eval_calls", "eval_call_share_hard", "eval_accuracy_called"):
+        assert key in rows[0] and key in rows[2], key
+    assert rows[1]["completion_len"] > 0 and rows[1]["env_tokens"] >= 0 and 0 <= rows[1]["call_share"] <= 1
+    _, ckpt = load_checkpoint(os.path.join(out, "agent.pt"))
+    p = run_script("agent.py", TINY + ["--steps", "3", "--init", tiny_tool_sft, "--out", out, "--resume"])
+    assert p.returncode == 0, p.stderr
+    assert "resuming from" in p.stdout
+    _, ckpt2 = load_checkpoint(os.path.join(out, "agent.pt"))
+    assert ckpt2["step"] == 3 and not torch.equal(ckpt2["model"]["wte.weight"], ckpt["model"]["wte.weight"])
+    assert [r["step"] for r in read_metrics(out)] == [0, 1, 2, 3]
+
+
+def test_script_runs_two_attempts_and_the_pitfall(tiny_tool_sft, tmp_path):
+    out = str(tmp_path)
+    p = run_script("agent.py", TINY + ["--steps", "2", "--turns", "2", "--train_on_env_tokens", "--init",
+                                       tiny_tool_sft, "--out", out])
+    assert p.returncode == 0, p.stderr
+    assert "ENVIRONMENT TOKENS IN THE LOSS" in p.stdout and "second attempt" in p.stdout
+    rows = read_metrics(out)
+    assert all(k in rows[2] for k in ("eval_accuracy_turn2", "eval_wrong_to_right", "eval_right_to_wrong"))
+    assert all(k in rows[1] for k in ("accuracy_turn1", "wrong_to_right", "right_to_wrong"))
+    assert rows[1]["env_tokens"] >= len(toolcalc.REVISE)                        # the revision prompt, at least
+
+
+def test_script_rejects_bad_settings_with_a_message(tmp_path):
+    refuses_all("agent.py", [(["--turns", "3"], ["--turns", "3"]), (["--call_cost", "-1"], ["--call_cost", "-1"]),
+                             (["--max_new_tokens", "60", "--turns", "2"], ["--max_new_tokens"])], tmp_path)
+    assert all(not os.path.exists(tmp_path / f"out{i}") or os.listdir(tmp_path / f"out{i}") in ([], ["agent"])
+               for i in range(3))
