@@ -5,7 +5,7 @@ async_grpo.py across --max_lag and --is_correction.
     throughput   grpo.py (one process, --threads torch threads) against async_grpo.py (1 actor + 1 learner, one
                  thread each), the same 50 steps of 32 prompts x 8 samples from the same SFT policy: completions per
                  second, held-out accuracy, and accuracy against wall-clock time (a figure).
-    staleness    async_grpo.py with --actors K (default 3: together they sample faster than the learner trains, so
+    staleness    async_grpo.py with --actors K (default 2: together they sample faster than the learner trains, so
                  that admission, not speed, bounds the lag) at --max_lag 0, 1, 2, 4, 8 and --is_correction none,
                  truncate, mask: the lag reached, the importance weights, the tokens outside [1/C, C], held-out
                  accuracy (a table and a figure).
@@ -15,7 +15,7 @@ Every run is a subprocess with its own folder under --out (re-running skips fini
 and written, with the figures, to results/async/.
 
 Run:
-    python experiments/async_study.py --part throughput --seeds 0 1 2      # about 15 minutes on 2 CPU cores
+    python experiments/async_study.py --part throughput --seeds 0 1 2      # about 9 minutes on 2 idle CPU cores
     python experiments/async_study.py --part staleness                     # 15 runs, about an hour on 2 CPU cores
     python experiments/async_study.py --table_only                         # re-print from the runs already there
 """
@@ -70,22 +70,28 @@ def fmt(values, f):
 
 
 def throughput(args):
-    results = {"grpo.py": [], "async_grpo.py": []}
+    # async_grpo.py with one thread per process gives each phase its own core; with two, the learner (the bottleneck)
+    # also uses the core the actor leaves idle while it waits for weights, at the price of oversubscribing the cores
+    # while both work.
+    results = {"grpo.py": [], "async_grpo.py": [], "async_grpo.py --threads 2": []}
     for seed in args.seeds:
         common = ["--seed", str(seed), "--init", args.init, "--steps", str(args.steps)]
         results["grpo.py"].append(summary(run([sys.executable, "grpo.py", *common], f"{args.out}/sync-s{seed}", "grpo",
                                               {"OMP_NUM_THREADS": str(args.threads)}, args.table_only)))
-        results["async_grpo.py"].append(summary(run(
-            [sys.executable, "async_grpo.py", *common, "--threads", "1"], f"{args.out}/async-s{seed}", "async_grpo",
-            {"OMP_NUM_THREADS": "1"}, args.table_only)))
+        for threads, name, folder in ((1, "async_grpo.py", "async"), (2, "async_grpo.py --threads 2", "async2")):
+            rows = run([sys.executable, "async_grpo.py", *common, "--threads", str(threads)],
+                       f"{args.out}/{folder}-s{seed}", "async_grpo", {"OMP_NUM_THREADS": str(threads)}, args.table_only)
+            if rows is not None:
+                results[name].append(summary(rows))
+    results = {name: runs for name, runs in results.items() if runs}
     lines = [f"seeds {args.seeds}, {args.steps} steps of 32 prompts x 8 samples from {args.init}; grpo.py with "
-             f"{args.threads} torch threads, async_grpo.py 1 actor + 1 learner with 1 each", "",
+             f"{args.threads} torch threads, async_grpo.py 1 actor + 1 learner with 1 (or 2) threads each", "",
              "| script | completions / s | wall time s | held-out greedy, before -> after | lag mean (max) | "
              "actor busy | learner busy | sampler/learner gap at lag 0 (nats/token) |",
              "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
     for name, runs in results.items():
         c = lambda k, f: fmt([r[k] for r in runs], f)
-        lag = f"{c('lag_mean', '.2f')} ({max(r['lag_max'] for r in runs)})" if name == "async_grpo.py" else "0"
+        lag = f"{c('lag_mean', '.2f')} ({max(r['lag_max'] for r in runs)})" if name != "grpo.py" else "0"
         lines.append(f"| `{name}` | {c('per_sec', '.1f')} | {c('seconds', '.0f')} | {c('before', '.3f')} -> "
                      f"**{c('after', '.3f')}** | {lag} | {c('actor_busy', '.2f')} | {c('learner_busy', '.2f')} | "
                      f"{c('logp_gap_lag0', '.1e')} |")
@@ -142,7 +148,7 @@ def main():
     p.add_argument("--part", choices=["throughput", "staleness", "both"], default="both")
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="throughput: every seed; staleness: the first")
     p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--actors", type=int, default=3, help="staleness: actors, together faster than the learner")
+    p.add_argument("--actors", type=int, default=2, help="staleness: actors, together faster than the learner")
     p.add_argument("--threads", type=int, default=2, help="throughput: grpo.py's torch threads (the cores)")
     p.add_argument("--init", default="out/sft.pt")
     p.add_argument("--out", default="out/async_study")
