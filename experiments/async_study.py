@@ -16,7 +16,7 @@ and written, with the figures, to results/async/.
 
 Run:
     python experiments/async_study.py --part throughput --seeds 0 1 2      # about 9 minutes on 2 idle CPU cores
-    python experiments/async_study.py --part staleness                     # 15 runs, about an hour on 2 CPU cores
+    python experiments/async_study.py --part staleness --seeds 0 1 2       # 15 runs a seed, about 30 minutes each
     python experiments/async_study.py --table_only                         # re-print from the runs already there
 """
 import argparse
@@ -101,24 +101,39 @@ def throughput(args):
 
 
 def staleness(args):
-    lines = [f"seed {args.seeds[0]}, {args.steps} steps of 32 prompts x 8 samples from {args.init}, --actors "
+    lines = [f"seeds {args.seeds}, {args.steps} steps of 32 prompts x 8 samples from {args.init}, --actors "
              f"{args.actors}, one thread per process, C = 2", "",
              "| --max_lag | --is_correction | lag reached, mean (max) | mean weight | tokens with rho outside "
              "[1/C, C] | held-out greedy, before -> after |", "| ---: | --- | ---: | ---: | ---: | --- |"]
-    finals = {c: [] for c in CORRECTIONS}
+    curves = {c: [] for c in CORRECTIONS}                      # per correction, per seed: [(lag, final accuracy)]
+    for seed in args.seeds:                                     # seed by seed, so that a cut-off sweep has whole seeds
+        for correction in CORRECTIONS:
+            curves[correction].append([])
+        for lag in LAGS:
+            for correction in CORRECTIONS:
+                folder = f"{args.out}/lag{lag}-{correction}" + (f"-s{seed}" if seed else "")
+                rows = run([sys.executable, "async_grpo.py", "--seed", str(seed), "--init", args.init, "--steps",
+                            str(args.steps), "--actors", str(args.actors), "--threads", "1", "--max_lag", str(lag),
+                            "--is_correction", correction], folder, "async_grpo", {"OMP_NUM_THREADS": "1"},
+                           args.table_only)
+                if rows is not None:
+                    curves[correction][-1].append((lag, summary(rows)))
     for lag in LAGS:
         for correction in CORRECTIONS:
-            rows = run([sys.executable, "async_grpo.py", "--seed", str(args.seeds[0]), "--init", args.init, "--steps",
-                        str(args.steps), "--actors", str(args.actors), "--threads", "1", "--max_lag", str(lag),
-                        "--is_correction", correction], f"{args.out}/lag{lag}-{correction}", "async_grpo",
-                       {"OMP_NUM_THREADS": "1"}, args.table_only)
-            if rows is None:
+            runs = [r for seed_runs in curves[correction] for x, r in seed_runs if x == lag]
+            if not runs:
                 continue
-            r = summary(rows)
-            finals[correction].append((lag, r["after"]))
-            lines.append(f"| {lag} | {correction} | {r['lag_mean']:.2f} ({r['lag_max']}) | {r['is_weight_mean']:.3f} | "
-                         f"{r['rho_outside_band']:.4f} | {r['before']:.3f} -> **{r['after']:.3f}** |")
-    figure(args, "staleness.png", {c: [v] for c, v in finals.items() if v}, "--max_lag", "held-out greedy accuracy")
+            c = lambda k, f: fmt([r[k] for r in runs], f)
+            lines.append(f"| {lag} | {correction} | {c('lag_mean', '.2f')} ({max(r['lag_max'] for r in runs)}) | "
+                         f"{c('is_weight_mean', '.3f')} | {c('rho_outside_band', '.4f')} | {c('before', '.3f')} -> "
+                         f"**{c('after', '.3f')}** |")
+    gaps = [r["logp_gap_lag0"] for runs in curves.values() for seed_runs in runs for _, r in seed_runs
+            if r["logp_gap_lag0"] == r["logp_gap_lag0"]]
+    if gaps:
+        lines += ["", f"Sampler/learner log-prob gap at lag 0 (the same weights, float32): mean |log pi_learner - "
+                      f"log mu_sampler| per token {statistics.mean(gaps):.1e} nats ({len(gaps)} runs)"]
+    figure(args, "staleness.png", {c: [[(x, r["after"]) for x, r in seed_runs] for seed_runs in runs if seed_runs]
+                                   for c, runs in curves.items()}, "--max_lag", "held-out greedy accuracy")
     return lines
 
 
@@ -146,7 +161,7 @@ def figure(args, name, curves, xlabel, ylabel):
 def main():
     p = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
     p.add_argument("--part", choices=["throughput", "staleness", "both"], default="both")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="throughput: every seed; staleness: the first")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="the seeds of every run")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--actors", type=int, default=2, help="staleness: actors, together faster than the learner")
     p.add_argument("--threads", type=int, default=2, help="throughput: grpo.py's torch threads (the cores)")
