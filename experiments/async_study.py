@@ -76,12 +76,13 @@ def throughput(args):
     results = {"grpo.py": [], "async_grpo.py": [], "async_grpo.py --threads 2": []}
     for seed in args.seeds:
         common = ["--seed", str(seed), "--init", args.init, "--steps", str(args.steps)]
-        results["grpo.py"].append(summary(run([sys.executable, "grpo.py", *common], f"{args.out}/sync-s{seed}", "grpo",
-                                              {"OMP_NUM_THREADS": str(args.threads)}, args.table_only)))
-        for threads, name, folder in ((1, "async_grpo.py", "async"), (2, "async_grpo.py --threads 2", "async2")):
-            rows = run([sys.executable, "async_grpo.py", *common, "--threads", str(threads)],
-                       f"{args.out}/{folder}-s{seed}", "async_grpo", {"OMP_NUM_THREADS": str(threads)}, args.table_only)
-            if rows is not None:
+        for name, script, folder, threads, extra in (
+                ("grpo.py", "grpo", "sync", args.threads, []),
+                ("async_grpo.py", "async_grpo", "async", 1, ["--threads", "1"]),
+                ("async_grpo.py --threads 2", "async_grpo", "async2", 2, ["--threads", "2"])):
+            rows = run([sys.executable, f"{script}.py", *common, *extra], f"{args.out}/{folder}-s{seed}", script,
+                       {"OMP_NUM_THREADS": str(threads)}, args.table_only)
+            if rows is not None:                                       # --table_only: the runs that are there
                 results[name].append(summary(rows))
     results = {name: runs for name, runs in results.items() if runs}
     lines = [f"seeds {args.seeds}, {args.steps} steps of 32 prompts x 8 samples from {args.init}; grpo.py with "
