@@ -3,6 +3,7 @@
     python bench/kernels.py              # CPU section; the GPU section too when CUDA is available
     python bench/kernels.py --section cpu
     python bench/kernels.py --section gpu
+    python bench/kernels.py --section gpu --gpu_vs 151936 --gpu_kernels linear_logprobs   # one kernel, one size
     python bench/kernels.py --section linear   # linear_logprobs on CPU (heavy: ~8 GB for the naive path)
 
 CPU: peak memory and time of forward + backward of token log-probs, at N = 4096 tokens,
@@ -60,6 +61,8 @@ parser.add_argument("--cpu_n", type=int, default=4096, help="CPU: tokens (rows)"
 parser.add_argument("--cpu_v", type=int, default=50257, help="CPU: vocabulary size")
 parser.add_argument("--gpu_n", type=int, default=16384, help="GPU: tokens (rows)")
 parser.add_argument("--gpu_vs", type=str, default="50257,151936", help="GPU: vocabulary sizes, comma-separated")
+parser.add_argument("--gpu_kernels", type=str, default="logprobs,kl,entropy,linear_logprobs",
+                    help="GPU: the kernels to time, comma-separated")
 parser.add_argument("--repeats", type=int, default=3, help="CPU: timed steps per variant (median reported)")
 parser.add_argument("--threads", type=int, default=0, help="CPU: torch threads (0: torch's default)")
 parser.add_argument("--linear_n", type=int, default=4096, help="linear: tokens")
@@ -259,6 +262,8 @@ def gpu_section(args):
         copy_bw = 2 * size / bench(copier(logits)) / 1e6                  # GB/s of a read + write
         print(f"\n   V={V}: logits {size / 2**30:.2f} GiB, N*V = {N * V:.3g}; copy {copy_bw:.0f} GB/s")
         for name, (inputs, bytes_fwd, bytes_fwd_bwd, variants) in cases.items():
+            if name not in args.gpu_kernels.split(","):
+                continue
             grads = [x for x in inputs if x.requires_grad]
             with torch.no_grad():
                 want = variants["eager"](*inputs).float()

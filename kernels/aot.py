@@ -30,11 +30,7 @@ from .entropy import _entropy_bwd_kernel, _entropy_fwd_kernel
 from .entropy import launch_config as entropy_config
 from .kl import _kl_bwd_kernel, _kl_fwd_kernel
 from .kl import launch_config as kl_config
-from .linear_logprobs import (
-    _linear_logprobs_bwd_hidden_kernel,
-    _linear_logprobs_bwd_weight_kernel,
-    _linear_logprobs_fwd_kernel,
-)
+from .linear_logprobs import _linear_logprobs_dlogits_kernel, _linear_logprobs_fwd_kernel
 from .linear_logprobs import launch_config as linear_config
 from .logprobs import _logprobs_bwd_kernel, _logprobs_fwd_kernel
 from .logprobs import launch_config as logprobs_config
@@ -54,8 +50,7 @@ ROW_KERNELS = [
 ]
 LINEAR_KERNELS = [
     (_linear_logprobs_fwd_kernel, linear_config, ("hidden_ptr", "weight_ptr")),
-    (_linear_logprobs_bwd_hidden_kernel, linear_config, ("hidden_ptr", "weight_ptr")),
-    (_linear_logprobs_bwd_weight_kernel, linear_config, ("hidden_ptr", "weight_ptr")),
+    (_linear_logprobs_dlogits_kernel, linear_config, ("hidden_ptr", "weight_ptr", "dlogits_ptr")),
 ]
 
 
@@ -94,7 +89,7 @@ def jobs(vocab_sizes=(258, 50257, 151936), dtypes=tuple(TRITON_DTYPES), N=4096, 
                     "q_stride_b": T * V, "q_stride_t": V}  # the launchers' integers for logits [N // T, T, V]
             for kernel, launch_config, dtype_ptrs in ROW_KERNELS:
                 add(kernel, dtype, dtype_ptrs, launch_config(V), V, rows)
-            linear = {"N": N, "V": V, "C": C, "stride_hn": C, "stride_wv": C}  # hidden [N, C], weight [V, C]
+            linear = {"N": N, "V": V, "C": C, "stride_hn": C, "stride_wv": C, "stride_dn": V}  # hidden, weight, dlogits
             for kernel, launch_config, dtype_ptrs in LINEAR_KERNELS:
                 config = {**launch_config(N, V, C, dtype), "stride_hc": 1, "stride_wc": 1}
                 add(kernel, dtype, dtype_ptrs, config, V, linear)

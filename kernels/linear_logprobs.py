@@ -16,10 +16,12 @@ by block. The idea, and the blockwise recomputation in backward, are those of Cu
 the online logsumexp is Milakov & Gimelshein's (2018, arXiv:1805.02867). No entropy is computed
 here: use `entropy(model(idx))` where it is needed.
 
-Cost: the naive path computes the logits (one [N, C] x [C, V] product) once; the PyTorch path
-computes them twice (forward, and once in backward, feeding both gradient products), the Triton
-path three times (forward, and once in each of its two backward kernels; see (5) for why). The
-two gradient products are the same in all three.
+Cost: the naive path computes the logits (one [N, C] x [C, V] product) once; both paths here
+compute them twice (forward, and once in backward, feeding both gradient products). The two
+gradient products are the same in all three. The Triton path's backward writes the gradient
+w.r.t. a chunk of tokens' logits ([n, V] in the inputs' dtype, at most DLOGITS_BYTES) and leaves
+d hidden = dlogits @ weight and d weight = dlogits.T @ hidden to the matrix library, as Liger-
+Kernel's fused linear cross entropy does with its chunk's logits.
 
 Shapes: hidden [..., C] (any strides: the RL slice `h[:, :-1]` is fine; it is flattened to
 [N, C], a copy of N * C elements when no view exists), weight [V, C], targets [...] with N
@@ -171,9 +173,9 @@ def linear_logprobs_torch(hidden, weight, targets, temperature=1.0, *, chunk_row
 
 
 # =============================================================================================
-# (3) Triton kernels. Each program owns a block of BLOCK_N tokens (or, for d weight, of BLOCK_V
-#     vocabulary rows) and walks the other dimension in blocks; a [BLOCK_N, BLOCK_V] block of
-#     logits is made by tl.dot over C in BLOCK_C steps and lives only in registers.
+# (3) Triton kernels. A program owns a block of BLOCK_N tokens (the forward walks the whole
+#     vocabulary for them; the backward kernel takes one BLOCK_V block of it); a [BLOCK_N, BLOCK_V]
+#     block of logits is made by tl.dot over C in BLOCK_C steps and lives only in registers.
 # =============================================================================================
 @triton.jit
 def _logits_block(
@@ -237,75 +239,28 @@ def _linear_logprobs_fwd_kernel(
 
 
 @triton.jit
-def _linear_logprobs_bwd_hidden_kernel(
+def _linear_logprobs_dlogits_kernel(
     hidden_ptr, stride_hn, stride_hc, weight_ptr, stride_wv, stride_wc,
     targets_ptr, row_max_ptr, log_sum_ptr, grad_out_ptr,  # [N] each
-    grad_hidden_ptr,  # float32 [N, C] contiguous, zeros: accumulated in place
-    N, V, C, inv_temperature,
+    dlogits_ptr, stride_dn,  # [n, V] the gradient w.r.t. a chunk of rows' logits, in the operand dtype
+    n0, N, V, C, inv_temperature,  # the chunk is tokens n0 .. N-1
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    # One program per BLOCK_N tokens, a loop over the vocabulary: d hidden[rows] += dx @ weight[cols].
-    # The program owns its rows of grad_hidden, so it adds into them without atomics.
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # One program per [BLOCK_N, BLOCK_V] block of the chunk's logits: recompute x, write dx = (grad / temp)
+    # (onehot - p). Token blocks run along axis 0, the faster one, so that consecutive programs read the same
+    # BLOCK_V rows of weight and find them in L2: weight is read from memory about once per chunk.
+    rows = n0 + tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
     row_ok = rows < N
     targets = tl.load(targets_ptr + rows, mask=row_ok, other=0)
     row_max = tl.load(row_max_ptr + rows, mask=row_ok, other=0.0)
     log_sum = tl.load(log_sum_ptr + rows, mask=row_ok, other=0.0)
     g = tl.load(grad_out_ptr + rows, mask=row_ok, other=0.0) * inv_temperature  # grad / temp
-    for v0 in range(0, V, BLOCK_V):
-        cols = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
-        x = _logits_block(hidden_ptr, stride_hn, stride_hc, weight_ptr, stride_wv, stride_wc,
-                          rows, cols, N, V, C, inv_temperature, BLOCK_N, BLOCK_V, BLOCK_C, UPCAST)
-        dx = _grad_logits_block(x, rows, cols, targets, row_max, log_sum, g, N, V)  # [BLOCK_N, BLOCK_V]
-        dx = dx.to(weight_ptr.dtype.element_ty)  # the operand dtype (as PyTorch's own bf16 backward)
-        if UPCAST:
-            dx = dx.to(tl.float32)
-        for c0 in range(0, C, BLOCK_C):
-            cs = c0 + tl.arange(0, BLOCK_C)
-            w = tl.load(weight_ptr + cols[:, None] * stride_wv + cs[None, :] * stride_wc,
-                        mask=(cols[:, None] < V) & (cs[None, :] < C), other=0.0)  # [BLOCK_V, BLOCK_C]
-            if UPCAST:
-                w = w.to(tl.float32)
-            acc_ptrs = grad_hidden_ptr + rows[:, None] * C + cs[None, :]
-            acc_mask = row_ok[:, None] & (cs[None, :] < C)
-            acc = tl.load(acc_ptrs, mask=acc_mask, other=0.0)  # [BLOCK_N, BLOCK_C] float32
-            tl.store(acc_ptrs, tl.dot(dx, w, acc, input_precision="ieee"), mask=acc_mask)
-
-
-@triton.jit
-def _linear_logprobs_bwd_weight_kernel(
-    hidden_ptr, stride_hn, stride_hc, weight_ptr, stride_wv, stride_wc,
-    targets_ptr, row_max_ptr, log_sum_ptr, grad_out_ptr,  # [N] each
-    grad_weight_ptr,  # float32 [V, C] contiguous, zeros: accumulated in place
-    N, V, C, inv_temperature,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr, UPCAST: tl.constexpr,
-):
-    # One program per BLOCK_V vocabulary rows, a loop over the tokens: d weight[cols] += dx.T @ hidden[rows].
-    # The program owns its rows of grad_weight: no atomics.
-    cols = tl.program_id(0).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
-    for n0 in range(0, N, BLOCK_N):
-        rows = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
-        row_ok = rows < N
-        targets = tl.load(targets_ptr + rows, mask=row_ok, other=0)
-        row_max = tl.load(row_max_ptr + rows, mask=row_ok, other=0.0)
-        log_sum = tl.load(log_sum_ptr + rows, mask=row_ok, other=0.0)
-        g = tl.load(grad_out_ptr + rows, mask=row_ok, other=0.0) * inv_temperature  # grad / temp
-        x = _logits_block(hidden_ptr, stride_hn, stride_hc, weight_ptr, stride_wv, stride_wc,
-                          rows, cols, N, V, C, inv_temperature, BLOCK_N, BLOCK_V, BLOCK_C, UPCAST)
-        dx = _grad_logits_block(x, rows, cols, targets, row_max, log_sum, g, N, V)  # [BLOCK_N, BLOCK_V]
-        dx_t = tl.trans(dx.to(hidden_ptr.dtype.element_ty))  # [BLOCK_V, BLOCK_N], the operand dtype
-        if UPCAST:
-            dx_t = dx_t.to(tl.float32)
-        for c0 in range(0, C, BLOCK_C):
-            cs = c0 + tl.arange(0, BLOCK_C)
-            h = tl.load(hidden_ptr + rows[:, None] * stride_hn + cs[None, :] * stride_hc,
-                        mask=row_ok[:, None] & (cs[None, :] < C), other=0.0)  # [BLOCK_N, BLOCK_C]
-            if UPCAST:
-                h = h.to(tl.float32)
-            acc_ptrs = grad_weight_ptr + cols[:, None] * C + cs[None, :]
-            acc_mask = (cols[:, None] < V) & (cs[None, :] < C)
-            acc = tl.load(acc_ptrs, mask=acc_mask, other=0.0)  # [BLOCK_V, BLOCK_C] float32
-            tl.store(acc_ptrs, tl.dot(dx_t, h, acc, input_precision="ieee"), mask=acc_mask)
+    x = _logits_block(hidden_ptr, stride_hn, stride_hc, weight_ptr, stride_wv, stride_wc,
+                      rows, cols, N, V, C, inv_temperature, BLOCK_N, BLOCK_V, BLOCK_C, UPCAST)
+    dx = _grad_logits_block(x, rows, cols, targets, row_max, log_sum, g, N, V)  # [BLOCK_N, BLOCK_V] float32
+    tl.store(dlogits_ptr + (rows - n0)[:, None] * stride_dn + cols[None, :],
+             dx.to(dlogits_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols[None, :] < V))
 
 
 # =============================================================================================
@@ -358,29 +313,79 @@ def _linear_logprobs_fwd(hidden, weight, targets, inv_temp):
     return out, row_max, log_sum
 
 
+DLOGITS_BYTES = 512 * 2**20  # backward: the most memory one chunk's dlogits may take
+
+
+def chunk_rows(N, V, dtype):
+    """Tokens per backward chunk: as many as keep its [n, V] dlogits within DLOGITS_BYTES (at least 128), all N
+    when they fit. V = 151936 in bfloat16: 1664 rows, 483 MiB."""
+    most = max(128, DLOGITS_BYTES // (V * torch.finfo(dtype).bits // 8) // 128 * 128)
+    return min(max(N, 1), most)
+
+
+_ADDMM_FLOAT32_OUT = {}  # device type -> whether addmm adds a bfloat16 product into a float32 matrix in one call
+
+
+def _add_product(acc, a, b):
+    """acc += a @ b, acc float32 and a, b in the operands' dtype: one matrix product that reads and writes acc in
+    float32 (cuBLAS's beta = 1; torch's addmm with out_dtype, CUDA) where torch has it, else the product in the
+    operands' dtype, then added."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+        return
+    kind = acc.device.type
+    if _ADDMM_FLOAT32_OUT.get(kind, True):
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            _ADDMM_FLOAT32_OUT[kind] = True
+            return
+        except (TypeError, RuntimeError, NotImplementedError):
+            _ADDMM_FLOAT32_OUT[kind] = False
+    acc += (a @ b).float()
+
+
 def _linear_logprobs_bwd(hidden, weight, targets, row_max, log_sum, grad_out, inv_temp, want_hidden, want_weight):
+    """The gradients, a chunk of tokens at a time: the Triton kernel writes the chunk's dlogits [n, V] (recomputing
+    the logits once), then two matrix products (cuBLAS on a GPU) give d hidden = dlogits @ weight and add
+    dlogits.T @ hidden to d weight. Returns grad_hidden [N, C] and grad_weight [V, C] in the inputs' dtype."""
     C, V = hidden.shape[-1], weight.shape[0]
     h = _flat(hidden, C)
     N = h.shape[0]
-    grad_h = torch.zeros((N, C), dtype=torch.float32, device=h.device) if want_hidden else None
-    grad_w = torch.zeros((V, C), dtype=torch.float32, device=h.device) if want_weight else None
-    config = launch_config(N, V, C, h.dtype)
-    args = (h, h.stride(0), h.stride(1), weight, weight.stride(0), weight.stride(1), targets, row_max, log_sum,
-            grad_out)
-    if want_hidden and N > 0:
-        _linear_logprobs_bwd_hidden_kernel[(triton.cdiv(N, config["BLOCK_N"]),)](*args, grad_h, N, V, C, inv_temp,
-                                                                                 **config)
-    if want_weight and N > 0:
-        _linear_logprobs_bwd_weight_kernel[(triton.cdiv(V, config["BLOCK_V"]),)](*args, grad_w, N, V, C, inv_temp,
-                                                                                 **config)
-    return grad_h, grad_w
+    grad_h = torch.empty((N, C), dtype=h.dtype, device=h.device) if want_hidden else None
+    grad_w = None
+    if N == 0:
+        return grad_h, torch.zeros_like(weight) if want_weight else None
+    n = chunk_rows(N, V, h.dtype)
+    config = launch_config(n, V, C, h.dtype)
+    # [n, Vp] reused by every chunk, Vp = V rounded up to a multiple of 64, the columns past V zeros (never written),
+    # and weight with as many zero rows: the products are unchanged, and the matrix library gets the aligned sizes
+    # its fast kernels need (an odd V, as Qwen2.5's 151665 ids, would send it to slow ones)
+    Vp = V + (-V % 64)
+    dlogits = torch.zeros((n, Vp), dtype=h.dtype, device=h.device)
+    w = weight if Vp == V else torch.nn.functional.pad(weight, (0, 0, 0, Vp - V))  # [Vp, C]
+    for n0 in range(0, N, n):
+        rows = slice(n0, min(n0 + n, N))
+        d = dlogits[: rows.stop - n0]  # [n, Vp]
+        grid = (triton.cdiv(d.shape[0], config["BLOCK_N"]), triton.cdiv(V, config["BLOCK_V"]))
+        _linear_logprobs_dlogits_kernel[grid](
+            h, h.stride(0), h.stride(1), weight, weight.stride(0), weight.stride(1), targets, row_max, log_sum,
+            grad_out, d, d.stride(0), n0, rows.stop, V, C, inv_temp, **config,
+        )  # writes d[:, :V]
+        if want_hidden:
+            torch.mm(d, w, out=grad_h[rows])  # [n, C] = [n, Vp] @ [Vp, C]
+        if want_weight:
+            if n >= N:  # one chunk: the product is the gradient, summed in float32 and rounded once
+                grad_w = d.T @ h  # [Vp, C] = [Vp, n] @ [n, C]
+            else:  # several: summed over chunks in float32
+                grad_w = torch.zeros((Vp, C), dtype=torch.float32, device=h.device) if grad_w is None else grad_w
+                _add_product(grad_w, d.T, h[rows])
+    return grad_h, grad_w[:V].to(weight.dtype) if want_weight else None
 
 
 # =============================================================================================
-# (5) Autograd wrapper. Backward is two kernels, each recomputing the logits: one owns token
-#     blocks and accumulates d hidden, the other owns vocabulary blocks and accumulates d weight.
-#     The alternative, one kernel adding into d weight with atomics, recomputes the logits once
-#     fewer but sums in a different order on every run; this way the gradients are deterministic.
+# (5) Autograd wrapper. Backward materialises dlogits a chunk of tokens at a time and leaves the
+#     two gradient products to the matrix library: each recomputed block of logits feeds both,
+#     no float32 accumulator is re-read from memory, and the sums are deterministic (no atomics).
 # =============================================================================================
 class _LinearLogprobsTriton(torch.autograd.Function):
     @staticmethod
@@ -399,9 +404,7 @@ class _LinearLogprobsTriton(torch.autograd.Function):
         want_hidden, want_weight = ctx.needs_input_grad[:2]
         grad_h, grad_w = _linear_logprobs_bwd(hidden, weight, targets, row_max, log_sum, grad_out, ctx.inv_temp,
                                               want_hidden, want_weight)
-        grad_hidden = grad_h.to(hidden.dtype).view(hidden.shape) if want_hidden else None
-        grad_weight = grad_w.to(weight.dtype) if want_weight else None
-        return grad_hidden, grad_weight, None, None
+        return grad_h.view(hidden.shape) if want_hidden else None, grad_w, None, None
 
 
 def linear_logprobs_triton(hidden, weight, targets, temperature=1.0):

@@ -19,6 +19,7 @@ does: that costs eps(dtype) times sum_v |dx_v| |weight_vc| (d hidden) or sum_n |
 those sums itself.
 """
 
+import importlib
 import math
 import os
 import subprocess
@@ -146,6 +147,21 @@ def test_sliced_hidden_and_chunking(impl):
     weight = (torch.randn(45, 20, device=dev) / 20**0.5).requires_grad_()
     targets = torch.randint(0, 45, (3, 5), device=dev)
     check(impl, base[:, :-1], weight, targets, 0.8, torch.randn(3, 5, device=dev), base=base, small_chunks=True)
+
+
+@pytest.mark.skipif(not TRITON_HERE, reason="runs in test_interpreted_linear_logprobs_subprocess")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_path_backward_in_chunks(dtype, monkeypatch):
+    """The Triton backward with its dlogits in chunks of 128 tokens (the least it takes; 300 tokens: 128, 128 and a
+    ragged 44), d weight summed over the chunks in float32, against the float64 reference: as at a real vocabulary,
+    where a chunk is 1664 tokens. The same gradients as one chunk, within the rounding of each chunk's product."""
+    module = importlib.import_module("kernels.linear_logprobs")   # (kernels.linear_logprobs is the function)
+    monkeypatch.setattr(module, "DLOGITS_BYTES", 1)
+    assert module.chunk_rows(300, 40, dtype) == 128
+    dev = device_for("triton_path")
+    hidden = torch.randn(300, 24).to(dtype).to(dev).requires_grad_()
+    weight = (torch.randn(40, 24) / 24**0.5).to(dtype).to(dev).requires_grad_()
+    check("triton_path", hidden, weight, torch.randint(0, 40, (300,), device=dev), 0.9, torch.randn(300, device=dev))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
