@@ -1,41 +1,35 @@
 """
-The small transformer every script shares: a nanoGPT-style decoder-only GPT, its tokenizer,
-a batched KV-cache sampler, a scalar-head variant for reward and value models, and checkpoints.
+The small transformer every script shares: a nanoGPT-style decoder-only GPT, its tokenizer, a KV cache, a
+scalar-head variant for reward and value models, and checkpoints. Sampling lives beside it, in sampler.py.
 
 Design choices (each one a deliberate simplification, stated so you can change it):
-- Learned absolute position embeddings, as GPT-2 and nanoGPT. Positions are counted per row from
-  the first real token, so a left-padded prompt sees exactly the positions it would see alone.
-- Real checkpoints: GPTConfig's switches (rotary positions, RMSNorm, SwiGLU, grouped-query attention,
-  Qwen2's q/k/v biases, an untied head) are what GPT-2, Llama and Qwen2 differ in; `from_pretrained`
-  loads a local Hugging Face folder into this one class, `Tokenizer.from_pretrained` its tokenizer.json
-  (tests/test_pretrained.py checks both against transformers' own outputs).
-- Padding can be on either side. `mask` (B, T) is 1 for real tokens and 0 for padding; a query
-  never attends to a padding key, so a row's outputs do not depend on what else is in the batch.
-  (A padding query attends to itself only, which keeps softmax rows non-empty; its output is junk
-  and never read.)
-- Pre-LayerNorm blocks, GELU MLP, causal attention through F.scaled_dot_product_attention,
-  output projection tied to the token embedding.
-- Tokenizer: tiktoken. The default, "bytes", is built in code (one token per byte, plus
-  <|endoftext|> and <|pad|>) so everything works offline; a named tiktoken encoding such as "gpt2"
-  works where tiktoken can load it, with <|pad|> appended.
-- Precision: the logits are float32, always. On a GPU the scripts run the model under bfloat16
-  autocast, but the LM head (`GPT.logits`) runs outside it, on float32 hidden states. A bfloat16
-  logit near 20 moves in steps of 0.125 and may round either way depending on the batch shape it
-  was computed in, so sampling-time and training-time log-probs of the same tokens would disagree
-  with no weight change: a PPO/GRPO ratio that is not 1 at the first update (verl-project/verl#6280;
-  MiniMax 2025, arXiv 2506.13585, section 4, made the same fix). Cost, on a GPU only: B*T*V*2 bytes
-  more for the logits and a float32 head matmul.
-- Large vocabularies: `token_logprobs` goes from hidden states to log-probs through
-  kernels.linear_logprobs and never holds the [B, T, V] logits (above FUSED_VOCAB tokens);
+- Learned absolute position embeddings, as GPT-2 and nanoGPT. Positions are counted per row from the first real
+  token, so a left-padded prompt sees exactly the positions it would see alone.
+- Real checkpoints: GPTConfig's switches (rotary positions, RMSNorm, SwiGLU, grouped-query attention, Qwen2's
+  q/k/v biases, an untied head) are what GPT-2, Llama and Qwen2 differ in; `from_pretrained` loads a local Hugging
+  Face folder into this one class, `Tokenizer.from_pretrained` its tokenizer.json (tests/test_pretrained.py checks
+  both against transformers' own outputs). The model's distribution is over the tokenizer's ids only
+  (GPTConfig.tokenizer_vocab): an embedding row past them is never sampled and never in a log-prob, KL or entropy.
+- Padding can be on either side. `mask` (B, T) is 1 for real tokens and 0 for padding; a query never attends to a
+  padding key, so a row's outputs do not depend on what else is in the batch. On a GPU, training and scoring move
+  each row's real tokens to its front and run plain causal attention (flash attention, no mask); elsewhere, and with
+  a KV cache, an explicit mask (a padding query attends to itself only; its output is junk and never read).
+- Pre-LayerNorm blocks, GELU MLP, causal attention through F.scaled_dot_product_attention, output projection tied
+  to the token embedding.
+- Tokenizer: tiktoken. The default, "bytes", is built in code (one token per byte, plus <|endoftext|> and <|pad|>)
+  so everything works offline; a named tiktoken encoding such as "gpt2" works where tiktoken can load it.
+- Precision: the logits are float32, never rounded to bfloat16. On a GPU the scripts run the model under bfloat16
+  autocast, and the LM head multiplies bfloat16 operands into float32 sums, on tensor cores like every other
+  product. A bfloat16 logit near 20 moves in steps of 0.125 and may round either way depending on the batch shape
+  it was computed in, so sampling-time and training-time log-probs of the same tokens would disagree with no weight
+  change (verl-project/verl#6280; MiniMax 2025, arXiv 2506.13585, section 4, keep the whole head in float32 for
+  it). A rounded operand is the same number whatever the batch; scoring and training reach the log-probs through
+  one function (GPT.head_logprobs), so the first ratio is exactly 1 without a float32 product on the hot path.
+- Large vocabularies: `head_logprobs` goes from hidden states to log-probs through kernels.linear_logprobs and
+  never holds the [B, T, V] logits (above FUSED_VOCAB tokens); `kl_entropy` reads them a chunk at a time;
   `grad_checkpoint` recomputes each block's activations in backward (the scripts' --grad_checkpoint).
-- Sampling: `generate` keeps a KV cache, so each new token costs one position's work, not the
-  whole sequence's. With compile=True the per-token step (`GPT.decode_step`) has shapes that never
-  change (a preallocated cache, the new key and value written at a slot given as a tensor,
-  attention over every slot with the empty ones masked) and runs under torch.compile, as a CUDA
-  graph on a GPU: one compiled graph serves every step of every call with the same number of rows
-  and of cache slots (the prompt plus max_new_tokens, rounded up to a multiple of 16).
 
-Shapes: B batch, T time, C channels, V vocabulary, nh heads, hs head size.
+Shapes: B batch, T time, C channels, V vocabulary (the support), nh heads, nkv key/value heads, hs head size.
 """
 import contextlib
 import json
@@ -50,7 +44,7 @@ import torch.nn as nn
 import torch.utils.checkpoint
 import torch.nn.functional as F
 
-from kernels import linear_logprobs, logprobs
+from kernels import entropy, kl, linear_logprobs, logprobs
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
@@ -108,7 +102,21 @@ class Tokenizer:
         return self.enc.encode_ordinary(text)
 
     def decode(self, ids):
-        return self.enc.decode(list(ids), errors="replace")
+        """Ids to text. An id this tokenizer does not have (an embedding row past its vocabulary, a negative id) reads
+        as U+FFFD, as undecodable bytes do: decoding never raises on what a model can emit."""
+        ids = list(ids)
+        try:
+            return self.enc.decode(ids, errors="replace")
+        except (KeyError, ValueError, OverflowError, TypeError):    # tiktoken refuses an id it does not have
+            known = {*self.enc._mergeable_ranks.values(), *self.enc._special_tokens.values()}
+            pieces, run = [], []
+            for i in ids:
+                if i in known:
+                    run.append(i)
+                else:
+                    pieces += [self.enc.decode_bytes(run), "\ufffd".encode()]
+                    run = []
+            return b"".join([*pieces, self.enc.decode_bytes(run)]).decode("utf-8", errors="replace")
 
     def encode_batch(self, texts, device="cpu"):
         """Left-padded batch: tokens (B, T) int64 and mask (B, T) float32, 1 on real tokens."""
@@ -154,6 +162,11 @@ class GPTConfig:
     bias: bool = True          # biases of the attention output and the MLP (GPT-2 has them; Llama, Qwen2 not)
     qkv_bias: bool = True      # biases of the query, key and value projections (GPT-2, Qwen2)
     tie_embeddings: bool = True  # the LM head is the token embedding (GPT-2, small Qwen2 and Llama 3.2)
+    # The ids the tokenizer has, the first tokenizer_vocab rows of the embedding (0: all vocab_size). A real
+    # checkpoint's embedding may be padded past its tokenizer (Qwen2.5: 151936 rows, 151665 tokens): the model's
+    # distribution is over the tokenizer's ids only, so that nothing undecodable is ever sampled and the trainer's
+    # log-probs, KL and entropy are over exactly the ids the sampler draws from.
+    tokenizer_vocab: int = 0
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -163,6 +176,9 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.n_embd = {self.n_embd} must be divisible by n_head = {self.n_head}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout = {self.dropout}; allowed: 0 <= dropout < 1")
+        if not 0 <= self.tokenizer_vocab <= self.vocab_size:
+            raise ValueError(f"GPTConfig.tokenizer_vocab = {self.tokenizer_vocab}; allowed: 0 (all) to vocab_size = "
+                             f"{self.vocab_size}")
         if self.n_kv_head < 0 or self.n_head % (self.n_kv_head or self.n_head):
             raise ValueError(f"GPTConfig.n_kv_head = {self.n_kv_head} must divide n_head = {self.n_head}")
         for name, allowed in (("norm", ("layernorm", "rmsnorm")), ("pos", ("learned", "rope")),
@@ -174,18 +190,24 @@ class GPTConfig:
     def kv_heads(self):
         return self.n_kv_head or self.n_head
 
+    @property
+    def support(self):
+        """How many ids the model's distribution is over: the first `support` rows of the LM head."""
+        return self.tokenizer_vocab or self.vocab_size
+
 
 class KVCache:
     """Keys and values of every layer for sampling, plus which cached positions are real tokens.
 
     Used in two ways. Appending (the model's forward with a cache, the eager sampler): each call writes
     its chunk at slot `length` and attention reads the first `length` slots, so shapes grow every step.
-    Static (GPT.decode_step, generate(compile=True)): every tensor is allocated up front and keeps its
-    shape; a step writes at a slot given as a tensor and attends over all max_len slots, the ones not
-    filled yet masked out by key_mask, so one compiled graph serves every step."""
+    Static (sampler.decode_step): every tensor is allocated up front and keeps its shape; a step writes at a
+    slot given as a tensor and attends over all max_len slots, the ones not filled yet masked out by key_mask,
+    so that one recorded CUDA graph (or one compiled graph) serves every step. Keys and values are kept for the
+    n_kv key/value heads only (grouped-query attention reads them without copying)."""
 
     def __init__(self, n_layer, batch_size, max_len, device):
-        self.k = [None] * n_layer        # each (B, nh, max_len, hs), allocated at first use
+        self.k = [None] * n_layer        # each (B, nkv, max_len, hs), allocated at first use
         self.v = [None] * n_layer
         self.key_mask = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
         self.next_pos = torch.zeros(batch_size, dtype=torch.long, device=device)  # position of the next real token
@@ -202,17 +224,6 @@ class KVCache:
         cache.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
         return cache
 
-    def reset(self):
-        """Empty the cache for another batch of the same size, in place: the same memory, so a compiled graph (a
-        CUDA graph on a GPU) that reads and writes these tensors finds them where it left them."""
-        for t in self.tensors():
-            t.zero_()
-        self.length = 0
-
-    def tensors(self):
-        """Every tensor the static decode step reads or writes in place."""
-        return [*self.k, *self.v, self.key_mask, self.next_pos]
-
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, config):
@@ -224,6 +235,8 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
 
     def forward(self, x, attn_mask, cache=None, layer=0, slot=None, rope=None):
+        """attn_mask (B, 1, T, S) bool, True where a query may read a key; None: causal attention over a layout with
+        every row's real tokens first (GPT.hidden's packed layout), which SDPA runs as flash attention."""
         B, T, C = x.shape
         hs = C // self.n_head
         q, k, v = self.c_attn(x).split([C, self.n_kv * hs, self.n_kv * hs], dim=2)
@@ -231,10 +244,10 @@ class CausalSelfAttention(nn.Module):
         k, v = (t.view(B, T, self.n_kv, hs).transpose(1, 2) for t in (k, v))  # (B, nkv, T, hs)
         if rope is not None:                                               # rotary positions (Su et al. 2021)
             q, k = rotate(q, *rope), rotate(k, *rope)
-        if cache is not None and slot is not None:  # static shapes (GPT.decode_step): write at `slot`, read every slot
+        if cache is not None and slot is not None:  # static shapes (sampler.decode_step): write at `slot`, read all
             cache.k[layer].index_copy_(2, slot, k)
             cache.v[layer].index_copy_(2, slot, v)
-            k, v = cache.k[layer], cache.v[layer]  # (B, nh, max_len, hs)
+            k, v = cache.k[layer], cache.v[layer]  # (B, nkv, max_len, hs)
         elif cache is not None:  # write this chunk's keys and values, then attend over everything cached
             if cache.k[layer] is None:
                 shape = (B, self.n_kv, cache.max_len, hs)
@@ -245,12 +258,20 @@ class CausalSelfAttention(nn.Module):
             cache.v[layer][:, :, start:start + T] = v
             k = cache.k[layer][:, :, :start + T]  # (B, nkv, S, hs)
             v = cache.v[layer][:, :, :start + T]
-        if self.n_kv != self.n_head:                                       # grouped-query attention: each key and
-            k = k.repeat_interleave(self.n_head // self.n_kv, dim=1)       # value head serves n_head / n_kv query
-            v = v.repeat_interleave(self.n_head // self.n_kv, dim=1)       # heads (B, nh, S, hs)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
-                                           dropout_p=self.dropout if self.training else 0.0)  # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        dropout = self.dropout if self.training else 0.0
+        g = self.n_head // self.n_kv               # grouped-query attention: query head h reads key/value head h // g
+        if attn_mask is None:                      # packed: causal, no mask (flash attention)
+            gqa = g > 1 and SDPA_GQA and x.is_cuda     # flash attention reads each key/value head for its g heads
+            if g > 1 and not gqa:                      # elsewhere each key and value head is copied g times
+                k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)   # (B, nh, T, hs)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,   # (B, nh, T, hs)
+                                               **({"enable_gqa": True} if gqa else {}))
+        else:  # the g query heads sharing a key head attend as g*T queries of it: the cache is read once, not g times
+            q = q.reshape(B, self.n_kv, g * T, hs)                         # (B, nkv, g*T, hs)
+            mask = attn_mask.repeat(1, 1, g, 1) if g > 1 else attn_mask    # (B, 1, g*T, S)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+            y = y.reshape(B, self.n_head, T, hs)                           # (B, nh, T, hs)
+        y = y.transpose(1, 2).reshape(B, T, C)
         return self.c_proj(y)
 
 
@@ -318,8 +339,6 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():  # GPT-2: scale residual projections by 1/sqrt(2 * n_layer)
             if name.endswith("c_proj.weight") or name.endswith("mlp.2.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
-        # generate(compile=True)'s caches, one per (rows, slots, dtype, device): see static_cache
-        self._static_caches = {}
         self.grad_checkpoint = False  # --grad_checkpoint: recompute each block's activations in backward
 
     @staticmethod
@@ -357,20 +376,32 @@ class GPT(nn.Module):
             cache.key_mask[:, start:start + T] = real
             cache.next_pos += real.sum(1)
             key_mask = cache.key_mask[:, :start + T]               # (B, S) with S = start + T
+        if cache is None and idx.device.type in PACKED_ATTENTION:  # training and scoring on a GPU: flash attention
+            order = torch.sort((~real).int(), dim=1, stable=True).indices  # (B, T) each row's real tokens first
+            x, rope = self.embed(idx.gather(1, order), pos.gather(1, order))   # (B, T, C) packed
+            x = self.run_blocks(x, None, None, rope)               # causal attention: no padding before a real token
+            back = order.argsort(dim=1)[..., None].expand_as(x)    # (B, T, C) each position's place in the packing
+            return self.ln_f(x.gather(1, back))
         q_pos = torch.arange(start, start + T, device=idx.device)[:, None]   # (T, 1) time index of each query
         k_pos = torch.arange(start + T, device=idx.device)[None, :]          # (1, S)
         attn_mask = (k_pos <= q_pos) & key_mask[:, None, :]        # (B, T, S): causal and not padding
         attn_mask = (attn_mask | (k_pos == q_pos))[:, None]        # (B, 1, T, S): padding queries see themselves
         x, rope = self.embed(idx, pos)                             # (B, T, C)
-        recompute = self.grad_checkpoint and cache is None and torch.is_grad_enabled()
-        for i, block in enumerate(self.blocks):
-            if recompute:   # keep only each block's input; its activations are recomputed in backward
-                x = torch.utils.checkpoint.checkpoint(block, x, attn_mask, rope=rope, use_reentrant=False)
-            else:
-                x = block(x, attn_mask, cache, i, rope=rope)
+        x = self.run_blocks(x, attn_mask, cache, rope)
         if cache is not None:
             cache.length += T
         return self.ln_f(x)
+
+    def run_blocks(self, x, attn_mask, cache, rope):
+        """The transformer blocks on x (B, T, C). With grad_checkpoint (and a gradient to take), only each block's
+        input is kept and its activations are recomputed in backward."""
+        recompute = self.grad_checkpoint and cache is None and torch.is_grad_enabled()
+        for i, block in enumerate(self.blocks):
+            if recompute:
+                x = torch.utils.checkpoint.checkpoint(block, x, attn_mask, rope=rope, use_reentrant=False)
+            else:
+                x = block(x, attn_mask, cache, i, rope=rope)
+        return x
 
     def embed(self, idx, pos):
         """Token embeddings (B, T, C), plus the learned position embeddings, or with rotary positions the
@@ -380,177 +411,93 @@ class GPT(nn.Module):
             return self.drop(x + self.wpe(pos)), None
         hs = self.config.n_embd // self.config.n_head
         inv_freq = 1.0 / self.config.rope_theta ** (torch.arange(0, hs, 2, device=idx.device).float() / hs)
-        with autocast_off(idx.device.type):
-            angles = pos[:, None, :, None].float() * inv_freq                    # (B, 1, T, hs/2)
+        angles = pos[:, None, :, None].float() * inv_freq                        # (B, 1, T, hs/2) float32
         angles = torch.cat([angles, angles], dim=-1)                             # (B, 1, T, hs)
         return self.drop(x), (angles.cos().to(x.dtype), angles.sin().to(x.dtype))
 
-    def logits(self, x):
-        """Logits (..., V) float32 from final hidden states x (..., C): the LM head runs outside autocast, on x in
-        float32, so that the logits never carry bfloat16 rounding (module docstring: Precision)."""
-        with autocast_off(x.device.type):
-            return F.linear(x.float(), self.lm_head.weight.float())
+    def head_weight(self, pad=False):
+        """The LM head's weight over the support (V, C) as the head's operand: in autocast's dtype where autocast is
+        on (bfloat16 on a GPU), else float32. Differentiable (a cast of the weight). pad: with zero rows up to a
+        multiple of 64, so that the logits' rows start 16-byte aligned (the matrix library's fast kernels need it;
+        Qwen2.5's 151665 ids are odd) and logits() returns a view of the first V columns (for fast=True)."""
+        w = self.lm_head.weight[:self.config.support]
+        w = w.to(operand_dtype(w.device.type))
+        return F.pad(w, (0, 0, 0, -w.size(0) % 64)) if pad else w
 
-    def forward(self, idx, mask=None, cache=None, targets=None, temperature=1.0):
-        """Logits (B, T, V) float32: position t predicts token t + 1. With targets (B, Tn): instead, the float32
-        log-probs (B, Tn) of the targets at the last Tn positions, from the hidden states and the LM head's weight
-        through kernels.linear_logprobs, which never writes the logits (the fused path, for a large V)."""
+    def logits(self, x, head=None, fast=False):
+        """Logits (..., V) float32 over the support (the tokenizer's ids) from final hidden states x (..., C). The
+        operands are rounded to autocast's dtype where it is on (bfloat16: the head runs on tensor cores), the
+        products and sums are float32, and the logits are never rounded to bfloat16 (module docstring: Precision).
+        head: head_weight(), when the caller has it already (the sampler makes it once per call). fast (no
+        gradient): one bfloat16 product with float32 output where torch has it (torch.mm's out_dtype, CUDA), the same
+        numbers summed in another order; otherwise the rounded operands are multiplied as float32, exactly."""
+        w = self.head_weight() if head is None else head
+        with autocast_off(x.device.type):
+            if fast and w.dtype != torch.float32 and mm_float32_out(x.device):
+                out = torch.mm(x.reshape(-1, x.size(-1)).to(w.dtype), w.t(), out_dtype=torch.float32)
+                out = out.view(*x.shape[:-1], w.size(0))
+            else:
+                out = F.linear(x.to(w.dtype).float(), w.float())
+        return out[..., :self.config.support] if out.size(-1) > self.config.support else out   # head_weight(pad)
+
+    def forward(self, idx, mask=None, cache=None, targets=None, temperature=1.0, fused=None):
+        """Logits (B, T, V) float32 over the support: position t predicts token t + 1. With targets (B, Tn): instead,
+        the float32 log-probs (B, Tn) of the targets at the last Tn positions (head_logprobs)."""
         h = self.hidden(idx, mask, cache)
         if targets is None:
             return self.logits(h)
-        with autocast_off(h.device.type):                          # float32, as self.logits
-            return linear_logprobs(h[:, h.size(1) - targets.size(1):].float(), self.lm_head.weight.float(), targets,
-                                   temperature)
+        return self.head_logprobs(h, targets, temperature, fused)
 
-    def decode_step(self, idx, cache, slot):
-        """The sampler's per-token step with shapes that never change, for torch.compile (generate(compile=True)).
-
-        idx (N, 1) each row's newest token (all real); cache a static KVCache (KVCache.preallocated) holding
-        everything before it; slot (1,) int64, the cache slot it goes to (the same for every row). Writes its
-        keys and values at `slot`, attends over all max_len slots with the empty ones masked out, and returns
-        the logits (N, V) float32 of the token after it; marks the slot real and advances each row's position.
-        The same computation as self(idx, ones, cache)[:, -1] on an appending cache, except that attention
-        sums over max_len slots instead of the filled ones: the extra terms are exactly 0, but the sums may be
-        ordered differently. The caller advances slot and checks block_size (the positions live on the device)."""
-        cache.key_mask.index_fill_(1, slot, True)                  # (N, L) the new token is real in every row
-        x, rope = self.embed(idx, cache.next_pos[:, None])         # (N, 1, C)
-        attn_mask = cache.key_mask[:, None, None, :]               # (N, 1, 1, L) every filled slot, no later one
-        for i, block in enumerate(self.blocks):
-            x = block(x, attn_mask, cache, i, slot, rope)
-        cache.next_pos.add_(1)
-        return self.logits(self.ln_f(x))[:, -1]                    # (N, V)
-
-    def static_cache(self, batch_size, max_len, device):
-        """generate(compile=True)'s cache for batch_size rows and max_len slots, emptied. It is kept on the model and
-        reused by every later call with the same shape, dtype and device, so the compiled step (and on a GPU its
-        CUDA graph, which reads and writes these tensors in place) is reused as it is, without re-recording. Memory
-        held: 2 * n_layer * batch_size * max_len * n_embd numbers per shape in use."""
-        device = torch.device(device)
-        autocast = torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type)
-        dtype = torch.get_autocast_dtype(device.type) if autocast else self.wte.weight.dtype  # what c_attn returns
-        key = (batch_size, max_len, dtype, device)
-        if key not in self._static_caches:
-            c = self.config
-            cache = KVCache.preallocated(c.n_layer, batch_size, max_len, c.kv_heads, c.n_embd // c.n_head, dtype,
-                                         device)
-            if device.type == "cuda":                              # CUDA graphs may write into these in place
-                for t in cache.tensors():
-                    torch._dynamo.mark_static_address(t)
-            self._static_caches[key] = cache
-        cache = self._static_caches[key]
-        cache.reset()
-        return cache
-
-    @torch.no_grad()
-    def generate(self, prompt, prompt_mask, max_new_tokens, eos_id, pad_id=None, num_samples=1,
-                 temperature=1.0, top_k=None, generator=None, compile=None, return_logprobs=False):
-        """Sample completions with a KV cache.
-
-        prompt (B, Tp) left-padded token ids, prompt_mask (B, Tp) 1 on real tokens.
-        Each prompt gets num_samples completions on consecutive rows (prompt i -> rows i*G .. i*G+G-1).
-        temperature 0 means greedy. top_k keeps the k most likely tokens (None: the full softmax,
-        which RL needs so that sampling matches the log-probs it trains on).
-        compile=True runs each new token through decode_step under torch.compile (compiled_decode_step: a
-        CUDA graph on a GPU; None, the default, reads the model's compile_sampler attribute, which the
-        scripts' --compile sets) on a static cache kept on the model (static_cache); the prompt still goes
-        through the eager forward. The first call of each batch size compiles (tens of seconds); the draws from
-        `generator` are the same as without it, so the tokens are identical unless a compiled logit differs
-        from the eager one in its last bits exactly where that decides a token (a near-tie for greedy, a draw
-        on a boundary of the sampling distribution; under bfloat16 autocast, bfloat16 rounding). In train mode
-        with dropout the two differ (dropout draws its own random numbers in a compiled graph); the scripts
-        sample in eval mode.
-        Returns tokens (B*G, Tn) with pad_id after each EOS, mask (B*G, Tn) float (1.0 on tokens
-        through the first EOS, 0 after), and truncated (B*G,) bool (no EOS within max_new_tokens).
-        Tn <= max_new_tokens: sampling stops once every row has ended. return_logprobs=True (temperature > 0) also
-        returns the sampler's own log-probs of the sampled tokens (B*G, Tn) float32, log softmax(logits / T)
-        [token] as this loop computed it (0 after EOS): the behaviour policy's, as an inference engine reports it.
-        """
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens = {max_new_tokens}; it must be at least 1")
-        if temperature < 0:
-            raise ValueError(f"temperature = {temperature}; it must be >= 0 (0 = greedy)")
-        pad_id = eos_id if pad_id is None else pad_id
-        if compile is None:   # the model's default: the scripts' --compile sets policy.compile_sampler
-            compile = getattr(self, "compile_sampler", False)
-        idx = prompt.repeat_interleave(num_samples, dim=0)              # (B*G, Tp)
-        idx_mask = prompt_mask.repeat_interleave(num_samples, dim=0)
-        N = idx.size(0)
-        if compile:   # slots rounded up to a multiple of 16, so that prompts a little longer or shorter share a graph
-            cache = self.static_cache(N, -(-(idx.size(1) + max_new_tokens) // 16) * 16, idx.device)
-            step = compiled_decode_step(idx.device.type)
-            slot = torch.full((1,), idx.size(1), dtype=torch.long, device=idx.device)  # the slot of token 0
-            longest = int(idx_mask.sum(1).max())                        # real tokens in the longest prompt
-        else:
-            cache = KVCache(self.config.n_layer, N, idx.size(1) + max_new_tokens, idx.device)
-        logits = self(idx, idx_mask, cache)[:, -1, :]                   # (N, V) predicts the first new token
-        tokens = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=idx.device)
-        mask = torch.zeros(N, max_new_tokens, device=idx.device)
-        sampled_logp = torch.zeros(N, max_new_tokens, device=idx.device)
-        done = torch.zeros(N, dtype=torch.bool, device=idx.device)
-        for t in range(max_new_tokens):
-            if temperature == 0:
-                nxt = logits.argmax(-1)                                 # (N,)
-            else:
-                logits = logits.float() / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator).squeeze(1)
-                if return_logprobs:
-                    step_logp = F.log_softmax(logits, dim=-1).gather(1, nxt[:, None]).squeeze(1)   # (N,)
-                    sampled_logp[:, t] = torch.where(done, 0.0, step_logp)
-            tokens[:, t] = torch.where(done, pad_id, nxt)
-            mask[:, t] = (~done).float()
-            done = done | (nxt == eos_id)
-            if done.all() or t == max_new_tokens - 1:
-                break
-            if compile:
-                if longest + t + 1 > self.config.block_size:            # the eager forward's check, on the host
-                    raise ValueError(f"a sequence of {longest + t + 1} real tokens exceeds block_size = "
-                                     f"{self.config.block_size}; shorten it or build the model with a larger "
-                                     f"block_size")
-                if idx.device.type == "cuda":
-                    torch.compiler.cudagraph_mark_step_begin()          # the last step's output may be overwritten
-                logits = step(self, tokens[:, t:t + 1].clone(memory_format=torch.contiguous_format), cache, slot)
-                slot = slot + 1
-            else:
-                logits = self(tokens[:, t:t + 1], torch.ones(N, 1, device=idx.device), cache)[:, -1, :]
-        if return_logprobs:
-            return tokens[:, :t + 1], mask[:, :t + 1], ~done, sampled_logp[:, :t + 1]
-        return tokens[:, :t + 1], mask[:, :t + 1], ~done
+    def head_logprobs(self, h, targets, temperature=1.0, fused=None):
+        """log pi(targets) (B, Tn) float32 at `temperature` from final hidden states h (B, T, C), whose last Tn
+        positions predict targets, over the support. fused (default: a support above FUSED_VOCAB) takes the LM head
+        and the log-softmax through kernels.linear_logprobs, which never writes the logits; else the logits, then
+        kernels.logprobs. Scoring (no gradient) and training reach the log-probs through this one function, so that
+        on-policy they agree bit for bit and the first ratio is exactly 1."""
+        Tn = targets.size(1)
+        if not (self.config.support > FUSED_VOCAB if fused is None else fused):
+            return logprobs(self.logits(h)[:, h.size(1) - Tn:], targets, temperature)
+        w = self.head_weight()                                     # (V, C) bfloat16 under autocast, else float32
+        with autocast_off(h.device.type):                          # float32 products and sums in the kernel
+            return linear_logprobs(h[:, h.size(1) - Tn:].to(w.dtype), w, targets, temperature)
 
 
-_compiled_steps = {}  # device type -> GPT.decode_step under torch.compile, made at first use, shared by every model
+
+# The devices whose training and scoring forwards pack each row's real tokens first and run plain causal attention
+# (SDPA's flash kernel, no mask; GPT.hidden). Elsewhere the explicit padding mask stays, which keeps every CPU result
+# made so far bit for bit.
+PACKED_ATTENTION = ("cuda",)
+_AUTOCAST = {d for d in ("cpu", "cuda", "mps", "xpu") if torch.amp.is_autocast_available(d)}   # read once: traceable
+SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)   # SDPA's enable_gqa (flash, on CUDA)
+_MM_FLOAT32_OUT = {}   # device type -> whether torch.mm(bf16, bf16, out_dtype=float32) runs there
 
 
-def compiled_decode_step(device_type):
-    """GPT.decode_step under torch.compile, one per process and device type, called as step(model, idx, cache, slot).
-    One graph per shape (dynamic=False: a new batch size compiles anew), no graph breaks (fullgraph); on CUDA, mode
-    "reduce-overhead" also records each graph as a CUDA graph, so a step is one launch instead of one per kernel."""
-    if device_type not in _compiled_steps:
-        mode = "reduce-overhead" if device_type == "cuda" else None
-        compiled = torch.compile(GPT.decode_step, dynamic=False, fullgraph=True, mode=mode)
-        _compiled_steps[device_type] = with_eager_fallback(compiled)
-    return _compiled_steps[device_type]
-
-
-def with_eager_fallback(compiled):
-    """The compiled step, run eagerly (the same function, the same static cache) for a shape past torch.compile's
-    recompile limit (8 graphs): with fullgraph=True the ninth distinct shape would raise instead of falling back."""
-    def step(model, idx, cache, slot):
-        try:
-            return compiled(model, idx, cache, slot)
-        except torch._dynamo.exc.FailOnRecompileLimitHit:
-            return GPT.decode_step(model, idx, cache, slot)
-    return step
+def operand_dtype(device_type, default=torch.float32):
+    """The dtype autocast computes products in on this device type now (bfloat16 in the scripts on a GPU), else
+    `default`."""
+    if device_type in _AUTOCAST and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return default
 
 
 def autocast_off(device_type):
     """A context with autocast off on `device_type`, so that what runs inside computes in the tensors' own dtype
     (nothing to switch off where this torch has no autocast for the device)."""
-    if torch.amp.is_autocast_available(device_type):
+    if device_type in _AUTOCAST:
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
+
+
+def mm_float32_out(device):
+    """Whether torch.mm multiplies bfloat16 matrices into a float32 result on this device (out_dtype: CUDA, recent
+    torch), tried once per device type."""
+    if device.type not in _MM_FLOAT32_OUT:
+        try:
+            a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
+            _MM_FLOAT32_OUT[device.type] = torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+        except (TypeError, RuntimeError, NotImplementedError):
+            _MM_FLOAT32_OUT[device.type] = False
+    return _MM_FLOAT32_OUT[device.type]
 
 
 class ScalarGPT(nn.Module):
@@ -591,8 +538,8 @@ def last_real(values, mask):
 
 
 def completion_logits(model, prompt, prompt_mask, tokens, mask):
-    """Logits (B, Tn, V) predicting each completion token under `model`, for scoring what `generate`
-    sampled. prompt (B, Tp) left-padded, tokens (B, Tn) right-padded, masks 1.0 on real tokens:
+    """Logits (B, Tn, V) predicting each completion token under `model`, for scoring what the sampler
+    drew. prompt (B, Tp) left-padded, tokens (B, Tn) right-padded, masks 1.0 on real tokens:
     position Tp-1+t of prompt+completion predicts completion token t."""
     idx = torch.cat([prompt, tokens], dim=1)                           # (B, Tp+Tn)
     attn = torch.cat([prompt_mask, mask], dim=1)
@@ -601,13 +548,10 @@ def completion_logits(model, prompt, prompt_mask, tokens, mask):
 
 def token_logprobs(model, idx, mask, targets, temperature=1.0, fused=None):
     """log pi(targets) (B, Tn) float32 at `temperature`, read at the last Tn positions of model(idx, mask): as
-    logprobs(model(idx, mask)[:, -Tn:], targets). fused (default: a vocabulary above FUSED_VOCAB) takes the LM head
-    and the log-softmax in one kernel and never holds the (B, Tn, V) logits: what lets a real checkpoint's
-    V = 151936 train (README: A real model on one GPU)."""
-    config = getattr(model, "module", model).config                   # through DistributedDataParallel too
-    if config.vocab_size > FUSED_VOCAB if fused is None else fused:
-        return model(idx, mask, targets=targets, temperature=temperature)
-    return logprobs(model(idx, mask)[:, idx.size(1) - targets.size(1):], targets, temperature)
+    logprobs(model(idx, mask)[:, -Tn:], targets), through GPT.head_logprobs (fused: never holding the (B, Tn, V)
+    logits, by default above FUSED_VOCAB: what lets a real checkpoint's V = 151936 train). Through
+    DistributedDataParallel too: the forward is the wrapper's."""
+    return model(idx, mask, targets=targets, temperature=temperature, fused=fused)
 
 
 def completion_logprobs(model, prompt, prompt_mask, tokens, mask, temperature=1.0, fused=None):
@@ -616,6 +560,36 @@ def completion_logprobs(model, prompt, prompt_mask, tokens, mask, temperature=1.
     idx = torch.cat([prompt, tokens], dim=1)                           # (B, Tp+Tn)
     attn = torch.cat([prompt_mask, mask], dim=1)
     return token_logprobs(model, idx[:, :-1], attn[:, :-1], tokens, temperature, fused)   # (B, Tn)
+
+
+def completion_hidden(model, prompt, prompt_mask, tokens, mask):
+    """Final hidden states (B, Tp+Tn-1, C) of each prompt and its completion but the last token: position Tp-1+t
+    predicts completion token t. model.head_logprobs(h, tokens, T) is completion_logprobs(model, ..., T), bit for bit,
+    and kl_entropy reads the same h: scoring runs each model's forward once."""
+    idx = torch.cat([prompt, tokens], dim=1)                           # (B, Tp+Tn)
+    attn = torch.cat([prompt_mask, mask], dim=1)
+    return model.hidden(idx[:, :-1], attn[:, :-1])
+
+
+def kl_entropy(policy, ref, h, h_ref, mask, temperature=1.0, chunk=1024):
+    """The exact KL(pi || ref) over the support and the entropy of pi, (B, Tn) float32 each, at the completion
+    positions where mask (B, Tn) is 1 (0 elsewhere), from both models' completion_hidden. The logits of `chunk`
+    positions at a time go through kernels.kl and kernels.entropy, so that no more than chunk x V logits of either
+    model exist at once: a real checkpoint's [B, T, V] logits (9.3 GiB for 8 rows of 1280 tokens) are never formed."""
+    B, Tn = mask.shape
+    real = mask > 0
+    hp, hq = h[:, -Tn:][real], h_ref[:, -Tn:][real]                    # (n, C) the real positions only
+    kl_t, ent_t = torch.zeros(B, Tn, device=mask.device), torch.zeros(B, Tn, device=mask.device)
+    wp, wq = policy.head_weight(pad=True), ref.head_weight(pad=True)   # each model's head operand, made once
+    kls, ents = [], []
+    for i in range(0, hp.size(0), chunk):
+        lp = policy.logits(hp[i:i + chunk], wp, fast=True)              # (chunk, V) float32
+        lq = ref.logits(hq[i:i + chunk], wq, fast=True)
+        kls.append(kl(lp, lq, temperature))
+        ents.append(entropy(lp, temperature))
+    if kls:
+        kl_t[real], ent_t[real] = torch.cat(kls), torch.cat(ents)
+    return kl_t, ent_t
 
 
 def left_pad(seqs, pad_id, device="cpu"):
@@ -701,7 +675,7 @@ def load_checkpoint(path, device="cpu", kind=None, tokenizer=None):
     if set(ckpt["config"]) - known:
         raise CheckpointError(f"checkpoint {path} has unknown config fields {sorted(set(ckpt['config']) - known)}")
     config = GPTConfig(**ckpt["config"])
-    if tokenizer is not None and (tokenizer.name != ckpt["tokenizer"] or tokenizer.vocab_size != config.vocab_size):
+    if tokenizer is not None and (tokenizer.name != ckpt["tokenizer"] or tokenizer.vocab_size != config.support):
         raise CheckpointError(f"vocabulary mismatch: checkpoint {path} was trained with tokenizer "
                               f"{ckpt['tokenizer']!r} "
                               f"(vocab_size {config.vocab_size}), but tokenizer {tokenizer.name!r} "
@@ -731,7 +705,22 @@ def _read_json(path):
 
 
 def pretrained_config(folder):
-    """GPTConfig for a folder's config.json (model_type gpt2, llama or qwen2); anything else is one error line."""
+    """GPTConfig for a folder's config.json (model_type gpt2, llama or qwen2); anything else is one error line. Where
+    the folder's tokenizer.json has fewer ids than the embedding has rows (Qwen2.5: 151665 of 151936), the config's
+    tokenizer_vocab says so: the model's distribution is over the tokenizer's ids only."""
+    config = _pretrained_config(folder)
+    path = os.path.join(folder, "tokenizer.json")
+    if os.path.isfile(path):
+        data = _read_json(path)
+        vocab = (data.get("model") or {}).get("vocab") or {}
+        added = [t.get("id") for t in data.get("added_tokens") or [] if isinstance(t, dict)]
+        n = max((i + 1 for i in [*vocab.values(), *added] if isinstance(i, int)), default=0)
+        if 0 < n < config.vocab_size:
+            config.tokenizer_vocab = n
+    return config
+
+
+def _pretrained_config(folder):
     c = _read_json(os.path.join(folder, "config.json"))
     kind = c.get("model_type")
     if kind == "gpt2":

@@ -121,8 +121,8 @@ def add_run_flags(parser, script, log_every, eval_every):
     group.add_argument("--grad_accum", type=Int(ge=1), default=1,
                        help="split each step's batch into this many micro-batches (same result, less memory)")
     group.add_argument("--compile", action="store_true",
-                       help="sample through a compiled decode step (model.GPT.generate(compile=True); CUDA graphs on a "
-                            "GPU): the same tokens, faster once compiled")
+                       help="sample through a torch.compile'd decode step (sampler.py's \"compile\" mode; the default "
+                            "on CUDA is already a CUDA graph of the step): the same tokens, faster once compiled")
     group.add_argument("--grad_checkpoint", action="store_true",
                        help="recompute each transformer block's activations in backward (less memory, ~30%% more "
                             "compute; for real checkpoints)")
@@ -241,9 +241,10 @@ def load_model(path, device, kind="gpt", expect=None):
             return model, tok, {"kind": "gpt", "tokenizer": tok.name, "step": 0}
         model, ckpt = load_checkpoint(path, device, kind=kind)
         tok = Tokenizer(ckpt["tokenizer"])
-        if tok.name.startswith("hf:") and tok.vocab_size <= model.config.vocab_size:
-            pass                                    # a real model's vocabulary may be padded past its tokenizer's
-        elif tok.vocab_size != model.config.vocab_size:
+        c = model.config
+        if tok.name.startswith("hf:") and not c.tokenizer_vocab and tok.vocab_size <= c.vocab_size:
+            pass                                    # an older checkpoint of a real model, padded past its tokenizer
+        elif tok.vocab_size != c.support:
             raise CheckpointError(f"vocabulary mismatch: checkpoint {path} has vocab_size {model.config.vocab_size} "
                                   f"but its tokenizer {ckpt['tokenizer']!r} has {tok.vocab_size}")
         for key, value in (expect or {}).items():
@@ -446,7 +447,7 @@ class Run:
                           self.args.device)
         self.barrier()
         policy, tok = self.load(path, "gpt")
-        policy.compile_sampler = self.args.compile   # --compile: generate() runs its compiled decode step
+        policy.sampler_mode = "compile" if self.args.compile else None   # sampler.generate's mode (None: by device)
         return policy, tok
 
     def load_reward_model(self, path, init):
@@ -538,14 +539,21 @@ class Run:
         self.current = self.step + 1 if going else self.step                # what a Ctrl-C now would finish
         return going
 
-    def _due(self, every):
-        return self.step % every == 0 or self.step == self.total_steps
+    def _due(self, every, step=None):
+        step = self.step if step is None else step
+        return step % every == 0 or step == self.total_steps
 
     def eval_due(self):
         return self._due(self.args.eval_every)
 
     def log_due(self):
         return self._due(self.args.log_every) or self.eval_due()
+
+    def logging(self):
+        """During a step (before run.step counts it): True when this step will be logged, so that what only the log
+        reads (the exact KL, the entropy) is computed on those steps alone."""
+        step = self.step + 1
+        return self._due(self.args.log_every, step) or self._due(self.args.eval_every, step)
 
     def print(self, *a):
         if self.is_main:

@@ -39,6 +39,7 @@ import math
 import numpy as np
 import torch
 
+import sampler
 import task
 from kernels import entropy, kl, logprobs
 from model import ScalarGPT, completion_logits, masked_mean
@@ -117,8 +118,8 @@ def rollout(policy, tok, prompts, temperature, max_new_tokens, generator, device
     (B, Tn), truncated (B,)."""
     idx, idx_mask = tok.encode_batch(prompts, device)                         # (B, Tp) left-padded
     with autocast:
-        tokens, mask, truncated = policy.generate(idx, idx_mask, max_new_tokens, tok.eos_id, tok.pad_id,
-                                                  temperature=temperature, generator=generator)  # (B, Tn)
+        tokens, mask, truncated = sampler.generate(policy, idx, idx_mask, max_new_tokens, tok.eos_id, tok.pad_id,
+                                                   temperature=temperature, generator=generator)  # (B, Tn)
     return torch.cat([idx, tokens], 1), torch.cat([idx_mask, mask], 1), idx.size(1), tokens, mask, truncated
 
 

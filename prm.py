@@ -40,6 +40,7 @@ import random
 import torch
 import torch.nn.functional as F
 
+import sampler
 import task
 from model import ScalarGPT, left_pad, pad_steps, scores_at
 from plumbing import SFT_PATH, TEMPERATURE, Float, Int, Run, add_run_flags, load_model, lr_schedule, parser
@@ -131,8 +132,8 @@ def mc_labels(policy, tok, records, k, temperature, generator, max_new_tokens=ar
         left = [max_new_tokens - (j + 1) for _, j in chunk]                 # what remains of each completion's budget
         max_new = max(1, min(max(left), policy.config.block_size - max(len(s) for s in prefixes)))
         idx, mask = left_pad(prefixes, tok.pad_id, device)
-        tokens, cmask, _ = policy.generate(idx, mask, max_new, tok.eos_id, tok.pad_id, num_samples=k,
-                                           temperature=temperature, generator=generator)  # (len(chunk) * k, Tn)
+        tokens, cmask, _ = sampler.generate(policy, idx, mask, max_new, tok.eos_id, tok.pad_id, num_samples=k,
+                                            temperature=temperature, generator=generator)  # (len(chunk) * k, Tn)
         rows, keep = tokens.tolist(), cmask.tolist()
         for n, (i, j) in enumerate(chunk):
             r = records[i]

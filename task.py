@@ -29,6 +29,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+import sampler
 from model import KVCache, fingerprint
 from tasks import arithmetic, countdown, gsm8k, toolcalc
 
@@ -250,8 +251,8 @@ def complete(model, tokenizer, prompts, num_samples=1, temperature=0.0, max_new_
             tokens, cmask = e.tokens, e.mask
         else:
             idx, mask = tokenizer.encode_batch(prompts[i:i + batch_size], device)
-            tokens, cmask, _ = model.generate(idx, mask, max_new_tokens, tokenizer.eos_id, tokenizer.pad_id,
-                                              num_samples=num_samples, temperature=temperature, generator=generator)
+            tokens, cmask, _ = sampler.generate(model, idx, mask, max_new_tokens, tokenizer.eos_id, tokenizer.pad_id,
+                                                num_samples=num_samples, temperature=temperature, generator=generator)
         texts += tokenizer.decode_completions(tokens, cmask)
         if return_ids:
             ids += [[t for t, keep in zip(row, m) if keep and t != tokenizer.eos_id]
@@ -275,13 +276,14 @@ def rollout(policy, tokenizer, prompts, group_size, temperature, max_new_tokens=
             generator=None, return_logprobs=False):
     """The rollout of the RL scripts: group_size completions per prompt at `temperature` (the full softmax, no
     top-k), scored by the verifier, a prompt's samples on consecutive rows; a Rollout on the policy's device.
-    return_logprobs: (Rollout, the sampler's log-probs of the sampled tokens (P*G, Tn)), see GPT.generate."""
+    return_logprobs: (Rollout, the sampler's log-probs of the sampled tokens (P*G, Tn)), see sampler.generate."""
     device = next(policy.parameters()).device
     max_new_tokens = max_new_tokens or default_max_new_tokens()
     prompt, prompt_mask = tokenizer.encode_batch(prompts, device)                     # (P, Tp)
-    tokens, mask, truncated, *logp = policy.generate(prompt, prompt_mask, max_new_tokens, tokenizer.eos_id,
-                                                     tokenizer.pad_id, num_samples=group_size, temperature=temperature,
-                                                     generator=generator, return_logprobs=return_logprobs)
+    tokens, mask, truncated, *logp = sampler.generate(policy, prompt, prompt_mask, max_new_tokens, tokenizer.eos_id,
+                                                      tokenizer.pad_id, num_samples=group_size,
+                                                      temperature=temperature, generator=generator,
+                                                      return_logprobs=return_logprobs)
     completions = tokenizer.decode_completions(tokens, mask)
     G = group_size
     rewards = torch.tensor([reward(prompts[i // G], c, format_weight) for i, c in enumerate(completions)],

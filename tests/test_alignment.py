@@ -5,6 +5,7 @@ alone, with no padding and nothing else in the batch."""
 import torch
 import torch.nn as nn
 
+import sampler
 import task
 from model import GPT, GPTConfig, ScalarGPT, Tokenizer, completion_logits
 from ppo import token_values
@@ -76,7 +77,8 @@ def test_the_reward_model_scores_each_pair_at_its_own_eos():
 
 
 class ScriptedPolicy(nn.Module):
-    """A policy whose generate returns the given completions, row by row (G consecutive rows per prompt)."""
+    """A policy whose generate returns the given completions, row by row (G consecutive rows per prompt); the tests
+    route sampler.generate to it (scripted_sampler)."""
 
     def __init__(self, tok, completions):
         super().__init__()
@@ -94,7 +96,13 @@ class ScriptedPolicy(nn.Module):
         return tokens, mask, torch.zeros(len(ids), dtype=torch.bool)
 
 
-def test_a_rollout_scores_row_i_against_prompt_i_over_g():
+def scripted_sampler(monkeypatch):
+    """sampler.generate(policy, ...) answered by the scripted policy's own generate(...)."""
+    monkeypatch.setattr(sampler, "generate", lambda policy, *a, **k: policy.generate(*a, **k))
+
+
+def test_a_rollout_scores_row_i_against_prompt_i_over_g(monkeypatch):
+    scripted_sampler(monkeypatch)
     tok = Tokenizer()
     # G = 2: each prompt gets one completion right for it and one right for the next prompt (wrong for it)
     answers = ["4*2=8,3+8=11#11", "9-8=1,1-7=-6#-6", "2*3=6,6+4=10#10", "1*5=5,7-5=2#2"]

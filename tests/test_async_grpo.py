@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import async_grpo
+import sampler
 from conftest import ROOT
 from model import GPT, GPTConfig, completion_logits
 
@@ -94,10 +95,10 @@ def test_the_samplers_log_probs_are_the_trainers():
     model = GPT(GPTConfig(vocab_size=50, n_layer=2, n_head=2, n_embd=32)).eval()
     prompt, prompt_mask = torch.randint(0, 50, (2, 4)), torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]).float()
     gen = torch.Generator().manual_seed(0)
-    tokens, mask, _, logp = model.generate(prompt, prompt_mask, 12, eos_id=7, num_samples=3, temperature=0.7,
-                                           generator=gen, return_logprobs=True)
-    again, _, _ = model.generate(prompt, prompt_mask, 12, eos_id=7, num_samples=3, temperature=0.7,
-                                 generator=torch.Generator().manual_seed(0))
+    tokens, mask, _, logp = sampler.generate(model, prompt, prompt_mask, 12, eos_id=7, num_samples=3,
+                                             temperature=0.7, generator=gen, return_logprobs=True)
+    again, _, _ = sampler.generate(model, prompt, prompt_mask, 12, eos_id=7, num_samples=3, temperature=0.7,
+                                   generator=torch.Generator().manual_seed(0))
     assert torch.equal(again, tokens)                                              # the draws are unchanged
     logits = completion_logits(model, prompt.repeat_interleave(3, 0), prompt_mask.repeat_interleave(3, 0), tokens,
                                mask).double()

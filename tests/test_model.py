@@ -82,91 +82,6 @@ def test_kv_cache_logits_match_full_recomputation_with_mixed_prompt_lengths():
     torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
 
 
-def test_greedy_generation_equals_argmax_of_full_recomputation():
-    tok = Tokenizer()
-    model = peaked_model(1)
-    prompts, pmask = tok.encode_batch(["3+4*2=", "1=", "9-8*7+6="])
-    tokens, mask, truncated = model.generate(prompts, pmask, 12, tok.eos_id, tok.pad_id, temperature=0)
-    full = torch.cat([prompts, tokens], 1)
-    full_mask = torch.cat([pmask, torch.ones_like(mask)], 1)
-    with torch.no_grad():
-        logits = model(full, full_mask)
-    Tp = prompts.size(1)
-    argmax = logits[:, Tp - 1:-1].argmax(-1)                            # (B, Tn) what each step should pick
-    assert torch.equal(argmax[mask.bool()], tokens[mask.bool()])
-
-
-def test_completion_logits_line_up_with_the_sampled_tokens():
-    """Row t of completion_logits must be the distribution generate drew completion token t from."""
-    tok = Tokenizer()
-    model = peaked_model(12)
-    p, m = tok.encode_batch(["3+4*2=", "1=", "9-8*7+6="])
-    tokens, mask, _ = model.generate(p, m, 9, tok.eos_id, tok.pad_id, temperature=0)
-    with torch.no_grad():
-        logits = completion_logits(model, p, m, tokens, mask)          # (B, Tn, V)
-    assert logits.shape[:2] == tokens.shape
-    assert torch.equal(logits.argmax(-1)[mask.bool()], tokens[mask.bool()])
-
-
-def test_completion_does_not_depend_on_the_rest_of_the_batch():
-    tok = Tokenizer()
-    model = peaked_model(2)
-    texts = ["3+4*2=", "1=", "9-8*7+6=", "12345678901234="]
-    p, m = tok.encode_batch(texts)
-    batch_tokens, batch_mask, _ = model.generate(p, m, 10, tok.eos_id, tok.pad_id, temperature=0)
-    for i, text in enumerate(texts):
-        p1, m1 = tok.encode_batch([text])
-        alone, alone_mask, _ = model.generate(p1, m1, 10, tok.eos_id, tok.pad_id, temperature=0)
-        n = int(alone_mask.sum())
-        assert int(batch_mask[i].sum()) == n
-        assert batch_tokens[i, :n].tolist() == alone[0, :n].tolist()
-        with torch.no_grad():  # and the logits themselves: padding neither leaks in nor shifts positions
-            in_batch = model(p, m)[i, m[i].bool()]
-            by_itself = model(p1, m1)[0]
-        torch.testing.assert_close(in_batch, by_itself, rtol=1e-5, atol=1e-4)
-
-
-def test_num_samples_puts_a_prompts_samples_on_consecutive_rows():
-    tok = Tokenizer()
-    model = peaked_model(3)
-    p, m = tok.encode_batch(["1+1=", "2*3-4="])
-    tokens, mask, _ = model.generate(p, m, 6, tok.eos_id, tok.pad_id, num_samples=3, temperature=0)
-    assert tokens.shape[0] == 6
-    assert torch.equal(tokens[0], tokens[1]) and torch.equal(tokens[0], tokens[2])  # greedy: identical samples
-    assert torch.equal(tokens[3], tokens[5])
-
-
-def test_eos_mask_covers_through_first_eos_and_flags_cut_off_rows():
-    eos, pad = 6, 7
-    torch.manual_seed(4)
-    model = GPT(GPTConfig(vocab_size=8, n_layer=1, n_head=1, n_embd=16)).eval()  # near-uniform: EOS ~1/8 a step
-    prompts = torch.randint(0, 6, (64, 3))
-    g = torch.Generator().manual_seed(5)
-    tokens, mask, truncated = model.generate(prompts, torch.ones(64, 3), 10, eos, pad, temperature=1.0, generator=g)
-    ended = cut = 0
-    for row, m, tr in zip(tokens.tolist(), mask.tolist(), truncated.tolist()):
-        if eos in row:
-            first = row.index(eos)
-            assert m == [1.0] * (first + 1) + [0.0] * (len(row) - first - 1)
-            assert row[first + 1:] == [pad] * (len(row) - first - 1)
-            assert not tr
-            ended += 1
-        else:
-            assert m == [1.0] * len(row) and len(row) == 10
-            assert tr
-            cut += 1
-    assert ended > 0 and cut > 0  # both cases were exercised
-
-
-def test_top_k_one_equals_greedy():
-    tok = Tokenizer()
-    model = peaked_model(6)
-    p, m = tok.encode_batch(["3+4*2=", "1="])
-    greedy, _, _ = model.generate(p, m, 8, tok.eos_id, tok.pad_id, temperature=0)
-    top1, _, _ = model.generate(p, m, 8, tok.eos_id, tok.pad_id, temperature=1.0, top_k=1)
-    assert torch.equal(greedy, top1)
-
-
 def test_sequence_longer_than_block_size_is_a_clear_error():
     model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=16, block_size=8))
     with pytest.raises(ValueError, match="block_size = 8"):
@@ -179,22 +94,26 @@ def test_bad_config_is_a_clear_error():
 
 
 # -----------------------------------------------------------------------------
-# Precision: the logits are float32 even under bfloat16 autocast
+# Precision: the logits are float32 sums, never rounded to bfloat16
 
-def test_logits_are_float32_even_under_bfloat16_autocast():
-    """The LM head runs outside autocast, on the hidden states in float32: the logits are their float32
-    projection, not its bfloat16 rounding (which moves a logit of 20 by up to 0.06). CPU autocast stands in for
-    the GPU's here: the switch is the same."""
+def test_under_autocast_the_head_sums_bfloat16_operands_in_float32():
+    """Under bfloat16 autocast the LM head rounds its operands (the hidden state and the weight) to bfloat16 and
+    sums the products in float32: the logits are float32, within float32 summation of the exact products of the
+    rounded operands, and are not the bfloat16 rounding of the result (which moves a logit of 20 by up to 0.06).
+    The sampler's fast form (fast=True) is the same numbers. CPU autocast stands in for the GPU's here."""
     model = peaked_model(13)
     x = torch.randint(0, 256, (3, 9))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         h = model.hidden(x)
-        logits = model(x)
-        bf16_head = model.lm_head(h)                                    # the head under autocast: what it was
-    assert logits.dtype == torch.float32 and bf16_head.dtype == torch.bfloat16
-    want = h.detach().double() @ model.lm_head.weight.detach().double().T   # float64, from the same hidden states
-    assert (logits.detach().double() - want).abs().max() < 1e-4 * want.abs().max()
-    assert (bf16_head.detach().double() - want).abs().max() > 1e-3 * want.abs().max()   # bf16 would be far off
+        logits, fast = model(x), model.logits(h.detach(), fast=True)
+        bf16_result = model.lm_head(h)                                  # the head left to autocast: bfloat16 out
+    assert logits.dtype == fast.dtype == torch.float32 and bf16_result.dtype == torch.bfloat16
+    hb, wb = h.detach().bfloat16().double(), model.lm_head.weight.detach().bfloat16().double()
+    want = hb @ wb.T                                                    # float64 products of the rounded operands
+    bound = 64 * 2**-24 * (hb.abs() @ wb.abs().T)                       # float32 summation over 32 channels
+    assert ((logits.detach().double() - want).abs() <= bound).all()
+    assert ((fast.double() - want).abs() <= bound).all()
+    assert (bf16_result.detach().double() - want).abs().max() > 1e-3 * want.abs().max()   # bf16 would be far off
     logits.sum().backward()                                             # and it trains: the gradient goes through
     assert model.wte.weight.grad is not None and torch.isfinite(model.wte.weight.grad).all()
 
@@ -207,101 +126,6 @@ def test_logits_without_autocast_are_exactly_the_plain_projection():
     p, m = tok.encode_batch(["3+4*2=", "1=", "9-8*7+6="])
     with torch.no_grad():
         assert torch.equal(model(p, m), model.lm_head(model.hidden(p, m)))
-
-
-# -----------------------------------------------------------------------------
-# The compiled sampler (generate(compile=True)) against the eager one
-
-def compilation_unavailable():
-    """Why torch.compile cannot run here (e.g. no C++ compiler for the CPU backend), or None if it can."""
-    torch._dynamo.reset()
-    try:
-        torch.compile(lambda x: x * 2 + 1)(torch.ones(3))
-    except Exception as e:  # noqa: BLE001 - any failure of a trivial compile means compiling is unavailable
-        return f"torch.compile is unavailable here: {type(e).__name__}: {str(e)[:200]}"
-    return None
-
-
-def sampler_case(device):
-    """A tiny random model (2 layers, so that layers read their own cache) over a 16-token vocabulary whose
-    logits are a few units apart: temperature sampling is neither uniform nor deterministic and EOS (14) comes
-    up often enough to end some rows. Four prompts of 7, 3, 1 and 5 real tokens, left-padded with 15."""
-    torch.manual_seed(15)
-    model = GPT(GPTConfig(vocab_size=16, block_size=32, n_layer=2, n_head=2, n_embd=32)).to(device).eval()
-    with torch.no_grad():
-        model.wte.weight.mul_(5.0)
-    g = torch.Generator().manual_seed(16)
-    prompt, pmask = torch.full((4, 7), 15), torch.zeros(4, 7)
-    for i, n in enumerate([7, 3, 1, 5]):
-        prompt[i, 7 - n:] = torch.randint(0, 14, (n,), generator=g)
-        pmask[i, 7 - n:] = 1.0
-    return model, prompt.to(device), pmask.to(device)
-
-
-@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch's own
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA (the compiled step then runs as a CUDA graph)"))])
-def test_compiled_sampler_gives_the_eager_samplers_tokens(device):
-    """Greedy, temperature 1 and temperature 0.7 with top-k, each from the same generator seed: the compiled
-    sampler returns exactly the eager sampler's tokens, masks and truncation flags, over prompts of different
-    lengths (left padding) with 3 samples each. Every call after the first reuses its one compiled graph (the
-    static cache is emptied and refilled in place, and stale contents would change the tokens)."""
-    from torch._dynamo.utils import counters
-    model, p, m = sampler_case(device)
-    eos, pad = 14, 15
-
-    def both(seed, **kw):
-        runs = []
-        for compile in (False, True):
-            g = torch.Generator(device=device).manual_seed(seed)
-            runs.append(model.generate(p, m, 20, eos, pad, num_samples=3, generator=g, compile=compile, **kw))
-        return runs
-
-    try:
-        eager, compiled = both(17, temperature=0.0)                     # the first compiled call compiles
-    except Exception:
-        reason = compilation_unavailable()
-        if reason:
-            pytest.skip(reason)
-        raise
-    graphs = counters["stats"]["unique_graphs"]
-    ended = truncated = 0
-    for seed, kw in [(17, dict(temperature=0.0)), (18, dict(temperature=1.0)), (19, dict(temperature=1.0)),
-                     (20, dict(temperature=0.7, top_k=5))]:
-        eager, compiled = both(seed, **kw)
-        for a, b in zip(eager, compiled):
-            assert torch.equal(a, b), (seed, kw)
-        ended, truncated = ended + int((~eager[2]).sum()), truncated + int(eager[2].sum())
-    assert ended > 0 and truncated > 0                                  # rows ending in EOS and rows cut off: both
-    assert counters["stats"]["unique_graphs"] == graphs                 # no recompilation after the first call
-
-
-def test_a_shape_past_the_recompile_limit_runs_eagerly_instead_of_raising(monkeypatch):
-    """With fullgraph=True, torch.compile raises on a shape past its recompile limit (8 graphs, here lowered to 1):
-    the sampler's step falls back to the eager decode step and returns the eager sampler's tokens. The compile
-    backend is dynamo's "eager" one here (the limit is dynamo's; no C++ compiler needed)."""
-    import torch._dynamo
-    import model as model_module
-    compiled = torch.compile(GPT.decode_step, backend="eager", dynamic=False, fullgraph=True)
-    monkeypatch.setitem(model_module._compiled_steps, "cpu", model_module.with_eager_fallback(compiled))
-    model, p, m = sampler_case("cpu")
-    torch._dynamo.reset()
-    with torch._dynamo.config.patch(recompile_limit=1):
-        for rows in (2, 3, 4):                                          # three shapes, one graph allowed
-            g1, g2 = torch.Generator().manual_seed(rows), torch.Generator().manual_seed(rows)
-            eager = model.generate(p[:rows], m[:rows], 8, 14, 15, temperature=1.0, generator=g1, compile=False)
-            compiled_out = model.generate(p[:rows], m[:rows], 8, 14, 15, temperature=1.0, generator=g2, compile=True)
-            assert all(torch.equal(a, b) for a, b in zip(eager, compiled_out)), rows
-
-
-def test_compiled_sampler_refuses_a_sequence_longer_than_block_size_as_the_eager_one_does():
-    """The positions live on the device inside the compiled step, so the sampler checks block_size on the host,
-    with the eager forward's message (before anything is compiled)."""
-    model = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=1, n_embd=16)).eval()
-    prompt = torch.randint(0, 14, (2, 8))
-    for compile in (False, True):
-        with pytest.raises(ValueError, match="a sequence of 9 real tokens exceeds block_size = 8"):
-            model.generate(prompt, torch.ones(2, 8), 3, eos_id=-1, pad_id=15, temperature=0, compile=compile)
 
 
 # -----------------------------------------------------------------------------
@@ -467,3 +291,87 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     assert any(g.abs().max() > 0 for g in g0.values())
     for k in g0:
         torch.testing.assert_close(g1[k], g0[k], rtol=1e-5, atol=1e-7, msg=k)
+
+
+# -----------------------------------------------------------------------------
+# The packed layout (training and scoring on a GPU), scoring a chunk at a time, and the support
+
+def test_the_packed_layout_gives_the_masked_layouts_hidden_states_and_gradients(monkeypatch):
+    """On a GPU, a forward without a cache moves each row's real tokens to its front and runs plain causal
+    attention (flash attention, no mask). Forced here on the CPU, in float64: the same hidden states at every real
+    position and the same gradients as the explicit mask, for left padding, right padding, both, and a hole in the
+    middle of a row, with grouped-query attention, rotary positions and gradient checkpointing."""
+    import model as model_module
+    config = GPTConfig(vocab_size=50, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, pos="rope", norm="rmsnorm",
+                       mlp="swiglu", bias=False)
+    idx = torch.randint(0, 50, (5, 12))
+    mask = torch.ones(5, 12, dtype=torch.float64)
+    mask[0, :3] = mask[1, -4:] = mask[2, :2] = mask[2, -3:] = mask[3, 5:7] = 0
+    real = mask > 0
+    runs = []
+    for packed in ((), ("cpu",)):
+        monkeypatch.setattr(model_module, "PACKED_ATTENTION", packed)
+        torch.manual_seed(0)
+        model = GPT(config).double()
+        model.grad_checkpoint = True
+        h = model.hidden(idx, mask)
+        (h[real] * torch.linspace(-1, 1, h.size(-1), dtype=torch.float64)).sum().backward()
+        runs.append((h.detach(), {k: p.grad for k, p in model.named_parameters()}))
+    (h0, g0), (h1, g1) = runs
+    torch.testing.assert_close(h1[real], h0[real], rtol=0, atol=1e-12)
+    for k in g0:
+        torch.testing.assert_close(g1[k], g0[k], rtol=0, atol=1e-12, msg=k)
+
+
+def test_scoring_reads_the_log_probs_training_reads_and_the_kl_and_entropy_a_chunk_at_a_time():
+    """grpo.py's step 2 (completion_hidden, head_logprobs, kl_entropy): the old and reference log-probs are
+    completion_logprobs', bit for bit, on both the logits path and the fused one (a support above FUSED_VOCAB,
+    tokenizer_vocab below the embedding); the exact KL and the entropy, taken 7 positions at a time, are the float64
+    KL(pi || ref) and entropy of the whole [B, Tn, V] logits over the support, 0 on padding."""
+    from model import FUSED_VOCAB, completion_hidden, completion_logprobs, kl_entropy
+    for V, support in ((300, 0), (FUSED_VOCAB + 300, FUSED_VOCAB + 100)):
+        torch.manual_seed(V)
+        config = GPTConfig(vocab_size=V, tokenizer_vocab=support, n_layer=2, n_head=2, n_embd=32)
+        policy, ref = GPT(config).eval(), GPT(config).eval()
+        prompt, tokens = torch.randint(0, 100, (3, 5)), torch.randint(0, 100, (3, 6))
+        prompt_mask = torch.tensor([[0, 0, 1, 1, 1], [1] * 5, [0, 1, 1, 1, 1]], dtype=torch.float)
+        mask = torch.tensor([[1, 1, 1, 0, 0, 0], [1] * 6, [1, 1, 0, 0, 0, 0]], dtype=torch.float)
+        with torch.no_grad():
+            h, h_ref = completion_hidden(policy, prompt, prompt_mask, tokens, mask), \
+                completion_hidden(ref, prompt, prompt_mask, tokens, mask)
+            for m, hh in ((policy, h), (ref, h_ref)):
+                assert torch.equal(m.head_logprobs(hh, tokens, 0.8),
+                                   completion_logprobs(m, prompt, prompt_mask, tokens, mask, 0.8))
+            kl_t, ent_t = kl_entropy(policy, ref, h, h_ref, mask, 0.8, chunk=7)
+            lp = completion_logits(policy, prompt, prompt_mask, tokens, mask).double() / 0.8
+            lq = completion_logits(ref, prompt, prompt_mask, tokens, mask).double() / 0.8
+        assert lp.size(-1) == config.support
+        p, logp, logq = lp.softmax(-1), lp.log_softmax(-1), lq.log_softmax(-1)
+        real = mask > 0
+        torch.testing.assert_close(kl_t.double()[real], (p * (logp - logq)).sum(-1)[real], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(ent_t.double()[real], -(p * logp).sum(-1)[real], rtol=1e-5, atol=1e-6)
+        assert (kl_t[~real] == 0).all() and (ent_t[~real] == 0).all()
+
+
+def test_a_pretrained_folder_with_fewer_tokenizer_ids_than_embedding_rows_has_that_support(tmp_path):
+    """Qwen2.5's layout: config.json's vocab_size above the ids of tokenizer.json. The config carries the
+    tokenizer's count (tokenizer_vocab), the logits cover those ids only, and every id the model emits decodes."""
+    import json
+    import shutil
+    from model import pretrained_config
+    folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "qwen2")
+    padded = tmp_path / "padded"
+    shutil.copytree(folder, padded)
+    data = json.load(open(padded / "tokenizer.json"))                  # 320 ids; keep 300 ordinary ones and EOS
+    data["model"]["vocab"] = {t: i for t, i in data["model"]["vocab"].items() if i < 300}
+    data["added_tokens"][0]["id"] = 300
+    json.dump(data, open(padded / "tokenizer.json", "w"))
+    for name in ("config.json", "generation_config.json"):
+        if os.path.isfile(padded / name):
+            c = json.load(open(padded / name))
+            json.dump({**c, "eos_token_id": 300}, open(padded / name, "w"))
+    config, n = pretrained_config(str(padded)), 301
+    assert (config.vocab_size, config.tokenizer_vocab, config.support) == (320, n, n)
+    model, tok = GPT.from_pretrained(str(padded)), Tokenizer.from_pretrained(str(padded))
+    assert model(torch.tensor([[1, 2, 3]])).shape[-1] == tok.vocab_size == n
+    assert isinstance(tok.decode(list(range(n - 5, config.vocab_size))), str)

@@ -13,6 +13,7 @@ import plumbing
 import ppo
 import reinforce
 import rloo
+import sampler
 import task
 from kernels import logprobs
 from model import GPT, GPTConfig, Tokenizer, completion_logits, masked_mean, save_checkpoint
@@ -26,7 +27,8 @@ def sampled_batch(seed=0, dropout=0.0, G=2):
     tok = Tokenizer()
     p, m = tok.encode_batch(task.eval_prompts()[:4] + ["1=", "12+3=", "9-8*7+6="])
     g = torch.Generator().manual_seed(seed)
-    tokens, mask, _ = model.generate(p, m, 10, tok.eos_id, tok.pad_id, num_samples=G, temperature=1.0, generator=g)
+    tokens, mask, _ = sampler.generate(model, p, m, 10, tok.eos_id, tok.pad_id, num_samples=G, temperature=1.0,
+                                       generator=g)
     return model, p.repeat_interleave(G, 0), m.repeat_interleave(G, 0), tokens, mask
 
 

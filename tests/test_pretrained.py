@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import sampler
 from model import GPT, CheckpointError, GPTConfig, Tokenizer
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
@@ -37,9 +38,9 @@ def test_greedy_generation_matches_transformers_on_a_left_padded_batch(name):
     folder, g, meta = golden(name)
     model = GPT.from_pretrained(folder)
     eos = meta["eos_id"]
-    for compile_ in (False,):
-        tokens, mask, _ = model.generate(g["prompt"], g["prompt_mask"], g["greedy"].size(1), eos, eos,
-                                         temperature=0.0, compile=compile_)
+    for mode in ("eager", "graph"):
+        tokens, mask, _ = sampler.generate(model, g["prompt"], g["prompt_mask"], g["greedy"].size(1), eos, eos,
+                                           temperature=0.0, mode=mode)
         for row, want in zip(tokens.tolist(), g["greedy"].tolist()):
             cut = lambda xs: xs[:xs.index(eos) + 1] if eos in xs else xs
             assert cut(row) == cut(want)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import prm
+import sampler
 import task
 from tasks import arithmetic
 from conftest import refuses_all, run_script
@@ -193,7 +194,8 @@ class ScriptedPolicy(torch.nn.Module):
         return tokens, mask, torch.zeros(len(rows), dtype=torch.bool)
 
 
-def test_mc_labels_count_the_continuations_that_reach_the_answer():
+def test_mc_labels_count_the_continuations_that_reach_the_answer(monkeypatch):
+    monkeypatch.setattr(sampler, "generate", lambda policy, *a, **k: policy.generate(*a, **k))   # the script answers
     tok = Tokenizer()
     records = [{"prompt": "9+8*1=", "text": "9+8=17,17*1=17#17"},          # left to right, right answer by luck
                {"prompt": "3+4*2=", "text": "3+4=7,7*2=14#14"},            # left to right, wrong
@@ -214,9 +216,10 @@ def test_mc_labels_count_the_continuations_that_reach_the_answer():
     assert {(e["prompt"], e["step"]) for e in agreement["examples"]} == {("9+8*1=", 1), ("9+8*1=", 2)}
 
 
-def test_mc_continuations_get_what_remains_of_the_completions_budget():
+def test_mc_continuations_get_what_remains_of_the_completions_budget(monkeypatch):
     """A continuation from the prefix '4*2=8,' (6 tokens) has 24 - 6 = 18 tokens left of the completion's budget: one
     that reaches the right answer only at its 19th token does not count; given 64 tokens in all, it does."""
+    monkeypatch.setattr(sampler, "generate", lambda policy, *a, **k: policy.generate(*a, **k))   # the script answers
     tok = Tokenizer()
     text = "4*2=8,3+8=11#11"
     records = [{"prompt": "3+4*2=", "text": text, "ids": tok.encode(text), "outcome": 1.0, "rule": [1, 1]}]

@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+import sampler
 import search
 import task
 from tasks import arithmetic
@@ -79,8 +80,8 @@ def test_a_step_is_what_generate_samples_up_to_the_next_comma_or_eos():
     prefixes = [tok.encode(p) for p in prompts]
     steps = search.sample_steps(policy, tok, prefixes, [12] * 3, 1.0, torch.Generator().manual_seed(3))
     idx, mask = tok.encode_batch(prompts)
-    tokens, keep, _ = policy.generate(idx, mask, 12, tok.eos_id, tok.pad_id, temperature=1.0,
-                                      generator=torch.Generator().manual_seed(3))
+    tokens, keep, _ = sampler.generate(policy, idx, mask, 12, tok.eos_id, tok.pad_id, temperature=1.0,
+                                       generator=torch.Generator().manual_seed(3))
     stopped = 0
     for step, row in zip(steps, tokens.tolist()):
         cut = next((t + 1 for t, x in enumerate(row) if x in (comma, tok.eos_id)), 12)
@@ -183,8 +184,8 @@ def test_beam_search_of_width_one_is_sampling(tiny_sft):
     for i, p in enumerate(prompts):
         picked, used = search.beam_search(policy, prm, tok, [p], 1, 1, 1.0, 24, torch.Generator().manual_seed(i))
         idx, mask = tok.encode_batch([p])
-        tokens, keep, _ = policy.generate(idx, mask, 24, tok.eos_id, tok.pad_id, temperature=1.0,
-                                          generator=torch.Generator().manual_seed(i))
+        tokens, keep, _ = sampler.generate(policy, idx, mask, 24, tok.eos_id, tok.pad_id, temperature=1.0,
+                                           generator=torch.Generator().manual_seed(i))
         row = [t for t, k in zip(tokens[0].tolist(), keep[0].tolist()) if k]
         assert picked[0] == [t for t in row if t != tok.eos_id] and used == [len(row)]
 

@@ -1,0 +1,292 @@
+"""
+Sampling completions from model.GPT: the rollout engine every script shares (nanochat's engine.py and nano-vllm,
+Yu 2025, are the anchors).
+
+    tokens, mask, truncated = generate(model, prompt, prompt_mask, max_new_tokens, eos_id, pad_id, num_samples=G,
+                                       temperature=1.0, generator=g)
+
+A call runs the prompts (left-padded) through the model once, filling a KV cache allocated for the prompt plus every
+new token in the dtype the model computes in (bfloat16 under autocast), then makes one token per step from the
+cache. Three ways to run the steps, which give the same tokens (tests/test_sampler.py):
+- "eager": the model's own forward on an appending cache, shapes growing every step: the reference, and the
+  default off CUDA.
+- "graph", the default on CUDA: a step of fixed shapes (decode_step: the new key and value written at a slot held
+  in a tensor, attention over every slot with the empty ones masked) recorded once per call as a CUDA graph together
+  with the LM head, the draw of the next token and the bookkeeping of which rows have ended, then replayed: one
+  launch per token instead of several hundred. The host asks whether every row has ended only every SYNC_EVERY
+  steps, so the GPU never waits for it between tokens. Off CUDA the same fixed-shape step runs eagerly.
+- "compile" (the scripts' --compile): "graph" with the transformer part of the step under torch.compile
+  (fullgraph=True: nothing in it may break the graph), which fuses its small kernels.
+
+Drawing a token: torch.multinomial(p, 1) draws argmax_v p_v / E_v with E_v ~ Exponential(1) from the generator, an
+exact sample of p (the exponential race; PyTorch's multinomial draws one sample exactly so). It first checks p on
+the host, a device sync that a CUDA graph cannot record, so `draw` writes the same race out: the same tokens from
+the same generator, draw for draw (tested against torch.multinomial), and nothing between two tokens but the GPU.
+
+Support: the logits are over the tokenizer's ids only (GPT.logits: the first config.support rows of the LM head), so
+an id the tokenizer cannot decode, an embedding row past it (Qwen2.5 pads 151665 ids to 151936), is never drawn.
+
+Precision: the LM head runs once per token on bfloat16 operands with float32 products and sums (model.py,
+Precision); its bfloat16 weight is made once per call, not once per token.
+
+Shapes: N = B * num_samples rows, Tp prompt length, Tn new tokens, V the support, C channels.
+"""
+import copy
+import weakref
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from model import FUSED_VOCAB, KVCache, operand_dtype
+
+MODES = ("eager", "graph", "compile")
+SYNC_EVERY = 16   # "graph" and "compile" on CUDA: tokens between the host's checks that every row has ended
+CACHE_ROUND = 64  # "compile": cache slots rounded up to a multiple of this, so that close prompt lengths share a graph
+COMPILE_PARAMS = 50_000_000   # on CUDA the default is "compile" from this many parameters up, "graph" below
+
+
+@torch.no_grad()
+def generate(model, prompt, prompt_mask, max_new_tokens, eos_id, pad_id=None, num_samples=1, temperature=1.0,
+             top_k=None, generator=None, mode=None, return_logprobs=False):
+    """Sample completions.
+
+    prompt (B, Tp) left-padded token ids, prompt_mask (B, Tp) 1 on real tokens. Each prompt gets num_samples
+    completions on consecutive rows (prompt i -> rows i*G .. i*G+G-1). temperature 0 means greedy; top_k keeps the k
+    most likely tokens (None: the full softmax, which RL needs so that sampling matches the log-probs it trains on).
+    mode: "eager", "graph" or "compile" (module docstring); None reads model.sampler_mode (the scripts' --compile sets
+    it), else "graph" on CUDA and "eager" elsewhere. The model should be in eval mode (dropout draws differently in
+    each mode).
+    Returns tokens (N, Tn) with pad_id after each EOS, mask (N, Tn) float (1.0 on tokens through the first EOS, 0
+    after), and truncated (N,) bool (no EOS within max_new_tokens); Tn <= max_new_tokens, the last column being the
+    last one any row sampled. return_logprobs=True (temperature > 0) also returns the sampler's own log-probs of the
+    sampled tokens (N, Tn) float32, log softmax(logits / T)[token] (0 after EOS): the behaviour policy's, as an
+    inference engine reports it."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens = {max_new_tokens}; it must be at least 1")
+    if temperature < 0:
+        raise ValueError(f"temperature = {temperature}; it must be >= 0 (0 = greedy)")
+    mode = mode or getattr(model, "sampler_mode", None) or default_mode(model, prompt.device)
+    if mode not in MODES:
+        raise ValueError(f"sampler mode {mode!r} is unknown; allowed: {', '.join(MODES)}")
+    pad_id = eos_id if pad_id is None else pad_id
+    idx = prompt.repeat_interleave(num_samples, dim=0)                  # (N, Tp)
+    idx_mask = prompt_mask.repeat_interleave(num_samples, dim=0)
+    N, Tp = idx.shape
+    out = Outputs(N, max_new_tokens, pad_id, idx.device)
+    settings = (temperature, top_k, generator, eos_id, pad_id, return_logprobs)
+    if mode == "eager":
+        eager_loop(model, idx, idx_mask, max_new_tokens, out, settings)
+    else:
+        static_loop(model, idx, idx_mask, max_new_tokens, out, settings, compiled=mode == "compile")
+    return out.result(return_logprobs)
+
+
+def default_mode(model, device):
+    """"eager" off CUDA; on CUDA "compile" for a model of COMPILE_PARAMS parameters or more (its compilation, tens of
+    seconds once, is paid back within a rollout), else "graph" (the toy model: ready at once, fast enough)."""
+    if device.type != "cuda":
+        return "eager"
+    return "compile" if model.num_params() >= COMPILE_PARAMS else "graph"
+
+
+class Outputs:
+    """What the steps write, on the device: tokens, mask and log-probs (N, max_new_tokens), which rows have ended
+    (N,), and the column t of the next token (1,) as a tensor, so that a recorded step can advance it."""
+
+    def __init__(self, N, max_new_tokens, pad_id, device):
+        self.tokens = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=device)
+        self.mask = torch.zeros(N, max_new_tokens, device=device)
+        self.logp = torch.zeros(N, max_new_tokens, device=device)
+        self.done = torch.zeros(N, dtype=torch.bool, device=device)
+        self.t = torch.zeros(1, dtype=torch.long, device=device)
+
+    def result(self, return_logprobs):
+        """Trimmed after the last column any row sampled (columns past it hold only padding)."""
+        Tn = int(self.mask.sum(0).nonzero().max()) + 1               # column 0 is always sampled
+        outs = (self.tokens[:, :Tn], self.mask[:, :Tn], ~self.done)
+        return (*outs, self.logp[:, :Tn]) if return_logprobs else outs
+
+
+def draw(logits, temperature, top_k, generator, want_logp=False):
+    """The next token (N,) from logits (N, V) float32, and with want_logp log softmax(logits / T) of it (N,), else
+    None. The sample is torch.multinomial(softmax(logits / T), 1)'s, draw for draw: argmax p / E, E ~ Exp(1)."""
+    if temperature == 0:
+        return logits.argmax(-1), None
+    logits = logits / temperature
+    if top_k is not None:                                               # keep the k largest, the rest probability 0
+        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = F.softmax(logits, dim=-1)                                   # (N, V)
+    race = torch.empty_like(probs).exponential_(1.0, generator=generator)   # E_v ~ Exp(1)
+    nxt = (probs / race).argmax(-1)                                     # (N,) argmax_v p_v / E_v
+    if not want_logp:
+        return nxt, None
+    return nxt, F.log_softmax(logits, dim=-1).gather(1, nxt[:, None]).squeeze(1)
+
+
+def record(out, nxt, logp, eos_id, pad_id):
+    """Write the drawn tokens at column out.t (pad_id and mask 0 for rows already ended), mark rows that drew EOS as
+    ended, advance out.t. Device work only, so that a CUDA graph can record it."""
+    tokens = torch.where(out.done, pad_id, nxt)[:, None]               # (N, 1)
+    out.tokens.index_copy_(1, out.t, tokens)
+    out.mask.index_copy_(1, out.t, (~out.done).float()[:, None])
+    if logp is not None:
+        out.logp.index_copy_(1, out.t, torch.where(out.done, 0.0, logp)[:, None])
+    out.done.logical_or_(nxt == eos_id)
+    out.t.add_(1)
+    return tokens
+
+
+def check_finite(logits):
+    """The prompt's logits, checked once per call (one device sync): NaN weights would otherwise sample garbage."""
+    if not torch.isfinite(logits).all():
+        raise ValueError("the model's logits are not finite (NaN or inf): its weights hold NaN or inf, or have "
+                         "diverged; nothing can be sampled from it")
+
+
+def last_logits(model, h, head=None):
+    """Logits (N, V) of each row's last position from the prompt's final hidden states h (N, Tp, C). Up to
+    FUSED_VOCAB through the logits of every position (the computation every earlier CPU result was made with);
+    above it from the last position alone, never forming the (N, Tp, V) logits. head: model.head_weight(pad=True)."""
+    if model.config.support > FUSED_VOCAB:
+        return model.logits(h[:, -1], model.head_weight(pad=True) if head is None else head, fast=True)
+    return model.logits(h)[:, -1]
+
+
+def eager_loop(model, idx, idx_mask, max_new_tokens, out, settings):
+    """"eager": the model's forward on an appending cache, one token at a time; every row's end checked each step."""
+    temperature, top_k, generator, eos_id, pad_id, want_logp = settings
+    N, Tp = idx.shape
+    cache = KVCache(model.config.n_layer, N, Tp + max_new_tokens, idx.device)
+    logits = last_logits(model, model.hidden(idx, idx_mask, cache))     # (N, V) predicts the first new token
+    check_finite(logits)
+    ones = torch.ones(N, 1, device=idx.device)
+    for t in range(max_new_tokens):
+        nxt, logp = draw(logits, temperature, top_k, generator, want_logp)
+        token = record(out, nxt, logp, eos_id, pad_id)
+        if t == max_new_tokens - 1 or out.done.all():
+            break
+        logits = model(token, ones, cache)[:, -1, :]                    # (N, V)
+
+
+def decode_step(model, token, cache, slot):
+    """The transformer for one new token per row with shapes that never change: token (N, 1), the newest token of
+    each row (all real); cache a KVCache.preallocated holding everything before it; slot (1,) int64, the cache slot it
+    goes to (the same for every row). Writes its keys and values at `slot`, attends over all the cache's slots with
+    the empty ones masked out, marks the slot real and advances each row's position. Returns the final hidden state
+    (N, C). The same computation as model.hidden(token, ones, cache) on an appending cache, except that attention
+    sums over every slot instead of the filled ones: the extra terms are exactly 0, but the sums may be ordered
+    differently."""
+    cache.key_mask.index_fill_(1, slot, True)                           # (N, L) the new token is real in every row
+    x, rope = model.embed(token, cache.next_pos[:, None])               # (N, 1, C)
+    attn_mask = cache.key_mask[:, None, None, :]                        # (N, 1, 1, L) every filled slot, no later one
+    for i, block in enumerate(model.blocks):
+        x = block(x, attn_mask, cache, i, slot, rope)
+    cache.next_pos.add_(1)
+    return model.ln_f(x)[:, -1]                                         # (N, C)
+
+
+_compiled = []   # decode_step under torch.compile, made at first use and shared by every model of the process
+
+
+def compiled_decode_step():
+    """decode_step under torch.compile: fullgraph (no graph breaks), no CUDA graph of its own (static_loop records one
+    around it). The first shape compiles a graph for it; a second one recompiles with dynamic sizes, which serves
+    the rest. A shape past torch.compile's recompile limit runs the same function eagerly instead of raising (with
+    fullgraph, the ninth distinct graph would raise)."""
+    if not _compiled:
+        compiled = torch.compile(decode_step, fullgraph=True)         # a second shape recompiles with dynamic sizes
+
+        def step(model, token, cache, slot):
+            try:
+                return compiled(model, token, cache, slot)
+            except torch._dynamo.exc.FailOnRecompileLimitHit:
+                return decode_step(model, token, cache, slot)
+        _compiled.append(step)
+    return _compiled[0]
+
+
+_copies = weakref.WeakKeyDictionary()   # model -> the sampler's copy of it (sampling_copy)
+
+
+def sampling_copy(model, dtype):
+    """The model as the fixed-shape step reads it: under bfloat16 autocast a copy whose linear layers hold bfloat16
+    weights and biases, everything else shared with the model, as an inference engine keeps its own weights. Autocast
+    would otherwise cast every float32 matrix at every token inside a compiled step (2 GB read and written a token
+    at Qwen2.5-0.5B's size); the products are the same, since autocast casts them to these very numbers. Made once
+    per model and refreshed from it at every call (one copy of the weights, ~0.5 ms there)."""
+    if dtype == torch.float32:
+        return model
+    copied = _copies.get(model)
+    if copied is None or copied[0] != dtype:
+        twin = copy.deepcopy(model, memo={id(p): p for p in model.parameters()})   # new modules, the same tensors
+        pairs = []
+        for name, module in twin.blocks.named_modules():
+            if isinstance(module, nn.Linear):
+                for pname, p in list(module.named_parameters(recurse=False)):
+                    setattr(module, pname, nn.Parameter(p.detach().to(dtype), requires_grad=False))
+                    pairs.append((getattr(module, pname), p))
+        copied = _copies[model] = (dtype, twin, pairs)
+    for mine, theirs in copied[2]:
+        mine.copy_(theirs)
+    return copied[1]
+
+
+def static_loop(model, idx, idx_mask, max_new_tokens, out, settings, compiled=False):
+    """"graph" and "compile": the fixed-shape step, recorded as a CUDA graph on CUDA (module docstring)."""
+    temperature, top_k, generator, eos_id, pad_id, want_logp = settings
+    N, Tp = idx.shape
+    device, c = idx.device, model.config
+    slots = Tp + max_new_tokens
+    if compiled:
+        slots = -(-slots // CACHE_ROUND) * CACHE_ROUND
+    dtype = operand_dtype(device.type, model.wte.weight.dtype)         # what the attention's projections return
+    cache = KVCache.preallocated(c.n_layer, N, slots, c.kv_heads, c.n_embd // c.n_head, dtype, device)
+    head = model.head_weight(pad=True)                                  # (V, C) the LM head's operand, made once
+    model = sampling_copy(model, dtype)                                 # bfloat16 matrices under bf16 autocast
+    logits = last_logits(model, model.hidden(idx, idx_mask, cache), head)   # (N, V) predicts the first new token
+    check_finite(logits)
+    longest = int(idx_mask.sum(1).max())                                # real tokens in the longest prompt
+    token = torch.empty(N, 1, dtype=torch.long, device=device)          # the step's input: the newest token
+    slot = torch.full((1,), Tp, dtype=torch.long, device=device)        # the cache slot of token t
+    body = compiled_decode_step() if compiled else decode_step
+
+    def step():   # one token: everything a CUDA graph records
+        h = body(model, token, cache, slot)                             # (N, C)
+        nxt, logp = draw(model.logits(h, head=head, fast=True), temperature, top_k, generator, want_logp)
+        token.copy_(record(out, nxt, logp, eos_id, pad_id))
+        slot.add_(1)
+
+    nxt, logp = draw(logits, temperature, top_k, generator, want_logp)  # token 0, from the prompt's logits
+    token.copy_(record(out, nxt, logp, eos_id, pad_id))
+    run = step
+    every = SYNC_EVERY if device.type == "cuda" else 1                  # steps between the host's end checks
+    for t in range(1, max_new_tokens):
+        if (t - 1) % every == 0 and out.done.all():                     # a device sync
+            break
+        if longest + t > c.block_size:                                  # the eager forward's check, on the host
+            raise ValueError(f"a sequence of {longest + t} real tokens exceeds block_size = {c.block_size}; "
+                             f"shorten it or build the model with a larger block_size")
+        run()
+        if t == 1 and device.type == "cuda" and graph_safe(generator):  # it ran once (the warm-up): record it
+            run = cuda_graph(step, generator)
+
+
+def graph_safe(generator):
+    """Whether this torch can record draws from `generator` in a CUDA graph (the default generator always; another
+    one where CUDAGraph.register_generator_state exists). Where it cannot, the step runs eagerly."""
+    return generator is None or hasattr(torch.cuda.CUDAGraph, "register_generator_state")
+
+
+def cuda_graph(step, generator):
+    """step(), recorded as a CUDA graph; returns the function that replays it. The draws use `generator` (None: the
+    default CUDA generator), registered with the graph so that each replay draws fresh numbers, the ones the
+    eager step would draw at that point. The recorded step must have run once before (cuBLAS and Triton set up)."""
+    graph = torch.cuda.CUDAGraph()
+    if generator is not None:
+        graph.register_generator_state(generator)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay

@@ -1,0 +1,335 @@
+"""sampler.py: the draw is torch.multinomial's, draw for draw; the three modes (eager, the fixed-shape step recorded
+as a CUDA graph, and that step compiled) give the same tokens; padding, EOS, num_samples and top-k; ids past the
+tokenizer are never drawn and the sampler's log-probs are the trainer's over the same support; bad input."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sampler
+from model import GPT, GPTConfig, Tokenizer, completion_logits, completion_logprobs
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                   reason="needs CUDA (the CUDA graph)"))]
+
+
+def peaked_model(seed, vocab_size=258, **kw):
+    """A random model whose logits are far from uniform, so greedy choices are not near-ties."""
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(vocab_size=vocab_size, n_layer=2, n_head=2, n_embd=32, **kw)).eval()
+    with torch.no_grad():
+        model.wte.weight.mul_(40.0)
+    return model
+
+
+def compilation_unavailable():
+    """Why torch.compile cannot run here (e.g. no C++ compiler for the CPU backend), or None if it can."""
+    torch._dynamo.reset()
+    try:
+        torch.compile(lambda x: x * 2 + 1)(torch.ones(3))
+    except Exception as e:  # noqa: BLE001 - any failure of a trivial compile means compiling is unavailable
+        return f"torch.compile is unavailable here: {type(e).__name__}: {str(e)[:200]}"
+    return None
+
+
+def sampler_case(device, **kw):
+    """A tiny random model (2 layers, so that layers read their own cache) over a 16-token vocabulary whose logits
+    are a few units apart: temperature sampling is neither uniform nor deterministic and EOS (14) comes up often
+    enough to end some rows. Four prompts of 7, 3, 1 and 5 real tokens, left-padded with 15. kw: more GPTConfig
+    (grouped-query attention, rotary positions)."""
+    torch.manual_seed(15)
+    model = GPT(GPTConfig(**{"vocab_size": 16, "block_size": 40, "n_layer": 2, "n_head": 2, "n_embd": 32, **kw}))
+    model = model.to(device).eval()
+    with torch.no_grad():
+        model.wte.weight.mul_(5.0)
+    g = torch.Generator().manual_seed(16)
+    prompt, pmask = torch.full((4, 7), 15), torch.zeros(4, 7)
+    for i, n in enumerate([7, 3, 1, 5]):
+        prompt[i, 7 - n:] = torch.randint(0, 14, (n,), generator=g)
+        pmask[i, 7 - n:] = 1.0
+    return model, prompt.to(device), pmask.to(device)
+
+
+# -----------------------------------------------------------------------------
+# The draw
+
+@pytest.mark.parametrize("V", [2, 37, 1000])
+def test_draw_is_torch_multinomials_draw_for_draw(V):
+    """From the same generator state, draw() picks what torch.multinomial(softmax(logits / T), 1) picks, for 30
+    successive draws (the generator advanced alike), at several temperatures, with top-k zeros in the distribution
+    too; and it reports log softmax(logits / T) of the drawn token."""
+    torch.manual_seed(V)
+    g1, g2 = torch.Generator().manual_seed(V), torch.Generator().manual_seed(V)
+    for i in range(30):
+        logits = 3 * torch.randn(64, V)
+        T, top_k = [1.0, 0.7, 2.5][i % 3], [None, min(5, V)][i % 2]
+        got, logp = sampler.draw(logits, T, top_k, g1, want_logp=True)
+        x = logits / T
+        if top_k is not None:
+            x = x.masked_fill(x < torch.topk(x, top_k, dim=-1).values[:, -1:], float("-inf"))
+        want = torch.multinomial(F.softmax(x, -1), 1, generator=g2).squeeze(1)
+        assert torch.equal(got, want), i
+        torch.testing.assert_close(logp, F.log_softmax(x, -1).gather(1, want[:, None]).squeeze(1))
+        if top_k is not None:                                           # never outside the top k
+            assert (x.gather(1, got[:, None]) > float("-inf")).all()
+
+
+# -----------------------------------------------------------------------------
+# The modes give the eager sampler's tokens
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch's own
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("config", [{}, {"n_head": 4, "n_kv_head": 2, "pos": "rope", "norm": "rmsnorm",
+                                         "mlp": "swiglu", "bias": False}], ids=["gpt2-like", "qwen2-like"])
+def test_every_mode_gives_the_eager_samplers_tokens(device, config):
+    """Greedy, temperature 1 and temperature 0.7 with top-k, each from the same generator seed: the fixed-shape step
+    ("graph": a CUDA graph on CUDA) and its compiled form return exactly the eager sampler's tokens, masks and
+    truncation flags, and log-probs within float32 rounding (attention sums over every cache slot there), over
+    prompts of different lengths (left padding) with 3 samples each, in float32; and grouped-query attention reads
+    the cache without copying it. On CUDA the host checks for the end every SYNC_EVERY tokens: the rows that end
+    early are trimmed as the eager sampler trims them. A second call reuses the compiled step."""
+    model, p, m = sampler_case(device, **config)
+    eos, pad = 14, 15
+    modes = ["eager", "graph"] + ([] if compilation_unavailable() else ["compile"])
+    ended = truncated = 0
+    for seed, kw in [(17, dict(temperature=0.0)), (18, dict(temperature=1.0)), (19, dict(temperature=1.0)),
+                     (20, dict(temperature=0.7, top_k=5))]:
+        runs = {}
+        for mode in modes:
+            g = torch.Generator(device=device).manual_seed(seed)
+            runs[mode] = sampler.generate(model, p, m, 30, eos, pad, num_samples=3, generator=g, mode=mode,
+                                          return_logprobs=kw["temperature"] > 0, **kw)
+        eager = runs["eager"]
+        for mode in modes[1:]:
+            for a, b in zip(eager[:3], runs[mode][:3]):
+                assert torch.equal(a, b), (mode, seed, kw)
+            if len(eager) == 4:
+                torch.testing.assert_close(runs[mode][3], eager[3], rtol=1e-5, atol=1e-5)
+        ended, truncated = ended + int((~eager[2]).sum()), truncated + int(eager[2].sum())
+    assert ended > 0 and truncated > 0                                  # rows ending in EOS and rows cut off: both
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_all_rows_ending_early_stop_the_graph_and_the_columns_are_trimmed(device):
+    """EOS is made the likeliest token everywhere (about one chance in two at temperature 1): every row ends within a
+    few tokens. On CUDA the graph mode checks the end only every SYNC_EVERY tokens and runs steps past it, yet
+    returns exactly the eager sampler's tokens, trimmed after the last row's EOS."""
+    model, p, m = sampler_case(device)
+
+    def logits(x, **kw):
+        out = GPT.logits(model, x, **kw)
+        out[..., 14] = out.max(-1).values + 1.0                         # EOS (14) one unit above the rest
+        return out
+    model.logits = logits
+    runs = []
+    for mode in ("eager", "graph"):
+        g = torch.Generator(device=device).manual_seed(0)
+        runs.append(sampler.generate(model, p, m, 30, 14, 15, num_samples=3, generator=g, mode=mode))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    tokens, mask, truncated = runs[0]
+    assert 1 < tokens.size(1) < sampler.SYNC_EVERY and not truncated.any()
+    assert mask[:, -1].any() and (tokens == 14).sum() == len(tokens)    # the last column holds a real token
+
+
+def test_the_samplers_bfloat16_copy_changes_no_number_and_follows_the_model():
+    """Under bfloat16 autocast the fixed-shape step reads a copy of the model whose linear layers hold bfloat16
+    weights (sampling_copy): autocast would cast the float32 ones to these very numbers, so the hidden states are
+    the model's own, bit for bit; after the model's weights change, the next call's copy has the new ones; the model
+    itself is untouched (float32, its own parameters). CPU autocast stands in for the GPU's."""
+    model, p, m = sampler_case("cpu", n_head=4, n_kv_head=2, pos="rope", norm="rmsnorm", mlp="swiglu", bias=False)
+    before = [q.clone() for q in model.parameters()]
+    for change in (False, True):
+        if change:
+            with torch.no_grad():
+                for q in model.parameters():
+                    q.add_(0.01 * torch.randn_like(q))
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            twin = sampler.sampling_copy(model, torch.bfloat16)
+            assert torch.equal(twin.hidden(p, m), model.hidden(p, m))
+        assert twin.blocks[0].attn.c_attn.weight.dtype == torch.bfloat16 and twin.wte.weight is model.wte.weight
+    assert all(q.dtype == torch.float32 for q in model.parameters()) and not all(
+        torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert sampler.sampling_copy(model, torch.float32) is model
+
+
+def test_a_shape_past_the_recompile_limit_runs_eagerly_instead_of_raising(monkeypatch):
+    """With fullgraph=True, torch.compile raises on a shape past its recompile limit (8 graphs, here lowered to 1):
+    the compiled step falls back to the same step run eagerly and returns the eager sampler's tokens. The compile
+    backend is dynamo's "eager" one here (the limit is dynamo's; no C++ compiler needed)."""
+    import torch._dynamo
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, **{**kw, "backend": "eager"}))
+    monkeypatch.setattr(sampler, "_compiled", [])
+    model, p, m = sampler_case("cpu")
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for rows in (2, 3, 4):                                          # three shapes, one graph allowed
+            g1, g2 = torch.Generator().manual_seed(rows), torch.Generator().manual_seed(rows)
+            eager = sampler.generate(model, p[:rows], m[:rows], 8, 14, 15, temperature=1.0, generator=g1, mode="eager")
+            compiled = sampler.generate(model, p[:rows], m[:rows], 8, 14, 15, temperature=1.0, generator=g2,
+                                        mode="compile")
+            assert all(torch.equal(a, b) for a, b in zip(eager, compiled)), rows
+
+
+# -----------------------------------------------------------------------------
+# What a sampler must get right, in every mode
+
+MODES = ["eager", "graph"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_greedy_generation_equals_argmax_of_full_recomputation(mode):
+    tok = Tokenizer()
+    model = peaked_model(1)
+    prompts, pmask = tok.encode_batch(["3+4*2=", "1=", "9-8*7+6="])
+    tokens, mask, truncated = sampler.generate(model, prompts, pmask, 12, tok.eos_id, tok.pad_id, temperature=0,
+                                               mode=mode)
+    full = torch.cat([prompts, tokens], 1)
+    full_mask = torch.cat([pmask, torch.ones_like(mask)], 1)
+    with torch.no_grad():
+        logits = model(full, full_mask)
+    Tp = prompts.size(1)
+    argmax = logits[:, Tp - 1:-1].argmax(-1)                            # (B, Tn) what each step should pick
+    assert torch.equal(argmax[mask.bool()], tokens[mask.bool()])
+
+
+def test_completion_logits_line_up_with_the_sampled_tokens():
+    """Row t of completion_logits must be the distribution the sampler drew completion token t from."""
+    tok = Tokenizer()
+    model = peaked_model(12)
+    p, m = tok.encode_batch(["3+4*2=", "1=", "9-8*7+6="])
+    tokens, mask, _ = sampler.generate(model, p, m, 9, tok.eos_id, tok.pad_id, temperature=0)
+    with torch.no_grad():
+        logits = completion_logits(model, p, m, tokens, mask)          # (B, Tn, V)
+    assert logits.shape[:2] == tokens.shape
+    assert torch.equal(logits.argmax(-1)[mask.bool()], tokens[mask.bool()])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_completion_does_not_depend_on_the_rest_of_the_batch(mode):
+    tok = Tokenizer()
+    model = peaked_model(2)
+    texts = ["3+4*2=", "1=", "9-8*7+6=", "12345678901234="]
+    p, m = tok.encode_batch(texts)
+    batch_tokens, batch_mask, _ = sampler.generate(model, p, m, 10, tok.eos_id, tok.pad_id, temperature=0, mode=mode)
+    for i, text in enumerate(texts):
+        p1, m1 = tok.encode_batch([text])
+        alone, alone_mask, _ = sampler.generate(model, p1, m1, 10, tok.eos_id, tok.pad_id, temperature=0, mode=mode)
+        n = int(alone_mask.sum())
+        assert int(batch_mask[i].sum()) == n
+        assert batch_tokens[i, :n].tolist() == alone[0, :n].tolist()
+        with torch.no_grad():  # and the logits themselves: padding neither leaks in nor shifts positions
+            in_batch = model(p, m)[i, m[i].bool()]
+            by_itself = model(p1, m1)[0]
+        torch.testing.assert_close(in_batch, by_itself, rtol=1e-5, atol=1e-4)
+
+
+def test_num_samples_puts_a_prompts_samples_on_consecutive_rows():
+    tok = Tokenizer()
+    model = peaked_model(3)
+    p, m = tok.encode_batch(["1+1=", "2*3-4="])
+    tokens, mask, _ = sampler.generate(model, p, m, 6, tok.eos_id, tok.pad_id, num_samples=3, temperature=0)
+    assert tokens.shape[0] == 6
+    assert torch.equal(tokens[0], tokens[1]) and torch.equal(tokens[0], tokens[2])  # greedy: identical samples
+    assert torch.equal(tokens[3], tokens[5])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_eos_mask_covers_through_first_eos_and_flags_cut_off_rows(mode):
+    eos, pad = 6, 7
+    torch.manual_seed(4)
+    model = GPT(GPTConfig(vocab_size=8, n_layer=1, n_head=1, n_embd=16)).eval()  # near-uniform: EOS ~1/8 a step
+    prompts = torch.randint(0, 6, (64, 3))
+    g = torch.Generator().manual_seed(5)
+    tokens, mask, truncated = sampler.generate(model, prompts, torch.ones(64, 3), 10, eos, pad, temperature=1.0,
+                                               generator=g, mode=mode)
+    ended = cut = 0
+    for row, m, tr in zip(tokens.tolist(), mask.tolist(), truncated.tolist()):
+        if eos in row:
+            first = row.index(eos)
+            assert m == [1.0] * (first + 1) + [0.0] * (len(row) - first - 1)
+            assert row[first + 1:] == [pad] * (len(row) - first - 1)
+            assert not tr
+            ended += 1
+        else:
+            assert m == [1.0] * len(row) and len(row) == 10
+            assert tr
+            cut += 1
+    assert ended > 0 and cut > 0  # both cases were exercised
+
+
+def test_top_k_one_equals_greedy():
+    tok = Tokenizer()
+    model = peaked_model(6)
+    p, m = tok.encode_batch(["3+4*2=", "1="])
+    greedy, _, _ = sampler.generate(model, p, m, 8, tok.eos_id, tok.pad_id, temperature=0)
+    top1, _, _ = sampler.generate(model, p, m, 8, tok.eos_id, tok.pad_id, temperature=1.0, top_k=1)
+    assert torch.equal(greedy, top1)
+
+
+# -----------------------------------------------------------------------------
+# One support for sampling and scoring: an embedding larger than the tokenizer (Qwen2.5's layout)
+
+@pytest.mark.parametrize("mode", MODES)
+def test_ids_past_the_tokenizer_are_never_sampled_and_the_trainer_scores_the_same_support(mode):
+    """A model with 40 embedding rows of which the tokenizer has 30, whose rows 30..39 have the largest logits of
+    all, sampled at temperature 20 (near-uniform): no id past 29 is ever drawn, and the sampler's own log-probs are
+    the trainer's (completion_logprobs) to float32 rounding, the ratio 1: over all 40 rows the trainer would put
+    most of the probability on ids the sampler never draws, and the ratio would be far from 1."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=40, tokenizer_vocab=30, block_size=64, n_layer=2, n_head=4, n_kv_head=2,
+                          n_embd=32, pos="rope", norm="rmsnorm", mlp="swiglu", bias=False)).eval()
+    with torch.no_grad():
+        model.lm_head.weight[30:] = 3 * model.ln_f.weight * 10        # rows past the tokenizer: the largest logits
+    prompt, pmask = torch.randint(0, 30, (8, 5)), torch.ones(8, 5)
+    g = torch.Generator().manual_seed(1)
+    tokens, mask, _, logp = sampler.generate(model, prompt, pmask, 24, eos_id=29, pad_id=29, num_samples=4,
+                                             temperature=20.0, generator=g, mode=mode, return_logprobs=True)
+    assert tokens.max() < 30 and len(set(tokens[mask > 0].tolist())) > 20     # all over the support, never past
+    P = prompt.repeat_interleave(4, 0), pmask.repeat_interleave(4, 0)
+    with torch.no_grad():
+        trainer = completion_logprobs(model, *P, tokens, mask, temperature=20.0)
+        everything = F.log_softmax(model.lm_head(model.hidden(torch.cat([P[0], tokens], 1)[:, :-1],
+                                                              torch.cat([P[1], mask], 1)[:, :-1])) / 20, -1)
+    real = mask > 0
+    torch.testing.assert_close(trainer[real], logp[real], rtol=0, atol=2e-5)         # the ratio is 1
+    over_all = everything[:, prompt.size(1) - 1:].gather(2, tokens[..., None]).squeeze(2)
+    assert (over_all[real] - logp[real]).abs().mean() > 0.5                         # what one support prevents
+    assert model(prompt, pmask).shape[-1] == 30                                     # the logits: the support only
+
+
+def test_decoding_never_raises_on_an_id_the_model_can_emit():
+    """Tokenizer.decode of ids the tokenizer does not have (past its vocabulary, negative) gives U+FFFD for each."""
+    tok = Tokenizer()
+    assert tok.decode([72, 105, 1000, 33, -1]) == "Hi\ufffd!\ufffd"
+    assert tok.decode_completions(torch.tensor([[72, 300, 256]]), torch.ones(1, 3)) == ["H\ufffd"]
+
+
+# -----------------------------------------------------------------------------
+# Bad input
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_sequence_longer_than_block_size_is_refused_as_the_eager_forward_refuses_it(mode):
+    """The positions live on the device inside the fixed-shape step, so the sampler checks block_size on the host,
+    with the eager forward's message."""
+    model = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=1, n_embd=16)).eval()
+    prompt = torch.randint(0, 14, (2, 8))
+    with pytest.raises(ValueError, match="a sequence of 9 real tokens exceeds block_size = 8"):
+        sampler.generate(model, prompt, torch.ones(2, 8), 3, eos_id=-1, pad_id=15, temperature=0, mode=mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nan_weights_are_one_clear_error_not_garbage_tokens(mode):
+    model, p, m = sampler_case("cpu")
+    with torch.no_grad():
+        model.blocks[0].mlp[0].weight[0, 0] = float("nan")
+    for temperature in (0.0, 1.0):
+        with pytest.raises(ValueError, match="not finite"):
+            sampler.generate(model, p, m, 5, 14, 15, temperature=temperature, mode=mode)
+
+
+def test_bad_arguments_are_refused():
+    model, p, m = sampler_case("cpu")
+    for kw, words in [(dict(max_new_tokens=0), "max_new_tokens = 0"), (dict(temperature=-1.0), "temperature = -1"),
+                      (dict(mode="fast"), "sampler mode 'fast'")]:
+        with pytest.raises(ValueError, match=words):
+            sampler.generate(model, p, m, **{"max_new_tokens": 4, "eos_id": 14, **kw})
