@@ -39,8 +39,8 @@ Metrics: out/toolcalc/agent/metrics.jsonl (docs/metrics.md says what each means)
 import torch
 
 import task
-from kernels import entropy, kl, kl_penalty, logprobs
-from model import completion_logits, completion_logprobs
+from kernels import kl_penalty
+from model import completion_hidden, completion_logprobs, kl_entropy
 from plumbing import SFT_PATH, TEMPERATURE, Float, Int, Run, add_run_flags, parser
 from tasks import toolcalc
 
@@ -191,14 +191,15 @@ def main(args):
         n_policy = run.all_sum(ep.sampled.sum())
         kl_exact = ent = 0.0
         for rows in run.micro_batches(len(mask)):
-            with torch.no_grad(), run.autocast:
-                logits = completion_logits(policy, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
-                ref_logits = completion_logits(ref, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
-            old_logp[rows] = logprobs(logits, tokens[rows], temp)
-            ref_logp[rows] = logprobs(ref_logits, tokens[rows], temp)
-            sampled = ep.sampled[rows] > 0
-            kl_exact += torch.where(sampled, kl(logits, ref_logits, temp), 0.0).sum() / n_policy   # KL(pi||ref)
-            ent += torch.where(sampled, entropy(logits, temp), 0.0).sum() / n_policy
+            with torch.no_grad(), run.autocast:                               # each model's forward once
+                h = completion_hidden(policy, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
+                h_ref = completion_hidden(ref, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
+                old_logp[rows] = policy.head_logprobs(h, tokens[rows], temp)  # as step 4 computes them
+                ref_logp[rows] = ref.head_logprobs(h_ref, tokens[rows], temp)
+                if run.logging():                                             # a chunk of logits at a time
+                    kl_t, ent_t = kl_entropy(policy, ref, h, h_ref, ep.sampled[rows], temp)   # the policy's tokens
+                    kl_exact += kl_t.sum() / n_policy                         # KL(pi || ref)
+                    ent += ent_t.sum() / n_policy
 
         # 4. mu passes of the loss over the --grad_accum micro-batches, normalised by the whole step's counts
         for epoch in range(args.mu):

@@ -50,8 +50,8 @@ import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 import task
-from kernels import kl_penalty, logprobs
-from model import completion_logits, completion_logprobs
+from kernels import kl_penalty
+from model import completion_logprobs
 from plumbing import SFT_PATH, TEMPERATURE, Float, Int, Run, add_run_flags, load_model, parser, pick_device
 
 CHUNK, WEIGHTS = 1, 2      # message tags: actor -> learner groups, learner -> actor weights
@@ -370,9 +370,8 @@ def learner(args, procs):
         loss, kl_sum, n_tokens = 0.0, 0.0, mask.sum()
         weights, log_rho = torch.zeros_like(mask), torch.zeros_like(mask)
         for rows in run.micro_batches(len(mask)):
-            with torch.no_grad(), run.autocast:
-                ref_logits = completion_logits(ref, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
-            ref_logp = logprobs(ref_logits, tokens[rows], temp)                           # (b, Tn) log pi_ref
+            with torch.no_grad(), run.autocast:                                           # (b, Tn) log pi_ref
+                ref_logp = completion_logprobs(ref, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows], temp)
             with run.autocast:                                                            # (b, Tn) log pi_theta
                 logp = completion_logprobs(policy, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows], temp)
             w = importance_weights(logp, behaviour_logp[rows], mask[rows], args.is_correction, args.is_cap)

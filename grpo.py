@@ -40,8 +40,8 @@ Metrics: out/grpo/metrics.jsonl (docs/metrics.md says what each means); checkpoi
 import torch
 
 import task
-from kernels import entropy, kl, kl_penalty, logprobs
-from model import completion_logits, completion_logprobs
+from kernels import kl_penalty
+from model import completion_hidden, completion_logprobs, kl_entropy
 from plumbing import SFT_PATH, TEMPERATURE, Float, Int, Run, add_run_flags, parser
 
 
@@ -251,18 +251,22 @@ def main(args):
             rewards = rewards + overlong_penalty(mask.sum(1), args.max_new_tokens, args.overlong_buffer)
         run.samples += rounds * P * G
 
-        # 2. score without gradient: sampling-time and reference log-probs, the exact KL and entropy (for the log)
-        old_logp, ref_logp = torch.zeros_like(mask), torch.zeros_like(mask)  # (B, Tn)
-        n_seqs, n_tokens = run.all_sum(len(mask)), run.all_sum(mask.sum())   # the step's, over every rank
+        # 2. score without gradient, each model's forward once: sampling-time and reference log-probs (through the
+        #    function step 4 calls, so that on-policy they agree bit for bit); on a logged step also the exact KL and
+        #    the entropy, the logits a chunk at a time (model.kl_entropy): the [B, T, V] logits are never formed
+        old_logp, ref_logp = torch.zeros_like(mask), torch.zeros_like(mask)      # (B, Tn)
+        n_seqs, n_tokens = run.all_sum(len(mask)), run.all_sum(mask.sum())        # the step's, over every rank
         kl_exact = ent = 0.0
         for rows in run.micro_batches(len(mask)):
-            with torch.no_grad(), run.autocast:
-                logits = completion_logits(policy, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
-                ref_logits = completion_logits(ref, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
-            old_logp[rows] = logprobs(logits, tokens[rows], temp)
-            ref_logp[rows] = logprobs(ref_logits, tokens[rows], temp)
-            kl_exact += torch.where(mask[rows] > 0, kl(logits, ref_logits, temp), 0.0).sum() / n_tokens  # KL(pi||ref)
-            ent += torch.where(mask[rows] > 0, entropy(logits, temp), 0.0).sum() / n_tokens
+            with torch.no_grad(), run.autocast:                                   # (b, Tp+Tn-1, C) final hidden states
+                h = completion_hidden(policy, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
+                h_ref = completion_hidden(ref, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
+                old_logp[rows] = policy.head_logprobs(h, tokens[rows], temp)
+                ref_logp[rows] = ref.head_logprobs(h_ref, tokens[rows], temp)
+                if run.logging():
+                    kl_t, ent_t = kl_entropy(policy, ref, h, h_ref, mask[rows], temp)   # (b, Tn) each
+                    kl_exact += kl_t.sum() / n_tokens                             # KL(pi || ref)
+                    ent += ent_t.sum() / n_tokens
 
         # 3. advantages: the group is the baseline
         advantages = grpo_advantages(rewards, G, scale_by_std=not args.no_std_scaling, std=args.std)  # (B,)
