@@ -195,6 +195,6 @@ if __name__ == "__main__":
     if name == "trpo":
         trpo_init()
     if os.environ.get("DDP_WORKER_NAN_RANK") == os.environ.get("RANK", "0"):    # this rank's log-probs are NaN
-        logprobs = script.logprobs
-        script.logprobs = lambda *a, **k: logprobs(*a, **k) * float("nan")
+        completion_logprobs = script.completion_logprobs
+        script.completion_logprobs = lambda *a, **k: completion_logprobs(*a, **k) * float("nan")
     script.main(script.parse_args(argv))

@@ -35,7 +35,9 @@ WORKER = os.path.join(ROOT, "tests", "ddp_worker.py")
 TOK = Tokenizer()
 EOS = TOK.eos_id
 SGD_LR = 0.02                  # the worker's SGD learning rate, where the script does not set one each step
-GRAD_TOL = 1e-4                # float32 gradient against float64: relative error (norm over all parameters)
+GRAD_TOL = 3e-4                # float32 gradient against float64: relative error (norm over all parameters); a
+                               # later step starts from float32 weights rounded at every earlier one (1.2e-4 seen
+                               # at a third step on one CPU), still 3x below FAR
 WEIGHT_TOL = 3e-4              # the same for the weights' change (float32 weights rounded)
 FAR = 1e-3                     # an update with a flag ignored is at least this far (relative)
 
