@@ -1,33 +1,28 @@
 """
-Sampling completions from model.GPT: the rollout engine every script shares (nanochat's engine.py and nano-vllm,
-Yu 2025, are the anchors).
+Sampling completions from model.GPT: the rollout engine every script shares (nanochat's engine.py and nano-vllm are
+the anchors).
 
     tokens, mask, truncated = generate(model, prompt, prompt_mask, max_new_tokens, eos_id, pad_id, num_samples=G,
                                        temperature=1.0, generator=g)
 
 A call runs the prompts (left-padded) through the model once, filling a KV cache allocated for the prompt plus every
-new token in the dtype the model computes in (bfloat16 under autocast), then makes one token per step from the
-cache. Three ways to run the steps, which give the same tokens (tests/test_sampler.py):
-- "eager": the model's own forward on an appending cache, shapes growing every step: the reference, and the
-  default off CUDA.
-- "graph", the default on CUDA: a step of fixed shapes (decode_step: the new key and value written at a slot held
-  in a tensor, attention over every slot with the empty ones masked) recorded once per call as a CUDA graph together
-  with the LM head, the draw of the next token and the bookkeeping of which rows have ended, then replayed: one
-  launch per token instead of several hundred. The host asks whether every row has ended only every SYNC_EVERY
-  steps, so the GPU never waits for it between tokens. Off CUDA the same fixed-shape step runs eagerly.
-- "compile" (the scripts' --compile): "graph" with the transformer part of the step under torch.compile
-  (fullgraph=True: nothing in it may break the graph), which fuses its small kernels.
+new token in the dtype the model computes in, then makes one token per step. Three modes, the same tokens
+(tests/test_sampler.py):
+- "eager": the model's own forward on an appending cache: the reference, and the default off CUDA.
+- "graph": a step of fixed shapes (decode_step: the new key and value written at a slot held in a tensor, attention
+  over every slot, the empty ones masked) recorded once per call as a CUDA graph with the LM head, the draw and the
+  bookkeeping of which rows have ended, then replayed: one launch a token instead of hundreds. The host checks for
+  the end every SYNC_EVERY tokens only, so the GPU never waits for it. Off CUDA the same step runs eagerly.
+- "compile": "graph" with the transformer part of the step under torch.compile (fullgraph), on bfloat16 copies of
+  the linear layers (sampling_copy). On CUDA the default from COMPILE_PARAMS parameters up, "graph" below.
 
-Drawing a token: torch.multinomial(p, 1) draws argmax_v p_v / E_v with E_v ~ Exponential(1) from the generator, an
-exact sample of p (the exponential race; PyTorch's multinomial draws one sample exactly so). It first checks p on
-the host, a device sync that a CUDA graph cannot record, so `draw` writes the same race out: the same tokens from
-the same generator, draw for draw (tested against torch.multinomial), and nothing between two tokens but the GPU.
+The draw: torch.multinomial(p, 1) draws argmax_v p_v / E_v, E_v ~ Exponential(1), from the generator, an exact
+sample of p; it also checks p on the host, a sync no CUDA graph can record. `draw` writes the same race out: the
+same tokens from the same generator, draw for draw (tested against torch.multinomial).
 
-Support: the logits are over the tokenizer's ids only (GPT.logits: the first config.support rows of the LM head), so
-an id the tokenizer cannot decode, an embedding row past it (Qwen2.5 pads 151665 ids to 151936), is never drawn.
-
-Precision: the LM head runs once per token on bfloat16 operands with float32 products and sums (model.py,
-Precision); its bfloat16 weight is made once per call, not once per token.
+Support: the logits are over the tokenizer's ids only (GPT.logits), so an embedding row past them (Qwen2.5 pads
+151665 ids to 151936) is never drawn. The LM head: bfloat16 operands, float32 logits (model.py, Precision), its
+operand made once per call.
 
 Shapes: N = B * num_samples rows, Tp prompt length, Tn new tokens, V the support, C channels.
 """
@@ -49,19 +44,11 @@ COMPILE_PARAMS = 50_000_000   # on CUDA the default is "compile" from this many 
 @torch.no_grad()
 def generate(model, prompt, prompt_mask, max_new_tokens, eos_id, pad_id=None, num_samples=1, temperature=1.0,
              top_k=None, generator=None, mode=None, return_logprobs=False):
-    """Sample completions.
-
-    prompt (B, Tp) left-padded token ids, prompt_mask (B, Tp) 1 on real tokens. Each prompt gets num_samples
-    completions on consecutive rows (prompt i -> rows i*G .. i*G+G-1). temperature 0 means greedy; top_k keeps the k
-    most likely tokens (None: the full softmax, which RL needs so that sampling matches the log-probs it trains on).
-    mode: "eager", "graph" or "compile" (module docstring); None reads model.sampler_mode (the scripts' --compile sets
-    it), else "graph" on CUDA and "eager" elsewhere. The model should be in eval mode (dropout draws differently in
-    each mode).
-    Returns tokens (N, Tn) with pad_id after each EOS, mask (N, Tn) float (1.0 on tokens through the first EOS, 0
-    after), and truncated (N,) bool (no EOS within max_new_tokens); Tn <= max_new_tokens, the last column being the
-    last one any row sampled. return_logprobs=True (temperature > 0) also returns the sampler's own log-probs of the
-    sampled tokens (N, Tn) float32, log softmax(logits / T)[token] (0 after EOS): the behaviour policy's, as an
-    inference engine reports it."""
+    """prompt (B, Tp) left-padded ids, prompt_mask (B, Tp) 1 on real tokens; num_samples completions per prompt on
+    consecutive rows. temperature 0: greedy; top_k: keep the k likeliest (None: the full softmax, as RL needs).
+    mode: "eager", "graph" or "compile"; None reads model.sampler_mode (--compile), else default_mode. Returns tokens
+    (N, Tn), pad_id after each EOS; mask (N, Tn) 1.0 through the first EOS; truncated (N,) bool; and with
+    return_logprobs the sampler's own log softmax(logits / T)[token] (N, Tn) float32, 0 after EOS."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens = {max_new_tokens}; it must be at least 1")
     if temperature < 0:
@@ -83,16 +70,15 @@ def generate(model, prompt, prompt_mask, max_new_tokens, eos_id, pad_id=None, nu
 
 
 def default_mode(model, device):
-    """"eager" off CUDA; on CUDA "compile" for a model of COMPILE_PARAMS parameters or more (its compilation, tens of
-    seconds once, is paid back within a rollout), else "graph" (the toy model: ready at once, fast enough)."""
+    """"eager" off CUDA; on CUDA "compile" from COMPILE_PARAMS parameters up (its tens of seconds of compiling, once,
+    are paid back within a rollout), else "graph"."""
     if device.type != "cuda":
         return "eager"
     return "compile" if model.num_params() >= COMPILE_PARAMS else "graph"
 
 
 class Outputs:
-    """What the steps write, on the device: tokens, mask and log-probs (N, max_new_tokens), which rows have ended
-    (N,), and the column t of the next token (1,) as a tensor, so that a recorded step can advance it."""
+    """What the steps write, on the device; t, the next column, is a tensor so that a recorded step advances it."""
 
     def __init__(self, N, max_new_tokens, pad_id, device):
         self.tokens = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=device)
@@ -102,15 +88,14 @@ class Outputs:
         self.t = torch.zeros(1, dtype=torch.long, device=device)
 
     def result(self, return_logprobs):
-        """Trimmed after the last column any row sampled (columns past it hold only padding)."""
+        # trimmed after the last column any row sampled (steps past the end of every row wrote padding)
         Tn = int(self.mask.sum(0).nonzero().max()) + 1               # column 0 is always sampled
         outs = (self.tokens[:, :Tn], self.mask[:, :Tn], ~self.done)
         return (*outs, self.logp[:, :Tn]) if return_logprobs else outs
 
 
 def draw(logits, temperature, top_k, generator, want_logp=False):
-    """The next token (N,) from logits (N, V) float32, and with want_logp log softmax(logits / T) of it (N,), else
-    None. The sample is torch.multinomial(softmax(logits / T), 1)'s, draw for draw: argmax p / E, E ~ Exp(1)."""
+    """The next token (N,) from logits (N, V) float32 (and its log-prob, with want_logp): torch.multinomial's draw."""
     if temperature == 0:
         return logits.argmax(-1), None
     logits = logits / temperature
@@ -126,8 +111,7 @@ def draw(logits, temperature, top_k, generator, want_logp=False):
 
 
 def record(out, nxt, logp, eos_id, pad_id):
-    """Write the drawn tokens at column out.t (pad_id and mask 0 for rows already ended), mark rows that drew EOS as
-    ended, advance out.t. Device work only, so that a CUDA graph can record it."""
+    """The drawn tokens at column out.t (pad_id, mask 0 where a row has ended); device work only (graph-safe)."""
     tokens = torch.where(out.done, pad_id, nxt)[:, None]               # (N, 1)
     out.tokens.index_copy_(1, out.t, tokens)
     out.mask.index_copy_(1, out.t, (~out.done).float()[:, None])
@@ -139,23 +123,22 @@ def record(out, nxt, logp, eos_id, pad_id):
 
 
 def check_finite(logits):
-    """The prompt's logits, checked once per call (one device sync): NaN weights would otherwise sample garbage."""
+    # once per call (one device sync): NaN weights would otherwise sample garbage
     if not torch.isfinite(logits).all():
         raise ValueError("the model's logits are not finite (NaN or inf): its weights hold NaN or inf, or have "
                          "diverged; nothing can be sampled from it")
 
 
 def last_logits(model, h, head=None):
-    """Logits (N, V) of each row's last position from the prompt's final hidden states h (N, Tp, C). Up to
-    FUSED_VOCAB through the logits of every position (the computation every earlier CPU result was made with);
-    above it from the last position alone, never forming the (N, Tp, V) logits. head: model.head_weight(pad=True)."""
+    # the logits (N, V) of each row's last position: up to FUSED_VOCAB from every position's (the computation every
+    # earlier CPU result was made with), above it from the last position alone (no (N, Tp, V) logits)
     if model.config.support > FUSED_VOCAB:
         return model.logits(h[:, -1], model.head_weight(pad=True) if head is None else head, fast=True)
     return model.logits(h)[:, -1]
 
 
 def eager_loop(model, idx, idx_mask, max_new_tokens, out, settings):
-    """"eager": the model's forward on an appending cache, one token at a time; every row's end checked each step."""
+    """"eager": the model's own forward on an appending cache, the end checked every token."""
     temperature, top_k, generator, eos_id, pad_id, want_logp = settings
     N, Tp = idx.shape
     cache = KVCache(model.config.n_layer, N, Tp + max_new_tokens, idx.device)
@@ -171,13 +154,9 @@ def eager_loop(model, idx, idx_mask, max_new_tokens, out, settings):
 
 
 def decode_step(model, token, cache, slot):
-    """The transformer for one new token per row with shapes that never change: token (N, 1), the newest token of
-    each row (all real); cache a KVCache.preallocated holding everything before it; slot (1,) int64, the cache slot it
-    goes to (the same for every row). Writes its keys and values at `slot`, attends over all the cache's slots with
-    the empty ones masked out, marks the slot real and advances each row's position. Returns the final hidden state
-    (N, C). The same computation as model.hidden(token, ones, cache) on an appending cache, except that attention
-    sums over every slot instead of the filled ones: the extra terms are exactly 0, but the sums may be ordered
-    differently."""
+    """The final hidden state (N, C) of one new token per row, token (N, 1), shapes that never change: its keys and
+    values go to cache slot `slot` (1,), attention reads every slot (the empty ones masked: their terms are exactly 0,
+    the sums ordered otherwise than model.hidden's on an appending cache)."""
     cache.key_mask.index_fill_(1, slot, True)                           # (N, L) the new token is real in every row
     x, rope = model.embed(token, cache.next_pos[:, None])               # (N, 1, C)
     attn_mask = cache.key_mask[:, None, None, :]                        # (N, 1, 1, L) every filled slot, no later one
@@ -191,10 +170,8 @@ _compiled = []   # decode_step under torch.compile, made at first use and shared
 
 
 def compiled_decode_step():
-    """decode_step under torch.compile: fullgraph (no graph breaks), no CUDA graph of its own (static_loop records one
-    around it). The first shape compiles a graph for it; a second one recompiles with dynamic sizes, which serves
-    the rest. A shape past torch.compile's recompile limit runs the same function eagerly instead of raising (with
-    fullgraph, the ninth distinct graph would raise)."""
+    """decode_step under torch.compile (fullgraph; static_loop records the CUDA graph). A second shape recompiles with
+    dynamic sizes; past the recompile limit (where fullgraph would raise) the step runs eagerly."""
     if not _compiled:
         compiled = torch.compile(decode_step, fullgraph=True)         # a second shape recompiles with dynamic sizes
 
@@ -211,11 +188,9 @@ _copies = weakref.WeakKeyDictionary()   # model -> the sampler's copy of it (sam
 
 
 def sampling_copy(model, dtype):
-    """The model as the fixed-shape step reads it: under bfloat16 autocast a copy whose linear layers hold bfloat16
-    weights and biases, everything else shared with the model, as an inference engine keeps its own weights. Autocast
-    would otherwise cast every float32 matrix at every token inside a compiled step (2 GB read and written a token
-    at Qwen2.5-0.5B's size); the products are the same, since autocast casts them to these very numbers. Made once
-    per model and refreshed from it at every call (one copy of the weights, ~0.5 ms there)."""
+    """Under bfloat16 autocast, a copy of the model whose linear layers hold bfloat16 weights, the rest shared with it,
+    as an inference engine keeps its own weights; refreshed at every call. The same products (autocast casts to these
+    very numbers), without a cast of every matrix at every token inside a compiled step (2 GB at Qwen2.5-0.5B)."""
     if dtype == torch.float32:
         return model
     copied = _copies.get(model)
@@ -234,7 +209,7 @@ def sampling_copy(model, dtype):
 
 
 def static_loop(model, idx, idx_mask, max_new_tokens, out, settings, compiled=False):
-    """"graph" and "compile": the fixed-shape step, recorded as a CUDA graph on CUDA (module docstring)."""
+    """"graph" and "compile": the fixed-shape step, recorded as a CUDA graph on CUDA."""
     temperature, top_k, generator, eos_id, pad_id, want_logp = settings
     N, Tp = idx.shape
     device, c = idx.device, model.config
@@ -274,15 +249,13 @@ def static_loop(model, idx, idx_mask, max_new_tokens, out, settings, compiled=Fa
 
 
 def graph_safe(generator):
-    """Whether this torch can record draws from `generator` in a CUDA graph (the default generator always; another
-    one where CUDAGraph.register_generator_state exists). Where it cannot, the step runs eagerly."""
+    # the default generator is always graph-safe; another one where torch has register_generator_state (else eager)
     return generator is None or hasattr(torch.cuda.CUDAGraph, "register_generator_state")
 
 
 def cuda_graph(step, generator):
-    """step(), recorded as a CUDA graph; returns the function that replays it. The draws use `generator` (None: the
-    default CUDA generator), registered with the graph so that each replay draws fresh numbers, the ones the
-    eager step would draw at that point. The recorded step must have run once before (cuBLAS and Triton set up)."""
+    """step() (run once before) recorded as a CUDA graph; returns its replay. The generator is registered with the
+    graph, so each replay draws what the eager step would draw at that point."""
     graph = torch.cuda.CUDAGraph()
     if generator is not None:
         graph.register_generator_state(generator)
