@@ -6,8 +6,11 @@ copy of the weights, score them with the verifier and send them to one learner, 
 new weights every --sync_every steps; generation and learning overlap. The price is staleness: a group sampled with
 weights `lag` versions old is off-policy, so each token's loss is weighted by rho = pi_theta / mu, mu the policy
 that sampled it (the behaviour policy), truncated or masked where rho is far from 1. LlamaRL (arXiv 2505.24034),
-AReaL (arXiv 2505.24298), PipelineRL and verl's async mode share this layout; the correction is Yao et al. 2025's
-truncated importance sampling (TIS).
+AReaL (arXiv 2505.24298), PipelineRL and verl's async mode share this layout. The corrections: `truncate` caps the
+staleness ratio, min(rho, C), as IMPALA's truncated importance weight (Espeholt et al. 2018, arXiv 1802.01561) and
+AReaL's capped behaviour weight do (Yao et al. 2025's TIS truncates the same way, for the sampler/trainer mismatch at
+lag 0); `mask` drops the tokens whose rho leaves [1/C, C] from the gradient, as IcePop (Ant Group's Ring team, 2025)
+does for that mismatch. A dropped token still counts in 1/|o_i| and keeps no KL term (its whole term is weighted 0).
 
 Learner step on P groups (GRPO, Shao et al. 2024, arXiv 2402.03300, eq. 3, at mu = 1), token t of completion i:
     A_i = (r_i - mean_g r) / (std_g r + eps)        w_it = 1 (none), min(rho_it, C) (truncate), 1[1/C <= rho_it <= C]
@@ -52,7 +55,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 import task
 from kernels import kl_penalty
 from model import completion_logprobs
-from plumbing import SFT_PATH, TEMPERATURE, Float, Int, Run, add_run_flags, load_model, parser, pick_device
+from plumbing import SFT_PATH, TEMPERATURE, Float, Int, Run, add_run_flags, autocast, load_model, parser, pick_device
 
 CHUNK, WEIGHTS = 1, 2      # message tags: actor -> learner groups, learner -> actor weights
 GROUPS, GOODBYE, STOP = 1.0, 2.0, -1.0
@@ -137,6 +140,10 @@ def parse_args(argv=None):
         p.error(f"--prompts_per_step {args.prompts_per_step} must split evenly over --actors {args.actors}")
     if args.compile:
         p.error("--compile is not supported by async_grpo.py (each actor would compile its own sampler)")
+    if args.sync_every > args.max_lag + 1:   # step s needs version >= s - max_lag; the newest may be s - sync_every + 1
+        p.error(f"--sync_every {args.sync_every} with --max_lag {args.max_lag}: an actor would wait for weights the "
+                f"learner publishes only every {args.sync_every} steps, and the learner for that actor's groups; "
+                f"allowed: --sync_every <= --max_lag + 1 = {args.max_lag + 1}")
     return args
 
 
@@ -208,6 +215,9 @@ def actor(args, rank):
         device = f"cuda:{rank % torch.cuda.device_count()}"
     dist.barrier()                                  # the learner has built or checked what --init names
     policy, tok, _ = load_model(args.init, device, "gpt")
+    # sample under the autocast the learner scores under (plumbing.Run.autocast: bfloat16 on a GPU), so that at lag 0
+    # the importance weight measures staleness and the sampler's numerics only, not a precision gap as well
+    sample_precision = autocast(device)
     per_actor = args.prompts_per_step // args.actors
     Tp, Tn = task.max_prompt_tokens(tok), args.max_new_tokens
     parent, local = os.getppid(), "TORCHELASTIC_RUN_ID" not in os.environ
@@ -250,7 +260,7 @@ def actor(args, rank):
             break
         t = time.time()
         prompts = task.sample_prompts(rng, per_actor, args.precedence_share)
-        with torch.no_grad():
+        with torch.no_grad(), sample_precision:                                    # the learner's precision
             batch, logp = task.rollout(policy, tok, prompts, args.group_size, args.temperature, Tn, 0.0, gen,
                                        return_logprobs=True)                       # logp (n, Tn): the sampler's own
         now = time.time()
@@ -297,14 +307,18 @@ class Actors:
                 if self.run.interrupted:
                     return None
                 continue
-            if msg is None:                         # its connection closed: a local actor's exit code says why
-                for p in self.procs:
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        p.wait(timeout=0.1 * len(self.procs) + 1)
-                self.check_alive()
-                raise SystemExit(f"error: actor {a} is gone (its connection closed) at learner step {self.run.step}; "
-                                 f"the run stops (last checkpoint: {self.run.ckpt_path})")
+            if msg is None:                         # its connection closed
+                self.gone(a)
             return msg
+
+    def gone(self, a):
+        """Actor a's connection closed: stop the run, with a local actor's exit code where there is one."""
+        for p in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=0.1 * len(self.procs) + 1)
+        self.check_alive()
+        raise SystemExit(f"error: actor {a} is gone (its connection closed) at learner step {self.run.step}; the run "
+                         f"stops (last checkpoint: {self.run.ckpt_path})")
 
     def next_step(self):
         """One message from each actor, in order: the P groups of the next step (None on Ctrl-C)."""
@@ -316,7 +330,10 @@ class Actors:
         flat = torch.cat([torch.tensor([STOP if stop else GROUPS, float(version)]),
                           parameters_to_vector(policy.parameters()).detach().float().cpu()])
         for a in self.buffers:
-            dist.send(flat, dst=a, tag=WEIGHTS)
+            try:
+                dist.send(flat, dst=a, tag=WEIGHTS)
+            except RuntimeError:                    # it died after check_alive: the same one line, no traceback
+                self.gone(a)
 
     def stop(self, policy, version):
         """Tell every actor to stop, and take what they still send until each one's goodbye."""

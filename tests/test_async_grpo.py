@@ -151,6 +151,21 @@ def test_max_lag_0_is_on_policy(tiny_sft, tmp_path):
         assert r["lag_max"] == 0 and r["logp_gap_lag0"] < 1e-4 and r["rho_outside_band"] == 0
 
 
+def test_weights_published_every_second_step_within_a_lag_of_one(tiny_sft, tmp_path):
+    """--sync_every 2 --max_lag 1: the learner publishes after steps 2, 4, ...; the groups of step s need weights of
+    version >= s - 1, which the last publication always is: the run ends, every lag within 1. --sync_every 2 with
+    --max_lag 0 would wait forever (the actor for version s, the learner for the actor's groups): refused."""
+    out = str(tmp_path)
+    p = launch(SMALL + ["--steps", "4", "--max_lag", "1", "--sync_every", "2", "--init", tiny_sft, "--out", out])
+    stdout, stderr = p.communicate(timeout=300)
+    assert p.returncode == 0, stdout[-2000:] + stderr[-2000:]
+    assert [r["step"] for r in rows_of(out)] == [0, 1, 2, 3, 4] and all(r["lag_max"] <= 1 for r in rows_of(out)[1:])
+    p = launch(SMALL + ["--max_lag", "0", "--sync_every", "2", "--init", tiny_sft, "--out", str(tmp_path / "no")])
+    stdout, stderr = p.communicate(timeout=60)
+    assert p.returncode == 2 and "allowed: --sync_every <= --max_lag + 1 = 1" in stderr and "Traceback" not in stderr
+    assert not os.path.exists(tmp_path / "no")
+
+
 def test_a_killed_actor_stops_the_run_with_its_exit_code(tiny_sft, tmp_path):
     p = launch(SMALL + ["--steps", "100000", "--eval_every", "1000", "--init", tiny_sft, "--out", str(tmp_path)])
     t = time.time()
