@@ -131,7 +131,7 @@ def add_run_flags(parser, script, log_every, eval_every):
 
 
 def add_task_flags(parser):
-    """--task, --format, --data and --countdown_numbers, in a "task" group (task.py reads them)."""
+    """--task, --format, --data, --countdown_numbers and --countdown_rule, in a "task" group (task.py reads them)."""
     g = parser.add_argument_group("task")
     g.add_argument("--task", default="arithmetic", choices=task.TASKS, help="the problems, verifier and demonstrations")
     g.add_argument("--format", default="plain", choices=task.FORMATS,
@@ -139,6 +139,8 @@ def add_task_flags(parser):
     g.add_argument("--data", nargs="+", default=None, metavar="JSONL",
                    help="--task gsm8k: a GSM8K-format file, and optionally a held-out file (else its last tenth)")
     g.add_argument("--countdown_numbers", type=Int(ge=3, le=4), default=3, help="--task countdown: numbers given")
+    g.add_argument("--countdown_rule", choices=["exactly", "at_most"], default="exactly",
+                   help="--task countdown: each number used exactly once (the field's rule), or at most once")
     return g
 
 
@@ -158,6 +160,11 @@ def pick_device(requested=None):
         raise SystemExit(f"error: {kind} is not available here; run with --device cpu, or without --device "
                          f"to use the first available ({pick_device()})")
     return requested
+
+
+def autocast(device):
+    """The precision every script computes in on `device`: bfloat16 autocast on a GPU, nothing elsewhere."""
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda"))
 
 
 def seed_everything(seed):
@@ -372,7 +379,7 @@ class Run:
             if not dist.is_initialized():
                 dist.init_process_group("nccl" if self.device.startswith("cuda") else "gloo")
         # bf16 on GPU
-        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.startswith("cuda"))
+        self.autocast = autocast(self.device)
         seed_everything(args.seed)
         self.rng = random.Random(args.seed)                                 # draws the prompts
         self.gen = torch.Generator(device=self.device).manual_seed(args.seed + self.rank)  # draws the completions
