@@ -107,7 +107,8 @@ def folder(args):
     if name == "arithmetic" and fmt == "plain":
         return "out"
     numbers = str(args.countdown_numbers) if name == "countdown" and args.countdown_numbers != 3 else ""
-    return os.path.join("out", name + numbers + ("_r1" if fmt == "r1" else ""))
+    rule = "_atmost" if name == "countdown" and getattr(args, "countdown_rule", "exactly") == "at_most" else ""
+    return os.path.join("out", name + numbers + rule + ("_r1" if fmt == "r1" else ""))
 
 
 def default_path(path, args):
@@ -119,7 +120,8 @@ def flags(args):
     """The task flags of `args`, to hand to a script that builds a missing prerequisite."""
     if getattr(args, "task", None) is None:
         return []
-    out = ["--task", args.task, "--format", args.format, "--countdown_numbers", str(args.countdown_numbers)]
+    out = ["--task", args.task, "--format", args.format, "--countdown_numbers", str(args.countdown_numbers),
+           "--countdown_rule", getattr(args, "countdown_rule", "exactly")]
     return out + (["--data", *args.data] if args.data else [])
 
 
@@ -130,7 +132,7 @@ def use(args):
     name, skipped = getattr(args, "task", "arithmetic"), 0
     _max_calls = getattr(args, "max_calls", toolcalc.MAX_CALLS)
     if name == "countdown":
-        chosen = countdown.task(n_numbers=args.countdown_numbers)
+        chosen = countdown.task(n_numbers=args.countdown_numbers, rule=getattr(args, "countdown_rule", "exactly"))
     elif name == "gsm8k":
         chosen, skipped = gsm8k.task(args.data)
     elif name == "toolcalc":
@@ -139,8 +141,10 @@ def use(args):
         chosen = arithmetic.task()
     _task, _format = chosen, getattr(args, "format", "plain")
     line = f"task {name} ({_format} format), {len(_task.eval_prompts())} held-out problems"
+    if name == "countdown":
+        line += f", each number used {getattr(args, 'countdown_rule', 'exactly').replace('_', ' ')} once"
     if skipped:
-        line += f", {skipped} line{'s' * (skipped != 1)} skipped for an answer with no number after '####'"
+        line += f", {skipped} line{'s' * (skipped != 1)} skipped for an answer with no number after '#### '"
     return line
 
 
@@ -149,7 +153,7 @@ def name():
 
 
 def default_max_new_tokens():
-    """The task's completion budget (the scripts' --max_new_tokens default); the R1 format's tags take 36 more."""
+    """The task's completion budget (the scripts' --max_new_tokens default); the R1 format's tags take 34 more."""
     return _task.max_new_tokens + (R1_EXTRA_TOKENS if _format == "r1" else 0)
 
 

@@ -11,8 +11,10 @@ and a target between 1 and MAX_TARGET that some expression using every number on
 The held-out set is 512 fixed problems; training problems are drawn from a separate stream and never equal one.
 
 Verifier (`score_countdown`): the answer is parsed (no eval: a recursive-descent parser over digits, + - * /
-and parentheses), each given number may be used at most once (as a multiset), and the value is computed in exact
-rational arithmetic (fractions.Fraction): 7/2*2 is 7, a division by zero is simply wrong. It never raises.
+and parentheses), must use each given number exactly once (as a multiset: TinyZero's, nano-aha-moment's and Stream
+of Search's rule; `--countdown_rule at_most` allows leaving numbers out, the easier task this project first used), and
+its value is computed in exact rational arithmetic (fractions.Fraction): 7/2*2 is 7, a division by zero is simply
+wrong. It never raises.
 
 Demonstrations come from a brute-force solver (`solve`): the first solution in a fixed enumeration order that
 uses every number with integer steps. With probability `mistake_rate` the demonstrator writes the answer without
@@ -35,6 +37,7 @@ SPLIT_SEED = 4321
 MAX_NEW_TOKENS = {3: 28, 4: 40}  # by numbers per problem; longest demonstrations 22 and 34 characters, + EOS
 MAX_ANSWER_CHARS = 64  # the parser reads at most this many characters of an answer
 OPS = "+-*/"
+RULES = ("exactly", "at_most")  # each given number used exactly once (the field's), or at most once
 
 _PROMPT = re.compile(r"([1-9][0-9]*(?:,[1-9][0-9]*)+):([1-9][0-9]*)=")
 _STEP = r"[0-9]+[+\-*/][0-9]+=[0-9]+"
@@ -110,9 +113,9 @@ def evaluate_expression(expression):
     return value, parser.numbers
 
 
-def score_countdown(numbers, target, expression):
-    """True when `expression` uses each of `numbers` at most once (as a multiset) and equals `target` exactly.
-    Never raises, never evals: anything that is not such an expression is False."""
+def score_countdown(numbers, target, expression, rule="exactly"):
+    """True when `expression` uses each of `numbers` exactly once (rule "at_most": at most once), as a multiset, and
+    equals `target` exactly. Never raises, never evals: anything that is not such an expression is False."""
     parsed = evaluate_expression(expression)
     if parsed is None or parsed[0] is None:
         return False
@@ -122,7 +125,7 @@ def score_countdown(numbers, target, expression):
         if n not in available:
             return False
         available.remove(n)
-    return value == target
+    return value == target and (rule == "at_most" or not available)
 
 
 # -----------------------------------------------------------------------------
@@ -286,13 +289,13 @@ def is_well_formed(completion):
     return re.fullmatch(rf"{_STEP}(,{_STEP})*", steps) is not None and evaluate_expression(answer) is not None
 
 
-def reward(prompt, completion, format_weight=0.0):
-    """1.0 when the answer after '#' reaches the prompt's target (score_countdown), else 0.0; plus format_weight if
-    the completion is well formed. Never raises."""
+def reward(prompt, completion, format_weight=0.0, rule="exactly"):
+    """1.0 when the answer after '#' reaches the prompt's target (score_countdown under `rule`), else 0.0; plus
+    format_weight if the completion is well formed. Never raises."""
     problem = parse_prompt(prompt)
     if problem is None:
         return 0.0
-    correct = float(score_countdown(*problem, answer_text(completion)))
+    correct = float(score_countdown(*problem, answer_text(completion), rule))
     return correct + format_weight * float(is_well_formed(completion))
 
 
@@ -316,10 +319,10 @@ def split_answer(completion):
     return reasoning, answer
 
 
-def score_answer(prompt, text):
+def score_answer(prompt, text, rule="exactly"):
     """The verifier on an answer alone: score_countdown on the prompt's numbers and target."""
     problem = parse_prompt(prompt)
-    return problem is not None and score_countdown(*problem, text.strip() if isinstance(text, str) else text)
+    return problem is not None and score_countdown(*problem, text.strip() if isinstance(text, str) else text, rule)
 
 
 def max_prompt_tokens(tokenizer, n_numbers=N_NUMBERS, max_number=MAX_NUMBER, max_target=MAX_TARGET):
@@ -327,11 +330,15 @@ def max_prompt_tokens(tokenizer, n_numbers=N_NUMBERS, max_number=MAX_NUMBER, max
     return len(tokenizer.encode(make_prompt((max_number,) * n_numbers, max_target)))
 
 
-def task(n_numbers=N_NUMBERS, max_number=MAX_NUMBER, max_target=MAX_TARGET):
+def task(n_numbers=N_NUMBERS, max_number=MAX_NUMBER, max_target=MAX_TARGET, rule="exactly"):
     """This task as a tasks.Task, for one setting (ValueError for a setting the solver cannot serve)."""
     check_setting(n_numbers, max_number, max_target)
+    if rule not in RULES:
+        raise ValueError(f"countdown rule {rule!r} is unknown; allowed: {', '.join(RULES)}")
     setting = dict(n_numbers=n_numbers, max_number=max_number, max_target=max_target)
     return Task("countdown", MAX_NEW_TOKENS.get(n_numbers, 40), lambda: list(held_out(**setting)),
                 lambda rng, n, precedence_share=None: sample_prompts(rng, n, precedence_share, **setting),
-                lambda prompt, mistake=False: demonstration(prompt, mistake), synthetic_mistake, reward,
-                split_answer, score_answer, needs_parentheses, lambda tok: max_prompt_tokens(tok, **setting))
+                lambda prompt, mistake=False: demonstration(prompt, mistake), synthetic_mistake,
+                lambda prompt, completion, format_weight=0.0: reward(prompt, completion, format_weight, rule),
+                split_answer, lambda prompt, text: score_answer(prompt, text, rule), needs_parentheses,
+                lambda tok: max_prompt_tokens(tok, **setting))

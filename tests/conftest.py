@@ -82,6 +82,6 @@ def seeded():
     task.use(task_args())
 
 
-def task_args(name="arithmetic", fmt="plain", numbers=3, data=None):
+def task_args(name="arithmetic", fmt="plain", numbers=3, data=None, rule="exactly"):
     """The task flags as a parsed namespace, for task.use."""
-    return argparse.Namespace(task=name, format=fmt, countdown_numbers=numbers, data=data)
+    return argparse.Namespace(task=name, format=fmt, countdown_numbers=numbers, data=data, countdown_rule=rule)

@@ -19,16 +19,18 @@ from tasks import countdown as cd
     ((3, 5, 7), 22, "5*3+7", True),
     ((3, 5, 7), 22, "(5*3)+7", True),
     ((3, 5, 7), 22, " 5 * 3 + 7 ", True),            # spaces between tokens
-    ((3, 5, 7), 15, "5*3", True),                    # a number may go unused
+    ((3, 5, 7), 15, "5*3", False),                   # 7 unused: each number exactly once (the field's rule)
     ((3, 5, 7), 22, "5*3+7+7", False),               # 7 used twice
     ((3, 5, 7), 26, "7*3+5", True),
     ((3, 5, 7), 22, "7*3+5", False),                 # 26, not 22
     ((2, 2, 9), 20, "2+2*9", True),                  # a repeated number, once per copy
+    ((2, 2, 6), 6, "6", False),                      # copying a given number: a strict subset
     ((2, 2, 9), 22, "2*9+2+2", False),               # three 2s from two
     ((7, 2, 2), 7, "7/2*2", True),                   # exact rationals: 7/2 * 2 = 7
     ((1, 3, 3), 1, "1/3*3", True),
     ((6, 4), 1, "6/4", False),                       # 3/2, not 1
     ((6, 4), 3, "6/4*2", False),                     # 2 is not given
+    ((6, 4), Fraction(3, 2), "6/4", True),
     ((7, 2, 2), 7, "7/(2-2)", False),                # division by zero is wrong, never an error
     ((5, 3, 53), 53, "5 3", False),                  # a space never joins digits
     ((5, 3), 8, "5+3", True),
@@ -38,6 +40,20 @@ from tasks import countdown as cd
 ])
 def test_score_countdown_hand_worked(numbers, target, expression, want):
     assert cd.score_countdown(numbers, target, expression) is want
+
+
+@pytest.mark.parametrize("numbers, target, expression, exactly, at_most", [
+    ((3, 5, 7), 15, "5*3", False, True),             # a strict subset
+    ((2, 2, 6), 6, "6", False, True),                # copying a given number
+    ((3, 5, 7), 22, "5*3+7", True, True),            # every number
+    ((3, 5, 7), 22, "5*3+7+7", False, False),        # one used twice: wrong under both
+])
+def test_the_at_most_rule_allows_unused_numbers_the_default_does_not(numbers, target, expression, exactly, at_most):
+    assert cd.score_countdown(numbers, target, expression) is exactly
+    assert cd.score_countdown(numbers, target, expression, "at_most") is at_most
+    prompt = cd.make_prompt(numbers, target)
+    assert cd.task(rule="at_most").reward(prompt, f"x#{expression}") == float(at_most)
+    assert cd.task().reward(prompt, f"x#{expression}") == float(exactly)
 
 
 @pytest.mark.parametrize("expression", [
@@ -88,11 +104,13 @@ def test_score_countdown_agrees_with_a_reference_on_random_expressions():
         if value is None:
             assert cd.score_countdown(numbers, 0, text) is False
             continue
-        assert cd.score_countdown(numbers, value, text) is True, (numbers, text, value)
-        assert cd.score_countdown(numbers, value + 1, text) is False
+        every = sorted(leaves) == sorted(numbers)                # the default rule: each number exactly once
+        assert cd.score_countdown(numbers, value, text) is every, (numbers, text, value)
+        assert cd.score_countdown(numbers, value, text, "at_most") is True, (numbers, text, value)
+        assert cd.score_countdown(numbers, value + 1, text, "at_most") is False
         x = leaves[0]                                            # one copy fewer of x than the expression uses
         fewer = [n for n in numbers if n != x] + [x] * (leaves.count(x) - 1)
-        assert cd.score_countdown(fewer, value, text) is False
+        assert cd.score_countdown(fewer, value, text, "at_most") is False
         checked += 1
     assert checked > 2000
 

@@ -97,7 +97,8 @@ def test_gsm8k_splits_and_demonstrates_its_file(tmp_path):
     assert len(held) == 4 and held[-1].startswith("Question: Ann has 39 pens")      # the last tenth is held out
     p = held[0]
     assert task.demonstration(p) == " She has 36 + 38 = 74 pens. #### 74"              # <<...>> removed
-    assert task.reward(p, "so 74.0 in all") == 1.0 and task.reward(p, "#### 1,000") == 0.0
+    assert task.reward(p, "so #### 74.0 in all") == 1.0 and task.reward(p, "#### 1,000") == 0.0
+    assert task.reward(p, "so 74 in all") == 0.0                                    # no marks: GSM8K's [invalid]
     test = gsm8k_file(tmp_path / "test.jsonl", 5, start=100)
     task.use(task_args("gsm8k", data=[one, test]))
     assert len(task.eval_prompts()) == 5 and len(set(task.sample_prompts(random.Random(0), 400))) == 40
@@ -122,7 +123,10 @@ def test_task_flags_move_the_default_paths_and_budget_and_refuse_what_does_not_f
     assert a.max_new_tokens == 40 + len(" <think></think> <answer></answer>")
     a = parse("--task", "countdown", "--init", "mine.pt", "--max_new_tokens", "9", "--out", "o")
     assert (a.out, a.init, a.rm, a.max_new_tokens) == ("o", "mine.pt", "out/countdown/rm.pt", 9)
-    assert task.flags(a) == ["--task", "countdown", "--format", "plain", "--countdown_numbers", "3"]
+    assert task.flags(a) == ["--task", "countdown", "--format", "plain", "--countdown_numbers", "3",
+                             "--countdown_rule", "exactly"]
+    a = parse("--task", "countdown", "--countdown_rule", "at_most")                # the easier rule keeps its own files
+    assert (a.out, a.init) == ("out/countdown_atmost", "out/countdown_atmost/sft.pt")
     for argv, words in ((["--task", "gsm8k"], "--data"), (["--data", "x.jsonl"], "--task gsm8k"),
                         (["--task", "gsm8k", "--data", "a", "b", "c"], "one or two")):
         with pytest.raises(SystemExit):
