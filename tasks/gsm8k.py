@@ -11,9 +11,11 @@ Held-out set: a second file (`--data train.jsonl test.jsonl`, as GSM8K ships), e
 file (at most 512 problems), never drawn for training. Demonstrations are the file's solutions with GSM8K's
 calculator annotations (<<3+4=7>>) removed; there is no demonstrator's slip here.
 
-Verifier (`score_gsm8k`): the completion's answer is the text in <answer>...</answer> if there is one, else the
-number after the last '####', else the last number in the text; numbers compare after normalising ("1,234",
-"$1234", "1234.00" and "1234" are equal; "-3" and "3" are not). It never raises.
+Verifier (`score_gsm8k`): GSM8K's own rule (grade_school_math/dataset.py): the answer is the number right after the
+first '#### ' (`#### (-?[0-9.,]+)`), and a completion without one is wrong; with R1's tags, the first number in
+the last <answer>...</answer>. One variant, stated: numbers compare after normalising ("1,234", "1234.00" and "1234"
+are equal, where GSM8K compares the strings; "-3" and "3" are not). A completion over MAX_CHARS characters scores 0
+unread, which keeps every regex here linear in what it reads. It never raises.
 """
 import json
 import os
@@ -24,7 +26,10 @@ from tasks import Task
 
 MAX_NEW_TOKENS = 512
 
+MAX_CHARS = 20_000     # a longer completion scores 0 (1024 tokens of a real tokenizer are about 5,000 characters)
+
 _NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?")
+_MARKS = re.compile(r"#### (\-?[0-9\.\,]+)")           # GSM8K's ANS_RE (grade_school_math/dataset.py)
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
 
 
@@ -41,22 +46,25 @@ def normalise(text):
         return None
 
 
-def last_number(text):
-    """The last number written in `text` (commas and a '$' allowed), normalised; None if there is none."""
-    numbers = _NUMBER.findall(text) if isinstance(text, str) else []
-    return normalise(numbers[-1]) if numbers else None
+def first_number(text):
+    """The first number written in `text` (commas and a '$' allowed), normalised; None if there is none."""
+    match = _NUMBER.search(text) if isinstance(text, str) else None
+    return normalise(match.group()) if match else None
+
+
+def marked_answer(text):
+    """GSM8K's answer: the number right after the first '#### ', normalised; None if there is none."""
+    match = _MARKS.search(text) if isinstance(text, str) else None
+    return normalise(match.group(1)) if match else None
 
 
 def extract_answer(completion):
-    """The answer a completion gives: in <answer>...</answer>, else after the last '####', else its last number."""
-    if not isinstance(completion, str):
+    """The answer a completion gives: the first number in its last <answer>...</answer> if it has one, else the
+    number right after its first '#### ' (GSM8K's rule); None otherwise, or past MAX_CHARS characters."""
+    if not isinstance(completion, str) or len(completion) > MAX_CHARS:
         return None
     tags = _ANSWER_TAG.findall(completion)
-    if tags:
-        return normalise(tags[-1]) if normalise(tags[-1]) is not None else last_number(tags[-1])
-    if "####" in completion:
-        return last_number(completion.rsplit("####", 1)[1])
-    return last_number(completion)
+    return first_number(tags[-1]) if tags else marked_answer(completion)
 
 
 def score_gsm8k(completion, truth):
@@ -68,7 +76,7 @@ def score_gsm8k(completion, truth):
 
 def load(path):
     """The problems of a GSM8K-style JSONL file: (problems, skipped). Each problem is {"question", "solution",
-    "number"}, number the Decimal after '####' in the answer. A line whose answer has no parsable number is skipped
+    "number"}, number the Decimal right after '#### ' in the answer. A line whose answer has no such number is skipped
     and counted. Anything else wrong is a ValueError naming the file and the line."""
     if not os.path.isfile(path):
         raise ValueError(f"--data {path}: no such file (a GSM8K-style JSONL file, one "
@@ -84,15 +92,15 @@ def load(path):
             continue
         try:
             row = json.loads(line)
-        except ValueError:
-            raise ValueError(f"--data {path}, line {i}: not a JSON object") from None
+        except (ValueError, RecursionError):
+            raise ValueError(f"--data {path}, line {i}: not a JSON object (or nested too deeply)") from None
         if not (isinstance(row, dict) and isinstance(row.get("question"), str) and isinstance(row.get("answer"), str)):
             raise ValueError(f"--data {path}, line {i}: needs a string \"question\" and a string \"answer\"")
-        number = last_number(row["answer"].rsplit("####", 1)[1]) if "####" in row["answer"] else None
+        number = marked_answer(row["answer"])
         if number is None:
             skipped += 1
             continue
-        solution = row["answer"].rsplit("####", 1)[0].strip()
+        solution = row["answer"].split("####", 1)[0].strip()
         problems.append({"question": row["question"].strip(), "solution": solution, "number": number})
     if not problems:
         raise ValueError(f"--data {path}: no problem with a parsable answer after '####' ({skipped} skipped)")
@@ -138,13 +146,14 @@ def task(paths):
     def synthetic_mistake(prompt):                             # the solution with its final number one larger
         return demonstration(prompt).rpartition("####")[0] + f"#### {truth[prompt]['number'] + 1:f}"
 
-    def score_answer(prompt, text):
-        return prompt in truth and score_gsm8k(f"#### {text}", truth[prompt]["number"])
+    def score_answer(prompt, text):                            # an <answer> tag's text: its first number
+        return prompt in truth and score_gsm8k(f"<answer>{text}</answer>", truth[prompt]["number"])
 
-    def reward(prompt, completion, format_weight=0.0):        # well formed: a '####' followed by a number
+    def reward(prompt, completion, format_weight=0.0):        # well formed: a '#### ' followed by a number
         correct = prompt in truth and score_gsm8k(completion, truth[prompt]["number"])
-        well_formed = isinstance(completion, str) and last_number(completion.rpartition("####")[2]) is not None
-        return float(correct) + format_weight * float(well_formed and "####" in completion)
+        well_formed = isinstance(completion, str) and len(completion) <= MAX_CHARS and \
+            marked_answer(completion) is not None
+        return float(correct) + format_weight * float(well_formed)
 
     return Task("gsm8k", MAX_NEW_TOKENS, lambda: list(held_out_prompts),
                 lambda rng, n, precedence_share=None: [rng.choice(train_prompts) for _ in range(n)],

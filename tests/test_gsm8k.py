@@ -71,16 +71,39 @@ def test_normalise(text, want):
 @pytest.mark.parametrize("completion, truth, want", [
     ("so 3 + 4 = 7 apples. #### 7", 7, True),
     ("#### 3,600", "3600", True),
-    ("#### 25", "25.00", True),
+    ("#### 25", "25.00", True),                                 # normalised (GSM8K compares the strings)
     ("#### 25.5", 25, False),
-    ("it is 5 - 8 = -3", -3, True),                             # no marks: the last number
-    ("it is 5 - 8 = -3 then 3", -3, False),
+    (" #### 7 apples, 2 of them red", 7, True),                 # the number right after the marks ...
+    (" #### 7 apples, 2 of them red", 2, False),                # ... not the last one after them
+    ("#### 7 #### 8", 7, True),                                 # the first marks, as GSM8K's search finds them
+    ("#### 7 #### 8", 8, False),
+    ("####7", 7, False), ("#### $7", 7, False),                 # GSM8K's rule: '#### ' then the number itself
+    ("#### many, #### 12", 12, True),                           # the first '#### ' followed by a number
+    ("it is 5 - 8 = -3", -3, False),                            # no marks: no answer (GSM8K's [invalid])
     ("<think>3 + 4 = 7, wait, 8</think> <answer>7</answer>", 7, True),   # the tag wins over the last number
     ("<answer>The answer is $1,200.</answer>", 1200, True),
-    ("#### 7 #### 8", 8, True),                                 # the last marks
+    ("<answer>7 apples, 2 of them red</answer>", 7, True),      # the first number in the tag
+    ("<answer>7 apples, 2 of them red</answer>", 2, False),
     ("no number at all", 7, False),
     (None, 7, False),
     ("#### 7", "not a number", False),
+    ("#### 7" + " " * gsm8k.MAX_CHARS, 7, False),               # too long to read
 ])
 def test_score_gsm8k_hand_worked(completion, truth, want):
     assert gsm8k.score_gsm8k(completion, truth) is want
+
+
+def test_the_verifier_stays_fast_on_hostile_completions():
+    """400 kB of unclosed '<answer>' tags (quadratic for the tag regex) and of '#### ' marks without a number: each
+    scored 0 at once (past MAX_CHARS nothing is read); at MAX_CHARS, well under a second."""
+    import time
+    for text in ("<answer>1" * 50_000, "#### x" * 80_000, ("<answer>1" * 3000)[:gsm8k.MAX_CHARS]):
+        t = time.time()
+        assert gsm8k.score_gsm8k(text, 1) is False
+        assert time.time() - t < 1.0
+
+
+def test_a_deeply_nested_line_is_one_error(tmp_path):
+    path = write(tmp_path, PROBLEMS + ["[" * 100_000 + "]" * 100_000])
+    with pytest.raises(ValueError, match="line 5: not a JSON object"):
+        gsm8k.load(path)
