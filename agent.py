@@ -23,7 +23,8 @@ Deviations and choices:
 - No SCoRe stage I (its KL constraint on the first attempt); one revision prompt, REVISE in tasks/toolcalc.py.
 - The EOS that ends the first attempt is replaced by the revision prompt (as a chat template's next turn is).
 - A malformed call (never closed, refused by the calculator, past --max_calls) costs a call, is answered "error".
-- mu passes over the whole batch, the old log-probs kept from sampling time; equal rewards in a group give A = 0.
+- mu passes over the whole batch; the old log-probs are scored once per batch (step 3), with the weights that sampled
+  it, not taken from the sampler; equal rewards in a group give A = 0.
 
 Shapes: P prompts, G episodes per prompt, B = P*G rows; Tp prompt, Tn episode tokens after it (policy's and
 environment's); K attempts (--turns); V vocabulary.

@@ -22,7 +22,8 @@ sequence; CISPO (MiniMax 2025, arXiv 2506.13585): --loss_type cispo. At mu = 1 G
 overlong penalty change it at any mu (experiments/README.md compares them at --mu 4).
 
 Deviations and choices the papers leave open:
-- mu passes over the whole batch (no minibatches), the old log-probs kept from sampling time.
+- mu passes over the whole batch (no minibatches); the old log-probs are scored once per batch (step 2), with the
+  weights that sampled it, not taken from the sampler.
 - A group whose rewards are all equal gets advantage exactly 0 (never 0/0).
 - The reward is the task's verifier (1 correct, 0 otherwise; --format_weight adds a format bonus).
 - Small scale: a 0.8M-parameter policy, AdamW at a constant learning rate.

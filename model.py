@@ -161,7 +161,7 @@ class GPTConfig:
     mlp_hidden: int = 0        # the MLP's width; 0: 4 * n_embd
     bias: bool = True          # biases of the attention output and the MLP (GPT-2 has them; Llama, Qwen2 not)
     qkv_bias: bool = True      # biases of the query, key and value projections (GPT-2, Qwen2)
-    tie_embeddings: bool = True  # the LM head is the token embedding (GPT-2, small Qwen2 and Llama 3.2)
+    tie_embeddings: bool = True  # the LM head is the token embedding (GPT-2, small Qwen2)
     # The ids the tokenizer has, the first tokenizer_vocab rows of the embedding (0: all vocab_size). A real
     # checkpoint's embedding may be padded past its tokenizer (Qwen2.5: 151936 rows, 151665 tokens): the model's
     # distribution is over the tokenizer's ids only, so that nothing undecodable is ever sampled and the trainer's
