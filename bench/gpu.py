@@ -1,10 +1,11 @@
 """
 Everything that needs a GPU, in one command, for whoever has one: the CUDA-only tests, the kernel
-benchmark, every training script's default command, the sampler benchmark and the sampler/trainer
-agreement, written up in results/gpu.md with the device, the versions and every command.
+benchmark, the sampler benchmark (toy and Qwen2.5-0.5B shapes), the README's one-GPU recipe, every training
+script's default command and the sampler/trainer agreement, written up in results/gpu-bench.md with the device,
+the versions and every command (results/gpu.md is the hand-kept record of every GPU figure, with its analysis).
 
-    python bench/gpu.py                     # everything; writes results/gpu.md (re-run: finished steps are skipped)
-    python bench/gpu.py --only tests,ratio  # some steps: tests, kernels, sampler, scripts, ratio, memory, a script
+    python bench/gpu.py                     # everything; writes results/gpu-bench.md (finished steps are skipped)
+    python bench/gpu.py --only tests,recipe # some steps: tests, kernels, sampler, recipe, scripts, ratio, memory
     python bench/gpu.py --fresh             # forget what is recorded and run everything again
     python bench/gpu.py --measure_ratio     # step 5 alone, printed (what step 5 runs)
 
@@ -17,9 +18,12 @@ Without CUDA it refuses with one line. Steps, in this order:
    V in {50257, 151936}, bfloat16, forward and forward + backward: time, bandwidth against a device-to-device
    copy of the same bytes, speed against eager PyTorch, torch.compile and Liger-Kernel (its cross entropy, KL
    divergence and fused linear cross entropy; "not installed" otherwise).
-3. sampler: `python bench/generate.py --device cuda`: recompute, KV cache and the compiled KV cache (a CUDA
-   graph) in tokens/s, under bfloat16 autocast as the scripts sample, at 64 and 256 (a GRPO step's) rows,
-   and once in float32, where the compiled sampler must give exactly the eager sampler's tokens.
+3. sampler: `python bench/generate.py --device cuda`: nanoGPT's recompute loop and sampler.generate's three
+   modes in tokens/s, under bfloat16 autocast as the scripts sample, at 64 and 256 (a GRPO step's) rows, and once
+   in float32, where every mode must give exactly the eager sampler's tokens; then at Qwen2.5-0.5B's shapes, 128
+   rows x 1024 new tokens, beside transformers' generate (`--qwen`).
+   recipe: `python bench/recipe.py`: the README's one-GPU recipe, three steps, each split into sampling, scoring
+   and update, with completion tokens/s, model FLOPs utilisation and peak memory.
 4. scripts: every training script's default command (sft first, then reward_model, the scripts that need
    them after them), each run in out/gpu/ so that it writes out/gpu/out/ and never the repository's out/:
    wall time, its summary line, held-out greedy accuracy before -> after from its metrics.jsonl.
@@ -27,13 +31,14 @@ Without CUDA it refuses with one line. Steps, in this order:
    sampled from out/gpu/out/sft.pt (built if missing) and scored as grpo.py scores it: once for the whole batch
    without gradient (the old log-probs), then in micro-batches of several sizes and orders with gradient on
    (the first update, weights unchanged: lr = 0), under the same bfloat16 autocast. Reported: the share of
-   completion tokens with |exp(logp_micro - logp_full) - 1| > 1e-3, with the float32 LM head (model.py's
-   docstring, Precision), with a bfloat16 head for contrast, and with no autocast at all.
+   completion tokens with |exp(logp_micro - logp_full) - 1| > 1e-3, with model.py's head (bf16 operands, float32
+   logits: its docstring, Precision), with bfloat16 logits for contrast, and with no autocast at all. (grpo.py itself
+   scores in the micro-batches it trains in, through the same function: its first ratio is 1 by construction.)
 6. memory: `python bench/memory.py --device cuda`: peak memory of one GRPO update at Qwen2.5-0.5B's shapes (random
    weights), through the logits or the fused kernel, with and without --grad_checkpoint; at the CPU's batch and at
    the README recipe's (32 rows of 256 + 1024 tokens, 4 micro-batches).
 Each finished step is recorded in out/gpu/steps.json (its command, wall time and output; full logs in
-out/gpu/logs/) and results/gpu.md is rewritten from the records after every step, so an interrupted run
+out/gpu/logs/) and results/gpu-bench.md is rewritten from the records after every step, so an interrupted run
 keeps what it measured and a re-run continues where it stopped (a script cut off mid-run starts again).
 """
 import argparse
@@ -57,7 +62,7 @@ import task  # noqa: E402
 from kernels import logprobs  # noqa: E402
 from model import completion_logits  # noqa: E402
 
-GROUPS = ["tests", "kernels", "sampler", "scripts", "ratio", "memory"]
+GROUPS = ["tests", "kernels", "sampler", "recipe", "scripts", "ratio", "memory"]
 FIRST = ["sft", "reward_model", "prm"]   # prerequisites: the SFT policy, PPO's reward model, search's verifiers
 LAST = ["search"]                          # test-time search reads the checkpoints the others write
 TOL = 1e-3                                 # |ratio - 1| above this counts as off
@@ -66,7 +71,7 @@ TOL = 1e-3                                 # |ratio - 1| above this counts as of
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
     p.add_argument("--out", default=os.path.join(ROOT, "out", "gpu"), help="folder for the runs, records and logs")
-    p.add_argument("--results", default=os.path.join(ROOT, "results", "gpu.md"), help="the report to write")
+    p.add_argument("--results", default=os.path.join(ROOT, "results", "gpu-bench.md"), help="the report to write")
     p.add_argument("--only", default=None, help=f"comma-separated steps to run: {', '.join(GROUPS)} or script names")
     p.add_argument("--fresh", action="store_true", help="forget the recorded steps and run them all again")
     p.add_argument("--measure_ratio", action="store_true", help="only measure the sampler/trainer agreement, print it")
@@ -82,8 +87,8 @@ def parse_args(argv=None):
 # Step 5, the measurement itself: pure functions (tested on the CPU in tests/test_gpu_bench.py)
 
 def completion_logits_bf16_head(model, prompt, prompt_mask, tokens, mask):
-    """model.completion_logits with the LM head left under autocast, as it was before the float32 head: the logits
-    come out in bfloat16 when autocast is on. For contrast only."""
+    """model.completion_logits with the LM head left to autocast: the logits come out rounded to bfloat16 when
+    autocast is on. For contrast only."""
     idx = torch.cat([prompt, tokens], dim=1)                           # (B, Tp+Tn)
     attn = torch.cat([prompt_mask, mask], dim=1)
     return model.lm_head(model.hidden(idx[:, :-1], attn[:, :-1]))[:, prompt.size(1) - 1:]   # (B, Tn, V)
@@ -92,8 +97,9 @@ def completion_logits_bf16_head(model, prompt, prompt_mask, tokens, mask):
 def scoring_variants(device_type):
     """{name: (logits function, context factory)}: the three ways of scoring that step 5 compares."""
     bf16 = lambda: torch.autocast(device_type, dtype=torch.bfloat16)
-    return {"float32 LM head under bf16 autocast (model.py, as the scripts score)": (completion_logits, bf16),
-            "bfloat16 LM head under bf16 autocast (for contrast)": (completion_logits_bf16_head, bf16),
+    return {"bf16 operands, float32 logits under bf16 autocast (model.py, as the scripts score)":
+            (completion_logits, bf16),
+            "bfloat16 logits under bf16 autocast (for contrast)": (completion_logits_bf16_head, bf16),
             "no autocast (float32 throughout)": (completion_logits, contextlib.nullcontext)}
 
 
@@ -215,7 +221,11 @@ def steps(args):
            ("sampler:256", "sampler", "Sampler, 256 rows (a GRPO step), bf16",
             [py, "bench/generate.py", "--device", "cuda", "--batch", "256"], ROOT),
            ("sampler:256:fp32", "sampler", "Sampler, 256 rows, float32",
-            [py, "bench/generate.py", "--device", "cuda", "--batch", "256", "--dtype", "float32"], ROOT)]
+            [py, "bench/generate.py", "--device", "cuda", "--batch", "256", "--dtype", "float32"], ROOT),
+           ("sampler:qwen", "sampler", "Sampler, Qwen2.5-0.5B's shapes, 128 x 1024 new tokens, and transformers",
+            [py, "bench/generate.py", "--qwen", "--rows", "128", "--new_tokens", "1024", "--repeats", "2"], ROOT),
+           ("recipe", "recipe", "The README's one-GPU recipe at Qwen2.5-0.5B's shapes",
+            [py, "bench/recipe.py", "--steps", "3"], ROOT)]
     for name in training_scripts():
         out.append((f"script:{name}", "scripts", f"python {name}.py", [py, os.path.join(ROOT, f"{name}.py")], args.out))
     out.append(("ratio", "ratio", "Sampler/trainer agreement at the first update",
@@ -283,7 +293,7 @@ def environment():
 
 
 def report(records, info, plan):
-    """results/gpu.md from the records, in the order of the plan."""
+    """results/gpu-bench.md from the records, in the order of the plan."""
     done = [(key, records[key]) for key, *_ in plan if key in records]
     lines = ["# GPU results", "",
              f"Written by `python bench/gpu.py` on {records.get('_written', '?')}: {info['device']} "

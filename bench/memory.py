@@ -6,13 +6,13 @@ without the fused log-prob path and gradient checkpointing: what --grad_checkpoi
     python bench/memory.py --device cuda --rows 32 --completion_len 1024 --grad_accum 4    # a GPU (bench/gpu.py)
 
 One update is grpo.py's steps 2 and 4 on one batch of random tokens (sampling is not measured). Step 2 scores
-without gradient, per micro-batch, as grpo.py does: the policy's and the reference's logits, the old and reference
-log-probs from them, the exact KL and the entropy (the same whatever the path). Step 4, per micro-batch: the policy's
-log-probs with gradient (model.completion_logprobs, through the logits or fused), grpo_loss, backward; then AdamW's
-step. Each phase runs in a fresh process of its own (an allocator keeps what an earlier phase freed), and its peak is
-on CUDA torch.cuda.max_memory_allocated, on the CPU the peak resident memory (VmHWM, restarted through
-/proc/self/clear_refs once the models are built). "State" is the memory in use before
-the update: both models' weights and AdamW's two moments, which no path changes.
+without gradient, per micro-batch, as grpo.py does: each model's forward once, the old and reference log-probs, the
+exact KL and the entropy a chunk of positions at a time; and, for contrast, through both models' [B, T, V] logits.
+Step 4, per micro-batch: the policy's log-probs with gradient (model.completion_logprobs, through the logits or
+fused), grpo_loss, backward; then AdamW's step. Each phase runs in a fresh process of its own (an allocator keeps
+what an earlier phase freed), and its peak is on CUDA torch.cuda.max_memory_allocated, on the CPU the peak resident
+memory (VmHWM, restarted through /proc/self/clear_refs once the models are built). "State" is the memory in use
+before the update: both models' weights and AdamW's two moments, which no path changes.
 """
 import argparse
 import json
@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from grpo import grpo_advantages, grpo_loss  # noqa: E402
 from kernels import entropy, kl, logprobs  # noqa: E402
-from model import GPT, GPTConfig, completion_logits, completion_logprobs  # noqa: E402
+from model import GPT, GPTConfig, completion_hidden, completion_logits, completion_logprobs, kl_entropy  # noqa: E402
 
 SHAPES = {   # config.json of each family's checkpoint, as model.pretrained_config reads it
     "qwen2.5-0.5b": dict(vocab_size=151936, block_size=32768, n_layer=24, n_head=14, n_kv_head=2, n_embd=896,
@@ -80,7 +80,7 @@ def one_phase(args, phase, path, checkpointing):
     peak_reset(args.device)
     start = time.time()
     if phase == "score":
-        score(policy, ref, prompt, prompt_mask, tokens, mask, micro, autocast)
+        score(policy, ref, prompt, prompt_mask, tokens, mask, micro, autocast, path)
     else:
         update(policy, optimizer, prompt, prompt_mask, tokens, mask, old_logp, ref_logp, rewards, micro, autocast,
                path == "fused", args.group_size)
@@ -88,15 +88,24 @@ def one_phase(args, phase, path, checkpointing):
     return out
 
 
-def score(policy, ref, prompt, prompt_mask, tokens, mask, micro, autocast):
-    """grpo.py's step 2: without gradient, per micro-batch, both models' logits -> log-probs, exact KL, entropy."""
+def score(policy, ref, prompt, prompt_mask, tokens, mask, micro, autocast, path):
+    """grpo.py's step 2: without gradient, per micro-batch, both models' log-probs, the exact KL and the entropy.
+    path "fused" is grpo.py's: one forward of each model, the log-probs through model.head_logprobs, the KL and the
+    entropy a chunk of positions at a time (model.kl_entropy); "logits" forms both models' [b, Tn, V] logits, as
+    grpo.py did before (for contrast)."""
     for rows in micro:
         a = (prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
         with torch.no_grad(), autocast:
-            logits, ref_logits = completion_logits(policy, *a), completion_logits(ref, *a)     # (b, Tn, V) each
-            logprobs(logits, tokens[rows]), logprobs(ref_logits, tokens[rows])
-            kl(logits, ref_logits).sum(), entropy(logits).sum()
-        del logits, ref_logits
+            if path == "fused":
+                h, h_ref = completion_hidden(policy, *a), completion_hidden(ref, *a)
+                policy.head_logprobs(h, tokens[rows]), ref.head_logprobs(h_ref, tokens[rows])
+                kl_t, ent_t = kl_entropy(policy, ref, h, h_ref, mask[rows])
+                del h, h_ref
+            else:
+                logits, ref_logits = completion_logits(policy, *a), completion_logits(ref, *a)  # (b, Tn, V) each
+                logprobs(logits, tokens[rows]), logprobs(ref_logits, tokens[rows])
+                kl(logits, ref_logits).sum(), entropy(logits).sum()
+                del logits, ref_logits
 
 
 def update(policy, optimizer, prompt, prompt_mask, tokens, mask, old_logp, ref_logp, rewards, micro, autocast, fused,
@@ -155,9 +164,11 @@ def main(args):
     flags = sys.argv[1:]
     print(f"one GRPO update at {args.shape}'s shapes, {args.rows} rows x ({args.prompt_len} + {args.completion_len}) "
           f"tokens, {args.grad_accum} micro-batch(es), {args.device}, torch {torch.__version__}")
-    s = child(flags, "score", "logits", False)         # step 2 is the same whatever the path
-    print(f"state (weights of both models, AdamW's moments) {s['state']:.2f} GiB; scoring (step 2) peak "
-          f"{s['score']:.2f} GiB, {s['score'] - s['state']:.2f} above the state, {s['score_s']:.0f} s")
+    for path in ("logits", "fused"):                    # step 2: no gradient, so checkpointing changes nothing
+        s = child(flags, "score", path, False)
+        print(f"state (weights of both models, AdamW's moments) {s['state']:.2f} GiB; scoring (step 2) through the "
+              f"{'[B, T, V] logits' if path == 'logits' else 'fused path, a chunk of logits at a time'}: peak "
+              f"{s['score']:.2f} GiB, {s['score'] - s['state']:.2f} above the state, {s['score_s']:.0f} s", flush=True)
     print("| log-prob path | --grad_checkpoint | update (step 4) peak GiB | above the state GiB | seconds |")
     print("| --- | --- | ---: | ---: | ---: |")
     for path, checkpointing in CONFIGS:

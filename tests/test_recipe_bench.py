@@ -1,0 +1,33 @@
+"""bench/recipe.py on the CPU at toy shapes: the Hugging Face folder it writes without transformers (Qwen2's layout,
+an embedding larger than the tokenizer) loads here with the tokenizer's support, and grpo.py's recipe runs on it end
+to end, every step timed. The GPU figures it measures are in results/gpu.md."""
+import json
+import os
+
+import torch
+
+from conftest import ROOT, run_script
+from model import GPT, Tokenizer, pretrained_config
+
+
+def test_the_recipe_runs_grpo_on_a_folder_whose_embedding_outgrows_its_tokenizer(tmp_path):
+    """70000 embedding rows, 65022 tokenizer ids (65000 ordinary, 22 special): a random policy at temperature 1 draws
+    from the whole support, so a step samples ids near its end, and nothing past it (the run would die decoding
+    one, as every Qwen2.5 run did). Two steps, each split into sampling, scoring and update."""
+    out = tmp_path / "bench"
+    p = run_script(os.path.join(ROOT, "bench", "recipe.py"), ["--device", "cpu", "--tiny", "--steps", "2",
+                                                              "--max_new_tokens", "6", "--out", str(out), "--json",
+                                                              str(tmp_path / "recipe.json")])
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    result = json.load(open(tmp_path / "recipe.json"))
+    assert [s["step"] for s in result["steps"]] == [1, 2] and "| 2 |" in p.stdout
+    for s in result["steps"]:
+        assert s["sampling"] > 0 and s["scoring"] > 0 and s["update"] > 0 and s["completion_tokens"] == 128 * 6
+    folder = str(out / "tiny-qwen2-shaped")
+    config = pretrained_config(folder)
+    assert (config.vocab_size, config.tokenizer_vocab) == (70000, 65022)
+    model, tok = GPT.from_pretrained(folder), Tokenizer.from_pretrained(folder)
+    assert tok.vocab_size == 65022 and tok.eos_id == 65002 and tok.decode(tok.encode("3,5,7:22=")) == "3,5,7:22="
+    with torch.no_grad():
+        assert model(torch.tensor([[1, 2, 3]])).shape[-1] == 65022
+    assert not (out / "recipe-run" / "grpo.pt").exists()               # the bench writes no checkpoint
