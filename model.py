@@ -66,6 +66,9 @@ class Tokenizer:
             self.enc = tiktoken.Encoding(name=os.path.basename(os.path.abspath(folder)), pat_str=pat_str,
                                          mergeable_ranks=ranks, special_tokens=special)
             self.vocab_size = self.enc.n_vocab
+            if not 0 <= self.eos_id < self.vocab_size:              # every completion would run to its limit
+                raise CheckpointError(f"{folder}: eos_token_id {self.eos_id} is not an id of its tokenizer "
+                                      f"(0 to {self.vocab_size - 1})")
             return
         if name == "bytes":
             ranks = {bytes([i]): i for i in range(256)}  # no merges: one token per byte
@@ -887,20 +890,23 @@ def pretrained_tokenizer_parts(folder):
 
 
 def pretrained_eos_pad(folder, special):
-    """(eos_id, pad_id): EOS from config.json (or generation_config.json), the pad token from tokenizer_config.json
-    where it names one, else EOS (padding is masked out everywhere here, so any id serves)."""
+    """(eos_id, pad_id): EOS from generation_config.json or config.json, else the eos_token tokenizer_config.json
+    names (a folder holding a tokenizer only); the pad token from tokenizer_config.json where it names one, else EOS
+    (padding is masked out everywhere here, so any id serves)."""
     eos = None
     for name in ("generation_config.json", "config.json"):
         path = os.path.join(folder, name)
         if eos is None and os.path.isfile(path):
-            eos = _read_json(path).get("eos_token_id")
-    eos = eos[0] if isinstance(eos, list) else eos
-    if not isinstance(eos, int):
-        raise CheckpointError(f"{folder}: no eos_token_id in config.json or generation_config.json")
-    pad = eos
+            data = _read_json(path)
+            eos = data.get("eos_token_id") if isinstance(data, dict) else None
+    eos = eos[0] if isinstance(eos, list) and eos else eos
     path = os.path.join(folder, "tokenizer_config.json")
-    if os.path.isfile(path):
-        token = _read_json(path).get("pad_token")
-        token = token.get("content") if isinstance(token, dict) else token
-        pad = special.get(token, eos)
-    return eos, pad
+    tokens = _read_json(path) if os.path.isfile(path) else {}
+    tokens = tokens if isinstance(tokens, dict) else {}
+    content = lambda t: t.get("content") if isinstance(t, dict) else t
+    if eos is None:
+        eos = special.get(content(tokens.get("eos_token")))
+    if not isinstance(eos, int) or isinstance(eos, bool):
+        raise CheckpointError(f"{folder}: no integer eos_token_id in generation_config.json or config.json, and no "
+                              f"eos_token of tokenizer.json's in tokenizer_config.json")
+    return eos, special.get(content(tokens.get("pad_token")), eos)

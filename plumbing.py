@@ -226,6 +226,10 @@ def read_checkpoint(path, flag):
 
 def check_fits(longest, max_new_tokens, block_size):
     """The longest prompt plus max_new_tokens must fit the model's context, or one error line."""
+    if longest >= block_size:
+        raise SystemExit(f"error: the longest prompt of the task has {longest} tokens, and the model's context "
+                         f"(block_size) is {block_size}: no completion fits; train a model with a larger block_size "
+                         f"(sft.py --block_size) or use one with a longer context")
     if longest + max_new_tokens > block_size:
         raise SystemExit(f"error: --max_new_tokens {max_new_tokens} does not fit: the longest prompt has {longest} "
                          f"tokens and the model's context (block_size) is {block_size}; allowed: "
@@ -575,7 +579,7 @@ class Run:
         t = time.time()
         with self.autocast:
             e = task.evaluate(model, tok, task.eval_prompts()[:self.args.eval_n], num_samples=4, temperature=1.0,
-                              seed=self.args.seed)
+                              seed=self.args.seed, max_new_tokens=getattr(self.args, "max_new_tokens", None))
         self.t_log += time.time() - t                                      # evaluation is not training time
         self.last_eval, self.eval_step = {"eval_accuracy": e["greedy_accuracy"], "eval_pass_at_1": e["pass_at_1"],
                                           "eval_accuracy_precedence": e["greedy_accuracy_precedence"],

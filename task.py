@@ -447,16 +447,18 @@ def episodes(policy, tokenizer, prompts, group_size=1, temperature=1.0, max_new_
                     as_float([e.calls for e in state]), as_float([e.malformed for e in state]))
 
 
-def evaluate(model, tokenizer, prompts=None, num_samples=4, temperature=1.0, seed=0):
+def evaluate(model, tokenizer, prompts=None, num_samples=4, temperature=1.0, seed=0, max_new_tokens=None):
     """Greedy accuracy and sampled pass@1 (mean correctness of num_samples samples at `temperature`)
-    on the held-out set (or `prompts`); also greedy accuracy on precedence and on other problems."""
+    on the held-out set (or `prompts`); also greedy accuracy on precedence and on other problems. max_new_tokens:
+    the completion budget (default: the task's), the run's own so that what was checked against the context is
+    what runs."""
     prompts = eval_prompts() if prompts is None else prompts
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    greedy = complete(model, tokenizer, prompts, temperature=0.0)
+    greedy = complete(model, tokenizer, prompts, temperature=0.0, max_new_tokens=max_new_tokens)
     g = torch.Generator(device=device).manual_seed(seed)
-    sampled = complete(model, tokenizer, prompts, num_samples, temperature, generator=g)
+    sampled = complete(model, tokenizer, prompts, num_samples, temperature, max_new_tokens, generator=g)
     model.train(was_training)
     correct = [reward(p, c) for p, c in zip(prompts, greedy)]
     prec = [r for p, r in zip(prompts, correct) if is_precedence(p)]

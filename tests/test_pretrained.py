@@ -128,3 +128,23 @@ def test_a_bad_folder_is_refused_before_any_work(tmp_path):
     folder = copy_folder(tmp_path, "qwen2", edit_config=lambda c: c.update(model_type="phi3"))
     refused(run_script("grpo.py", ["--init", folder, "--out", str(tmp_path / "o")]), "phi3")
     assert not os.path.exists(tmp_path / "o" / "grpo")
+
+
+def test_an_eos_outside_the_tokenizer_is_refused_and_a_tokenizer_only_folder_names_its_own(tmp_path):
+    """An eos_token_id the tokenizer does not have would leave every completion running to its limit: one error line.
+    A folder holding a tokenizer only (no config.json) takes its EOS from tokenizer_config.json's eos_token."""
+    folder = copy_folder(tmp_path, "qwen2", edit_config=lambda c: c.update(eos_token_id=10**6))
+    for name in ("generation_config.json",):
+        if os.path.exists(os.path.join(folder, name)):
+            os.remove(os.path.join(folder, name))
+    with pytest.raises(CheckpointError, match="eos_token_id 1000000 is not an id of its tokenizer"):
+        Tokenizer.from_pretrained(folder)
+    only = tmp_path / "tokenizer_only"
+    os.makedirs(only)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(GOLDEN, "qwen2", name), only / name)
+    tok = Tokenizer.from_pretrained(str(only))
+    assert tok.eos_id == 319 and tok.decode([tok.eos_id]) == "<|endoftext|>"
+    json.dump({"eos_token": "<|nothing|>"}, open(only / "tokenizer_config.json", "w"))
+    with pytest.raises(CheckpointError, match="no integer eos_token_id"):
+        Tokenizer.from_pretrained(str(only))

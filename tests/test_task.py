@@ -112,6 +112,29 @@ def test_evaluate_scores_what_the_policy_generates():
     assert set(result) == {"greedy_accuracy", "pass_at_1", "greedy_accuracy_precedence", "greedy_accuracy_other"}
 
 
+def test_evaluation_samples_within_the_runs_own_budget(monkeypatch):
+    """The held-out evaluation draws at most the max_new_tokens it is given (the run's --max_new_tokens, which was
+    checked against the model's context), not the task's default (GSM8K's 512 used to overflow a small model's
+    context halfway through a run)."""
+    import sampler
+    seen = []
+    real = sampler.generate
+    monkeypatch.setattr(sampler, "generate", lambda m, p, pm, n, *a, **k: seen.append(n) or real(m, p, pm, n, *a, **k))
+    task.evaluate(tiny_policy(), Tokenizer(), task.eval_prompts()[:4], num_samples=2, max_new_tokens=5)
+    assert seen == [5, 5]
+    seen.clear()
+    task.evaluate(tiny_policy(), Tokenizer(), task.eval_prompts()[:4], num_samples=2)
+    assert seen == [task.default_max_new_tokens()] * 2
+
+
+def test_a_prompt_longer_than_the_context_is_refused_without_a_negative_budget():
+    from plumbing import check_fits
+    with pytest.raises(SystemExit, match="longest prompt of the task has 70 tokens.*block_size\\) is 64"):
+        check_fits(70, 8, 64)
+    with pytest.raises(SystemExit, match="allowed: --max_new_tokens <= 14"):
+        check_fits(50, 20, 64)
+
+
 def test_preference_pairs_chosen_correct_rejected_wrong_and_cached(tmp_path):
     tok = Tokenizer()
     prompts = task.eval_prompts()[:6]
