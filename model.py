@@ -662,6 +662,17 @@ def load_checkpoint(path, device="cpu", kind=None, tokenizer=None):
     kind: "gpt" or "scalar" to insist on one; tokenizer: a Tokenizer the checkpoint must match."""
     if not os.path.exists(path):
         raise CheckpointError(f"no checkpoint at {path}")
+    if os.path.isdir(path):
+        raise CheckpointError(f"{path} is a folder without config.json: neither one of this project's checkpoints "
+                              f"(a .pt file) nor a Hugging Face model folder")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as e:
+        raise CheckpointError(f"{path} cannot be read ({e.strerror})") from None
+    if head != b"PK\x03\x04":                                        # torch.save writes a zip archive
+        raise CheckpointError(f"{path} is not a checkpoint: torch.save's files are zip archives (a Hugging Face "
+                              f"model is given as its folder, not as a file in it)")
     try:
         ckpt = torch.load(path, map_location=device, weights_only=True)
     except Exception as e:

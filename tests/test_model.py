@@ -212,6 +212,16 @@ def test_missing_and_foreign_checkpoints_raise_clear_errors(tmp_path):
     torch.save({"weights": torch.zeros(2)}, foreign)
     with pytest.raises(CheckpointError, match="lacks"):
         load_checkpoint(foreign)
+    # what is not a checkpoint at all is called so, not "truncated or corrupt ... delete it"
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "data.jsonl").write_text('{"question": "q", "answer": "#### 1"}\n')
+    for path, words in ((tmp_path / "folder", "a folder without config.json"),
+                        (tmp_path / "config.json", "is not a checkpoint"),
+                        (tmp_path / "data.jsonl", "is not a checkpoint")):
+        with pytest.raises(CheckpointError, match=words) as err:
+            load_checkpoint(str(path))
+        assert "delete it" not in str(err.value)
 
 
 def test_vocabulary_mismatch_is_a_clear_error(tmp_path):
