@@ -399,6 +399,12 @@ class Run:
             if os.path.exists(args.out) and not os.path.isdir(args.out):
                 raise SystemExit(f"error: --out {args.out} is a file; it must be a folder (it is created if missing)")
             try:
+                # the folders made here, removed again by close() if the run leaves them empty (a refusal after
+                # this point, e.g. of the weights or the tokenizer, leaves nothing on disk)
+                self.made, folder = [], os.path.abspath(os.path.dirname(self.metrics_path))
+                while not os.path.exists(folder):                             # innermost first
+                    self.made.append(folder)
+                    folder = os.path.dirname(folder)
                 os.makedirs(os.path.dirname(self.metrics_path), exist_ok=True)
                 self.lock = OutputLock(os.path.join(args.out, f"{name}.lock"))
             except OSError as e:
@@ -685,6 +691,11 @@ class Run:
         ("terminate called without an active exception", 3 runs in 7 here)."""
         if self.lock is not None:
             self.lock.release()
+            self.lock = None
+            for folder in getattr(self, "made", []):                          # innermost first
+                with contextlib.suppress(OSError):
+                    if os.path.isdir(folder) and not os.listdir(folder):
+                        os.rmdir(folder)
         if self.world > 1 and dist.is_initialized():
             if finished:
                 dist.barrier()

@@ -148,3 +148,12 @@ def test_an_eos_outside_the_tokenizer_is_refused_and_a_tokenizer_only_folder_nam
     json.dump({"eos_token": "<|nothing|>"}, open(only / "tokenizer_config.json", "w"))
     with pytest.raises(CheckpointError, match="no integer eos_token_id"):
         Tokenizer.from_pretrained(str(only))
+
+
+def test_a_refusal_after_the_output_folder_is_made_leaves_nothing_on_disk(tmp_path):
+    """A folder whose config is fine but whose weights are not is refused when the weights load, after the run has
+    made its output folder and lock: the folder goes again (nothing on disk from a refused run)."""
+    from conftest import refused, run_script
+    folder = copy_folder(tmp_path, "qwen2", edit_tensors=lambda t: t.pop("model.layers.0.mlp.up_proj.weight"))
+    refused(run_script("grpo.py", ["--init", folder, "--out", str(tmp_path / "o" / "deeper")]), "up_proj")
+    assert not os.path.exists(tmp_path / "o")
