@@ -164,6 +164,7 @@ class GPTConfig:
     mlp_hidden: int = 0        # the MLP's width; 0: 4 * n_embd
     bias: bool = True          # biases of the attention output and the MLP (GPT-2 has them; Llama, Qwen2 not)
     qkv_bias: bool = True      # biases of the query, key and value projections (GPT-2, Qwen2)
+    o_bias: bool = None        # the attention output projection's bias; None: as `bias` (Llama: attention_bias)
     tie_embeddings: bool = True  # the LM head is the token embedding (GPT-2, small Qwen2)
     # The ids the tokenizer has, the first tokenizer_vocab rows of the embedding (0: all vocab_size). A real
     # checkpoint's embedding may be padded past its tokenizer (Qwen2.5: 151936 rows, 151665 tokens): the model's
@@ -234,7 +235,8 @@ class CausalSelfAttention(nn.Module):
         self.n_head, self.n_kv = config.n_head, config.kv_heads
         hs = config.n_embd // config.n_head
         self.c_attn = nn.Linear(config.n_embd, (self.n_head + 2 * self.n_kv) * hs, bias=config.qkv_bias)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        o_bias = config.bias if config.o_bias is None else config.o_bias
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=o_bias)
         self.dropout = config.dropout
 
     def forward(self, x, attn_mask, cache=None, layer=0, slot=None, rope=None):
@@ -735,44 +737,71 @@ def pretrained_config(folder):
 
 
 def _pretrained_config(folder):
-    c = _read_json(os.path.join(folder, "config.json"))
+    path = os.path.join(folder, "config.json")
+    c = _read_json(path)
+    if not isinstance(c, dict):
+        raise CheckpointError(f"{path} is not a JSON object")
+
+    def num(key, default=None, kind=int):
+        """config.json's `key`: a positive integer (kind float: a positive number), or one error line naming it."""
+        v = c.get(key, default)
+        if v is None:
+            raise CheckpointError(f"{path} has no {key}")
+        if isinstance(v, bool) or not isinstance(v, (int, float) if kind is float else int) or not v > 0:
+            raise CheckpointError(f"{path}: {key} = {v!r}; it must be a positive "
+                                  f"{'integer' if kind is int else 'number'}")
+        return v
+
     kind = c.get("model_type")
     if kind == "gpt2":
         if c.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh", "gelu"):
             raise CheckpointError(f"{folder}: activation_function {c['activation_function']!r} is not supported")
-        return GPTConfig(vocab_size=c["vocab_size"], block_size=c["n_positions"], n_layer=c["n_layer"],
-                         n_head=c["n_head"], n_embd=c["n_embd"], norm_eps=c.get("layer_norm_epsilon", 1e-5),
-                         gelu="none" if c.get("activation_function") == "gelu" else "tanh",
-                         mlp_hidden=c.get("n_inner") or 0, tie_embeddings=c.get("tie_word_embeddings", True))
-    if kind in ("llama", "qwen2"):
+        config = dict(vocab_size=num("vocab_size"), block_size=num("n_positions"), n_layer=num("n_layer"),
+                      n_head=num("n_head"), n_embd=num("n_embd"), norm_eps=num("layer_norm_epsilon", 1e-5, float),
+                      gelu="none" if c.get("activation_function") == "gelu" else "tanh",
+                      mlp_hidden=num("n_inner") if c.get("n_inner") else 0,
+                      tie_embeddings=bool(c.get("tie_word_embeddings", True)))
+    elif kind in ("llama", "qwen2"):
+        heads, width = num("num_attention_heads"), num("hidden_size")
         rope = c.get("rope_parameters") or {}                          # transformers 5 writes rope_parameters
+        rope = rope if isinstance(rope, dict) else {}
         scaling = c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         unsupported = {"rope_scaling": scaling, "hidden_act": c.get("hidden_act", "silu"),
                        "use_sliding_window": c.get("use_sliding_window", False),
-                       "head_dim": c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])}
-        allowed = {"rope_scaling": None, "hidden_act": "silu", "use_sliding_window": False,
-                   "head_dim": c["hidden_size"] // c["num_attention_heads"]}
+                       "head_dim": c.get("head_dim", width // heads)}
+        allowed = {"rope_scaling": None, "hidden_act": "silu", "use_sliding_window": False, "head_dim": width // heads}
         for key, value in unsupported.items():
             if value != allowed[key]:
                 raise CheckpointError(f"{folder}: config.json {key} = {value!r} is not supported (only "
                                       f"{allowed[key]!r})")
-        attn_bias = True if kind == "qwen2" else c.get("attention_bias", False)
-        return GPTConfig(vocab_size=c["vocab_size"], block_size=c["max_position_embeddings"],
-                         n_layer=c["num_hidden_layers"], n_head=c["num_attention_heads"], n_embd=c["hidden_size"],
-                         n_kv_head=c.get("num_key_value_heads") or c["num_attention_heads"], norm="rmsnorm",
-                         norm_eps=c["rms_norm_eps"], pos="rope",
-                         rope_theta=float(c.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-                         mlp="swiglu", mlp_hidden=c["intermediate_size"], bias=c.get("mlp_bias", False),
-                         qkv_bias=attn_bias, tie_embeddings=c.get("tie_word_embeddings", False))
-    raise CheckpointError(f"{folder}: model_type {kind!r} is not supported; allowed: gpt2, llama, qwen2")
+        attn_bias = True if kind == "qwen2" else bool(c.get("attention_bias", False))
+        config = dict(vocab_size=num("vocab_size"), block_size=num("max_position_embeddings"),
+                      n_layer=num("num_hidden_layers"), n_head=heads, n_embd=width,
+                      n_kv_head=num("num_key_value_heads", heads), norm="rmsnorm",
+                      norm_eps=num("rms_norm_eps", kind=float), pos="rope",
+                      rope_theta=float(c.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+                      mlp="swiglu", mlp_hidden=num("intermediate_size"), bias=bool(c.get("mlp_bias", False)),
+                      qkv_bias=attn_bias, o_bias=attn_bias and kind == "llama",   # Llama's o_proj: attention_bias
+                      tie_embeddings=bool(c.get("tie_word_embeddings", False)))
+    else:
+        raise CheckpointError(f"{folder}: model_type {kind!r} is not supported; allowed: gpt2, llama, qwen2")
+    try:
+        return GPTConfig(**config)
+    except ValueError as e:                                            # e.g. heads that do not divide the width
+        raise CheckpointError(f"{path}: {e}") from None
 
 
 def _read_safetensors(folder):
     """Every tensor of the folder's model.safetensors, or of the shards model.safetensors.index.json lists."""
     from safetensors.torch import load_file
     index = os.path.join(folder, "model.safetensors.index.json")
-    files = (sorted(set(_read_json(index)["weight_map"].values())) if os.path.isfile(index)
-             else ["model.safetensors"])
+    files = ["model.safetensors"]
+    if os.path.isfile(index):
+        shards = _read_json(index)
+        shards = shards.get("weight_map") if isinstance(shards, dict) else None
+        if not isinstance(shards, dict) or not all(isinstance(f, str) for f in shards.values()):
+            raise CheckpointError(f"{index}: no weight_map of tensor names to shard files")
+        files = sorted(set(shards.values()))
     tensors = {}
     for name in files:
         path = os.path.join(folder, name)
@@ -822,8 +851,9 @@ def _our_names(hf, config):
             ours[q + "attn.c_proj.weight"] = take(p + "self_attn.o_proj.weight")
             ours[q + "mlp.c_fc.weight"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
             ours[q + "mlp.c_proj.weight"] = take(p + "mlp.down_proj.weight")
-            if config.bias:
+            if config.bias if config.o_bias is None else config.o_bias:
                 ours[q + "attn.c_proj.bias"] = take(p + "self_attn.o_proj.bias")
+            if config.bias:
                 ours[q + "mlp.c_fc.bias"] = torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")])
                 ours[q + "mlp.c_proj.bias"] = take(p + "mlp.down_proj.bias")
         ours["ln_f.weight"] = take("model.norm.weight")
@@ -874,10 +904,18 @@ GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s
 
 def pretrained_tokenizer_parts(folder):
     """(mergeable ranks, split pattern, special tokens, normalise) of a folder's byte-level BPE tokenizer.json."""
-    data = _read_json(os.path.join(folder, "tokenizer.json"))
-    model = data.get("model") or {}
-    if model.get("type") != "BPE":
-        raise CheckpointError(f"{folder}: tokenizer.json model type {model.get('type')!r}; only byte-level BPE")
+    path = os.path.join(folder, "tokenizer.json")
+    data = _read_json(path)
+    model = (data.get("model") if isinstance(data, dict) else None) or {}
+    if not isinstance(model, dict) or model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
+        raise CheckpointError(f"{path}: model type {model.get('type') if isinstance(model, dict) else model!r}, or "
+                              f"no vocab; only a byte-level BPE tokenizer is read")
+    added = data.get("added_tokens") or []
+    ids = [*model["vocab"].values(), *(t.get("id") if isinstance(t, dict) else t for t in added)]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids) or not all(
+            isinstance(t, dict) and isinstance(t.get("content"), str) for t in added):
+        raise CheckpointError(f"{path}: a token id that is not a non-negative integer, or an added token without "
+                              f"its content")
     to_byte = {ch: b for b, ch in bytes_to_unicode().items()}
     try:
         ranks = {bytes(to_byte[ch] for ch in token): i for token, i in model["vocab"].items()}
@@ -896,7 +934,7 @@ def pretrained_tokenizer_parts(folder):
     normaliser = (data.get("normalizer") or {}).get("type")
     if normaliser not in (None, "NFC"):
         raise CheckpointError(f"{folder}: tokenizer.json normalizer {normaliser!r} is not supported (none or NFC)")
-    special = {t["content"]: t["id"] for t in data.get("added_tokens", [])}
+    special = {t["content"]: t["id"] for t in added}
     return ranks, pattern, special, normaliser
 
 

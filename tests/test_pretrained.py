@@ -157,3 +157,62 @@ def test_a_refusal_after_the_output_folder_is_made_leaves_nothing_on_disk(tmp_pa
     folder = copy_folder(tmp_path, "qwen2", edit_tensors=lambda t: t.pop("model.layers.0.mlp.up_proj.weight"))
     refused(run_script("grpo.py", ["--init", folder, "--out", str(tmp_path / "o" / "deeper")]), "up_proj")
     assert not os.path.exists(tmp_path / "o")
+
+
+def edit_json(folder, name, edit):
+    """edit(data) changes the file's JSON in place, or returns a list or dict that replaces it."""
+    path = os.path.join(folder, name)
+    data = json.load(open(path))
+    new = edit(data)
+    json.dump(new if isinstance(new, (dict, list)) else data, open(path, "w"))
+
+
+@pytest.mark.parametrize("name, edit, words", [
+    ("config.json", lambda c: c.pop("vocab_size"), "config.json has no vocab_size"),
+    ("config.json", lambda c: c.update(vocab_size="320"), "vocab_size = '320'; it must be a positive integer"),
+    ("config.json", lambda c: [c], "config.json is not a JSON object"),
+    ("config.json", lambda c: c.update(num_attention_heads=0), "num_attention_heads = 0"),
+    ("config.json", lambda c: c.update(num_attention_heads=3), "must be divisible by n_head = 3"),
+    ("config.json", lambda c: c.update(rms_norm_eps=float("nan")), "rms_norm_eps = nan"),
+    ("model.safetensors.index.json", lambda c: {"metadata": {}}, "no weight_map"),
+    ("model.safetensors.index.json", lambda c: ["model.safetensors"], "no weight_map"),
+    ("tokenizer.json", lambda c: c["model"]["vocab"].update({"Ġx": "7"}), "not a non-negative integer"),
+    ("tokenizer.json", lambda c: c.update(added_tokens=[{"id": 319}]), "without its content"),
+])
+def test_malformed_folder_contents_are_one_error_naming_the_file_and_key(tmp_path, name, edit, words):
+    """Each of these used to be a traceback (a KeyError, a TypeError, a ZeroDivisionError): now one line naming the
+    file and what in it, from the loader, and from a script before any work."""
+    from conftest import refused, run_script
+    folder = copy_folder(tmp_path, "qwen2")
+    if name == "model.safetensors.index.json":
+        json.dump({}, open(os.path.join(folder, name), "w"))
+    edit_json(folder, name, edit)
+    with pytest.raises(CheckpointError, match=words.replace("(", r"\(")):
+        GPT.from_pretrained(folder) if name != "tokenizer.json" else Tokenizer.from_pretrained(folder)
+    p = run_script("grpo.py", ["--init", folder, "--out", str(tmp_path / "o")])
+    refused(p, words)
+    assert not os.path.exists(tmp_path / "o")
+
+
+def test_a_llama_folder_with_attention_biases_and_no_mlp_biases_loads(tmp_path):
+    """Llama's attention_bias covers q, k, v and o_proj, mlp_bias the MLP (transformers' LlamaAttention, LlamaMLP):
+    a folder with biases on the attention only loads, its o_proj.bias in our c_proj, none in the MLP, and the bias
+    moves the logits (it is used)."""
+    def add_biases(tensors):
+        g = torch.Generator().manual_seed(0)
+        for i in range(2):
+            for x, n in (("q", 32), ("k", 32), ("v", 32), ("o", 32)):
+                rows = tensors[f"model.layers.{i}.self_attn.{x}_proj.weight"].shape[0]
+                tensors[f"model.layers.{i}.self_attn.{x}_proj.bias"] = torch.randn(rows, generator=g)
+    folder = copy_folder(tmp_path, "llama", edit_config=lambda c: c.update(attention_bias=True, mlp_bias=False),
+                         edit_tensors=add_biases)
+    model = GPT.from_pretrained(folder)
+    block = model.blocks[0]
+    assert block.attn.c_proj.bias is not None and block.mlp.c_fc.bias is None and block.attn.c_attn.bias is not None
+    tensors = load_file(os.path.join(folder, "model.safetensors"))
+    assert torch.equal(block.attn.c_proj.bias, tensors["model.layers.0.self_attn.o_proj.bias"])
+    x = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        before = model(x)
+        block.attn.c_proj.bias.add_(1.0)
+        assert not torch.allclose(model(x), before)
