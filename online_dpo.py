@@ -89,13 +89,16 @@ def judge(batch, rm, autocast):
 
 def best_and_worst(prompts, batch, scores, n, tok):
     """One pair per prompt from its n samples (consecutive rows): chosen the best-scored, rejected the worst, as
-    token ids (EOS dropped: task.pair_batch appends it). Returns (pairs, informative (P,) bool, correct (P, 2)):
-    informative where the two differ in score and in tokens; correct: the verifier's verdict on chosen, rejected."""
+    token ids (EOS dropped: task.pair_batch appends it to the samples that ended, and to no truncated one). Returns
+    (pairs, informative (P,) bool, correct (P, 2)): informative where the two differ in score and in tokens;
+    correct: the verifier's verdict on chosen, rejected."""
     s = scores.float().view(-1, n)                                           # (P, n)
     best, worst = s.argmax(1), s.argmin(1)                                   # (P,)
     ids = [[t for t, m in zip(row, keep) if m and t != tok.eos_id]
            for row, keep in zip(batch.tokens.tolist(), batch.mask.tolist())]
-    pairs = [{"prompt": p, "chosen_ids": ids[i * n + b], "rejected_ids": ids[i * n + w]}
+    ended = (~batch.truncated).tolist()                                      # a truncated sample gets no EOS
+    pairs = [{"prompt": p, "chosen_ids": ids[i * n + b], "rejected_ids": ids[i * n + w],
+              "chosen_ended": ended[i * n + b], "rejected_ended": ended[i * n + w]}
              for i, (p, b, w) in enumerate(zip(prompts, best.tolist(), worst.tolist()))]
     differ = torch.tensor([p["chosen_ids"] != p["rejected_ids"] for p in pairs], device=s.device)
     correct = batch.correct.view(-1, n)                                      # (P, n)

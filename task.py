@@ -546,19 +546,21 @@ def preference_pairs(prompts, policy=None, tokenizer=None, samples_per_prompt=4,
     return pairs
 
 
-def completion_batch(prompts, completions, tokenizer, device="cpu"):
+def completion_batch(prompts, completions, tokenizer, device="cpu", ended=None):
     """Right-padded batch of prompt + completion + EOS sequences: the prompt encoded on its own, each completion as
-    token ids (a list of ints, as sampled; EOS not included) or as text (encoded). Returns tokens (B, T),
-    attention mask (B, T) 1.0 on real tokens, and completion mask (B, T-1) 1.0 where the target token t+1 is a
-    completion token or the final EOS (the positions a teacher-forced loss or a sequence log-prob sums over). With
-    --task toolcalc a text completion is encoded piece by piece and the environment's pieces (tool replies, REVISE)
-    are 0 in the completion mask: context, not targets."""
+    token ids (a list of ints, as sampled; EOS not included) or as text (encoded). ended (B,) bools: False for a
+    completion that ran out of tokens before its EOS, which then gets none (a sampled completion is trained on what
+    was sampled; default: every one ended). Returns tokens (B, T), attention mask (B, T) 1.0 on real tokens, and
+    completion mask (B, T-1) 1.0 where the target token t+1 is a completion token or the final EOS (the positions a
+    teacher-forced loss or a sequence log-prob sums over). With --task toolcalc a text completion is encoded piece by
+    piece and the environment's pieces (tool replies, REVISE) are 0 in the completion mask: context, not targets."""
     ids, targets = [], []
-    for p, c in zip(prompts, completions):
+    ended = [True] * len(prompts) if ended is None else ended
+    for p, c, end in zip(prompts, completions, ended):
         pieces = toolcalc.segments(c) if _task.name == "toolcalc" and isinstance(c, str) else [(c, False)]
         encoded = [(tokenizer.encode(text) if isinstance(text, str) else list(text), env) for text, env in pieces]
-        ids.append((tokenizer.encode(p), [t for piece, _ in encoded for t in piece] + [tokenizer.eos_id]))
-        targets.append([float(not env) for piece, env in encoded for _ in piece] + [1.0])
+        ids.append((tokenizer.encode(p), [t for piece, _ in encoded for t in piece] + [tokenizer.eos_id] * end))
+        targets.append([float(not env) for piece, env in encoded for _ in piece] + [1.0] * end)
     T = max(len(p) + len(c) for p, c in ids)
     tokens = torch.full((len(ids), T), tokenizer.pad_id, dtype=torch.long)
     attn = torch.zeros(len(ids), T)
@@ -572,9 +574,12 @@ def completion_batch(prompts, completions, tokenizer, device="cpu"):
 
 def pair_batch(pairs, tokenizer, device="cpu"):
     """Pairs -> completion_batch of 2B sequences: chosen rows 0..B-1, rejected rows B..2B-1, each completion as the
-    token ids that were sampled (a decoded string need not encode back to them)."""
+    token ids that were sampled (a decoded string need not encode back to them); a pair's "chosen_ended" or
+    "rejected_ended" False (online DPO: a sample that ran out of tokens) gets no EOS."""
+    ended = [p.get("chosen_ended", True) for p in pairs] + [p.get("rejected_ended", True) for p in pairs]
     return completion_batch([p["prompt"] for p in pairs] * 2,
-                            [p["chosen_ids"] for p in pairs] + [p["rejected_ids"] for p in pairs], tokenizer, device)
+                            [p["chosen_ids"] for p in pairs] + [p["rejected_ids"] for p in pairs], tokenizer, device,
+                            ended)
 
 
 def preference_dataset(policy, tokenizer, n_train=2048, seed=0, cache_dir="out"):
