@@ -21,7 +21,7 @@ so turning a wrong first answer right earns 1 + alpha, turning a right one wrong
 Deviations and choices:
 - Each attempt is trained on its own reward: one reward for both would pay the first attempt for being wrong.
 - No SCoRe stage I (its KL constraint on the first attempt); one revision prompt, REVISE in tasks/toolcalc.py.
-- The EOS that ends the first attempt is replaced by the revision prompt (as a chat template's next turn is).
+- The policy's EOS ends an attempt and is trained with it; the revision prompt follows (as in a chat template).
 - A malformed call (never closed, refused by the calculator, past --max_calls) costs a call, is answered "error".
 - mu passes over the whole batch; the old log-probs are scored once per batch (step 3), with the weights that sampled
   it, not taken from the sampler; equal rewards in a group give A = 0.
@@ -37,6 +37,8 @@ Run:
     python agent.py --turns 2              # self-correction: a second attempt after the revision prompt
 Metrics: out/toolcalc/agent/metrics.jsonl (docs/metrics.md says what each means); checkpoint out/toolcalc/agent.pt.
 """
+import math
+
 import torch
 
 import task
@@ -58,13 +60,22 @@ def episode_rewards(correct, calls, call_cost, shaping):
     return rewards
 
 
-def grpo_advantages(rewards, group_size, eps=1e-6):
+def grpo_advantages(rewards, group_size, eps=1e-6, present=None):
     """rewards (P*G,), G = group_size consecutive episodes per prompt -> (r - mean_g) / (std_g + eps) (P*G,), population
-    std; 0 for a group whose rewards are all equal."""
+    std; 0 for a group whose rewards are all equal. present (P*G,) bool: the episodes that reached this attempt (one
+    that ran out of tokens before it has no reward there): the group's mean and std over those alone, 0 for the rest."""
     r = rewards.view(-1, group_size)                                   # (P, G)
-    advantages = (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True, unbiased=False) + eps)
-    all_equal = (r == r[:, :1]).all(dim=1, keepdim=True)               # (P, 1) no signal in this group
-    return torch.where(all_equal, torch.zeros_like(advantages), advantages).view(-1)  # (P*G,)
+    if present is None:
+        advantages = (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True, unbiased=False) + eps)
+        all_equal = (r == r[:, :1]).all(dim=1, keepdim=True)           # (P, 1) no signal in this group
+        return torch.where(all_equal, torch.zeros_like(advantages), advantages).view(-1)  # (P*G,)
+    m = present.view(-1, group_size)                                   # (P, G) bool
+    n = m.sum(1, keepdim=True).clamp(min=1)
+    mean = torch.where(m, r, 0.0).sum(1, keepdim=True) / n             # over the present ones
+    std = (torch.where(m, (r - mean) ** 2, 0.0).sum(1, keepdim=True) / n).sqrt()
+    advantages = (r - mean) / (std + eps)
+    all_equal = torch.where(m, r, -math.inf).amax(1, keepdim=True) == torch.where(m, r, math.inf).amin(1, keepdim=True)
+    return torch.where(all_equal | ~m, torch.zeros_like(advantages), advantages).view(-1)   # (P*G,)
 
 
 def agent_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps=0.2, beta=0.04, kl_estimator="k3", num_seqs=None,
@@ -156,7 +167,7 @@ def main(args):
     policy, tok = run.load_policy(args.init)        # the policy starts as the SFT policy ...
     ref, _ = run.load_policy(args.init)             # ... which stays frozen as the reference
     ref.requires_grad_(False)
-    longest = args.turns * args.max_new_tokens + (args.turns - 1) * len(tok.encode(toolcalc.REVISE))
+    longest = args.turns * args.max_new_tokens + (args.turns - 1) * (len(tok.encode(toolcalc.REVISE)) + 1)   # + EOS
     run.check_lengths(policy, tok, longest)         # the longest episode after its prompt
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     run.resume(policy, optimizer)
@@ -182,7 +193,8 @@ def main(args):
 
         # 2. rewards and advantages per attempt: the group is the baseline; each token takes its attempt's A
         rewards = episode_rewards(ep.correct, ep.calls, args.call_cost, args.shaping)            # (B, K)
-        advantages = torch.stack([grpo_advantages(rewards[:, k], G) for k in range(K)], 1)       # (B, K)
+        reached = [None] + [((ep.turn == k) & (mask > 0)).any(1) for k in range(1, K)]          # (B,) per attempt
+        advantages = torch.stack([grpo_advantages(rewards[:, k], G, present=reached[k]) for k in range(K)], 1)  # (B, K)
         advantages = advantages.gather(1, ep.turn)                                               # (B, Tn)
 
         # 3. score without gradient: sampling-time and reference log-probs of every token (the environment's for the

@@ -369,8 +369,9 @@ def _unclosed_call(e, tokenizer):
 def _advance(e, sampled, tokenizer, closes, revise, turns, budget, max_calls):
     """Write one position of episode e and return the token written: the environment's next queued token if it has
     one, else the policy's `sampled` token, acted on: a token that closes a call gets the tool's reply queued (calls
-    past max_calls are answered "error"); an EOS ends the attempt, and before the last attempt is replaced by REVISE
-    (the policy's EOS is not kept: the environment's text takes its place, as a chat template's next turn does)."""
+    past max_calls are answered "error"); an EOS ends the attempt, and before the last attempt REVISE follows it: the
+    EOS stays the policy's token, trained with its attempt (as a chat template trains the end of an assistant's
+    turn), so that "stop here" is learned as "keep going" is."""
     if e.done:
         return tokenizer.pad_id
     if e.queue:
@@ -378,13 +379,12 @@ def _advance(e, sampled, tokenizer, closes, revise, turns, budget, max_calls):
         e.write(token, _ENV, counts)
     elif sampled == tokenizer.eos_id:
         _unclosed_call(e, tokenizer)
+        e.write(sampled, _POLICY, counts=False)            # the end of this attempt: the policy's decision
         if e.turn + 1 < turns:
             e.turn, e.used, e.segment = e.turn + 1, 0, []
-            e.write(revise[0], _ENV, counts=False)
-            e.queue = [(t, False) for t in revise[1:]]
-            return revise[0]
-        e.write(sampled, _POLICY, counts=False)
-        e.done = True
+            e.queue = [(t, False) for t in revise]         # the environment's revision prompt comes next
+        else:
+            e.done = True
         return sampled
     else:
         e.write(sampled, _POLICY)
@@ -418,7 +418,7 @@ def episodes(policy, tokenizer, prompts, group_size=1, temperature=1.0, max_new_
     revise = tokenizer.encode(toolcalc.REVISE)
     prompt, prompt_mask = tokenizer.encode_batch(prompts, device)                     # (P, Tp)
     prompt, prompt_mask = prompt.repeat_interleave(group_size, 0), prompt_mask.repeat_interleave(group_size, 0)
-    B, Tn = prompt.size(0), turns * budget + (turns - 1) * len(revise)                # (B, Tp); longest episode
+    B, Tn = prompt.size(0), turns * budget + (turns - 1) * (len(revise) + 1)          # (B, Tp); longest episode
     cache = KVCache(policy.config.n_layer, B, prompt.size(1) + Tn, device)
     logits = policy(prompt, prompt_mask, cache)[:, -1].float()                        # (B, V) the first token's
     state = [_Episode(turns) for _ in range(B)]
@@ -558,6 +558,8 @@ def completion_batch(prompts, completions, tokenizer, device="cpu", ended=None):
     ended = [True] * len(prompts) if ended is None else ended
     for p, c, end in zip(prompts, completions, ended):
         pieces = toolcalc.segments(c) if _task.name == "toolcalc" and isinstance(c, str) else [(c, False)]
+        pieces = [x for text, env in pieces                # an attempt ends with the policy's EOS, before REVISE
+                  for x in ([([tokenizer.eos_id], False)] if env and text == toolcalc.REVISE else []) + [(text, env)]]
         encoded = [(tokenizer.encode(text) if isinstance(text, str) else list(text), env) for text, env in pieces]
         ids.append((tokenizer.encode(p), [t for piece, _ in encoded for t in piece] + [tokenizer.eos_id] * end))
         targets.append([float(not env) for piece, env in encoded for _ in piece] + [1.0] * end)

@@ -57,6 +57,7 @@ def writer(*parts):
     is text, or a function of the episode's text so far (after the prompt's '=')."""
     def respond(text):
         episode = text.partition("=")[2]
+        episode = episode.replace("<|endoftext|>" + toolcalc.REVISE, toolcalc.REVISE)        # an attempt's own EOS
         own = re.sub(r"(?<=>)(?:-?[0-9]+|error)", "", episode.replace(toolcalc.REVISE, "\0"))   # the policy's text
         target = "".join("\0" if p is None else p(episode) if callable(p) else p for p in parts)
         if not target.startswith(own) or len(own) == len(target):
@@ -129,17 +130,33 @@ def test_without_the_tool_no_call_is_ever_opened():
     assert e.calls.sum() == 0 and (e.mask == e.sampled).all()
 
 
-def test_two_attempts_the_revision_prompt_replaces_the_first_eos():
+def test_two_attempts_the_first_eos_is_the_policys_and_the_revision_prompt_follows_it():
+    """The EOS that ends the first attempt is the policy's token, of the first attempt (trained: "stop here" gets
+    its gradient and KL term as every other decision does); the environment's REVISE comes after it."""
     tok = Tokenizer()
     policy = Scripted(tok, writer("12*46=562,37+562=599#599", None, "<37+12*46>", after_reply))
     e = task.episodes(policy, tok, ["37+12*46="], temperature=0.0, turns=2)
     first = "12*46=562,37+562=599#599"
-    assert decode(tok, e, 0, e.mask) == first + toolcalc.REVISE + "<37+12*46>589#589<|endoftext|>"
+    assert decode(tok, e, 0, e.mask) == first + "<|endoftext|>" + toolcalc.REVISE + "<37+12*46>589#589<|endoftext|>"
     assert decode(tok, e, 0, e.mask - e.sampled) == toolcalc.REVISE + "589"
     assert e.correct.tolist() == [[0.0, 1.0]] and e.calls.tolist() == [[0.0, 1.0]]
     n = len(first)
-    assert e.turn[0, :n].eq(0).all() and e.turn[0, n:int(e.mask.sum())].eq(1).all()
-    assert (e.tokens[0, :int(e.mask.sum()) - 1] != tok.eos_id).all()             # one EOS, at the end
+    assert e.tokens[0, n] == tok.eos_id and e.sampled[0, n] == 1 and e.turn[0, n] == 0   # the policy's, attempt 1
+    assert e.turn[0, :n + 1].eq(0).all() and e.turn[0, n + 1:int(e.mask.sum())].eq(1).all()
+    assert (e.tokens[0, :int(e.mask.sum())] == tok.eos_id).sum() == 2
+
+
+def test_a_two_attempt_demonstration_trains_the_first_attempts_eos():
+    """SFT's two-attempt demonstrations as the episodes are: the first attempt, its EOS (a target), REVISE (context),
+    the second attempt and its EOS."""
+    tok = Tokenizer()
+    first, second = "12*46=562,37+562=599#599", "<37+12*46>589#589"
+    tokens, attn, mask = task.completion_batch(["37+12*46="], [first + toolcalc.REVISE + second], tok)
+    ids = tokens[0, len("37+12*46="):].tolist()
+    assert tok.decode(ids) == first + "<|endoftext|>" + toolcalc.REVISE + second + "<|endoftext|>"
+    targets = mask[0, len("37+12*46=") - 1:].tolist()                        # target t+1 of each position
+    assert targets[len(first)] == 1.0 and ids[len(first)] == tok.eos_id      # the first EOS is a target
+    assert targets[len(first) + 1:len(first) + 1 + len(toolcalc.REVISE)] == [0.0] * len(toolcalc.REVISE)
 
 
 def merging_tokenizer():
@@ -211,6 +228,23 @@ def test_each_attempts_tokens_take_their_attempts_advantage():
     assert torch.allclose(adv, torch.tensor([[1.0, -1.0], [-1.0, 1.0], [0.0, 0.0], [0.0, 0.0]]), atol=1e-5)
     turn = torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1], [0, 0, 0, 0], [1, 1, 1, 1]])
     assert torch.allclose(adv.gather(1, turn)[:2], torch.tensor([[1.0, 1, -1, -1], [-1, 1, 1, 1]]), atol=1e-5)
+
+
+def test_an_episode_that_never_reached_the_second_attempt_stays_out_of_its_group_statistics():
+    """A group of 4 where episode 3 ran out of tokens in its first attempt (its attempt-2 reward is a 0 it never
+    earned): attempt 2's mean and std are the other three's (float64 by hand), episode 3 gets 0 there; a group with
+    one present member, or equal rewards among the present ones, gets 0; present=None is the plain group."""
+    r = torch.tensor([1.0, 0.0, 1.0, 0.0, 2.0, 2.0, 5.0, 1.0])              # two groups of G = 4, attempt 2's rewards
+    present = torch.tensor([True, True, True, False, True, True, False, False])
+    got = grpo_advantages(r, 4, present=present)
+    x = torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64)
+    want = (x - x.mean()) / (x.std(unbiased=False) + 1e-6)
+    assert torch.allclose(got[:3].double(), want, atol=1e-6) and got[3] == 0
+    assert got[4:].tolist() == [0.0, 0.0, 0.0, 0.0]                          # equal among the present (2, 2)
+    one = grpo_advantages(torch.tensor([3.0, 0.0]), 2, present=torch.tensor([True, False]))
+    assert one.tolist() == [0.0, 0.0]
+    plain = torch.tensor([1.0, 0.0, 1.0, 0.5])
+    assert torch.allclose(grpo_advantages(plain, 4, present=torch.ones(4, dtype=torch.bool)), grpo_advantages(plain, 4))
 
 
 def ref_loss(logp, old, ref, adv, mask, clip_eps, beta):
