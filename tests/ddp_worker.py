@@ -102,11 +102,12 @@ def recording_batches():
     completion_batch, pair_batch = task.completion_batch, task.pair_batch
     inside_pairs = []
 
-    def completion_batch_(prompts, completions, tokenizer, device="cpu"):
+    def completion_batch_(prompts, completions, tokenizer, device="cpu", ended=None):
         if torch.is_grad_enabled() and not inside_pairs:
             record("completion_batch", prompts=list(prompts),
-                   completions=[c if isinstance(c, str) else list(c) for c in completions])
-        return completion_batch(prompts, completions, tokenizer, device)
+                   completions=[c if isinstance(c, str) else list(c) for c in completions],
+                   ended=None if ended is None else list(ended))
+        return completion_batch(prompts, completions, tokenizer, device, ended)
 
     def pair_batch_(pairs, tokenizer, device="cpu"):
         if torch.is_grad_enabled():

@@ -407,7 +407,8 @@ def test_rloo_and_reinforce_update(case, tiny_sft, tmp_path):
 # The reward model (Bradley-Terry, InstructGPT eq. 1): its update, and the checkpoint ppo.py and expert iteration use
 
 def pair_ids(pair, side):
-    return TOK.encode(pair["prompt"]), pair[f"{side}_ids"] + [EOS]
+    """A pair's side as (prompt ids, completion ids): with its EOS, unless the sample ran out of tokens."""
+    return TOK.encode(pair["prompt"]), pair[f"{side}_ids"] + [EOS] * pair.get(f"{side}_ended", True)
 
 
 def rm_expected(scalar, batches, c):
@@ -690,6 +691,8 @@ def test_trpo_update(tiny_sft, tmp_path):
 # DPO (Rafailov et al. eq. 7) and IPO (Azar et al. section 5): the reference log-probs, beta / tau, the warm-up
 
 def preference_expected(gpt, batches, c):
+    """SGD on DPO's or IPO's loss per batch of pairs against the frozen reference (c["ref_follows"]: a wrong one, the
+    policy of the step before standing in for the reference)."""
     ref, model, grads = frozen(gpt), copy.deepcopy(gpt), []
 
     def seq_logp(m, pair, side):
@@ -697,6 +700,8 @@ def preference_expected(gpt, batches, c):
         lp = token_logp(completion_logits(m, prompt, ids), ids)
         return lp.mean() if c["mean"] else lp.sum()
     for step, pairs in enumerate(batches):
+        if c.get("ref_follows") and step > 0:
+            ref = frozen(model)
         loss = 0.0
         for p in pairs:
             with torch.no_grad():
@@ -731,6 +736,75 @@ def test_dpo_and_ipo_update(case, tiny_sft, tmp_path):
     model, grads = preference_expected(gpt, batches, c)
     wrong = [(f"{k} {v}", preference_expected(gpt, batches, {**c, k: v})) for k, v in defaults.items()]
     check_grads(result, grads, far=[(k, g) for k, (_, g) in wrong if k != "warmup 0" and not k.startswith("wd")])
+    check_weights(result, model, far=[(k, m) for k, (m, _) in wrong])
+
+
+def test_online_dpo_update(tiny_sft, tmp_path):
+    """Online DPO (Guo et al. 2024): two steps of DPO's loss on the pairs it samples and judges (the fixed completions
+    here: best and worst by the verifier), against the frozen reference at both steps. The reference taken from the
+    policy after step 1 (a planted bug once survived) is told apart, as are beta and the warm-up."""
+    flags = ["--steps", "2", "--batch_size", "4", "--group_size", "3", "--precedence_share", "1", "--lr", "0.5",
+             "--warmup", "3", "--grad_clip", "1e9", "--beta", "0.5"]
+    result = train("online_dpo", ["--init", tiny_sft, *flags], str(tmp_path))
+    batches = [e["pairs"] for e in result.of("pair_batch")]
+    assert len(batches) == 2 and all(len(b) >= 1 for b in batches)
+    c = {"loss": "dpo", "beta": 0.5, "lr": 0.5, "warmup": 3, "mean": False, "wd": 0.0}
+    gpt = f64(result.model, result.start)
+    model, grads = preference_expected(gpt, batches, c)
+    wrong = [(name, preference_expected(gpt, batches, {**c, **w})) for name, w in
+             [("the reference following the policy", {"ref_follows": True}), ("beta 0.1", {"beta": 0.1}),
+              ("no warm-up", {"warmup": 0}), ("--seq_logp mean", {"mean": True})]]
+    check_grads(result, grads, far=[(k, g) for k, (_, g) in wrong if k != "no warm-up"])
+    check_weights(result, model, far=[(k, m) for k, (m, _) in wrong])
+
+
+def reference_free_expected(gpt, batches, c):
+    """SGD on SimPO's (Meng et al. 2024, eq. 6) or ORPO's (Hong et al. 2024, eq. 6) loss per batch of pairs, on each
+    side's average token log-prob (c["sum"]: a wrong one, the sum)."""
+    model, grads = copy.deepcopy(gpt), []
+
+    def avg_logp(pair, side):
+        prompt, ids = pair_ids(pair, side)
+        lp = token_logp(completion_logits(model, prompt, ids), ids)
+        return lp.sum() if c.get("sum") else lp.mean()
+    log_odds = lambda a: a - torch.log(-torch.expm1(a))                  # log p / (1 - p), p = exp(a)
+    for step, pairs in enumerate(batches):
+        loss = 0.0
+        for p in pairs:
+            a_c, a_r = avg_logp(p, "chosen"), avg_logp(p, "rejected")
+            if c["loss"] == "simpo":                                     # -log sigmoid(beta (a_w - a_l) - gamma)
+                loss = loss - F.logsigmoid(c["beta"] * (a_c - a_r) - c["gamma"])
+            else:                                                        # NLL of the chosen + lam L_OR
+                loss = loss - a_c - c["lam"] * F.logsigmoid(log_odds(a_c) - log_odds(a_r))
+        g = grad_of(loss / len(pairs), model)
+        grads.append(g)
+        sgd_step(model, g, c["lr"] * min(1.0, (step + 1) / max(c["warmup"], 1)))
+    return model, grads
+
+
+REFERENCE_FREE = {   # name: (flags, settings, the defaults of the flags under test, and wrong updates)
+    "simpo": (["--beta", "3.0", "--gamma", "0.5"], {"loss": "simpo", "beta": 3.0, "gamma": 0.5},
+              {"beta": 2.0, "gamma": 1.0}),
+    "orpo": (["--lam", "0.5"], {"loss": "orpo", "lam": 0.5}, {"lam": 0.1}),
+}
+
+
+@pytest.mark.parametrize("script", list(REFERENCE_FREE))
+def test_simpo_and_orpo_update(script, tiny_sft, tmp_path):
+    """Two steps of SimPO's and ORPO's losses on the recorded pairs, no reference; each flag moves the update, and so
+    does a loss fed summed log-probs where it wants their average (a planted bug once survived)."""
+    flags, settings, defaults = REFERENCE_FREE[script]
+    c = {"lr": 0.5, "warmup": 3, **settings}
+    common = ["--steps", "2", "--batch_size", "4", "--n_pairs", "8", "--lr", "0.5", "--warmup", "3", "--grad_clip",
+              "1e9"]
+    result = train(script, ["--init", tiny_sft, *common, *flags], str(tmp_path))
+    batches = [e["pairs"] for e in result.of("pair_batch")]
+    assert [len(b) for b in batches] == [4, 4]
+    gpt = f64(result.model, result.start)
+    model, grads = reference_free_expected(gpt, batches, c)
+    wrong = [(f"{k} {v}", reference_free_expected(gpt, batches, {**c, k: v})) for k, v in defaults.items()]
+    wrong.append(("summed log-probs", reference_free_expected(gpt, batches, {**c, "sum": True})))
+    check_grads(result, grads, far=[(k, g) for k, (_, g) in wrong])
     check_weights(result, model, far=[(k, m) for k, (m, _) in wrong])
 
 
