@@ -808,6 +808,60 @@ def test_simpo_and_orpo_update(script, tiny_sft, tmp_path):
     check_weights(result, model, far=[(k, m) for k, (m, _) in wrong])
 
 
+def kto_expected(gpt, batches, c):
+    """SGD on KTO's loss (Ethayarajh et al. 2024, eq. 8) per batch of (prompt, completion, ended) examples: the mean
+    of lambda_y - v(x, y), r = log pi(y|x) - log pi_ref(y|x), z0 = max(0, the mean r of the batch's mismatched pairs
+    (prompt k, completion k+1), no gradient), desirable = the verifier's right answer."""
+    ref, model, grads, estimates = frozen(gpt), copy.deepcopy(gpt), [], []
+
+    def seq_logp(m, prompt, ids, ended):
+        ids = list(ids) + [EOS] * ended
+        lp = token_logp(completion_logits(m, TOK.encode(prompt), ids), ids)
+        return lp.mean() if c["mean"] else lp.sum()
+    for step, (prompts, completions, ended) in enumerate(batches):
+        n = len(prompts)
+        with torch.no_grad():
+            mismatched = [(prompts[k], completions[(k + 1) % n], ended[(k + 1) % n]) for k in range(n)]
+            estimates.append(sum(seq_logp(model, *x) - seq_logp(ref, *x) for x in mismatched).item() / n)
+            z0 = max(0.0, estimates[-1])
+        loss = 0.0
+        for prompt, ids, end in zip(prompts, completions, ended):
+            with torch.no_grad():
+                ref_lp = seq_logp(ref, prompt, ids, end)
+            r = seq_logp(model, prompt, ids, end) - ref_lp
+            if task.reward(prompt, TOK.decode(ids)) == 1.0:              # desirable
+                loss = loss + c["lambda_d"] - c["lambda_d"] * torch.sigmoid(c["beta"] * (r - z0))
+            else:
+                loss = loss + c["lambda_u"] - c["lambda_u"] * torch.sigmoid(c["beta"] * (z0 - r))
+        g = grad_of(loss / n, model)
+        grads.append(g)
+        sgd_step(model, g, c["lr"] * min(1.0, (step + 1) / max(c["warmup"], 1)))
+    return model, grads, estimates
+
+
+def test_kto_update(tiny_sft, tmp_path):
+    """Two steps of KTO on the recorded examples (the fixed completions: right and wrong ones), the KL estimate behind
+    z0 from the mismatched pairs at each step (prompt k, completion k+1; 0 at the first, where the policy is the
+    reference, and the logged one at the second: negative here, so z0 = max(0, it) = 0); beta and lambda_U move the
+    update."""
+    flags = ["--steps", "2", "--batch_size", "4", "--n_examples", "8", "--lr", "0.5", "--warmup", "3",
+             "--grad_clip", "1e9", "--beta", "0.5", "--lambda_u", "1.5"]
+    result = train("kto", ["--init", tiny_sft, *flags], str(tmp_path))
+    batches = [(e["prompts"], e["completions"], e["ended"]) for e in result.of("completion_batch")]
+    assert [len(b[0]) for b in batches] == [4, 4]
+    labels = [task.reward(p, TOK.decode(y)) == 1.0 for b in batches for p, y in zip(b[0], b[1])]
+    assert any(labels) and not all(labels)                             # both kinds of example
+    c = {"lr": 0.5, "warmup": 3, "beta": 0.5, "lambda_d": 1.0, "lambda_u": 1.5, "mean": False}
+    gpt = f64(result.model, result.start)
+    model, grads, estimates = kto_expected(gpt, batches, c)
+    logged = [m["kl_estimate"] for m in result.metrics if "kl_estimate" in m]
+    assert estimates[0] == 0 and logged[-1] == pytest.approx(estimates[1], rel=1e-4) and abs(estimates[1]) > 1e-2
+    wrong = [(name, kto_expected(gpt, batches, {**c, **w})[:2]) for name, w in
+             [("beta 0.1", {"beta": 0.1}), ("lambda_U 1.0", {"lambda_u": 1.0}), ("--seq_logp mean", {"mean": True})]]
+    check_grads(result, grads, far=[(k, g) for k, (_, g) in wrong])
+    check_weights(result, model, far=[(k, m) for k, (m, _) in wrong])
+
+
 # -----------------------------------------------------------------------------
 # SFT and expert iteration: the mean negative log-likelihood of the completion tokens and the EOS
 
