@@ -15,9 +15,11 @@ sys.path.insert(0, ROOT)
 import task  # noqa: E402
 
 
-def run_script(script, args, timeout=600):
-    """Run a project script in a subprocess from the repository root; returns the CompletedProcess."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # scripts use the PyTorch kernels on CPU
+def run_script(script, args, timeout=600, env=None):
+    """Run a project script in a subprocess from the repository root; returns the CompletedProcess. env: variables to
+    set for it (OMP_NUM_THREADS="1" where runs are compared bit for bit: more threads than one may split a sum
+    differently when the machine is busy)."""
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, **(env or {})}  # the PyTorch kernels
     return subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env=env)
 

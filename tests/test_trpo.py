@@ -369,7 +369,8 @@ def read_metrics(out):
 
 def test_script_runs_end_to_end_within_the_trust_region_and_resumes_bit_exactly(tiny_sft, tmp_path):
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
-    p = run_script("trpo.py", TINY + ["--steps", "3", "--init", tiny_sft, "--out", straight])
+    one = {"OMP_NUM_THREADS": "1"}    # compared bit for bit: one thread, one order of every sum, whatever the load
+    p = run_script("trpo.py", TINY + ["--steps", "3", "--init", tiny_sft, "--out", straight], env=one)
     assert p.returncode == 0, p.stderr
     assert "held-out greedy accuracy" in p.stdout and "done: 3 steps" in p.stdout
     rows = read_metrics(straight)
@@ -386,9 +387,9 @@ def test_script_runs_end_to_end_within_the_trust_region_and_resumes_bit_exactly(
         assert r["samples"] == 16 * r["step"]
     assert any(r["accepted"] for r in rows[1:])
 
-    p = run_script("trpo.py", TINY + ["--steps", "2", "--init", tiny_sft, "--out", split])
+    p = run_script("trpo.py", TINY + ["--steps", "2", "--init", tiny_sft, "--out", split], env=one)
     assert p.returncode == 0, p.stderr
-    p = run_script("trpo.py", TINY + ["--steps", "3", "--init", tiny_sft, "--out", split, "--resume"])
+    p = run_script("trpo.py", TINY + ["--steps", "3", "--init", tiny_sft, "--out", split, "--resume"], env=one)
     assert p.returncode == 0, p.stderr
     assert "resuming from" in p.stdout
     a, b = load_checkpoint(os.path.join(straight, "trpo.pt"))[1], load_checkpoint(os.path.join(split, "trpo.pt"))[1]
