@@ -264,14 +264,18 @@ def actor(args, rank):
             batch, logp = task.rollout(policy, tok, prompts, args.group_size, args.temperature, Tn, 0.0, gen,
                                        return_logprobs=True)                       # logp (n, Tn): the sampler's own
         now = time.time()
-        dist.send(pack(batch, logp, GROUPS, version, step, now - t, now - t_last, chunk_size(args, Tp, Tn), Tp, Tn,
-                       tok.pad_id), dst=0, tag=CHUNK)
+        try:
+            dist.send(pack(batch, logp, GROUPS, version, step, now - t, now - t_last, chunk_size(args, Tp, Tn), Tp, Tn,
+                           tok.pad_id), dst=0, tag=CHUNK)
+        except RuntimeError:                        # the connection closed: the learner is gone, and says why
+            return
         t_last = now
         step += 1
     if local and os.getppid() != parent:
         return
-    dist.send(pack(None, None, GOODBYE, version, step, 0, 0, chunk_size(args, Tp, Tn), Tp, Tn, tok.pad_id), dst=0,
-              tag=CHUNK)                                                           # the last message
+    with contextlib.suppress(RuntimeError):         # the learner may be gone already
+        dist.send(pack(None, None, GOODBYE, version, step, 0, 0, chunk_size(args, Tp, Tn), Tp, Tn, tok.pad_id), dst=0,
+                  tag=CHUNK)                                                       # the last message
 
 
 # -----------------------------------------------------------------------------
@@ -449,6 +453,29 @@ def free_port():
         return s.getsockname()[1]
 
 
+def rendezvous(rank, world, procs):
+    """gloo's process group, joined in a thread while this one watches the local actors (and Ctrl-C): an actor that dies
+    before every process has joined would otherwise leave the learner waiting out gloo's 30-minute timeout."""
+    joined = []
+
+    def join():
+        try:
+            dist.init_process_group("gloo", rank=rank, world_size=world)
+            joined.append(True)
+        except Exception:                           # noqa: BLE001 - said below, in one line
+            pass
+    thread = threading.Thread(target=join, daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(timeout=0.1)
+        for a, p in enumerate(procs, 1):
+            if p.poll() is not None:
+                raise SystemExit(f"error: actor {a} (pid {p.pid}) exited with code {p.returncode} before the processes "
+                                 f"had met; nothing was trained")
+    if not joined:
+        raise SystemExit("error: the processes could not form their group (gloo's rendezvous failed)")
+
+
 def main(args):
     omp, per_process = os.environ.get("OMP_NUM_THREADS", ""), max(1, (os.cpu_count() or 1) // (args.actors + 1))
     torch.set_num_threads(args.threads or (int(omp) if omp.isdigit() else per_process))
@@ -457,23 +484,30 @@ def main(args):
         env = {**os.environ, "WORLD_SIZE": str(args.actors + 1), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(free_port())}
         os.environ.update(env, RANK="0")
-        procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *sys.argv[1:]],
+        handler = signal.signal(signal.SIGINT, signal.SIG_IGN)   # the actors ignore Ctrl-C from their first instant:
+        procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *sys.argv[1:]],   # the learner decides
                                   env={**env, "RANK": str(a)}) for a in range(1, args.actors + 1)]
+        signal.signal(signal.SIGINT, handler)
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     code = 0
     try:
         if world != args.actors + 1:
             raise SystemExit(f"error: {world} processes for --actors {args.actors}; allowed: --actors + 1 processes")
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        rendezvous(rank, world, procs)
         learner(args, procs) if rank == 0 else actor(args, rank)
     except SystemExit as e:                         # a refusal, a dead actor, Ctrl-C: said once, by the learner
         code = e.code if isinstance(e.code, int) else 1
         if isinstance(e.code, str):
             print(e.code, file=sys.stderr)
+    except KeyboardInterrupt:                       # Ctrl-C while the processes were still meeting: nothing to save
+        code = 130
+        print("stopped while starting: nothing was trained or written", file=sys.stderr)
     finally:
-        for p in procs:                             # no actor outlives the learner
+        for p in procs:                             # no actor outlives the learner (and none is left a zombie)
             if p.poll() is None:
                 p.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=10)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)                                  # gloo's threads may outlive a peer that left first

@@ -47,6 +47,7 @@ _R1_PROMPT = re.compile(re.escape(R1_TEMPLATE).replace(re.escape("{prompt}"), "(
 _R1_COMPLETION = re.compile(r"\s*<think>((?:(?!</?think>|</?answer>).)*)</think>\s*"
                             r"<answer>((?:(?!</?think>|</?answer>).)*)</answer>\s*", re.S)
 R1_EXTRA_TOKENS = 34           # ' <think></think> <answer></answer>' in bytes: what the R1 format adds to a completion
+R1_MAX_CHARS = 20_000          # a longer R1 completion scores 0 unread (its tag regexes are quadratic in the length)
 _R1_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
 
 _task, _format = arithmetic.task(), "plain"     # the default; use(args) replaces both
@@ -200,8 +201,10 @@ def reward(prompt, completion, format_weight=0.0):
     """1.0 for a correct answer, else 0.0; plus format_weight if the completion is well formed. Never raises."""
     if _format == "plain":
         return _task.reward(prompt, completion, format_weight)
+    if not isinstance(completion, str) or len(completion) > R1_MAX_CHARS:   # unread: the tag regexes stay fast
+        return 0.0
     problem = _problem(prompt)
-    answers = _R1_ANSWER.findall(completion) if isinstance(completion, str) else []
+    answers = _R1_ANSWER.findall(completion)
     correct = bool(answers) and problem is not None and _task.score_answer(problem, answers[-1])
     well_formed = isinstance(completion, str) and _R1_COMPLETION.fullmatch(completion) is not None
     return float(correct) + format_weight * float(well_formed)

@@ -194,3 +194,37 @@ def test_ctrl_c_stops_every_process_and_says_how_to_resume(tiny_sft, tmp_path):
     time.sleep(0.5)
     left = subprocess.run(["pgrep", "-g", str(p.pid)], capture_output=True, text=True).stdout.split()
     assert left == [], left                                        # no orphaned actor
+
+
+@pytest.mark.parametrize("after", [0.0, 1.0])
+def test_ctrl_c_while_the_processes_start_ends_every_one_at_once(tiny_sft, tmp_path, after):
+    """A Ctrl-C as soon as the learner has started its actor (`after` seconds later), while the actor is still
+    importing torch or meeting the learner: the actor ignores it from its first instant, the learner stops within
+    seconds with one line (it used to hang in gloo's rendezvous until SIGKILL), and no process is left."""
+    p = launch(SMALL + ["--steps", "100000", "--eval_every", "1000", "--init", tiny_sft, "--out", str(tmp_path)])
+    t = time.time()
+    while not subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split():
+        assert time.time() - t < 120 and p.poll() is None, p.communicate()
+        time.sleep(0.05)
+    time.sleep(after)
+    os.killpg(p.pid, signal.SIGINT)
+    stdout, stderr = p.communicate(timeout=60)
+    assert p.returncode == 130 and "Traceback" not in stderr, stdout[-2000:] + stderr[-2000:]
+    time.sleep(0.5)
+    assert subprocess.run(["pgrep", "-g", str(p.pid)], capture_output=True, text=True).stdout.split() == []
+
+
+def test_a_killed_learner_leaves_the_actors_quietly(tiny_sft, tmp_path):
+    """SIGKILL of the learner: every actor ends without a gloo traceback."""
+    p = launch(SMALL + ["--steps", "100000", "--eval_every", "1000", "--init", tiny_sft, "--out", str(tmp_path)])
+    t = time.time()
+    while not os.path.exists(tmp_path / "async_grpo" / "metrics.jsonl") or len(rows_of(str(tmp_path))) < 2:
+        assert time.time() - t < 120 and p.poll() is None, p.communicate()
+        time.sleep(0.2)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(timeout=30)
+    t = time.time()
+    while subprocess.run(["pgrep", "-g", str(p.pid)], capture_output=True, text=True).stdout.split():
+        assert time.time() - t < 30, "an actor outlived the learner"
+        time.sleep(0.2)
+    assert "Traceback" not in p.stderr.read()

@@ -159,3 +159,15 @@ def test_grpo_trains_on_countdown_from_a_countdown_sft_policy(tmp_path):
     assert "task countdown (plain format), 512 held-out problems" in p.stdout and "held-out greedy accuracy" in p.stdout
     rows = [json.loads(line) for line in open(f"{out}/grpo/metrics.jsonl")]
     assert rows[0]["step"] == 0 and rows[-1]["step"] == 2 and "eval_accuracy" in rows[-1]
+
+
+def test_the_r1_verifier_stays_fast_on_hostile_completions():
+    """400 kB of unclosed <answer> tags took the tag regex minutes (quadratic); past task.R1_MAX_CHARS a completion
+    scores 0 unread, and at the limit it is still well under a second."""
+    import time
+    task.use(task_args("arithmetic", "r1"))
+    prompt = task.eval_prompts()[0]
+    for text in ("<answer>1" * 50_000, ("<answer>" * 5000)[:task.R1_MAX_CHARS]):
+        t = time.time()
+        assert task.reward(prompt, text, 0.5) == 0.0 and time.time() - t < 1.0
+    task.use(task_args("arithmetic"))
