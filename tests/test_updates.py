@@ -28,7 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import task
 from conftest import ROOT
 from ddp_worker import fixed_completion
-from model import Tokenizer, load_checkpoint
+from model import Tokenizer, load_checkpoint, save_checkpoint
 from tasks import arithmetic
 
 WORKER = os.path.join(ROOT, "tests", "ddp_worker.py")
@@ -860,6 +860,52 @@ def test_kto_update(tiny_sft, tmp_path):
              [("beta 0.1", {"beta": 0.1}), ("lambda_U 1.0", {"lambda_u": 1.0}), ("--seq_logp mean", {"mean": True})]]
     check_grads(result, grads, far=[(k, g) for k, (_, g) in wrong])
     check_weights(result, model, far=[(k, m) for k, (m, _) in wrong])
+
+
+def distill_expected(student, teacher, rollouts, c):
+    """SGD on on-policy distillation's loss (Agarwal et al. 2024; Thinking Machines' recipe) per batch of the student's
+    samples: the mean over completion tokens of the exact KL(student || teacher) over the vocabulary at temperature
+    T, minus w (r_i - mean r) log p_student(y_t) (the optional verifier term). c["forward"]: a wrong one,
+    KL(teacher || student)."""
+    model, teacher, grads = copy.deepcopy(student), frozen(teacher), []
+    for rows in rollouts:
+        s_logits, t_logits = rows.logits(model, c["T"]), rows.logits(teacher, c["T"])
+        n = sum(len(ids) for ids in rows.ids)
+        adv = rows.rewards - rows.rewards.mean()                        # r_i - mean_j r_j
+        loss = 0.0
+        for i, (s, t, ids) in enumerate(zip(s_logits, t_logits, rows.ids)):
+            loss = loss + (exact_kl(t, s) if c.get("forward") else exact_kl(s, t)).sum()
+            loss = loss - c["w"] * adv[i] * token_logp(s, ids).sum()
+        g = grad_of(loss / n, model)
+        grads.append(g)
+        sgd_step(model, g, SGD_LR)
+    return model, grads
+
+
+def test_distill_update(tiny_sft, tmp_path):
+    """Two steps of on-policy distillation on the student's (fixed) samples, a teacher whose weights differ from the
+    student's everywhere: the exact reverse KL per token, the verifier term, the temperature on both sides; the
+    forward KL, no verifier term, T = 1 and the student as its own teacher are told apart."""
+    model, ckpt = load_checkpoint(tiny_sft)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    teacher_path = str(tmp_path / "teacher.pt")
+    save_checkpoint(teacher_path, model, ckpt["tokenizer"])
+    flags = ["--steps", "2", "--prompts_per_step", "4", "--group_size", "2", "--precedence_share", "1",
+             "--temperature", "0.7", "--reward_weight", "0.5", "--grad_clip", "1e9", "--teacher", teacher_path]
+    result = train("distill", ["--init", tiny_sft, *flags], str(tmp_path / "run"))
+    rollouts = [Rows.fixed(e["prompts"], 2) for e in result.of("rollout") if e["group_size"] == 2]  # (not the log's)
+    assert len(rollouts) == 2
+    c = {"T": 0.7, "w": 0.5}
+    student, teacher = f64(result.model, result.start), f64(load_checkpoint(teacher_path)[0])
+    expected, grads = distill_expected(student, teacher, rollouts, c)
+    wrong = [(name, distill_expected(s, teacher if t is None else t, rollouts, {**c, **w})) for name, w, s, t in
+             [("the forward KL", {"forward": True}, student, None), ("no verifier term", {"w": 0.0}, student, None),
+              ("T = 1", {"T": 1.0}, student, None), ("the student as its teacher", {}, student, student)]]
+    check_grads(result, grads, far=[(k, g) for k, (_, g) in wrong])
+    check_weights(result, expected, far=[(k, m) for k, (m, _) in wrong])
 
 
 # -----------------------------------------------------------------------------
