@@ -23,6 +23,9 @@ Environment:
     DDP_WORKER_NAN_RANK   this rank's log-probs are NaN
     DDP_WORKER_LR     the SGD learning rate in place of 0.1
 
+agent.py's episodes (task.episodes with a generator: training's, not the evaluation's) are played by a policy that
+writes a fixed plan (fixed_episode), the environment answering as it does; "episodes" records (prompts, group_size).
+
 The script name "orm" runs prm.py --train orm (its checkpoint is orm.pt); a --steps flag goes to expert_iteration.py
 as --rounds and is dropped for prm.py and orm (their --epochs, --batch_size and data size set the steps).
 """
@@ -35,10 +38,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import plumbing  # noqa: E402
 import task  # noqa: E402
-from tasks import arithmetic  # noqa: E402
+from tasks import arithmetic, toolcalc  # noqa: E402
 
 WIDTH = arithmetic.MAX_NEW_TOKENS  # completions padded to a fixed width: the same tensors whatever the batch
 EVENTS = []
+EPISODES, COMPLETE = task.episodes, task.complete
 
 
 def record(kind, **data):
@@ -82,10 +86,61 @@ def fixed_rollout(policy, tokenizer, prompts, group_size, temperature, max_new_t
 
 def fixed_complete(model, tokenizer, prompts, num_samples=1, temperature=0.0, max_new_tokens=None, batch_size=256,
                    generator=None, return_ids=False):
-    """task.complete's contract, with the fixed completions (expert_iteration.py's and prm.py's samples)."""
+    """task.complete's contract, with the fixed completions (expert_iteration.py's and prm.py's samples); the tool
+    task's evaluation (agent.py's) samples its episodes."""
+    if task.name() == "toolcalc":
+        return COMPLETE(model, tokenizer, prompts, num_samples, temperature, max_new_tokens, batch_size, generator,
+                        return_ids)
     record("complete", prompts=list(prompts), n=num_samples)
     texts = [fixed_completion(p, j) for p in prompts for j in range(num_samples)]
     return (texts, [tokenizer.encode(t) for t in texts]) if return_ids else texts
+
+
+def fixed_episode(prompt, j, turns):
+    """Episode j of a tool-task prompt as the worker's policy plays it: [(text, who)] in order, who "policy" or "env",
+    None as text for the policy's EOS. The first attempt by j % 4: a call (right), the head with the product or the
+    last result off (wrong), a call the calculator refuses, a run-on with no answer (40 tokens: past any budget below
+    it, the episode truncated); with turns 2, REVISE and the second: the head off, a call, the head (right)."""
+    r, head = toolcalc.answer(prompt), toolcalc.attempt(prompt, slip=toolcalc.is_hard(prompt))   # right, in the head
+    call = [(f"<{prompt[:-1]}>", "policy"), (str(r), "env"), (f"#{r}", "policy")]
+    wrong = [(toolcalc.synthetic_mistake(prompt), "policy")]
+    refused = [(f"<{prompt[:-1]}x>", "policy"), ("error", "env"), ("#0", "policy")]
+    first = [call, wrong, refused, [("1+" * 20, "policy")]][j % 4] + [(None, "policy")]
+    second = [wrong, call, [(head, "policy")], []][j % 4] + [(None, "policy")]
+    return first + ([(toolcalc.REVISE, "env")] + second if turns == 2 else [])
+
+
+class Planned(torch.nn.Module):
+    """A policy that puts all its probability on the next token of each row's plan (token ids after the prompt; an EOS
+    past its end), whatever it was fed: where the environment writes, its choice is not used, so an episode is its
+    plan when the environment writes what the plan says it does."""
+
+    def __init__(self, config, plans, device, eos_id):
+        super().__init__()
+        self.config, self.plans, self.eos_id, self.k = config, plans, eos_id, 0
+        self.anchor = torch.nn.Parameter(torch.zeros(1, device=device))     # next(parameters()).device
+
+    def forward(self, idx, mask=None, cache=None):
+        self.k = 0 if cache.length == 0 else self.k + 1                      # the position being sampled
+        cache.length += idx.size(1)
+        logits = torch.zeros(idx.size(0), idx.size(1), self.config.vocab_size, device=idx.device)
+        for i, plan in enumerate(self.plans):
+            logits[i, -1, plan[self.k] if self.k < len(plan) else self.eos_id] = 100.0
+        return logits
+
+
+def fixed_episodes(policy, tokenizer, prompts, group_size=1, temperature=1.0, max_new_tokens=None, max_calls=None,
+                   turns=1, tool=True, generator=None):
+    """task.episodes with the planned policy when agent.py samples for training (a generator and --max_calls given);
+    the held-out evaluation's (greedy, or task.complete's samples) as is."""
+    if generator is None or max_calls is None:
+        return EPISODES(policy, tokenizer, prompts, group_size, temperature, max_new_tokens, max_calls, turns, tool)
+    record("episodes", prompts=list(prompts), group_size=group_size)
+    plans = [sum(([tokenizer.eos_id] if text is None else tokenizer.encode(text) for text, _ in
+                  fixed_episode(p, j, turns)), []) for p in prompts for j in range(group_size)]
+    planned = Planned(policy.config, plans, next(policy.parameters()).device, tokenizer.eos_id)
+    return EPISODES(planned, tokenizer, prompts, group_size, temperature, max_new_tokens, max_calls, turns, tool,
+                    generator)
 
 
 def fixed_ppo_rollout(policy, tok, prompts, temperature, max_new_tokens, generator, device, autocast):
@@ -188,6 +243,7 @@ if __name__ == "__main__":
     script = importlib.import_module(name)
     task.rollout = fixed_rollout
     task.complete = fixed_complete
+    task.episodes = fixed_episodes
     recording_batches()
     torch.optim.AdamW = sgd
     if name == "ppo":

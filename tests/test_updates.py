@@ -1,11 +1,12 @@
 """One exact update per training script: what each loop feeds its loss, not only the loss.
 
-Each script runs through tests/ddp_worker.py: fixed completions (a function of the prompt and the sample's index), plain
-SGD in place of AdamW, and a record of what each step was fed (the prompts, the batches) and of each optimiser step's
-gradient. The test rebuilds every sequence from the recorded prompts and texts alone (its own tokens, one sequence at a
-time with no padding, its own position slices, its own rewards and labels), writes the loss again from the paper's
-equation in float64 on a float64 copy of the starting weights, and asks for the same gradient at every optimiser step
-and the same weights at the end (SGD: w - lr (g + wd w), with the learning rate of the test's own schedule).
+Each script runs through tests/ddp_worker.py: fixed completions (a function of the prompt and the sample's index;
+agent.py's episodes planned so, the environment answering), plain SGD in place of AdamW, and a record of what each step
+was fed (the prompts, the batches) and of each optimiser step's gradient. The test rebuilds every sequence from the
+recorded prompts and texts alone (its own tokens, one sequence at a time with no padding, its own position slices, its
+own rewards and labels), writes the loss again from the paper's equation in float64 on a float64 copy of the starting
+weights, and asks for the same gradient at every optimiser step and the same weights at the end (SGD: w - lr (g + wd w),
+with the learning rate of the test's own schedule).
 
 The first step of an RL run starts with the policy equal to the reference and the ratio at 1: there the KL terms have
 no gradient and the clip never acts. So every RL case runs a second pass or a second step, simulated here too, with a
@@ -26,10 +27,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import task
-from conftest import ROOT
-from ddp_worker import fixed_completion
-from model import Tokenizer, load_checkpoint, save_checkpoint
-from tasks import arithmetic
+from conftest import ROOT, task_args
+from ddp_worker import fixed_completion, fixed_episode
+from model import GPT, GPTConfig, Tokenizer, load_checkpoint, save_checkpoint
+from tasks import arithmetic, toolcalc
 
 WORKER = os.path.join(ROOT, "tests", "ddp_worker.py")
 TOK = Tokenizer()
@@ -906,6 +907,123 @@ def test_distill_update(tiny_sft, tmp_path):
               ("T = 1", {"T": 1.0}, student, None), ("the student as its teacher", {}, student, student)]]
     check_grads(result, grads, far=[(k, g) for k, (_, g) in wrong])
     check_weights(result, expected, far=[(k, m) for k, (m, _) in wrong])
+
+
+# -----------------------------------------------------------------------------
+# The agent: GRPO on episodes, the environment's tokens context only, each attempt on its own reward (SCoRe's shaping)
+
+class Episode:
+    """One of the worker's planned episodes (ddp_worker.fixed_episode) played out by the environment's rules, rebuilt
+    here from its parts: the ids after the prompt, which of them the policy wrote, each one's attempt, and each
+    attempt's text, calls and whether the episode reached it. The rules: the policy's tokens and a tool's reply count
+    against the attempt's budget, its EOS and REVISE (the second attempt's start) do not; the episode ends as soon as
+    an attempt has used its budget."""
+
+    def __init__(self, prompt, j, turns, budget):
+        self.prompt, self.prompt_ids = prompt, TOK.encode(prompt)
+        self.ids, self.policy, self.turn = [], [], []
+        self.texts, self.calls, self.reached = [""] * turns, [0] * turns, [True] + [False] * (turns - 1)
+        k, used = 0, 0
+        for text, who in fixed_episode(prompt, j, turns):
+            if text == toolcalc.REVISE:
+                k, used = k + 1, 0
+                self.reached[k] = True
+            if who == "policy" and text is not None:
+                self.calls[k] += text.count("<")
+            for t in [EOS] if text is None else TOK.encode(text):
+                self.ids.append(t)
+                self.policy.append(who == "policy")
+                self.turn.append(k)
+                if text is not None and text != toolcalc.REVISE:
+                    self.texts[k] += TOK.decode([t])
+                    used += 1
+                    if used == budget:
+                        return                                          # truncated: no EOS, no later attempt
+
+
+def agent_expected(gpt, batches, c):
+    """mu SGD passes per batch of episodes on agent.py's loss, c the settings: r_k = right_k - c calls_k, + alpha
+    (right_2 - right_1) on the second; A per attempt over the group's episodes that reached it; then
+    1/B sum_i 1/|o_i| sum_(t in o_i) [-min(rho A, clip(rho) A) + beta k3], o_i the policy's tokens. Planted mistakes:
+    c["env"] the environment's tokens in o_i; c["eos_env"] attempt 1's EOS taken for the environment's; c["one_reward"]
+    the last attempt's A on every token; c["all_groups"] attempt 2's group over every episode; c["norm_all"] 1/|o_i|
+    over every token of the episode."""
+    ref, model, grads = frozen(gpt), copy.deepcopy(gpt), []
+    for eps in batches:
+        B, K, G = len(eps), c["turns"], c["G"]
+        right = torch.tensor([[float(task.reward(e.prompt, t) == 1.0) for t in e.texts] for e in eps],
+                             dtype=torch.float64)                                           # (B, K)
+        r = right - c["cost"] * torch.tensor([e.calls for e in eps], dtype=torch.float64)   # (B, K)
+        if K == 2:
+            r[:, 1] += c["alpha"] * (right[:, 1] - right[:, 0])
+        A = torch.zeros(B, K, dtype=torch.float64)
+        for k in range(K):
+            for g in range(B // G):
+                rows = [i for i in range(g * G, (g + 1) * G) if eps[i].reached[k] or c.get("all_groups")]
+                x = r[rows, k]
+                if len(rows) and not (x == x[0]).all():
+                    A[rows, k] = (x - x.mean()) / (torch.sqrt(((x - x.mean()) ** 2).mean()) + 1e-6)
+        masks = []
+        for e in eps:
+            m = torch.tensor([1.0 if p or c.get("env") else 0.0 for p in e.policy], dtype=torch.float64)
+            if c.get("eos_env") and K == 2 and e.reached[1]:
+                m[e.ids.index(EOS)] = 0.0                               # the first attempt's EOS
+            masks.append(m)
+        adv = [A[i, [K - 1 if c.get("one_reward") else k for k in e.turn]] for i, e in enumerate(eps)]
+        logps = lambda m: [token_logp(completion_logits(m, e.prompt_ids, e.ids, c["T"]), e.ids) for e in eps]
+        with torch.no_grad():
+            old, ref_lp = logps(model), logps(ref)
+        for _ in range(c["mu"]):
+            total = 0.0
+            for i, lp in enumerate(logps(model)):
+                ratio = torch.exp(lp - old[i])
+                pg = -torch.min(ratio * adv[i], ratio.clamp(1 - c["clip"], 1 + c["clip"]) * adv[i])
+                per_token = (pg + c["beta"] * kl_estimate(lp, ref_lp[i], "k3")) * masks[i]
+                total = total + per_token.sum() / (len(lp) if c.get("norm_all") else masks[i].sum()) / B
+            g = grad_of(total, model)
+            grads.append(g)
+            sgd_step(model, g, SGD_LR)
+    return model, grads
+
+
+AGENT = {"T": 0.7, "beta": 0.3, "clip": 0.1, "cost": 0.3, "alpha": 0.5, "mu": 2, "G": 4, "turns": 1}
+AGENT_BUDGET = 34              # the longest planned attempt is 30 tokens; the run-on's 40 are cut
+AGENT_FLAGS = ["--steps", "2", "--mu", "2", "--prompts_per_step", "4", "--group_size", "4", "--precedence_share", "0.5",
+               "--temperature", "0.7", "--beta", "0.3", "--clip_eps", "0.1", "--call_cost", "0.3", "--shaping", "0.5",
+               "--max_new_tokens", str(AGENT_BUDGET), "--grad_clip", "1e9"]
+AGENT_CASES = {   # name: (flags, settings, the defaults of the flags under test and the planted mistakes)
+    "one attempt": ([], {}, [{"T": 1.0}, {"beta": 0.04}, {"clip": 0.2}, {"cost": 0.1}, {"env": True},
+                             {"norm_all": True}, {"beta": -0.3}]),
+    "--turns 2": (["--turns", "2"], {"turns": 2},
+                  [{"alpha": 1.0}, {"eos_env": True}, {"one_reward": True}, {"all_groups": True}, {"env": True}]),
+    "--turns 2 --train_on_env_tokens": (["--turns", "2", "--train_on_env_tokens"], {"turns": 2, "env": True},
+                                        [{"env": False}]),
+}
+
+
+@pytest.mark.parametrize("case", list(AGENT_CASES))
+def test_agent_update(case, tmp_path):
+    """Two steps of two passes on planned episodes from random weights (a tool call answered, a wrong answer in the
+    head, a call the calculator refuses, a run-on cut by the budget; with --turns 2 a second attempt after REVISE, or
+    none): the masks, attempts, rewards and advantages rebuilt from the plans by the environment's rules, the loss
+    from the docstring's equation. Each flag at its default and each planted mistake is told apart."""
+    flags, settings, wrong = AGENT_CASES[case]
+    c = {**AGENT, **settings}
+    task.use(task_args("toolcalc"))
+    torch.manual_seed(0)
+    init = str(tmp_path / "init.pt")
+    save_checkpoint(init, GPT(GPTConfig(vocab_size=TOK.vocab_size, block_size=96, n_layer=2, n_head=2, n_embd=32)),
+                    TOK.name)
+    result = train("agent", ["--init", init, *AGENT_FLAGS, *flags], str(tmp_path / "run"))
+    batches = [[Episode(p, j, c["turns"], AGENT_BUDGET) for p in e["prompts"] for j in range(e["group_size"])]
+               for e in result.of("episodes")]
+    assert len(batches) == 2 and {toolcalc.is_hard(e.prompt) for b in batches for e in b} == {True, False}
+    assert any(not all(e.policy) for e in batches[0]) and any(e.ids[-1] != EOS for e in batches[0])  # replies, cuts
+    gpt = f64(result.model, result.start)
+    model, grads = agent_expected(gpt, batches, c)
+    far = [(str(w), agent_expected(gpt, batches, {**c, **w})) for w in wrong]
+    check_grads(result, grads, far=[(k, g) for k, (_, g) in far])
+    check_weights(result, model, far=[(k, m) for k, (m, _) in far])
 
 
 # -----------------------------------------------------------------------------
