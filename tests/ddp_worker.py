@@ -18,13 +18,15 @@ Environment:
     DDP_WORKER_LOG    a path: what each step was fed, in order, for tests/test_updates.py to rebuild it (rank 0 only):
                       a list of {"kind": ..., ...}: "rollout" (prompts, group_size), "ppo_rollout" (prompts),
                       "complete" (prompts, n), "randperm" (perm: ppo.py's minibatch order), and the batches a loss saw
-                      (built with gradient enabled): "completion_batch" (prompts, completions), "pair_batch" (pairs);
+                      (built with gradient enabled): "completion_batch" (prompts, completions), "pair_batch" (pairs),
+                      "async_batch" (async_grpo.py's learner: what its actors sent, recording_unpack);
                       and each optimiser step, "step": its lr and gradients (after any clipping), per parameter group
     DDP_WORKER_NAN_RANK   this rank's log-probs are NaN
     DDP_WORKER_LR     the SGD learning rate in place of 0.1
 
 agent.py's episodes (task.episodes with a generator: training's, not the evaluation's) are played by a policy that
 writes a fixed plan (fixed_episode), the environment answering as it does; "episodes" records (prompts, group_size).
+async_grpo.py's actors are its own processes, sampling as they do; its learner (this process) records what they sent.
 
 The script name "orm" runs prm.py --train orm (its checkpoint is orm.pt); a --steps flag goes to expert_iteration.py
 as --rounds and is dropped for prm.py and orm (their --epochs, --batch_size and data size set the steps).
@@ -175,6 +177,20 @@ def recording_batches():
     task.completion_batch, task.pair_batch = completion_batch_, pair_batch_
 
 
+def recording_unpack(script):
+    """async_grpo.py's learner records each step's groups as it unpacks them: prompt ids (padding dropped), completion
+    rows (Tn ids each, padding kept: the test finds the EOS itself), rewards, behaviour log-probs and versions."""
+    unpack = script.unpack
+
+    def unpack_(*args, **kwargs):
+        batch, logp, version = unpack(*args, **kwargs)
+        record("async_batch", prompts=[p[m > 0].tolist() for p, m in zip(batch.prompt, batch.prompt_mask)],
+               tokens=batch.tokens.tolist(), rewards=batch.rewards.tolist(), logp=logp.cpu().clone(),
+               version=version.long().tolist())
+        return batch, logp, version
+    script.unpack = unpack_
+
+
 def recording_randperm():
     randperm = torch.randperm
 
@@ -251,6 +267,9 @@ if __name__ == "__main__":
         recording_randperm()
     if name == "trpo":
         trpo_init()
+    if name == "async_grpo":                        # its actors: `python async_grpo.py <flags>`, sampling as they do
+        recording_unpack(script)
+        sys.argv = [script.__file__, *argv]
     if os.environ.get("DDP_WORKER_NAN_RANK") == os.environ.get("RANK", "0"):    # this rank's log-probs are NaN
         completion_logprobs = script.completion_logprobs
         script.completion_logprobs = lambda *a, **k: completion_logprobs(*a, **k) * float("nan")

@@ -1027,6 +1027,86 @@ def test_agent_update(case, tmp_path):
 
 
 # -----------------------------------------------------------------------------
+# Asynchronous GRPO: one pass per batch of groups an actor sampled with older weights, each token weighted by pi / mu
+
+def async_rows(batch):
+    """The learner's groups as the test reads them: (prompt ids, completion ids up to and with the first EOS, or the
+    whole row of a completion that never ended, its text, the verifier's reward) per row."""
+    rows = []
+    for prompt_ids, row in zip(batch["prompts"], batch["tokens"]):
+        ids = row[:row.index(EOS) + 1] if EOS in row else row
+        prompt, text = TOK.decode(prompt_ids), TOK.decode([t for t in ids if t != EOS])
+        rows.append((prompt_ids, ids, task.reward(prompt, text)))
+    return rows
+
+
+def async_expected(gpt, batches, c):
+    """One SGD step per learner batch on 1/B sum_i 1/|o_i| sum_t sg(w_it) [-A_i rho'_it + beta k3_it], rho' = pi /
+    sg(pi), w from rho = pi_theta / mu (mu: the actor's recorded log-probs): 1, min(rho, C) or 1[1/C <= rho <= C];
+    a masked token still counts in |o_i|. Planted mistakes: c["w_grad"] w not detached; c["kept"] 1/|o_i| over the
+    kept tokens only. Returns (model, gradients, every step's rho)."""
+    model, ref, grads, rhos = copy.deepcopy(gpt), frozen(gpt), [], []
+    for batch in batches:
+        rows = async_rows(batch)
+        A = group_advantages(torch.tensor([r for _, _, r in rows], dtype=torch.float64), c["G"])
+        total, rho_step = 0.0, []
+        for i, (p, ids, _) in enumerate(rows):
+            lp = token_logp(completion_logits(model, p, ids, c["T"]), ids)
+            with torch.no_grad():
+                ref_lp = token_logp(completion_logits(ref, p, ids, c["T"]), ids)
+            rho = torch.exp((lp if c.get("w_grad") else lp.detach()) - batch["logp"][i, :len(ids)].double())
+            rho_step.append(rho.detach())
+            w = {"none": torch.ones_like(rho), "truncate": rho.clamp(max=c["cap"]),
+                 "mask": ((rho >= 1 / c["cap"]) & (rho <= c["cap"])).double()}[c["mode"]]
+            per_token = w * (-A[i] * torch.exp(lp - lp.detach()) + c["beta"] * kl_estimate(lp, ref_lp, "k3"))
+            n = (w > 0).sum() if c.get("kept") else len(ids)
+            total = total + per_token.sum() / n / len(rows)
+        g = grad_of(total, model)
+        grads.append(g)
+        rhos.append(rho_step)
+        sgd_step(model, g, c["lr"])
+    return model, grads, rhos
+
+
+ASYNC = {"T": 0.7, "beta": 0.3, "cap": 1.05, "lr": 0.1, "G": 4}
+ASYNC_FLAGS = ["--steps", "2", "--prompts_per_step", "4", "--group_size", "4", "--precedence_share", "1",
+               "--temperature", "0.7", "--beta", "0.3", "--is_cap", "1.05", "--max_lag", "1", "--sync_every", "2",
+               "--actors", "1", "--threads", "1", "--grad_clip", "1e9", "--eval_every", "2"]
+
+
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
+def test_async_grpo_update(mode, tiny_sft, tmp_path):
+    """Two learner steps of async_grpo.py (one actor, --max_lag 1, --sync_every 2: both steps' groups sampled with the
+    starting weights, the second trained one version later): the completions read from the token rows, the rewards
+    from their text, the importance weights from the actor's own log-probs (checked against the starting weights'),
+    the loss from the docstring's equation. No correction, T = 1, beta 0.04, a flipped KL sign and w with a gradient
+    (truncate; an indicator has none) or 1/|o_i| over the kept tokens (mask) are told apart."""
+    c = {**ASYNC, "mode": mode}
+    result = train("async_grpo", ["--init", tiny_sft, *ASYNC_FLAGS, "--is_correction", mode], str(tmp_path),
+                   lr=c["lr"])
+    batches = result.of("async_batch")
+    assert len(batches) == 2 and all(v == 0 for b in batches for v in b["version"])     # lags 0, then 1
+    gpt = f64(result.model, result.start)
+    for batch in batches:                          # mu: the actor's log-probs are the starting weights'
+        assert [r for _, _, r in async_rows(batch)] == batch["rewards"]
+        for i, (p, ids, _) in enumerate(async_rows(batch)):
+            with torch.no_grad():
+                err = (batch["logp"][i, :len(ids)].double() - token_logp(completion_logits(gpt, p, ids, c["T"]), ids))
+            assert err.abs().max() < 1e-4, f"row {i}: the actor's log-probs off by {err.abs().max():.2e}"
+    model, grads, rhos = async_expected(gpt, batches, c)
+    rho = torch.cat(rhos[1])                                   # the second step's: pi after one step / mu
+    assert ((rho - 1 / c["cap"]).abs().min() > 1e-5 and (rho - c["cap"]).abs().min() > 1e-5), "too close to call"
+    assert (rho > c["cap"]).any() and (rho < 1 / c["cap"]).any()    # the correction acts on both sides
+    wrong = [("no correction", {"mode": "none"}), ("T = 1", {"T": 1.0}), ("beta 0.04", {"beta": 0.04}),
+             ("a flipped KL sign", {"beta": -c["beta"]})]
+    wrong += [("1/|o_i| over the kept tokens", {"kept": True})] if mode == "mask" else [("w with a gradient",
+                                                                                         {"w_grad": True})]
+    far = [(name, async_expected(gpt, batches, {**c, **w})) for name, w in wrong]
+    check_grads(result, grads, far=[(k, g) for k, (_, g, _) in far])
+    check_weights(result, model, far=[(k, m) for k, (m, _, _) in far])
+
+
+# -----------------------------------------------------------------------------
 # SFT and expert iteration: the mean negative log-likelihood of the completion tokens and the EOS
 
 def nll_expected(gpt, batches, lrs, wd, max_norm=None, shift=0):
