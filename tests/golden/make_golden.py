@@ -10,6 +10,7 @@ Needs transformers and tokenizers, which are not in requirements.txt (the tests 
 run from the repository root:
 
     pip install transformers && python tests/golden/make_golden.py [FAMILY ...]   # default: every family
+    pip install peft && python tests/golden/make_golden.py --peft [FAMILY ...]     # peft.json (export.py --peft)
 
 Kept small: hidden size 32, 2 layers, a 320-token byte-level BPE vocabulary (about 300 KB in all).
 """
@@ -172,6 +173,39 @@ def main(names):
         make("qwen3", model, tok, "chatml.jinja", [ids["<|im_end|>"], ids["<|endoftext|>"]])
 
 
+PEFT_TARGETS = {"gpt2": ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"],
+                "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+
+
+def peft_golden(name):
+    """peft.json in a family's folder: the tensor names and shapes of the adapter folder PEFT writes for rank-2
+    adapters on every projection, and its adapter_config.json (what export.py --peft must match). Reads the folder's
+    model; changes no other file."""
+    import tempfile
+    from peft import LoraConfig, get_peft_model
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+    folder = os.path.join(HERE, name)
+    targets = PEFT_TARGETS["gpt2" if name == "gpt2" else "llama"]
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(folder),
+                           LoraConfig(r=2, lora_alpha=8, target_modules=targets, fan_in_fan_out=name == "gpt2",
+                                      task_type="CAUSAL_LM"))
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        with safe_open(os.path.join(tmp, "adapter_model.safetensors"), "pt") as f:
+            tensors = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+        config = json.load(open(os.path.join(tmp, "adapter_config.json")))
+    config["base_model_name_or_path"] = f"tests/golden/{name}"
+    with open(os.path.join(folder, "peft.json"), "w") as f:
+        json.dump({"targets": targets, "tensors": tensors, "adapter_config": config}, f, indent=1, sort_keys=True)
+    print(f"{name}: peft.json, {len(tensors)} adapter tensors")
+
+
 if __name__ == "__main__":
     import sys
-    main(sys.argv[1:] or ["gpt2", "llama", "qwen2", "llama3", "qwen3"])
+    names = [a for a in sys.argv[1:] if a != "--peft"] or ["gpt2", "llama", "qwen2", "llama3", "qwen3"]
+    if "--peft" in sys.argv:                   # the adapter goldens alone, from the folders as they are
+        for name in names:
+            peft_golden(name)
+    else:
+        main(names)
