@@ -158,8 +158,10 @@ def test_sft_masks_the_environments_text_out_of_its_loss():
     completion = "12*46=562,37+562=599#599" + toolcalc.REVISE + "<37+12*46>589#589"
     tokens, attn, mask = task.completion_batch(["37+12*46="], [completion], tok)
     targets = tokens[0, 1:][mask[0] > 0].tolist()                 # what the loss predicts
-    assert tok.decode(targets[:-1]) == "12*46=562,37+562=599#599<37+12*46>#589" and targets[-1] == tok.eos_id
-    assert attn.sum() == len("37+12*46=") + len(completion) + 1     # the environment's text stays in the context
+    first = len("12*46=562,37+562=599#599")                         # attempt 1 ends with the policy's own EOS
+    assert tok.decode(targets[:first]) == "12*46=562,37+562=599#599" and targets[first] == tok.eos_id
+    assert tok.decode(targets[first + 1:-1]) == "<37+12*46>#589" and targets[-1] == tok.eos_id
+    assert attn.sum() == len("37+12*46=") + len(completion) + 2     # the environment's text stays in the context
     task.use(task_args("arithmetic"))
     _, _, plain = task.completion_batch(["37+12*46="], [completion], tok)
     assert plain.sum() == len(completion) + 1                       # other tasks: every completion token
