@@ -522,8 +522,8 @@ def test_reward_model_update(reward_model_run):
     batches = [e["pairs"] for e in result.of("pair_batch")]
     assert len(batches) == 3 and all(len(b) == 8 for b in batches)
     for pairs in batches:                                            # chosen correct, rejected wrong
-        assert all(task.reward(p["prompt"], TOK.decode(p["chosen_ids"])) == 1.0 for p in pairs)
-        assert all(task.reward(p["prompt"], TOK.decode(p["rejected_ids"])) == 0.0 for p in pairs)
+        assert all(task.reward(p["prompt"], plain(p["chosen_ids"])) == 1.0 for p in pairs)
+        assert all(task.reward(p["prompt"], plain(p["rejected_ids"])) == 0.0 for p in pairs)
     scalar = f64(result.model, result.start)
     c = {"margin": 0.5, "read_early": 0, "schedule": True}
     model, grads = rm_expected(scalar, batches, c)
