@@ -54,6 +54,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 import task
 from kernels import kl_penalty
+from lora import merge, trainable
 from model import completion_logprobs
 from plumbing import SFT_PATH, TEMPERATURE, Float, Int, Run, add_run_flags, autocast, load_model, parser, pick_device
 
@@ -330,9 +331,11 @@ class Actors:
         return None if any(m is None for m in msgs) else msgs
 
     def publish(self, policy, version, stop=False):
+        """Send the weights to every actor (--lora_rank: merged, W + (alpha / r) B A: an actor holds a plain model)."""
         self.check_alive()
+        weights = merge(policy) if getattr(policy, "lora", None) else policy
         flat = torch.cat([torch.tensor([STOP if stop else GROUPS, float(version)]),
-                          parameters_to_vector(policy.parameters()).detach().float().cpu()])
+                          parameters_to_vector(weights.parameters()).detach().float().cpu()])
         for a in self.buffers:
             try:
                 dist.send(flat, dst=a, tag=WEIGHTS)
@@ -353,10 +356,9 @@ class Actors:
 def learner(args, procs):
     run = Run("async_grpo", args, batch_flag="prompts_per_step", solo=True)   # lock, log, resume: plumbing.py
     policy, tok = run.load_policy(args.init)        # the policy starts as the SFT policy ...
-    ref, _ = run.load_policy(args.init)             # ... which stays frozen as the reference
-    ref.requires_grad_(False)
+    ref = run.reference(args.init, policy)          # ... which stays frozen as the reference
     run.check_lengths(policy, tok, args.max_new_tokens)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=(0.9, 0.99))
+    optimizer = torch.optim.AdamW(trainable(policy), lr=args.lr, betas=(0.9, 0.99))
     run.resume(policy, optimizer)
     dist.barrier()                                  # the actors may load --init now
     P, G, K, temp = args.prompts_per_step, args.group_size, args.actors, args.temperature

@@ -42,6 +42,7 @@ import torch
 
 import task
 from kernels import entropy, kl, logprobs
+from lora import trainable
 from model import completion_logits, masked_mean
 from plumbing import TEMPERATURE, Float, Int, Run, add_run_flags, build_missing, parser, read_checkpoint
 
@@ -167,7 +168,7 @@ def load_models(run, args):
 def main(args):
     run = DistillRun("distill", args, batch_flag="prompts_per_step")  # device, seeds, lock, log, resume: plumbing.py
     policy, tok, teacher = load_models(run, args)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
+    optimizer = torch.optim.AdamW(trainable(policy), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     # the teacher's held-out accuracy, once per run (before resume: run.evaluate records the step it evaluated)
     teacher_eval = run.resume_ckpt.get("teacher_eval", {}) if args.resume else run.evaluate(teacher, tok)
     run.resume(policy, optimizer)

@@ -22,7 +22,8 @@ Deviations and choices the papers leave open (experiments/README.md says where e
   SFT weights with a fresh optimiser, on everything kept so far.
 - --hindsight keeps failed a+b*c= attempts for the problem they solve, (a+b)*c=; --demos s makes a share s of each
   round's data expert demonstrations (a warm buffer); both for experiments/early_experience.py.
-- A truncated completion that is kept is fine-tuned on with an EOS appended, as every kept completion.
+- A kept completion is fine-tuned on as it was sampled: with the stop token that ended it, and a truncated one with
+  none (an EOS it never sampled would teach it to stop there).
 - AdamW at a constant learning rate; no early stopping; one sampling temperature.
 
 Shapes: P prompts per round, N samples per prompt, B = P*N samples; T time, V vocabulary.
@@ -40,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 import task
+from lora import trainable
 from model import masked_mean, token_logprobs
 from plumbing import RM_PATH, SFT_PATH, TEMPERATURE, Float, Int, Run, add_run_flags, parser
 from tasks import arithmetic
@@ -75,8 +77,8 @@ def select(scores, completions, max_per_prompt, threshold=None):
 
 @torch.no_grad()
 def reward_model_scores(rm, tok, prompts, completions, device, batch_size=256):
-    """The reward model's score (B,) of each prompt + completion (token ids) + EOS, read at the EOS, as
-    reward_model.py trains it."""
+    """The reward model's score (B,) of each prompt + completion (token ids as sampled, the stop token last), read
+    at the last token, as reward_model.py trains it."""
     scores = []
     for i in range(0, len(prompts), batch_size):
         tokens, attn, _ = task.completion_batch(prompts[i:i + batch_size], completions[i:i + batch_size], tok, device)
@@ -124,7 +126,8 @@ def hindsight_pairs(prompts, texts, ids, N):
 
 def demonstrations(rng, n, precedence_share, tok):
     """A warm buffer's share, as RFT mixes its SFT data in: n demonstrations of fresh prompts, (prompt, ids) pairs."""
-    return [(p, tuple(tok.encode(task.demonstration(p)))) for p in task.sample_prompts(rng, n, precedence_share)]
+    return [(p, tuple(tok.encode(task.demonstration(p)) + [tok.eos_id]))
+            for p in task.sample_prompts(rng, n, precedence_share)]
 
 
 def all_gather(run, items):
@@ -179,7 +182,7 @@ def parse_args(argv=None):
 
 
 def new_optimizer(policy, args):
-    return torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
+    return torch.optim.AdamW(trainable(policy), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
 
 
 def main(args):

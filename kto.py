@@ -38,6 +38,7 @@ import torch
 
 import task
 from kernels import kl
+from lora import trainable
 from model import token_logprobs
 from plumbing import SFT_PATH, TEMPERATURE, Float, Int, Run, add_run_flags, parser
 
@@ -67,35 +68,33 @@ def kto_loss(policy_logp, ref_logp, desirable, ref_kl, beta=0.1, lambda_d=1.0, l
 # -----------------------------------------------------------------------------
 # Completions and pairs: sequence log-probs, batches, held-out metrics
 
-def example_logprobs(model, prompts, completions, tok, device, autocast, average=False, ended=None):
-    """Sequence log-probs log pi(y|x) (B,) of each prompt with its completion (token ids) under `model`; ended (B,)
-    bools: False for a sample that ran out of tokens, which gets no EOS (task.completion_batch)."""
-    tokens, attn, mask = task.completion_batch(prompts, completions, tok, device, ended)  # (B, T), (B, T), (B, T-1)
+def example_logprobs(model, prompts, completions, tok, device, autocast, average=False):
+    """Sequence log-probs log pi(y|x) (B,) of each prompt with its completion (token ids as task.completion_batch
+    takes them: as sampled, the stop token included when one ended it) under `model`."""
+    tokens, attn, mask = task.completion_batch(prompts, completions, tok, device)  # (B, T), (B, T), (B, T-1)
     with autocast:                                                           # (B, T-1) token log-probs
         logp = token_logprobs(model, tokens[:, :-1], attn[:, :-1], tokens[:, 1:])
     return sequence_logprobs(logp, mask, average)                            # (B,)
 
 
 @torch.no_grad()
-def all_logprobs(model, prompts, completions, tok, device, autocast, average=False, chunk=256, ended=None):
+def all_logprobs(model, prompts, completions, tok, device, autocast, average=False, chunk=256):
     """example_logprobs of every example under `model` (frozen, or scored without gradient), in chunks: (N,)."""
-    ended = [True] * len(prompts) if ended is None else ended
     return torch.cat([example_logprobs(model, prompts[i:i + chunk], completions[i:i + chunk], tok, device,
-                                       autocast, average, ended[i:i + chunk]) for i in range(0, len(prompts), chunk)])
+                                       autocast, average) for i in range(0, len(prompts), chunk)])
 
 
 def sample_examples(policy, tok, prompts, temperature, generator, autocast, chunk=256):
-    """One completion per prompt from `policy` (task.rollout), labelled by the verifier: (ids, desirable (N,) bool,
-    ended); ids are the sampled token ids, EOS dropped (task.completion_batch appends it to the ones that ended)."""
-    ids, correct, ended = [], [], []
+    """One completion per prompt from `policy` (task.rollout), labelled by the verifier: (ids, desirable (N,) bool);
+    ids are the sampled token ids, the stop token included when one ended the sample (none if it ran out of tokens:
+    no EOS is trained that was never sampled)."""
+    ids, correct = [], []
     for i in range(0, len(prompts), chunk):
         with autocast:
             batch = task.rollout(policy, tok, prompts[i:i + chunk], 1, temperature, generator=generator)
-        ids += [[t for t, m in zip(row, keep) if m and t != tok.eos_id]
-                for row, keep in zip(batch.tokens.tolist(), batch.mask.tolist())]
+        ids += [[t for t, m in zip(row, keep) if m] for row, keep in zip(batch.tokens.tolist(), batch.mask.tolist())]
         correct.append(batch.correct)
-        ended += (~batch.truncated).tolist()
-    return ids, torch.cat(correct), ended
+    return ids, torch.cat(correct)
 
 
 def batch_indices(step, n_examples, batch_size, seed):
@@ -167,10 +166,9 @@ def parse_args(argv=None):
 
 def main(args):
     run = Run("kto", args, batch_flag="batch_size")  # device, seeds, lock, log, resume, torchrun: plumbing.py
-    reference, tok = run.load_policy(args.init)     # pi_ref: the SFT policy, frozen ...
-    reference.requires_grad_(False)
-    model, _ = run.load_policy(args.init)           # ... and the policy's start
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
+    model, tok = run.load_policy(args.init)         # the policy starts as the SFT policy ...
+    reference = run.reference(args.init, model)     # ... which stays frozen as pi_ref
+    optimizer = torch.optim.AdamW(trainable(model), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     run.resume(model, optimizer)
     train_model = run.ddp(model)                    # DistributedDataParallel under torchrun, else the model itself
     # The data: one completion per training prompt, sampled from the reference policy with its own seed (the same on
@@ -178,12 +176,12 @@ def main(args):
     # held-out pairs are task.preference_dataset's (its cache), for metrics comparable with dpo.py's.
     prompts = task.sample_prompts(random.Random(args.seed), args.n_examples)
     gen = torch.Generator(device=run.device).manual_seed(args.seed)
-    ids, desirable, ended = sample_examples(reference, tok, prompts, args.temperature, gen, run.autocast)  # N, (N,)
+    ids, desirable = sample_examples(reference, tok, prompts, args.temperature, gen, run.autocast)  # N, (N,)
     eval_pairs = task.preference_pairs(task.eval_prompts(), reference, tok, seed=args.seed + 1,
                                        cache=os.path.join(args.out, "pairs_eval.json"))[:args.eval_n]
     run.samples = len(prompts)                      # the examples' cost: 1 completion sampled per training prompt
     average = args.seq_logp == "mean"
-    ref_logp_all = all_logprobs(reference, prompts, ids, tok, run.device, run.autocast, average, ended=ended)  # (N,)
+    ref_logp_all = all_logprobs(reference, prompts, ids, tok, run.device, run.autocast, average)     # (N,)
     eval_ref = all_logprobs(reference, [p["prompt"] for p in eval_pairs] * 2, [p["chosen_ids"] for p in eval_pairs]
                             + [p["rejected_ids"] for p in eval_pairs], tok, run.device, run.autocast, average)
     eval_ref = eval_ref[:len(eval_pairs)], eval_ref[len(eval_pairs):]
@@ -208,17 +206,16 @@ def main(args):
             group["lr"] = args.lr * min(1.0, (run.step + 1) / max(args.warmup, 1))
         step_idx = batch_indices(run.step, len(prompts), args.batch_size, args.seed)
         idx, other = run.shard(step_idx), run.shard(step_idx[1:] + step_idx[:1])  # this rank's share of both
-        x, y, y_ended = [prompts[i] for i in idx], [ids[i] for i in idx], [ended[i] for i in idx]
+        x, y = [prompts[i] for i in idx], [ids[i] for i in idx]
 
         # 2. the reference point z0: the KL estimate on the mismatched pairs, over every rank's, without gradient
-        y_mismatched, mismatched_ended = [ids[j] for j in other], [ended[j] for j in other]
+        y_mismatched = [ids[j] for j in other]
         kl_sum = 0.0
         for rows in run.micro_batches(len(idx)):
             xs, ys = [x[j] for j in rows.tolist()], [y_mismatched[j] for j in rows.tolist()]
-            es = [mismatched_ended[j] for j in rows.tolist()]
             with torch.no_grad():
-                kl_sum += (example_logprobs(model, xs, ys, tok, run.device, run.autocast, average, es)
-                           - example_logprobs(reference, xs, ys, tok, run.device, run.autocast, average, es)).sum()
+                kl_sum += (example_logprobs(model, xs, ys, tok, run.device, run.autocast, average)
+                           - example_logprobs(reference, xs, ys, tok, run.device, run.autocast, average)).sum()
         n_examples = run.all_sum(len(idx))
         kl_estimate = run.all_sum(kl_sum) / n_examples                       # mean log pi(y'|x)/pi_ref(y'|x)
         z0 = kl_estimate.clamp(min=0.0)                                      # z0 = max(0, KL estimate)
@@ -229,8 +226,7 @@ def main(args):
         loss, parts = 0.0, []
         for rows in run.micro_batches(len(idx), train_model):
             policy_logp = example_logprobs(train_model, [x[j] for j in rows.tolist()], [y[j] for j in rows.tolist()],
-                                           tok, run.device, run.autocast, average,
-                                           [y_ended[j] for j in rows.tolist()])  # (b,)
+                                           tok, run.device, run.autocast, average)   # (b,)
             losses, rewards = kto_loss(policy_logp, ref_logp[rows], labels[rows], z0, args.beta, lambda_d, lambda_u)
             part = losses.sum() / n_examples                                 # this part's share of the loss
             run.check_finite(part, f"lower --lr (now {args.lr})")

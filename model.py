@@ -55,20 +55,25 @@ FUSED_VOCAB = 8192   # completion_logprobs fuses the LM head and the log-softmax
 # Tokenizer
 
 class Tokenizer:
-    """tiktoken encoding plus the two special tokens the scripts need (eos_id, pad_id)."""
+    """tiktoken encoding plus the special tokens the scripts need: eos_id (what ends a demonstration), stop_ids (every
+    id that ends a completion, eos_id first), pad_id; and how a prompt is encoded (encode_prompt): after the folder's
+    BOS, or through its chat template (use_chat, --chat)."""
 
     def __init__(self, name="bytes"):
-        self.normalise = None
+        self.normalise, self.bos_prefix, self.template, self.chat = None, [], None, None
         if name.startswith("hf:"):                  # a Hugging Face folder's tokenizer.json (from_pretrained)
             folder = name[3:]
-            ranks, pat_str, special, self.normalise = pretrained_tokenizer_parts(folder)
+            ranks, pat_str, special, self.normalise, self.bos_prefix, marked = pretrained_tokenizer_parts(folder)
             self.name, self.eos_id, self.pad_id = name, *pretrained_eos_pad(folder, special)
             self.enc = tiktoken.Encoding(name=os.path.basename(os.path.abspath(folder)), pat_str=pat_str,
                                          mergeable_ranks=ranks, special_tokens=special)
             self.vocab_size = self.enc.n_vocab
-            if not 0 <= self.eos_id < self.vocab_size:              # every completion would run to its limit
-                raise CheckpointError(f"{folder}: eos_token_id {self.eos_id} is not an id of its tokenizer "
-                                      f"(0 to {self.vocab_size - 1})")
+            self.stop_ids = pretrained_stop_ids(folder, self.eos_id)
+            for i in self.stop_ids:
+                if not 0 <= i < self.vocab_size:                        # every completion would run to its limit
+                    raise CheckpointError(f"{folder}: eos_token_id {i} is not an id of its tokenizer "
+                                          f"(0 to {self.vocab_size - 1})")
+            self.template = pretrained_chat_template(folder, special, marked)   # (source, added, special, variables)
             return
         if name == "bytes":
             ranks = {bytes([i]): i for i in range(256)}  # no merges: one token per byte
@@ -90,6 +95,7 @@ class Tokenizer:
         self.enc = tiktoken.Encoding(name=f"{name}+pad", pat_str=pat_str, mergeable_ranks=ranks,
                                      special_tokens=special)
         self.eos_id, self.pad_id = special[EOS], special[PAD]
+        self.stop_ids = (self.eos_id,)
         self.vocab_size = self.enc.n_vocab
 
     @classmethod
@@ -103,6 +109,38 @@ class Tokenizer:
         if self.normalise:
             text = unicodedata.normalize(self.normalise, text)
         return self.enc.encode_ordinary(text)
+
+    def encode_special(self, text):
+        """Text to ids with the tokenizer's added tokens (<|im_start|>, ...) recognised as their ids."""
+        if self.normalise:
+            text = unicodedata.normalize(self.normalise, text)
+        return self.enc.encode(text, allowed_special="all")
+
+    def encode_prompt(self, text):
+        """A prompt's ids: through the chat template as the user's message (use_chat), else the text after the BOS the
+        folder's tokenizer.json puts before a text (Llama 3's <|begin_of_text|>; none for GPT-2, Qwen, "bytes")."""
+        if self.chat is not None:
+            return self.chat.encode([{"role": "user", "content": text}], self.encode_special, self.encode)
+        return self.bos_prefix + self.encode(text)
+
+    def use_chat(self):
+        """--chat: every prompt from now on through the folder's chat template (chat.py); the end of an assistant turn
+        the template writes (<|im_end|>, <|eot_id|>) becomes eos_id, appended to demonstrations, and a stop id."""
+        if self.template is None:
+            raise CheckpointError(f"--chat: tokenizer {self.name.removeprefix('hf:')!r} has no chat template (a "
+                                  f"Hugging Face folder's chat_template.jinja or tokenizer_config.json "
+                                  f"chat_template); run without --chat")
+        from chat import ChatTemplate, ChatTemplateError
+        try:
+            self.chat = ChatTemplate(*self.template)
+            end = self.chat.end_of_turn()
+            self.encode_prompt("")                                  # a template that fails fails now, in one line
+        except ChatTemplateError as e:
+            raise CheckpointError(f"--chat: {self.name.removeprefix('hf:')}: {e}") from None
+        if end is not None:
+            self.eos_id = self.template[1][end]
+            self.stop_ids = (self.eos_id, *[i for i in self.stop_ids if i != self.eos_id])
+        return self
 
     def decode(self, ids):
         """Ids to text. An id this tokenizer does not have (an embedding row past its vocabulary, a negative id) reads
@@ -122,8 +160,9 @@ class Tokenizer:
             return b"".join([*pieces, self.enc.decode_bytes(run)]).decode("utf-8", errors="replace")
 
     def encode_batch(self, texts, device="cpu"):
-        """Left-padded batch: tokens (B, T) int64 and mask (B, T) float32, 1 on real tokens."""
-        ids = [self.encode(t) for t in texts]
+        """Left-padded batch of prompts (encode_prompt): tokens (B, T) int64 and mask (B, T) float32, 1 on real
+        tokens."""
+        ids = [self.encode_prompt(t) for t in texts]
         T = max((len(x) for x in ids), default=0)
         tokens = torch.full((len(ids), T), self.pad_id, dtype=torch.long)
         mask = torch.zeros(len(ids), T)
@@ -134,10 +173,10 @@ class Tokenizer:
         return tokens.to(device), mask.to(device)
 
     def decode_completions(self, tokens, mask):
-        """(B, T) completion tokens and their mask -> B strings, the final EOS dropped."""
+        """(B, T) completion tokens and their mask -> B strings, the stop token that ended each dropped."""
         texts = []
         for row, m in zip(tokens.tolist(), mask.tolist()):
-            ids = [t for t, keep in zip(row, m) if keep and t != self.eos_id]
+            ids = [t for t, keep in zip(row, m) if keep and t not in self.stop_ids]
             texts.append(self.decode(ids))
         return texts
 
@@ -165,6 +204,16 @@ class GPTConfig:
     bias: bool = True          # biases of the attention output and the MLP (GPT-2 has them; Llama, Qwen2 not)
     qkv_bias: bool = True      # biases of the query, key and value projections (GPT-2, Qwen2)
     o_bias: bool = None        # the attention output projection's bias; None: as `bias` (Llama: attention_bias)
+    head_dim: int = 0          # each head's width; 0: n_embd // n_head (Qwen3 sets it apart: 128 at width 1024)
+    qk_norm: bool = False      # RMSNorm over each head's queries and keys before the rotation (Qwen3)
+    # Llama 3.1's scaling of the rotary frequencies ("llama3"; "none": plain RoPE): wavelengths above
+    # rope_original_max / rope_low_freq_factor are stretched rope_factor times, those below rope_original_max /
+    # rope_high_freq_factor kept, the ones between interpolated (rope_frequencies).
+    rope_scaling: str = "none"
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max: int = 8192
     tie_embeddings: bool = True  # the LM head is the token embedding (GPT-2, small Qwen2)
     # The ids the tokenizer has, the first tokenizer_vocab rows of the embedding (0: all vocab_size). A real
     # checkpoint's embedding may be padded past its tokenizer (Qwen2.5: 151936 rows, 151665 tokens): the model's
@@ -176,8 +225,15 @@ class GPTConfig:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GPTConfig.{name} = {getattr(self, name)}; it must be at least 1")
-        if self.n_embd % self.n_head:
+        if self.n_embd % self.n_head and not self.head_dim:
             raise ValueError(f"GPTConfig.n_embd = {self.n_embd} must be divisible by n_head = {self.n_head}")
+        if self.head_dim < 0 or self.head_dim % 2:
+            raise ValueError(f"GPTConfig.head_dim = {self.head_dim}; allowed: 0 (n_embd // n_head) or an even width")
+        if self.rope_scaling == "llama3" and not (self.rope_factor >= 1 and 0 < self.rope_low_freq_factor
+                                                  < self.rope_high_freq_factor and self.rope_original_max > 0):
+            raise ValueError(f"GPTConfig's llama3 rope scaling needs factor >= 1, 0 < low_freq_factor < "
+                             f"high_freq_factor and original_max > 0; got {self.rope_factor}, "
+                             f"{self.rope_low_freq_factor}, {self.rope_high_freq_factor}, {self.rope_original_max}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout = {self.dropout}; allowed: 0 <= dropout < 1")
         if not 0 <= self.tokenizer_vocab <= self.vocab_size:
@@ -186,13 +242,18 @@ class GPTConfig:
         if self.n_kv_head < 0 or self.n_head % (self.n_kv_head or self.n_head):
             raise ValueError(f"GPTConfig.n_kv_head = {self.n_kv_head} must divide n_head = {self.n_head}")
         for name, allowed in (("norm", ("layernorm", "rmsnorm")), ("pos", ("learned", "rope")),
-                              ("mlp", ("gelu", "swiglu")), ("gelu", ("none", "tanh"))):
+                              ("mlp", ("gelu", "swiglu")), ("gelu", ("none", "tanh")),
+                              ("rope_scaling", ("none", "llama3"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"GPTConfig.{name} = {getattr(self, name)!r}; allowed: {', '.join(allowed)}")
 
     @property
     def kv_heads(self):
         return self.n_kv_head or self.n_head
+
+    @property
+    def head_size(self):
+        return self.head_dim or self.n_embd // self.n_head
 
     @property
     def support(self):
@@ -232,21 +293,26 @@ class KVCache:
 class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.n_head, self.n_kv = config.n_head, config.kv_heads
-        hs = config.n_embd // config.n_head
+        self.n_head, self.n_kv, self.hs = config.n_head, config.kv_heads, config.head_size
+        hs = self.hs
         self.c_attn = nn.Linear(config.n_embd, (self.n_head + 2 * self.n_kv) * hs, bias=config.qkv_bias)
         o_bias = config.bias if config.o_bias is None else config.o_bias
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=o_bias)
+        self.c_proj = nn.Linear(self.n_head * hs, config.n_embd, bias=o_bias)
+        if config.qk_norm:                         # Qwen3: RMSNorm over each head's hs channels, before the rotation
+            self.q_norm = nn.RMSNorm(hs, eps=config.norm_eps)
+            self.k_norm = nn.RMSNorm(hs, eps=config.norm_eps)
         self.dropout = config.dropout
 
     def forward(self, x, attn_mask, cache=None, layer=0, slot=None, rope=None):
         """attn_mask (B, 1, T, S) bool, True where a query may read a key; None: causal attention over a layout with
         every row's real tokens first (GPT.hidden's packed layout), which SDPA runs as flash attention."""
         B, T, C = x.shape
-        hs = C // self.n_head
-        q, k, v = self.c_attn(x).split([C, self.n_kv * hs, self.n_kv * hs], dim=2)
+        hs = self.hs
+        q, k, v = self.c_attn(x).split([self.n_head * hs, self.n_kv * hs, self.n_kv * hs], dim=2)
         q = q.view(B, T, self.n_head, hs).transpose(1, 2)                  # (B, nh, T, hs)
         k, v = (t.view(B, T, self.n_kv, hs).transpose(1, 2) for t in (k, v))  # (B, nkv, T, hs)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:                                               # rotary positions (Su et al. 2021)
             q, k = rotate(q, *rope), rotate(k, *rope)
         if cache is not None and slot is not None:  # static shapes (sampler.decode_step): write at `slot`, read all
@@ -276,7 +342,7 @@ class CausalSelfAttention(nn.Module):
             mask = attn_mask.repeat(1, 1, g, 1) if g > 1 else attn_mask    # (B, 1, g*T, S)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
             y = y.reshape(B, self.n_head, T, hs)                           # (B, nh, T, hs)
-        y = y.transpose(1, 2).reshape(B, T, C)
+        y = y.transpose(1, 2).reshape(B, T, self.n_head * hs)
         return self.c_proj(y)
 
 
@@ -299,6 +365,25 @@ def norm(config):
     if config.norm == "rmsnorm":
         return nn.RMSNorm(config.n_embd, eps=config.norm_eps)
     return nn.LayerNorm(config.n_embd, eps=config.norm_eps)
+
+
+def rope_frequencies(config, device):
+    """The rotary inverse frequencies (hs/2,) float32: theta^(-2i/hs) (Su et al. 2021), with Llama 3.1's scaling where
+    config.rope_scaling is "llama3" (Meta's reference code and transformers' "llama3" rope type): a wavelength 2 pi / f
+    longer than L / low_freq_factor (L = rope_original_max, the pre-training context) is stretched `factor` times, one
+    shorter than L / high_freq_factor is kept, and between the two f is interpolated by s = (L / wavelength - low) /
+    (high - low): (1 - s) f / factor + s f."""
+    hs = config.head_size
+    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, hs, 2, device=device).float() / hs)
+    if config.rope_scaling != "llama3":
+        return inv_freq
+    L, low, high, factor = (config.rope_original_max, config.rope_low_freq_factor, config.rope_high_freq_factor,
+                            config.rope_factor)
+    wavelength = 2 * math.pi / inv_freq
+    smooth = (L / wavelength - low) / (high - low)
+    scaled = torch.where(wavelength > L / low, inv_freq / factor, inv_freq)
+    between = (wavelength <= L / low) & (wavelength >= L / high)
+    return torch.where(between, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
 
 
 def rotate(x, cos, sin):
@@ -414,8 +499,7 @@ class GPT(nn.Module):
         x = self.wte(idx)
         if self.config.pos == "learned":
             return self.drop(x + self.wpe(pos)), None
-        hs = self.config.n_embd // self.config.n_head
-        inv_freq = 1.0 / self.config.rope_theta ** (torch.arange(0, hs, 2, device=idx.device).float() / hs)
+        inv_freq = rope_frequencies(self.config, idx.device)                     # (hs/2,) float32
         angles = pos[:, None, :, None].float() * inv_freq                        # (B, 1, T, hs/2) float32
         angles = torch.cat([angles, angles], dim=-1)                             # (B, 1, T, hs)
         return self.drop(x), (angles.cos().to(x.dtype), angles.sin().to(x.dtype))
@@ -642,7 +726,8 @@ class CheckpointError(RuntimeError):
 
 def save_checkpoint(path, model, tokenizer_name, optimizer=None, step=0, args=None, **extra):
     """Write {model, kind, config, tokenizer, optimizer, step, args, ...} to `path` via a temp file and a rename,
-    so a crash mid-write never leaves a half-written checkpoint under the real name."""
+    so a crash mid-write never leaves a half-written checkpoint under the real name. A model with LoRA adapters
+    (lora.py) is saved with them and their settings ("lora"), the optimiser's state being theirs."""
     ckpt = {
         "model": model.state_dict(),
         "kind": "scalar" if isinstance(model, ScalarGPT) else "gpt",
@@ -651,6 +736,7 @@ def save_checkpoint(path, model, tokenizer_name, optimizer=None, step=0, args=No
         "optimizer": None if optimizer is None else optimizer.state_dict(),
         "step": step,
         "args": vars(args) if hasattr(args, "__dict__") else args,
+        **({"lora": model.lora} if getattr(model, "lora", None) else {}),
         **extra,
     }
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -661,7 +747,9 @@ def save_checkpoint(path, model, tokenizer_name, optimizer=None, step=0, args=No
 
 def load_checkpoint(path, device="cpu", kind=None, tokenizer=None):
     """Read a checkpoint and rebuild its model. Returns (model, ckpt).
-    kind: "gpt" or "scalar" to insist on one; tokenizer: a Tokenizer the checkpoint must match."""
+    kind: "gpt" or "scalar" to insist on one; tokenizer: a Tokenizer the checkpoint must match. A checkpoint with LoRA
+    adapters is rebuilt with them and returned merged (lora.merge: W + (alpha / r) B A), a plain model; resuming
+    its run loads ckpt["model"] into the adapted policy instead."""
     if not os.path.exists(path):
         raise CheckpointError(f"no checkpoint at {path}")
     if os.path.isdir(path):
@@ -697,10 +785,15 @@ def load_checkpoint(path, device="cpu", kind=None, tokenizer=None):
                               f"(vocab_size {config.vocab_size}), but tokenizer {tokenizer.name!r} "
                               f"(vocab_size {tokenizer.vocab_size}) is in use")
     model = ScalarGPT(config) if ckpt["kind"] == "scalar" else GPT(config)
+    if ckpt.get("lora"):
+        from lora import add_adapters, merge
+        add_adapters(model, **ckpt["lora"])
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as e:
         raise CheckpointError(f"checkpoint {path}: weights do not match its config ({str(e)[:300]})") from None
+    if ckpt.get("lora"):
+        model = merge(model)
     return model.to(device), ckpt
 
 
@@ -721,9 +814,9 @@ def _read_json(path):
 
 
 def pretrained_config(folder):
-    """GPTConfig for a folder's config.json (model_type gpt2, llama or qwen2); anything else is one error line. Where
-    the folder's tokenizer.json has fewer ids than the embedding has rows (Qwen2.5: 151665 of 151936), the config's
-    tokenizer_vocab says so: the model's distribution is over the tokenizer's ids only."""
+    """GPTConfig for a folder's config.json (model_type gpt2, llama, qwen2 or qwen3); anything else is one error line.
+    Where the folder's tokenizer.json has fewer ids than the embedding has rows (Qwen2.5: 151665 of 151936), the
+    config's tokenizer_vocab says so: the model's distribution is over the tokenizer's ids only."""
     config = _pretrained_config(folder)
     path = os.path.join(folder, "tokenizer.json")
     if os.path.isfile(path):
@@ -761,34 +854,57 @@ def _pretrained_config(folder):
                       gelu="none" if c.get("activation_function") == "gelu" else "tanh",
                       mlp_hidden=num("n_inner") if c.get("n_inner") else 0,
                       tie_embeddings=bool(c.get("tie_word_embeddings", True)))
-    elif kind in ("llama", "qwen2"):
+    elif kind in ("llama", "qwen2", "qwen3"):
         heads, width = num("num_attention_heads"), num("hidden_size")
-        rope = c.get("rope_parameters") or {}                          # transformers 5 writes rope_parameters
-        rope = rope if isinstance(rope, dict) else {}
-        scaling = c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        unsupported = {"rope_scaling": scaling, "hidden_act": c.get("hidden_act", "silu"),
-                       "use_sliding_window": c.get("use_sliding_window", False),
-                       "head_dim": c.get("head_dim", width // heads)}
-        allowed = {"rope_scaling": None, "hidden_act": "silu", "use_sliding_window": False, "head_dim": width // heads}
+        unsupported = {"hidden_act": c.get("hidden_act", "silu"), "use_sliding_window": c.get("use_sliding_window",
+                                                                                                False)}
+        allowed = {"hidden_act": "silu", "use_sliding_window": False}
         for key, value in unsupported.items():
             if value != allowed[key]:
                 raise CheckpointError(f"{folder}: config.json {key} = {value!r} is not supported (only "
                                       f"{allowed[key]!r})")
-        attn_bias = True if kind == "qwen2" else bool(c.get("attention_bias", False))
+        head_dim = num("head_dim", width // heads) if c.get("head_dim") is not None else 0
+        attn_bias = True if kind == "qwen2" else bool(c.get("attention_bias", False))   # Qwen2: q, k, v biases
         config = dict(vocab_size=num("vocab_size"), block_size=num("max_position_embeddings"),
                       n_layer=num("num_hidden_layers"), n_head=heads, n_embd=width,
                       n_kv_head=num("num_key_value_heads", heads), norm="rmsnorm",
                       norm_eps=num("rms_norm_eps", kind=float), pos="rope",
-                      rope_theta=float(c.get("rope_theta") or rope.get("rope_theta") or 10000.0),
                       mlp="swiglu", mlp_hidden=num("intermediate_size"), bias=bool(c.get("mlp_bias", False)),
-                      qkv_bias=attn_bias, o_bias=attn_bias and kind == "llama",   # Llama's o_proj: attention_bias
-                      tie_embeddings=bool(c.get("tie_word_embeddings", False)))
+                      qkv_bias=attn_bias, o_bias=attn_bias and kind != "qwen2",   # attention_bias covers o_proj
+                      head_dim=0 if head_dim == width // heads else head_dim, qk_norm=kind == "qwen3",
+                      tie_embeddings=bool(c.get("tie_word_embeddings", False)), **_rope_config(c, path))
     else:
-        raise CheckpointError(f"{folder}: model_type {kind!r} is not supported; allowed: gpt2, llama, qwen2")
+        raise CheckpointError(f"{folder}: model_type {kind!r} is not supported; allowed: gpt2, llama, qwen2, qwen3")
     try:
         return GPTConfig(**config)
     except ValueError as e:                                            # e.g. heads that do not divide the width
         raise CheckpointError(f"{path}: {e}") from None
+
+
+def _rope_config(c, path):
+    """GPTConfig's rotary fields from config.json: rope_theta, and Llama 3.1's "llama3" scaling, from rope_scaling
+    (transformers 4) or rope_parameters (transformers 5); another scaling (linear, dynamic, yarn, ...) is refused."""
+    rope = c.get("rope_parameters") or {}
+    rope = rope if isinstance(rope, dict) else {}
+    scaling = c.get("rope_scaling") or rope
+    scaling = scaling if isinstance(scaling, dict) else {"rope_type": scaling}
+    kind = scaling.get("rope_type", scaling.get("type", "default")) or "default"
+    theta = c.get("rope_theta") or rope.get("rope_theta") or 10000.0
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        raise CheckpointError(f"{path}: rope_theta = {theta!r}; it must be a positive number")
+    if kind == "default":
+        return {"rope_theta": float(theta)}
+    if kind != "llama3":
+        raise CheckpointError(f"{path}: rope scaling {kind!r} is not supported (only Llama 3.1's 'llama3', or none)")
+    keys = {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
+            "high_freq_factor": "rope_high_freq_factor", "original_max_position_embeddings": "rope_original_max"}
+    out = {"rope_theta": float(theta), "rope_scaling": "llama3"}
+    for theirs, ours in keys.items():
+        v = scaling.get(theirs)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise CheckpointError(f"{path}: llama3 rope scaling {theirs} = {v!r}; it must be a positive number")
+        out[ours] = int(v) if ours == "rope_original_max" else float(v)
+    return out
 
 
 def _read_safetensors(folder):
@@ -839,7 +955,7 @@ def _our_names(hf, config):
                 ours[q + mine + ".bias"] = take(p + theirs + ".bias")
             used.update(k for k in hf if k.startswith(p) and k.endswith(("attn.bias", "attn.masked_bias")))  # buffers
         ours["ln_f.weight"], ours["ln_f.bias"] = take("ln_f.weight"), take("ln_f.bias")
-    else:                                                              # llama, qwen2
+    else:                                                              # llama, qwen2, qwen3
         ours["wte.weight"] = take("model.embed_tokens.weight")
         for i in range(config.n_layer):
             p, q = f"model.layers.{i}.", f"blocks.{i}."
@@ -849,6 +965,9 @@ def _our_names(hf, config):
             if config.qkv_bias:
                 ours[q + "attn.c_attn.bias"] = torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
             ours[q + "attn.c_proj.weight"] = take(p + "self_attn.o_proj.weight")
+            if config.qk_norm:
+                ours[q + "attn.q_norm.weight"] = take(p + "self_attn.q_norm.weight")
+                ours[q + "attn.k_norm.weight"] = take(p + "self_attn.k_norm.weight")
             ours[q + "mlp.c_fc.weight"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
             ours[q + "mlp.c_proj.weight"] = take(p + "mlp.down_proj.weight")
             if config.bias if config.o_bias is None else config.o_bias:
@@ -867,9 +986,9 @@ def _our_names(hf, config):
 
 
 def from_pretrained(folder, dtype=torch.float32):
-    """Our GPT with the weights of a Hugging Face folder (model_type gpt2, llama or qwen2), in eval mode, in `dtype`
-    (float32 by default, as this project trains; None: the checkpoint's own). A missing, mis-shaped or unused tensor
-    is one error line naming it."""
+    """Our GPT with the weights of a Hugging Face folder (model_type gpt2, llama, qwen2 or qwen3), in eval mode, in
+    `dtype` (float32 by default, as this project trains; None: the checkpoint's own). A missing, mis-shaped or unused
+    tensor is one error line naming it."""
     config = pretrained_config(folder)
     hf = _read_safetensors(folder)
     ours, used = _our_names(hf, config)
@@ -903,7 +1022,9 @@ GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s
 
 
 def pretrained_tokenizer_parts(folder):
-    """(mergeable ranks, split pattern, special tokens, normalise) of a folder's byte-level BPE tokenizer.json."""
+    """(mergeable ranks, split pattern, added tokens {text: id}, normalise, BOS prefix ids, the added tokens marked
+    special) of a folder's byte-level BPE tokenizer.json. The BOS prefix: the special tokens its post-processor's
+    TemplateProcessing puts before a single text (Llama 3: <|begin_of_text|>)."""
     path = os.path.join(folder, "tokenizer.json")
     data = _read_json(path)
     model = (data.get("model") if isinstance(data, dict) else None) or {}
@@ -935,7 +1056,58 @@ def pretrained_tokenizer_parts(folder):
     if normaliser not in (None, "NFC"):
         raise CheckpointError(f"{folder}: tokenizer.json normalizer {normaliser!r} is not supported (none or NFC)")
     special = {t["content"]: t["id"] for t in added}
-    return ranks, pattern, special, normaliser
+    post = data.get("post_processor") or {}
+    steps = [p for p in (post.get("processors") or [post]) if isinstance(p, dict)]
+    template = next((p for p in steps if p.get("type") == "TemplateProcessing"), {})
+    prefix = []
+    for piece in template.get("single") or []:
+        if "Sequence" in piece:
+            break
+        token = (piece.get("SpecialToken") or {}).get("id")
+        ids = ((template.get("special_tokens") or {}).get(token) or {}).get("ids")
+        if not (isinstance(ids, list) and all(isinstance(i, int) for i in ids)):
+            raise CheckpointError(f"{path}: post_processor special token {token!r} has no ids")
+        prefix += ids
+    return ranks, pattern, special, normaliser, prefix, {t["content"] for t in added if t.get("special")}
+
+
+def pretrained_stop_ids(folder, eos):
+    """Every id that ends a completion, `eos` first: generation_config.json's and config.json's eos_token_id, each an
+    id or a list (Qwen2.5-Instruct: <|im_end|> and <|endoftext|>; Llama 3.x Instruct: three)."""
+    ids = [eos]
+    for name in ("generation_config.json", "config.json"):
+        path = os.path.join(folder, name)
+        data = _read_json(path) if os.path.isfile(path) else {}
+        value = data.get("eos_token_id") if isinstance(data, dict) else None
+        for i in value if isinstance(value, list) else [value]:
+            if isinstance(i, int) and not isinstance(i, bool) and i not in ids:
+                ids.append(i)
+    return tuple(ids)
+
+
+def pretrained_chat_template(folder, special, marked):
+    """(template source, added tokens, special ones, variables) for chat.ChatTemplate, or None: the folder's
+    chat_template.jinja, else tokenizer_config.json's chat_template (a string, or a list of named templates: the
+    "default" one); variables are the special-token strings the template may read (bos_token, eos_token, ...)."""
+    path = os.path.join(folder, "tokenizer_config.json")
+    config = _read_json(path) if os.path.isfile(path) else {}
+    config = config if isinstance(config, dict) else {}
+    source = config.get("chat_template")
+    if isinstance(source, list):
+        source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
+    jinja = os.path.join(folder, "chat_template.jinja")
+    if os.path.isfile(jinja):
+        try:
+            with open(jinja, encoding="utf-8") as f:
+                source = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{jinja} cannot be read ({type(e).__name__}: {e})") from None
+    if not isinstance(source, str):
+        return None
+    content = lambda t: t.get("content") if isinstance(t, dict) else t
+    variables = {k: content(config.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")
+                 if isinstance(content(config.get(k)), str)}
+    return source, special, marked, variables
 
 
 def pretrained_eos_pad(folder, special):

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 import task
 from kernels import kl
+from lora import trainable
 from model import token_logprobs
 from plumbing import RM_PATH, SFT_PATH, TEMPERATURE, Float, Int, Run, add_run_flags, parser
 
@@ -89,16 +90,13 @@ def judge(batch, rm, autocast):
 
 def best_and_worst(prompts, batch, scores, n, tok):
     """One pair per prompt from its n samples (consecutive rows): chosen the best-scored, rejected the worst, as
-    token ids (EOS dropped: task.pair_batch appends it to the samples that ended, and to no truncated one). Returns
+    token ids as sampled (the stop token that ended each included; none in a truncated one). Returns
     (pairs, informative (P,) bool, correct (P, 2)): informative where the two differ in score and in tokens;
     correct: the verifier's verdict on chosen, rejected."""
     s = scores.float().view(-1, n)                                           # (P, n)
     best, worst = s.argmax(1), s.argmin(1)                                   # (P,)
-    ids = [[t for t, m in zip(row, keep) if m and t != tok.eos_id]
-           for row, keep in zip(batch.tokens.tolist(), batch.mask.tolist())]
-    ended = (~batch.truncated).tolist()                                      # a truncated sample gets no EOS
-    pairs = [{"prompt": p, "chosen_ids": ids[i * n + b], "rejected_ids": ids[i * n + w],
-              "chosen_ended": ended[i * n + b], "rejected_ended": ended[i * n + w]}
+    ids = [[t for t, m in zip(row, keep) if m] for row, keep in zip(batch.tokens.tolist(), batch.mask.tolist())]
+    pairs = [{"prompt": p, "chosen_ids": ids[i * n + b], "rejected_ids": ids[i * n + w]}
              for i, (p, b, w) in enumerate(zip(prompts, best.tolist(), worst.tolist()))]
     differ = torch.tensor([p["chosen_ids"] != p["rejected_ids"] for p in pairs], device=s.device)
     correct = batch.correct.view(-1, n)                                      # (P, n)
@@ -167,12 +165,11 @@ def parse_args(argv=None):
 
 def main(args):
     run = Run("online_dpo", args, batch_flag="batch_size")  # device, seeds, lock, log, resume, torchrun: plumbing.py
-    reference, tok = run.load_policy(args.init)     # pi_ref: the SFT policy, frozen ...
-    reference.requires_grad_(False)
-    model, _ = run.load_policy(args.init)           # ... and the policy's start
+    model, tok = run.load_policy(args.init)         # the policy starts as the SFT policy ...
+    reference = run.reference(args.init, model)     # ... which stays frozen as pi_ref
     rm = run.load_reward_model(args.rm, args.init).requires_grad_(False) if args.judge == "rm" else None
     run.check_lengths(model, tok, args.max_new_tokens)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
+    optimizer = torch.optim.AdamW(trainable(model), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     run.resume(model, optimizer)
     train_model = run.ddp(model)                    # DistributedDataParallel under torchrun, else the model itself
     # The held-out pairs: task.preference_dataset's (its cache), for metrics comparable with dpo.py's.

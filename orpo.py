@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 import task
 from kernels import kl
+from lora import trainable
 from model import token_logprobs
 from plumbing import SFT_PATH, Float, Int, Run, add_run_flags, parser
 
@@ -143,10 +144,9 @@ def parse_args(argv=None):
 
 def main(args):
     run = Run("orpo", args, batch_flag="batch_size")  # device, seeds, lock, log, resume, torchrun: plumbing.py
-    reference, tok = run.load_policy(args.init)     # the SFT policy, frozen: for the held-out KL, never the loss ...
-    reference.requires_grad_(False)
-    model, _ = run.load_policy(args.init)           # ... and the policy's start
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
+    model, tok = run.load_policy(args.init)         # the policy starts as the SFT policy ...
+    reference = run.reference(args.init, model)     # ... which stays frozen: for the held-out KL, never the loss
+    optimizer = torch.optim.AdamW(trainable(model), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     run.resume(model, optimizer)
     train_model = run.ddp(model)                    # DistributedDataParallel under torchrun, else the model itself
     # The data: pairs sampled from the SFT policy (cached on disk); no reference log-probs (the reward needs none).

@@ -43,7 +43,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import task
-from model import (CheckpointError, GPTConfig, Tokenizer, fingerprint, from_pretrained, is_pretrained_folder,
+from lora import add_adapters, base_model, trainable
+from model import (GPT, CheckpointError, GPTConfig, Tokenizer, fingerprint, from_pretrained, is_pretrained_folder,
                    load_checkpoint, pretrained_config, save_checkpoint)
 from tasks import arithmetic
 
@@ -126,12 +127,22 @@ def add_run_flags(parser, script, log_every, eval_every):
     group.add_argument("--grad_checkpoint", action="store_true",
                        help="recompute each transformer block's activations in backward (less memory, ~30%% more "
                             "compute; for real checkpoints)")
+    if script not in ("rm", "{orm,prm}"):                     # the scripts that train a policy
+        group.add_argument("--lora_rank", type=Int(ge=0), default=0,
+                           help="LoRA (lora.py): train rank-r adapters on the projections, every weight frozen; the "
+                                "reference is the same weights with the adapters off; 0: full fine-tuning")
+        group.add_argument("--lora_alpha", type=Float(gt=0), default=32.0,
+                           help="LoRA's alpha: the adapters' output is scaled by alpha / rank")
+        group.add_argument("--lora_targets", type=lambda s: [t.strip() for t in s.split(",") if t.strip()],
+                           default=None, help="comma-separated projections to adapt: q,k,v,o,gate,up,down (Llama, "
+                                              "Qwen) or qkv,o,up,down (GPT-2, this project's GPT); default: all")
     add_task_flags(parser)
     return group
 
 
 def add_task_flags(parser):
-    """--task, --format, --data, --countdown_numbers and --countdown_rule, in a "task" group (task.py reads them)."""
+    """--task, --format, --data, --countdown_numbers, --countdown_rule and --chat, in a "task" group (task.py reads
+    them)."""
     g = parser.add_argument_group("task")
     g.add_argument("--task", default="arithmetic", choices=task.TASKS, help="the problems, verifier and demonstrations")
     g.add_argument("--format", default="plain", choices=task.FORMATS,
@@ -141,6 +152,10 @@ def add_task_flags(parser):
     g.add_argument("--countdown_numbers", type=Int(ge=3, le=4), default=3, help="--task countdown: numbers given")
     g.add_argument("--countdown_rule", choices=["exactly", "at_most"], default="exactly",
                    help="--task countdown: each number used exactly once (the field's rule), or at most once")
+    g.add_argument("--chat", action="store_true",
+                   help="render each prompt through the checkpoint's own chat template as the user's message (a "
+                        "Hugging Face folder's, or a checkpoint trained from one; chat.py); the end of the assistant's "
+                        "turn (<|im_end|>, <|eot_id|>) ends a completion and a demonstration")
     return g
 
 
@@ -249,7 +264,7 @@ def load_model(path, device, kind="gpt", expect=None):
             if tok.vocab_size > model.config.vocab_size:
                 raise CheckpointError(f"vocabulary mismatch: {path} has vocab_size {model.config.vocab_size} but "
                                       f"its tokenizer.json has {tok.vocab_size} tokens")
-            return model, tok, {"kind": "gpt", "tokenizer": tok.name, "step": 0}
+            return model, tok.use_chat() if task.chat() else tok, {"kind": "gpt", "tokenizer": tok.name, "step": 0}
         model, ckpt = load_checkpoint(path, device, kind=kind)
         tok = Tokenizer(ckpt["tokenizer"])
         c = model.config
@@ -262,6 +277,8 @@ def load_model(path, device, kind="gpt", expect=None):
             if ckpt.get(key) != value:
                 raise CheckpointError(f"checkpoint {path} holds {key} {ckpt.get(key)!r}; {key} {value!r} is "
                                       f"needed here")
+        if task.chat():
+            tok.use_chat()
     except (CheckpointError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     return model.eval(), tok, ckpt
@@ -437,6 +454,14 @@ class Run:
             if self.resume_ckpt["step"] > self.total_steps:
                 raise SystemExit(f"error: {self.ckpt_path} is at step {self.resume_ckpt['step']}, past this run's "
                                  f"limit of {self.total_steps} steps; pass a larger limit to train on")
+        if getattr(args, "chat", False) and hasattr(args, "init"):
+            init = args.init
+            if init is None or not os.path.exists(init):
+                why = "no --init given" if init is None else f"{init} is missing"
+                raise SystemExit(f"error: --chat needs --init to name a Hugging Face folder with a chat template, or a "
+                                 f"checkpoint trained from one; {why} (a model built here would use the byte "
+                                 f"tokenizer, which has none)")
+        policy_config = asdict(GPTConfig())                                  # what a default built here would be
         for flag, (default, maker) in self.CHECKPOINT_FLAGS.items():
             path, default = getattr(args, flag, None), task.default_path(default, args)
             if path is None or (not os.path.exists(path) and os.path.abspath(path) == os.path.abspath(default)):
@@ -444,7 +469,16 @@ class Run:
             if not os.path.exists(path):
                 raise SystemExit(f"error: --{flag}: no checkpoint at {path}; train one with `python {maker}` or pass "
                                  f"another path")
-            read_checkpoint(path, f"--{flag}")
+            ckpt = read_checkpoint(path, f"--{flag}")
+            if flag == "init":
+                policy_config = ckpt["config"]
+        if getattr(args, "lora_rank", 0):                                   # targets and rank, on a weightless twin
+            with torch.device("meta"):
+                model = GPT(GPTConfig(**policy_config))
+            try:
+                add_adapters(model, args.lora_rank, args.lora_alpha, args.lora_targets)
+            except ValueError as e:
+                raise SystemExit(f"error: {e}") from None
 
 
     def load(self, path, kind="gpt", expect=None):
@@ -465,7 +499,31 @@ class Run:
         self.barrier()
         policy, tok = self.load(path, "gpt")
         policy.sampler_mode = "compile" if self.args.compile else None   # sampler.generate's mode (None: by device)
-        return policy, tok
+        return self.adapt(policy), tok
+
+    def adapt(self, model):
+        """--lora_rank r: every weight of `model` frozen, adapters on its projections (lora.add_adapters); without
+        it the model as it is. A target the model lacks or a rank it cannot have is one error line."""
+        r = getattr(self.args, "lora_rank", 0)
+        if not r:
+            return model
+        try:
+            model = add_adapters(model, r, self.args.lora_alpha, self.args.lora_targets)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
+        n = sum(p.numel() for p in trainable(model))
+        self.print(f"LoRA: rank {r}, alpha {self.args.lora_alpha:g} on {', '.join(model.lora['targets'])}: "
+                   f"{n / 1e6:.3f}M of {model.num_params() / 1e6:.2f}M parameters train")
+        return model
+
+    def reference(self, path, policy):
+        """pi_ref, frozen: with --lora_rank the policy without its adapters, sharing its frozen weights (no second
+        copy: lora.base_model); else a copy of `path` (the policy's start)."""
+        if getattr(policy, "lora", None):
+            return base_model(policy)
+        ref, _ = self.load(path, "gpt")
+        ref.sampler_mode = policy.sampler_mode
+        return ref.requires_grad_(False)
 
     def load_reward_model(self, path, init):
         """The Bradley-Terry reward model; out/rm.pt is built first (from `init`) if it is the missing default."""

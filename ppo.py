@@ -42,6 +42,7 @@ import torch
 import sampler
 import task
 from kernels import entropy, kl, logprobs
+from lora import trainable
 from model import ScalarGPT, completion_logits, masked_mean
 from plumbing import RM_PATH, SFT_PATH, TEMPERATURE, Float, Int, Run, add_run_flags, parser
 
@@ -118,7 +119,7 @@ def rollout(policy, tok, prompts, temperature, max_new_tokens, generator, device
     (B, Tn), truncated (B,)."""
     idx, idx_mask = tok.encode_batch(prompts, device)                         # (B, Tp) left-padded
     with autocast:
-        tokens, mask, truncated = sampler.generate(policy, idx, idx_mask, max_new_tokens, tok.eos_id, tok.pad_id,
+        tokens, mask, truncated = sampler.generate(policy, idx, idx_mask, max_new_tokens, tok.stop_ids, tok.pad_id,
                                                    temperature=temperature, generator=generator)  # (B, Tn)
     return torch.cat([idx, tokens], 1), torch.cat([idx_mask, mask], 1), idx.size(1), tokens, mask, truncated
 
@@ -199,18 +200,17 @@ def main(args):
     if args.batch_size // run.world < args.minibatches * args.grad_accum:
         raise SystemExit(f"error: --batch_size {args.batch_size} over {run.world} process(es) leaves fewer than "
                          f"--minibatches {args.minibatches} x --grad_accum {args.grad_accum} completions per process")
-    ref, tok = run.load_policy(args.init)           # pi_ref: the SFT policy, frozen
-    policy, _ = run.load_policy(args.init)          # pi_theta starts as pi_ref
+    policy, tok = run.load_policy(args.init)        # pi_theta starts as pi_ref ...
+    ref = run.reference(args.init, policy)          # ... the SFT policy, frozen
     rm = run.load_reward_model(args.rm, args.init) if "rm" in (args.reward, args.critic_init) else None
     critic = ScalarGPT.from_policy(ref) if args.critic_init == "sft" else ScalarGPT(rm.config).to(run.device)
     if args.critic_init == "rm":
         critic.load_state_dict(rm.state_dict())
     critic.eval()                                   # every model in eval mode: no dropout
-    for frozen in (ref, rm):
-        if frozen is not None:
-            frozen.requires_grad_(False)
+    if rm is not None:
+        rm.requires_grad_(False)
     run.check_lengths(policy, tok, args.max_new_tokens)
-    optimizer = torch.optim.AdamW([{"params": policy.parameters(), "lr": args.lr},
+    optimizer = torch.optim.AdamW([{"params": trainable(policy), "lr": args.lr},
                                    {"params": critic.parameters(), "lr": args.critic_lr}],
                                   weight_decay=0.0, betas=(0.9, 0.95))
     ckpt = run.resume(policy, optimizer, critic=critic)

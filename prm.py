@@ -88,11 +88,11 @@ def aggregate_steps(step_scores, step_mask, how):
 
 
 def verifier_batch(records, labels, tok, kind, device):
-    """task.completion_batch of the records (prompt + completion ids + EOS) and, per row, the read positions, the
+    """task.completion_batch of the records (prompt + completion ids, as sampled) and, per row, the read positions, the
     labels (one list per record, one label per read position) and the step mask: tokens, attn (B, T); positions,
     labels, step_mask (B, S)."""
     tokens, attn, _ = task.completion_batch([r["prompt"] for r in records], [r["ids"] for r in records], tok, device)
-    reads = [task.read_positions(tok.encode(r["prompt"]), r["ids"], tok, kind) for r in records]
+    reads = [task.read_positions(tok.encode_prompt(r["prompt"]), r["ids"], tok, kind) for r in records]
     positions, step_mask = pad_steps(reads, 0, torch.long, device)
     labels, _ = pad_steps(labels, device=device)
     if labels.shape != positions.shape:
@@ -106,7 +106,7 @@ def verifier_batch(records, labels, tok, kind, device):
 
 @torch.no_grad()
 def sample_completions(policy, tok, prompts, n, temperature, generator):
-    """n completions of each prompt: records {prompt, ids (as sampled, EOS dropped), text, outcome (0/1, the
+    """n completions of each prompt: records {prompt, ids (as sampled, the stop token last), text, outcome (0/1, the
     verifier), rule (arithmetic.step_labels)}."""
     texts, ids = task.complete(policy, tok, prompts, n, temperature, generator=generator, return_ids=True)
     out = []
@@ -128,18 +128,18 @@ def mc_labels(policy, tok, records, k, temperature, generator, max_new_tokens=ar
     share = {}
     for b in range(0, len(jobs), batch_size):
         chunk = jobs[b:b + batch_size]
-        prefixes = [tok.encode(records[i]["prompt"]) + records[i]["ids"][:j + 1] for i, j in chunk]
+        prefixes = [tok.encode_prompt(records[i]["prompt"]) + records[i]["ids"][:j + 1] for i, j in chunk]
         left = [max_new_tokens - (j + 1) for _, j in chunk]                 # what remains of each completion's budget
         max_new = max(1, min(max(left), policy.config.block_size - max(len(s) for s in prefixes)))
         idx, mask = left_pad(prefixes, tok.pad_id, device)
-        tokens, cmask, _ = sampler.generate(policy, idx, mask, max_new, tok.eos_id, tok.pad_id, num_samples=k,
+        tokens, cmask, _ = sampler.generate(policy, idx, mask, max_new, tok.stop_ids, tok.pad_id, num_samples=k,
                                             temperature=temperature, generator=generator)  # (len(chunk) * k, Tn)
         rows, keep = tokens.tolist(), cmask.tolist()
         for n, (i, j) in enumerate(chunk):
             r = records[i]
             # a continuation cut at its own budget is distributed as one sampled with that budget
             ends = [r["ids"][:j + 1] + [t for t, m in zip(rows[row][:left[n]], keep[row][:left[n]])
-                                        if m and t != tok.eos_id]
+                                        if m and t not in tok.stop_ids]
                     for row in range(n * k, (n + 1) * k)]                  # the k completions, as token ids
             share[i, j] = sum(task.reward(r["prompt"], tok.decode(e)) for e in ends) / k
     return [[share[i, j] for j, t in enumerate(r["ids"]) for _ in range(tok.decode([t]).count(","))] + [r["outcome"]]

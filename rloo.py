@@ -29,6 +29,7 @@ import torch
 
 import task
 from kernels import kl_penalty
+from lora import trainable
 from model import completion_hidden, completion_logprobs, kl_entropy
 from plumbing import SFT_PATH, TEMPERATURE, Float, Int, Run, add_run_flags, parser
 
@@ -88,10 +89,9 @@ def parse_args(argv=None):
 def main(args):
     run = Run("rloo", args, batch_flag="prompts_per_step")  # device, seeds, lock, log, resume, torchrun: plumbing.py
     policy, tok = run.load_policy(args.init)        # the policy starts as the SFT policy ...
-    ref, _ = run.load_policy(args.init)             # ... which stays frozen as the reference
-    ref.requires_grad_(False)
+    ref = run.reference(args.init, policy)          # ... which stays frozen as the reference
     run.check_lengths(policy, tok, args.max_new_tokens)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
+    optimizer = torch.optim.AdamW(trainable(policy), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     run.resume(policy, optimizer)
     train_policy = run.ddp(policy)                  # DistributedDataParallel under torchrun, else the policy itself
     P, G, temp = args.prompts_per_step, args.group_size, args.temperature

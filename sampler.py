@@ -2,8 +2,8 @@
 Sampling completions from model.GPT: the rollout engine every script shares (nanochat's engine.py and nano-vllm are
 the anchors).
 
-    tokens, mask, truncated = generate(model, prompt, prompt_mask, max_new_tokens, eos_id, pad_id, num_samples=G,
-                                       temperature=1.0, generator=g)
+    tokens, mask, truncated = generate(model, prompt, prompt_mask, max_new_tokens, tok.stop_ids, tok.pad_id,
+                                       num_samples=G, temperature=1.0, generator=g)
 
 A call runs the prompts (left-padded) through the model once, filling a KV cache allocated for the prompt plus every
 new token in the dtype the model computes in, then makes one token per step. Three modes, the same tokens
@@ -45,10 +45,11 @@ COMPILE_PARAMS = 50_000_000   # on CUDA the default is "compile" from this many 
 def generate(model, prompt, prompt_mask, max_new_tokens, eos_id, pad_id=None, num_samples=1, temperature=1.0,
              top_k=None, generator=None, mode=None, return_logprobs=False):
     """prompt (B, Tp) left-padded ids, prompt_mask (B, Tp) 1 on real tokens; num_samples completions per prompt on
-    consecutive rows. temperature 0: greedy; top_k: keep the k likeliest (None: the full softmax, as RL needs).
-    mode: "eager", "graph" or "compile"; None reads model.sampler_mode (--compile), else default_mode. Returns tokens
-    (N, Tn), pad_id after each EOS; mask (N, Tn) 1.0 through the first EOS; truncated (N,) bool; and with
-    return_logprobs the sampler's own log softmax(logits / T)[token] (N, Tn) float32, 0 after EOS."""
+    consecutive rows. eos_id: an id, or a sequence of ids (a tokenizer's stop_ids), any of which ends a row.
+    temperature 0: greedy; top_k: keep the k likeliest (None: the full softmax, as RL needs). mode: "eager", "graph"
+    or "compile"; None reads model.sampler_mode (--compile), else default_mode. Returns tokens (N, Tn), pad_id after
+    each row's end; mask (N, Tn) 1.0 through the token that ended it; truncated (N,) bool; and with return_logprobs
+    the sampler's own log softmax(logits / T)[token] (N, Tn) float32, 0 after the end. pad_id None: eos_id[0]."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens = {max_new_tokens}; it must be at least 1")
     if temperature < 0:
@@ -56,12 +57,13 @@ def generate(model, prompt, prompt_mask, max_new_tokens, eos_id, pad_id=None, nu
     mode = mode or getattr(model, "sampler_mode", None) or default_mode(model, prompt.device)
     if mode not in MODES:
         raise ValueError(f"sampler mode {mode!r} is unknown; allowed: {', '.join(MODES)}")
-    pad_id = eos_id if pad_id is None else pad_id
+    stops = torch.tensor(eos_id if isinstance(eos_id, (list, tuple)) else [eos_id], device=prompt.device)
+    pad_id = int(stops[0]) if pad_id is None else pad_id
     idx = prompt.repeat_interleave(num_samples, dim=0)                  # (N, Tp)
     idx_mask = prompt_mask.repeat_interleave(num_samples, dim=0)
     N, Tp = idx.shape
     out = Outputs(N, max_new_tokens, pad_id, idx.device)
-    settings = (temperature, top_k, generator, eos_id, pad_id, return_logprobs)
+    settings = (temperature, top_k, generator, stops, pad_id, return_logprobs)
     if mode == "eager":
         eager_loop(model, idx, idx_mask, max_new_tokens, out, settings)
     else:
@@ -110,14 +112,14 @@ def draw(logits, temperature, top_k, generator, want_logp=False):
     return nxt, F.log_softmax(logits, dim=-1).gather(1, nxt[:, None]).squeeze(1)
 
 
-def record(out, nxt, logp, eos_id, pad_id):
-    """The drawn tokens at column out.t (pad_id, mask 0 where a row has ended); device work only (graph-safe)."""
+def record(out, nxt, logp, stops, pad_id):
+    """The drawn tokens at column out.t (pad_id, mask 0 past a row's end: any of stops); graph-safe device work."""
     tokens = torch.where(out.done, pad_id, nxt)[:, None]               # (N, 1)
     out.tokens.index_copy_(1, out.t, tokens)
     out.mask.index_copy_(1, out.t, (~out.done).float()[:, None])
     if logp is not None:
         out.logp.index_copy_(1, out.t, torch.where(out.done, 0.0, logp)[:, None])
-    out.done.logical_or_(nxt == eos_id)
+    out.done.logical_or_(torch.isin(nxt, stops))
     out.t.add_(1)
     return tokens
 
@@ -139,7 +141,7 @@ def last_logits(model, h, head=None):
 
 def eager_loop(model, idx, idx_mask, max_new_tokens, out, settings):
     """"eager": the model's own forward on an appending cache, the end checked every token."""
-    temperature, top_k, generator, eos_id, pad_id, want_logp = settings
+    temperature, top_k, generator, stops, pad_id, want_logp = settings
     N, Tp = idx.shape
     cache = KVCache(model.config.n_layer, N, Tp + max_new_tokens, idx.device)
     logits = last_logits(model, model.hidden(idx, idx_mask, cache))     # (N, V) predicts the first new token
@@ -147,7 +149,7 @@ def eager_loop(model, idx, idx_mask, max_new_tokens, out, settings):
     ones = torch.ones(N, 1, device=idx.device)
     for t in range(max_new_tokens):
         nxt, logp = draw(logits, temperature, top_k, generator, want_logp)
-        token = record(out, nxt, logp, eos_id, pad_id)
+        token = record(out, nxt, logp, stops, pad_id)
         if t == max_new_tokens - 1 or out.done.all():
             break
         logits = model(token, ones, cache)[:, -1, :]                    # (N, V)
@@ -210,14 +212,14 @@ def sampling_copy(model, dtype):
 
 def static_loop(model, idx, idx_mask, max_new_tokens, out, settings, compiled=False):
     """"graph" and "compile": the fixed-shape step, recorded as a CUDA graph on CUDA."""
-    temperature, top_k, generator, eos_id, pad_id, want_logp = settings
+    temperature, top_k, generator, stops, pad_id, want_logp = settings
     N, Tp = idx.shape
     device, c = idx.device, model.config
     slots = Tp + max_new_tokens
     if compiled:
         slots = -(-slots // CACHE_ROUND) * CACHE_ROUND
     dtype = operand_dtype(device.type, model.wte.weight.dtype)         # what the attention's projections return
-    cache = KVCache.preallocated(c.n_layer, N, slots, c.kv_heads, c.n_embd // c.n_head, dtype, device)
+    cache = KVCache.preallocated(c.n_layer, N, slots, c.kv_heads, c.head_size, dtype, device)
     head = model.head_weight(pad=True)                                  # (V, C) the LM head's operand, made once
     model = sampling_copy(model, dtype)                                 # bfloat16 matrices under bf16 autocast
     logits = last_logits(model, model.hidden(idx, idx_mask, cache), head)   # (N, V) predicts the first new token
@@ -230,11 +232,11 @@ def static_loop(model, idx, idx_mask, max_new_tokens, out, settings, compiled=Fa
     def step():   # one token: everything a CUDA graph records
         h = body(model, token, cache, slot)                             # (N, C)
         nxt, logp = draw(model.logits(h, head=head, fast=True), temperature, top_k, generator, want_logp)
-        token.copy_(record(out, nxt, logp, eos_id, pad_id))
+        token.copy_(record(out, nxt, logp, stops, pad_id))
         slot.add_(1)
 
     nxt, logp = draw(logits, temperature, top_k, generator, want_logp)  # token 0, from the prompt's logits
-    token.copy_(record(out, nxt, logp, eos_id, pad_id))
+    token.copy_(record(out, nxt, logp, stops, pad_id))
     run = step
     every = SYNC_EVERY if device.type == "cuda" else 1                  # steps between the host's end checks
     for t in range(1, max_new_tokens):

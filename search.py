@@ -85,8 +85,9 @@ def best_of_n(scores):
 
 @torch.no_grad()
 def score(model, tok, kind, prompts, ids, finished=None, how=None, batch_size=512):
-    """One score per completion: prompts (B,) strings, ids (B,) token-id lists (EOS not included). kind "orm" or
-    "rm": the head's output at the EOS; "prm": the step probabilities, aggregated by `how`. finished: (B,) bools,
+    """One score per completion: prompts (B,) strings, ids (B,) token-id lists (as sampled: the stop token last when
+    one ended it). kind "orm" or "rm": the head's output at the last token; "prm": the step probabilities, aggregated
+    by `how`. finished: (B,) bools,
     False for a partial path (read at its ','s only); default all True. Returns (B,) float32 on the CPU."""
     finished = [True] * len(ids) if finished is None else finished
     out = []
@@ -94,7 +95,7 @@ def score(model, tok, kind, prompts, ids, finished=None, how=None, batch_size=51
         rows = range(i, min(i + batch_size, len(ids)))
         tokens, attn, _ = task.completion_batch([prompts[j] for j in rows], [ids[j] for j in rows], tok,
                                                 model.head.weight.device)
-        pos = [task.read_positions(tok.encode(prompts[j]), ids[j], tok, "prm" if kind == "prm" else "orm",
+        pos = [task.read_positions(tok.encode_prompt(prompts[j]), ids[j], tok, "prm" if kind == "prm" else "orm",
                                    finished[j]) for j in rows]
         positions, step_mask = pad_steps(pos, 0, torch.long, tokens.device)
         r = scores_at(model, tokens, attn, positions, step_mask).float()     # (b, S)
@@ -110,7 +111,8 @@ def sample_steps(policy, tok, prefixes, limits, temperature, generator):
     """One more step for each prefix (prompt + completion so far, token ids): sampled until a token that contains
     ',', the EOS, or `limits[i]` new tokens. Returns the new tokens of each row, the stop token included."""
     device = next(policy.parameters()).device
-    stops = torch.tensor([t for t in range(tok.vocab_size) if t == tok.eos_id or "," in tok.decode([t])], device=device)
+    stops = torch.tensor([t for t in range(tok.vocab_size) if t in tok.stop_ids or "," in tok.decode([t])],
+                         device=device)
     idx, mask = left_pad(prefixes, tok.pad_id, device)                              # (B, Tp)
     B, L = len(prefixes), max(limits)
     limit = torch.tensor(limits, device=device)
@@ -133,8 +135,9 @@ def sample_steps(policy, tok, prefixes, limits, temperature, generator):
 
 def beam_search(policy, prm, tok, prompts, beam, expand, temperature, max_new_tokens, generator, how="last"):
     """PRM-guided step-level beam search (module docstring), paths ranked by the PRM's aggregate_steps `how` of their
-    steps so far. Returns the picked completion of each prompt (token ids, EOS dropped) and the tokens generated."""
-    prompt_ids = [tok.encode(p) for p in prompts]
+    steps so far. Returns the picked completion of each prompt (token ids, its stop token last when it has one) and
+    the tokens generated."""
+    prompt_ids = [tok.encode_prompt(p) for p in prompts]
     kept = [[([], False)] for _ in prompts]                         # per prompt: (completion ids, finished) paths
     tokens = [0] * len(prompts)
     level = 0
@@ -147,8 +150,8 @@ def beam_search(policy, prm, tok, prompts, beam, expand, temperature, max_new_to
         candidates = [[path for path in paths if path[1]] for paths in kept]      # finished paths compete again
         for (i, ids), step in zip(jobs, steps):
             tokens[i] += len(step)
-            ended = step[-1] == tok.eos_id
-            path = ids + (step[:-1] if ended else step)
+            ended = step[-1] in tok.stop_ids
+            path = ids + step
             path = (path, ended or len(path) >= max_new_tokens)
             if path not in candidates[i]:                                   # the same path sampled twice: once
                 candidates[i].append(path)
@@ -261,7 +264,7 @@ def main(args):
                                    return_ids=True)
         flat_prompts = [p for p in prompts for _ in range(N)]
         right = torch.tensor([task.reward(p, t) for p, t in zip(flat_prompts, texts)]).view(-1, N)        # (P, N)
-        length = torch.tensor([min(len(c) + 1, args.max_new_tokens) for c in ids], dtype=torch.float).view(-1, N)
+        length = torch.tensor([len(c) for c in ids], dtype=torch.float).view(-1, N)       # the stop token included
         answers = [[None if a is None else str(a) for a in map(arithmetic.parse_answer, texts[i * N:(i + 1) * N])]
                    for i in range(len(prompts))]
 
@@ -298,7 +301,8 @@ def main(args):
         with autocast:
             picked, used = beam_search(policy, prm, tok, prompts, b, args.expand, args.temperature,
                                        args.max_new_tokens, gen, args.beam_score)
-        acc = sum(task.reward(p, tok.decode(c)) for p, c in zip(prompts, picked)) / len(prompts)
+        acc = sum(task.reward(p, tok.decode([t for t in c if t not in tok.stop_ids])) for p, c in zip(prompts, picked))
+        acc /= len(prompts)
         beam_results.append({"beam": b, "expand": args.expand, "accuracy": acc, "tokens": sum(used) / len(prompts)})
 
     # 5. the table, results.json, the figure

@@ -20,6 +20,7 @@ Metrics: one JSON object per log step in out/sft/metrics.jsonl.
 import torch
 
 import task
+from lora import trainable
 from model import GPT, GPTConfig, Tokenizer, masked_mean, token_logprobs
 from plumbing import Float, Int, Run, add_run_flags, lr_schedule, parser
 
@@ -50,8 +51,11 @@ def parse_args(argv=None):
     g.add_argument("--grad_clip", type=Float(gt=0), default=1.0, help="clip the gradient's global norm to this")
     g = add_run_flags(p, "sft", log_every=50, eval_every=500)
     g.add_argument("--init", default=None, help="fine-tune this checkpoint or Hugging Face folder (GPT-2, Llama, "
-                   "Qwen2) instead of a new model (the model flags are then the checkpoint's)")
+                   "Qwen2, Qwen3) instead of a new model (the model flags are then the checkpoint's)")
     args = p.parse_args(argv)
+    if args.lora_rank and args.init is None:
+        p.error(f"--lora_rank {args.lora_rank} adapts a trained model's weights: it needs --init (a new model trains "
+                f"every weight)")
     if args.steps is None:   # countdown at 1500 steps: held-out 0.35, its arithmetic half learned; at 4000: 0.45
         args.steps = 4000 if args.task == "countdown" else 1500
     if args.n_embd % args.n_head:
@@ -63,6 +67,7 @@ def main(args):
     run = Run("sft", args, batch_flag="batch_size")  # device, seeds, lock, log, resume, torchrun: plumbing.py
     if args.init is not None:                       # a checkpoint or a Hugging Face folder, fine-tuned
         model, tok = run.load(args.init)
+        model = run.adapt(model)                    # --lora_rank: adapters, every weight frozen
         run.check_lengths(model, tok, task.default_max_new_tokens())
     else:                                           # a new model
         try:
@@ -78,13 +83,13 @@ def main(args):
         model = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
                               n_head=args.n_head, n_embd=args.n_embd)).to(run.device)
     model.grad_checkpoint = args.grad_checkpoint
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
+    optimizer = torch.optim.AdamW(trainable(model), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     run.resume(model, optimizer)
     train_model = run.ddp(model)                    # DistributedDataParallel under torchrun, else the model itself
     run.print(f"SFT: {model.num_params() / 1e6:.2f}M parameters on {run.device}, {args.steps} steps of "
               f"{args.batch_size}")
-    if not args.resume:                             # a fresh run: random init is step 0
-        run.log_start(run.evaluate(model, tok), "random init")
+    if not args.resume:                             # a fresh run: random init (or --init) is step 0
+        run.log_start(run.evaluate(model, tok), "random init" if args.init is None else "the --init model")
 
     model.train()
     while run.training():

@@ -50,7 +50,7 @@ R1_EXTRA_TOKENS = 34           # ' <think></think> <answer></answer>' in bytes: 
 R1_MAX_CHARS = 20_000          # a longer R1 completion scores 0 unread (its tag regexes are quadratic in the length)
 _R1_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
 
-_task, _format = arithmetic.task(), "plain"     # the default; use(args) replaces both
+_task, _format, _chat = arithmetic.task(), "plain", False     # the default; use(args) replaces them
 _max_calls = toolcalc.MAX_CALLS                  # calls answered per episode (agent.py --max_calls sets it)
 calculator = toolcalc.calculator                 # the tool: calculator('12*46') -> '552'; "error..." for the rest
 
@@ -122,15 +122,17 @@ def flags(args):
     if getattr(args, "task", None) is None:
         return []
     out = ["--task", args.task, "--format", args.format, "--countdown_numbers", str(args.countdown_numbers),
-           "--countdown_rule", getattr(args, "countdown_rule", "exactly")]
+           "--countdown_rule", getattr(args, "countdown_rule", "exactly")] + (["--chat"] if getattr(args, "chat",
+                                                                                                   False) else [])
     return out + (["--data", *args.data] if args.data else [])
 
 
 def use(args):
     """Make args.task (in args.format) the task every function here uses; returns a line that says which.
     ValueError for a --data file it cannot use (naming the file and the line)."""
-    global _task, _format, _max_calls
+    global _task, _format, _chat, _max_calls
     name, skipped = getattr(args, "task", "arithmetic"), 0
+    _chat = bool(getattr(args, "chat", False))
     _max_calls = getattr(args, "max_calls", toolcalc.MAX_CALLS)
     if name == "countdown":
         chosen = countdown.task(n_numbers=args.countdown_numbers, rule=getattr(args, "countdown_rule", "exactly"))
@@ -141,7 +143,8 @@ def use(args):
     else:
         chosen = arithmetic.task()
     _task, _format = chosen, getattr(args, "format", "plain")
-    line = f"task {name} ({_format} format), {len(_task.eval_prompts())} held-out problems"
+    line = f"task {name} ({_format} format{', in the chat template' if _chat else ''}), " \
+           f"{len(_task.eval_prompts())} held-out problems"
     if name == "countdown":
         line += f", each number used {getattr(args, 'countdown_rule', 'exactly').replace('_', ' ')} once"
     if skipped:
@@ -151,6 +154,11 @@ def use(args):
 
 def name():
     return _task.name
+
+
+def chat():
+    """--chat: every prompt through the checkpoint's chat template (plumbing.load_model sets the tokenizer to it)."""
+    return _chat
 
 
 def default_max_new_tokens():
@@ -192,8 +200,11 @@ def is_precedence(prompt):
 
 
 def max_prompt_tokens(tokenizer):
-    """The longest prompt of the task, in the format in use, in `tokenizer`'s tokens."""
+    """The longest prompt of the task, in the format in use, in `tokenizer`'s tokens, as tokenizer.encode_prompt
+    encodes it: with the BOS the tokenizer puts first, or inside its chat template (2 tokens allowed for merges
+    across the message's edges)."""
     n = _task.max_prompt_tokens(tokenizer)
+    n += len(tokenizer.encode_prompt("")) + (2 if getattr(tokenizer, "chat", None) is not None else 0)
     return n if _format == "plain" else n + len(tokenizer.encode(R1_TEMPLATE.format(prompt="")))
 
 
@@ -229,15 +240,15 @@ def _completion(text):                   # the task's completion -> the completi
 
 
 def read_positions(prompt_ids, ids, tok, kind, finished=True):
-    """Where a verifier reads its scores, as indices into completion_batch's row (prompt, completion, EOS): the ORM
-    ("orm") at the EOS; the PRM ("prm") at the last token of each step: every ',' token and, when the completion is
-    finished, the EOS (the final step, with its answer). A partial path (finished=False) ends with its ','; the EOS
-    completion_batch appends after it is never read (the model is causal)."""
-    start, eos = len(prompt_ids), len(prompt_ids) + len(ids)
+    """Where a verifier reads its scores, as indices into completion_batch's row (the prompt, then the completion's
+    ids: as sampled, its stop token last when one ended it): the ORM ("orm") at the last token (the stop token); the
+    PRM ("prm") at the last token of each step: every ',' token and, when the completion is finished, the last (the
+    final step, with its answer). A partial path (finished=False) ends with its ','."""
+    start, last = len(prompt_ids), len(prompt_ids) + len(ids) - 1
     if kind == "orm":
-        return [eos]
+        return [last]
     commas = [start + j for j, t in enumerate(ids) for _ in range(tok.decode([t]).count(","))]
-    return commas + ([eos] if finished else [])
+    return commas + ([last] if finished else [])
 
 
 # -----------------------------------------------------------------------------
@@ -246,8 +257,9 @@ def read_positions(prompt_ids, ids, tok, kind, finished=True):
 @torch.no_grad()
 def complete(model, tokenizer, prompts, num_samples=1, temperature=0.0, max_new_tokens=None,
              batch_size=256, generator=None, return_ids=False):
-    """Completions (strings, EOS dropped) for each prompt: num_samples consecutive entries per prompt.
-    return_ids=True also returns each completion's token ids as sampled (EOS dropped): (texts, ids)."""
+    """Completions (strings, the stop token dropped) for each prompt: num_samples consecutive entries per prompt.
+    return_ids=True also returns each completion's token ids as sampled, the stop token that ended it included (none
+    in one cut at max_new_tokens): (texts, ids), ids as completion_batch takes them."""
     device = next(model.parameters()).device
     max_new_tokens = max_new_tokens or default_max_new_tokens()
     texts, ids = [], []
@@ -258,12 +270,11 @@ def complete(model, tokenizer, prompts, num_samples=1, temperature=0.0, max_new_
             tokens, cmask = e.tokens, e.mask
         else:
             idx, mask = tokenizer.encode_batch(prompts[i:i + batch_size], device)
-            tokens, cmask, _ = sampler.generate(model, idx, mask, max_new_tokens, tokenizer.eos_id, tokenizer.pad_id,
+            tokens, cmask, _ = sampler.generate(model, idx, mask, max_new_tokens, tokenizer.stop_ids, tokenizer.pad_id,
                                                 num_samples=num_samples, temperature=temperature, generator=generator)
         texts += tokenizer.decode_completions(tokens, cmask)
         if return_ids:
-            ids += [[t for t, keep in zip(row, m) if keep and t != tokenizer.eos_id]
-                    for row, m in zip(tokens.tolist(), cmask.tolist())]
+            ids += [[t for t, keep in zip(row, m) if keep] for row, m in zip(tokens.tolist(), cmask.tolist())]
     return (texts, ids) if return_ids else texts
 
 
@@ -287,7 +298,7 @@ def rollout(policy, tokenizer, prompts, group_size, temperature, max_new_tokens=
     device = next(policy.parameters()).device
     max_new_tokens = max_new_tokens or default_max_new_tokens()
     prompt, prompt_mask = tokenizer.encode_batch(prompts, device)                     # (P, Tp)
-    tokens, mask, truncated, *logp = sampler.generate(policy, prompt, prompt_mask, max_new_tokens, tokenizer.eos_id,
+    tokens, mask, truncated, *logp = sampler.generate(policy, prompt, prompt_mask, max_new_tokens, tokenizer.stop_ids,
                                                       tokenizer.pad_id, num_samples=group_size,
                                                       temperature=temperature, generator=generator,
                                                       return_logprobs=return_logprobs)
@@ -475,7 +486,7 @@ def evaluate(model, tokenizer, prompts=None, num_samples=4, temperature=1.0, see
     }
 
 
-PAIR_FORMAT = 2   # version of the cached pair files; a cache of another version is rebuilt
+PAIR_FORMAT = 3   # version of the cached pair files; a cache of another version is rebuilt (3: ids end as sampled)
 
 
 def _valid_pairs(saved, meta):
@@ -502,12 +513,13 @@ def preference_pairs(prompts, policy=None, tokenizer=None, samples_per_prompt=4,
     correct, rejected is not. Both are sampled from `policy` where its samples include a correct and an incorrect
     completion; the missing side is filled with the correct demonstration (chosen) or synthetic_mistake (rejected).
     source says which: "sampled/sampled", "sampled/synthetic", "demo/sampled" or "demo/synthetic".
-    *_ids are the completion's token ids (EOS not included): for a sampled side, the ids the policy sampled (a
-    decoded string need not encode back to them); for a filled-in side, tokenizer.encode of the text.
+    *_ids are the completion's token ids as completion_batch takes them: for a sampled side, the ids the policy
+    sampled (a decoded string need not encode back to them), with the stop token that ended it (none if it ran out of
+    tokens); for a filled-in side, tokenizer.encode of the text and eos_id.
     cache: a JSON path; reused when it holds exactly these prompts and settings, else (re)written."""
     meta = {"prompts": list(prompts), "samples_per_prompt": samples_per_prompt, "temperature": temperature,
             "seed": seed, "policy": None if policy is None else f"{fingerprint(policy):.12e}",
-            "tokenizer": getattr(tokenizer, "name", None)}
+            "tokenizer": getattr(tokenizer, "name", None), "chat": getattr(tokenizer, "chat", None) is not None}
     if cache is not None and os.path.exists(cache):
         try:
             with open(cache) as f:
@@ -530,13 +542,12 @@ def preference_pairs(prompts, policy=None, tokenizer=None, samples_per_prompt=4,
     for prompt, outs in zip(prompts, samples):
         good = [(c, i) for c, i in outs if reward(prompt, c) == 1.0]
         bad = [(c, i) for c, i in outs if reward(prompt, c) == 0.0]
-        text = demonstration(prompt)
-        (chosen, chosen_ids), chosen_src = (good[0], "sampled") if good else ((text, tokenizer.encode(text)), "demo")
-        text = synthetic_mistake(prompt)
+        filled = lambda text: (text, tokenizer.encode(text) + [tokenizer.eos_id])          # a demonstration's ids
+        (chosen, chosen_ids), chosen_src = (good[0], "sampled") if good else (filled(demonstration(prompt)), "demo")
         if bad:
             (rejected, rejected_ids), rejected_src = bad[0], "sampled"
         else:
-            (rejected, rejected_ids), rejected_src = (text, tokenizer.encode(text)), "synthetic"
+            (rejected, rejected_ids), rejected_src = filled(synthetic_mistake(prompt)), "synthetic"
         pairs.append({"prompt": prompt, "chosen": chosen, "rejected": rejected,
                       "source": f"{chosen_src}/{rejected_src}",
                       "chosen_ids": list(chosen_ids), "rejected_ids": list(rejected_ids)})
@@ -549,22 +560,23 @@ def preference_pairs(prompts, policy=None, tokenizer=None, samples_per_prompt=4,
     return pairs
 
 
-def completion_batch(prompts, completions, tokenizer, device="cpu", ended=None):
-    """Right-padded batch of prompt + completion + EOS sequences: the prompt encoded on its own, each completion as
-    token ids (a list of ints, as sampled; EOS not included) or as text (encoded). ended (B,) bools: False for a
-    completion that ran out of tokens before its EOS, which then gets none (a sampled completion is trained on what
-    was sampled; default: every one ended). Returns tokens (B, T), attention mask (B, T) 1.0 on real tokens, and
-    completion mask (B, T-1) 1.0 where the target token t+1 is a completion token or the final EOS (the positions a
-    teacher-forced loss or a sequence log-prob sums over). With --task toolcalc a text completion is encoded piece by
-    piece and the environment's pieces (tool replies, REVISE) are 0 in the completion mask: context, not targets."""
+def completion_batch(prompts, completions, tokenizer, device="cpu"):
+    """Right-padded batch of prompt + completion sequences, the prompt encoded on its own (tokenizer.encode_prompt).
+    A completion is text or token ids. Text is a demonstration: encoded, then eos_id appended. Ids are taken as they
+    are: a sample as it was sampled, its stop token last when one ended it and none when it ran out of tokens (so a
+    model is trained on exactly what it sampled, whichever of the stop ids it was), a demonstration's with its EOS.
+    Returns tokens (B, T), attention mask (B, T) 1.0 on real tokens, and completion mask (B, T-1) 1.0 where the
+    target token t+1 is a completion token (the positions a teacher-forced loss or a sequence log-prob sums over).
+    With --task toolcalc a text completion is encoded piece by piece and the environment's pieces (tool replies,
+    REVISE) are 0 in the completion mask: context, not targets."""
     ids, targets = [], []
-    ended = [True] * len(prompts) if ended is None else ended
-    for p, c, end in zip(prompts, completions, ended):
+    for p, c in zip(prompts, completions):
+        end = isinstance(c, str)                           # text: a demonstration, which ends with the EOS
         pieces = toolcalc.segments(c) if _task.name == "toolcalc" and isinstance(c, str) else [(c, False)]
         pieces = [x for text, env in pieces                # an attempt ends with the policy's EOS, before REVISE
                   for x in ([([tokenizer.eos_id], False)] if env and text == toolcalc.REVISE else []) + [(text, env)]]
         encoded = [(tokenizer.encode(text) if isinstance(text, str) else list(text), env) for text, env in pieces]
-        ids.append((tokenizer.encode(p), [t for piece, _ in encoded for t in piece] + [tokenizer.eos_id] * end))
+        ids.append((tokenizer.encode_prompt(p), [t for piece, _ in encoded for t in piece] + [tokenizer.eos_id] * end))
         targets.append([float(not env) for piece, env in encoded for _ in piece] + [1.0] * end)
     T = max(len(p) + len(c) for p, c in ids)
     tokens = torch.full((len(ids), T), tokenizer.pad_id, dtype=torch.long)
@@ -578,13 +590,11 @@ def completion_batch(prompts, completions, tokenizer, device="cpu", ended=None):
 
 
 def pair_batch(pairs, tokenizer, device="cpu"):
-    """Pairs -> completion_batch of 2B sequences: chosen rows 0..B-1, rejected rows B..2B-1, each completion as the
-    token ids that were sampled (a decoded string need not encode back to them); a pair's "chosen_ended" or
-    "rejected_ended" False (online DPO: a sample that ran out of tokens) gets no EOS."""
-    ended = [p.get("chosen_ended", True) for p in pairs] + [p.get("rejected_ended", True) for p in pairs]
+    """Pairs -> completion_batch of 2B sequences: chosen rows 0..B-1, rejected rows B..2B-1, each completion as its
+    token ids (preference_pairs: as sampled, with the stop token that ended it, or a demonstration's with its EOS; a
+    decoded string need not encode back to them)."""
     return completion_batch([p["prompt"] for p in pairs] * 2,
-                            [p["chosen_ids"] for p in pairs] + [p["rejected_ids"] for p in pairs], tokenizer, device,
-                            ended)
+                            [p["chosen_ids"] for p in pairs] + [p["rejected_ids"] for p in pairs], tokenizer, device)
 
 
 def preference_dataset(policy, tokenizer, n_train=2048, seed=0, cache_dir="out"):

@@ -44,6 +44,7 @@ from torch.nn.utils import parameters_to_vector
 
 import task
 from kernels import entropy, kl, kl_penalty, logprobs
+from lora import trainable
 from model import completion_logits
 from plumbing import SFT_PATH, TEMPERATURE, Float, Int, Run, add_run_flags, parser
 
@@ -211,12 +212,11 @@ def logits_of(model, part):
 def main(args):
     run = Run("trpo", args, batch_flag="prompts_per_step")  # device, seeds, lock, log, resume, torchrun: plumbing.py
     policy, tok = run.load_policy(args.init)        # the policy starts as the SFT policy ...
-    ref, _ = run.load_policy(args.init)             # ... which stays frozen as the reference
-    ref.requires_grad_(False)
+    ref = run.reference(args.init, policy)          # ... which stays frozen as the reference
     run.check_lengths(policy, tok, args.max_new_tokens)
     ckpt = run.resume(policy)                       # no optimiser: the update is written out below
     violations = ckpt.get("violations", 0) if ckpt else 0             # accepted steps with KL > delta, so far
-    params = list(policy.parameters())              # theta, in parameters_to_vector's order
+    params = trainable(policy)                      # theta (--lora_rank: the adapters), in this order
     P, G, temp, delta = args.prompts_per_step, args.group_size, args.temperature, args.max_kl
     run.print(f"TRPO: {policy.num_params() / 1e6:.2f}M parameters on {run.device}, {args.steps} steps of {P} prompts "
               f"x {G} samples, max_kl {delta}, damping {args.damping}, {args.cg_iters} CG iterations, beta {args.beta}")

@@ -189,7 +189,7 @@ def qwen():
         y = torch.empty_like(x)
         _, t, _ = timed(lambda: y.copy_(x))
         bandwidth = 2 * x.numel() / t                                   # bytes read + written per second
-        kv = 2 * c.n_layer * args.rows * c.kv_heads * (c.n_embd // c.n_head) * 2 * (args.prompt_len + args.new_tokens
+        kv = 2 * c.n_layer * args.rows * c.kv_heads * c.head_size * 2 * (args.prompt_len + args.new_tokens
                                                                                    / 2)
         floor = (weights + kv) / bandwidth                              # seconds per token step
         print(f"floor: {weights / 1e9:.2f} GB of bf16 weights + {kv / 1e9:.2f} GB of KV cache (average) per step at "

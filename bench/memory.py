@@ -4,6 +4,7 @@ without the fused log-prob path and gradient checkpointing: what --grad_checkpoi
 
     python bench/memory.py                          # CPU: 5 processes (~20 min on 2 cores)
     python bench/memory.py --device cuda --rows 32 --completion_len 1024 --grad_accum 4    # a GPU (bench/gpu.py)
+    python bench/memory.py --lora_rank 16           # full fine-tuning against LoRA (fused path, checkpointing)
 
 One update is grpo.py's steps 2 and 4 on one batch of random tokens (sampling is not measured). Step 2 scores
 without gradient, per micro-batch, as grpo.py does: each model's forward once, the old and reference log-probs, the
@@ -12,7 +13,9 @@ Step 4, per micro-batch: the policy's log-probs with gradient (model.completion_
 fused), grpo_loss, backward; then AdamW's step. Each phase runs in a fresh process of its own (an allocator keeps
 what an earlier phase freed), and its peak is on CUDA torch.cuda.max_memory_allocated, on the CPU the peak resident
 memory (VmHWM, restarted through /proc/self/clear_refs once the models are built). "State" is the memory in use
-before the update: both models' weights and AdamW's two moments, which no path changes.
+before the update: both models' weights and AdamW's two moments, which no path changes. With --lora_rank the table
+compares full fine-tuning with LoRA (lora.py, every projection): the reference is the policy's own weights with the
+adapters off, AdamW's moments are the adapters'.
 """
 import argparse
 import json
@@ -27,6 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from grpo import grpo_advantages, grpo_loss  # noqa: E402
 from kernels import entropy, kl, logprobs  # noqa: E402
+from lora import add_adapters, base_model, trainable  # noqa: E402
 from model import GPT, GPTConfig, completion_hidden, completion_logits, completion_logprobs, kl_entropy  # noqa: E402
 
 SHAPES = {   # config.json of each family's checkpoint, as model.pretrained_config reads it
@@ -57,16 +61,20 @@ def peak_gib(device, now=False):
     return kib / 2**20
 
 
-def one_phase(args, phase, path, checkpointing):
+def one_phase(args, phase, path, checkpointing, lora=0):
     """Step 2 ("score") or step 4 ("update") of grpo.py on one batch, alone in this process (an allocator keeps what
-    an earlier phase freed): {"state": GiB in use before it, phase: its peak GiB, phase + "_s": its seconds}."""
+    an earlier phase freed): {"state": GiB in use before it, phase: its peak GiB, phase + "_s": its seconds}. lora:
+    a rank (0: full fine-tuning)."""
     torch.manual_seed(0)
     config = GPTConfig(**SHAPES[args.shape])
     policy = GPT(config).to(args.device)
-    ref = GPT(config).to(args.device).requires_grad_(False)
+    if lora:
+        ref = base_model(add_adapters(policy, lora, 2.0 * lora))        # the same weights, no second copy
+    else:
+        ref = GPT(config).to(args.device).requires_grad_(False)
     policy.grad_checkpoint = checkpointing
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
-    for p in policy.parameters():                      # AdamW's moments exist before the first step in a long run
+    optimizer = torch.optim.AdamW(trainable(policy), lr=1e-6)
+    for p in trainable(policy):                        # AdamW's moments exist before the first step in a long run
         optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
                               "exp_avg_sq": torch.zeros_like(p)}
     B, Tp, Tn, V = args.rows, args.prompt_len, args.completion_len, config.vocab_size
@@ -133,8 +141,11 @@ def parse_args(argv=None):
     p.add_argument("--prompt_len", type=int, default=64)
     p.add_argument("--completion_len", type=int, default=192)
     p.add_argument("--grad_accum", type=int, default=1, help="micro-batches of each phase")
-    p.add_argument("--config", default=None, help="internal: one phase, 'phase,path,checkpointing'")
+    p.add_argument("--lora_rank", type=int, default=0, help="compare full fine-tuning with LoRA of this rank")
+    p.add_argument("--config", default=None, help="internal: one phase, 'phase,path,checkpointing,lora'")
     args = p.parse_args(argv)
+    if args.lora_rank < 0:
+        p.error(f"--lora_rank {args.lora_rank}; allowed: 0 (the log-prob paths' table) or a rank")
     for name in ("rows", "group_size", "prompt_len", "completion_len", "grad_accum"):
         if getattr(args, name) < 1:
             p.error(f"--{name} {getattr(args, name)}; allowed: at least 1")
@@ -147,8 +158,8 @@ def parse_args(argv=None):
     return args
 
 
-def child(flags, phase, path, checkpointing):
-    p = subprocess.run([sys.executable, __file__, *flags, "--config", f"{phase},{path},{int(checkpointing)}"],
+def child(flags, phase, path, checkpointing, lora=0):
+    p = subprocess.run([sys.executable, __file__, *flags, "--config", f"{phase},{path},{int(checkpointing)},{lora}"],
                        capture_output=True, text=True)
     if p.returncode != 0:
         raise SystemExit(f"error: the {phase} phase ({path}, checkpointing {checkpointing}) failed: "
@@ -158,12 +169,20 @@ def child(flags, phase, path, checkpointing):
 
 def main(args):
     if args.config:                                    # a child: one phase, one JSON line
-        phase, path, checkpointing = args.config.split(",")
-        print(json.dumps(one_phase(args, phase, path, checkpointing == "1")))
+        phase, path, checkpointing, lora = args.config.split(",")
+        print(json.dumps(one_phase(args, phase, path, checkpointing == "1", int(lora))))
         return
     flags = sys.argv[1:]
     print(f"one GRPO update at {args.shape}'s shapes, {args.rows} rows x ({args.prompt_len} + {args.completion_len}) "
           f"tokens, {args.grad_accum} micro-batch(es), {args.device}, torch {torch.__version__}")
+    if args.lora_rank:
+        print("| fine-tuning | state GiB | scoring (step 2) peak GiB | update (step 4) peak GiB | update seconds |")
+        print("| --- | ---: | ---: | ---: | ---: |")
+        for lora in (0, args.lora_rank):
+            s, r = child(flags, "score", "fused", True, lora), child(flags, "update", "fused", True, lora)
+            print(f"| {f'LoRA rank {lora}, every projection' if lora else 'full'} | {r['state']:.2f} | "
+                  f"{s['score']:.2f} | {r['update']:.2f} | {r['update_s']:.0f} |", flush=True)
+        return
     for path in ("logits", "fused"):                    # step 2: no gradient, so checkpointing changes nothing
         s = child(flags, "score", path, False)
         print(f"state (weights of both models, AdamW's moments) {s['state']:.2f} GiB; scoring (step 2) through the "

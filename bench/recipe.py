@@ -93,7 +93,7 @@ def hf_tensors(gpt):
     """Our GPT's weights (Qwen2's config) under the Hugging Face names model._our_names reads: c_attn split into q, k
     and v projections, c_fc into gate and up."""
     c, sd = gpt.config, gpt.state_dict()
-    hs = c.n_embd // c.n_head
+    hs = c.head_size
     out = {"model.embed_tokens.weight": sd["wte.weight"], "model.norm.weight": sd["ln_f.weight"]}
     sizes = [c.n_head * hs, c.kv_heads * hs, c.kv_heads * hs]
     for i in range(c.n_layer):

@@ -95,7 +95,7 @@ def fixed_complete(model, tokenizer, prompts, num_samples=1, temperature=0.0, ma
                         return_ids)
     record("complete", prompts=list(prompts), n=num_samples)
     texts = [fixed_completion(p, j) for p in prompts for j in range(num_samples)]
-    return (texts, [tokenizer.encode(t) for t in texts]) if return_ids else texts
+    return (texts, [tokenizer.encode(t) + [tokenizer.eos_id] for t in texts]) if return_ids else texts   # ended
 
 
 def fixed_episode(prompt, j, turns):
@@ -159,12 +159,11 @@ def recording_batches():
     completion_batch, pair_batch = task.completion_batch, task.pair_batch
     inside_pairs = []
 
-    def completion_batch_(prompts, completions, tokenizer, device="cpu", ended=None):
+    def completion_batch_(prompts, completions, tokenizer, device="cpu"):
         if torch.is_grad_enabled() and not inside_pairs:
             record("completion_batch", prompts=list(prompts),
-                   completions=[c if isinstance(c, str) else list(c) for c in completions],
-                   ended=None if ended is None else list(ended))
-        return completion_batch(prompts, completions, tokenizer, device, ended)
+                   completions=[c if isinstance(c, str) else list(c) for c in completions])
+        return completion_batch(prompts, completions, tokenizer, device)
 
     def pair_batch_(pairs, tokenizer, device="cpu"):
         if torch.is_grad_enabled():

@@ -66,13 +66,13 @@ def test_critic_values_are_the_value_of_the_state_before_each_completion_token()
 
 def test_the_reward_model_scores_each_pair_at_its_own_eos():
     tok, rm = Tokenizer(), spread_model(scalar=True)
-    pairs = [{"prompt": p, "chosen_ids": tok.encode(c), "rejected_ids": tok.encode(r)}
+    pairs = [{"prompt": p, "chosen_ids": tok.encode(c) + [tok.eos_id], "rejected_ids": tok.encode(r) + [tok.eos_id]}
              for p, c, r in zip(PROMPTS[:3], ["4*2=8,3+8=11#11", "1", "2*3=6,6+4=10#10"], ["x", "9-8=1#1", "#"])]
     with torch.no_grad():
         r_c, r_r = score_pairs(rm, tok, pairs, "cpu")
         for i, pair in enumerate(pairs):
             for side, got in (("chosen_ids", r_c[i]), ("rejected_ids", r_r[i])):
-                alone = torch.tensor([tok.encode(pair["prompt"]) + pair[side] + [tok.eos_id]])
+                alone = torch.tensor([tok.encode(pair["prompt"]) + pair[side]])            # ids as stored: EOS last
                 torch.testing.assert_close(got, rm(alone)[0, -1], rtol=0, atol=1e-5)
 
 
@@ -87,6 +87,7 @@ class ScriptedPolicy(nn.Module):
 
     def generate(self, prompt, prompt_mask, max_new_tokens, eos_id, pad_id, num_samples=1, **_):
         self.seen = (prompt.clone(), prompt_mask.clone(), num_samples)
+        eos_id = eos_id[0] if isinstance(eos_id, (list, tuple)) else eos_id          # a tokenizer's stop_ids
         ids = [self.tok.encode(c) + [eos_id] for c in self.completions]
         T = max(map(len, ids))
         tokens = torch.full((len(ids), T), pad_id)

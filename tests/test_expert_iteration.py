@@ -117,10 +117,11 @@ def test_reward_model_scores_read_prompt_completion_eos_at_the_eos():
     rm = ScalarGPT(GPTConfig(n_layer=1, n_head=2, n_embd=16)).eval()
     torch.nn.init.normal_(rm.head.weight)                                    # a head that is not zero
     prompts = ["3+4*2=", "9-9*9=", "1+1+1="]
-    completions = [tok.encode("4*2=8,3+8=11#11"), tok.encode("#1"), tok.encode("1+1=2,2+1=3#3")]
+    completions = [tok.encode("4*2=8,3+8=11#11") + [tok.eos_id], tok.encode("#1") + [tok.eos_id],
+                   tok.encode("1+1=2,2+1=3#3")]                                 # ids as sampled: the last truncated
     got = reward_model_scores(rm, tok, prompts, completions, "cpu", batch_size=2)    # two batches, padded within each
     for i, (p, c) in enumerate(zip(prompts, completions)):
-        seq = torch.tensor([tok.encode(p) + c + [tok.eos_id]])                       # one sequence alone, no padding
+        seq = torch.tensor([tok.encode(p) + c])                                      # one sequence alone, no padding
         assert got[i].item() == pytest.approx(rm(seq)[0, -1].item(), abs=1e-5)
 
 
@@ -208,8 +209,8 @@ def test_demonstrations_are_correct_derivations_of_training_prompts():
     pairs = demonstrations(random.Random(0), 50, 0.5, tok)
     assert len(pairs) == 50
     for p, c in pairs:
-        text = tok.decode(list(c))
-        assert p not in held and text == task.demonstration(p) and task.reward(p, text) == 1.0
+        text = tok.decode(list(c)[:-1])
+        assert c[-1] == tok.eos_id and p not in held and text == task.demonstration(p) and task.reward(p, text) == 1.0
 
 
 def test_hindsight_and_demos_in_the_round_data(tiny_sft, tmp_path):

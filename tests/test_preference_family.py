@@ -314,12 +314,12 @@ def test_the_losses_run_when_copied_with_torch_alone():
 
 def test_online_dpo_pairs_the_best_and_the_worst_and_skips_ties():
     """best_and_worst on a scripted batch of 4 prompts x 3 samples: the chosen is the best-scored sample's ids, the
-    rejected the worst's; equal scores, or different scores on the same tokens, are ties. A sample that ran out of
-    tokens (no EOS) is trained without one: task.pair_batch appends none to it."""
+    rejected the worst's, each as sampled, its EOS included; equal scores, or different scores on the same tokens, are
+    ties. A sample that ran out of tokens (no EOS) is trained without one: task.pair_batch appends nothing."""
     class Tok:
         eos_id, pad_id = 0, 9
 
-        def encode(self, text):
+        def encode_prompt(self, text):
             return [1]
     tokens = torch.tensor([[5, 0, 9], [6, 7, 0], [8, 0, 9],          # prompt 0: scores 0, 1, 0.5
                            [5, 0, 9], [5, 0, 9], [5, 0, 9],          # prompt 1: 1, 1, 1: a tie
@@ -332,9 +332,8 @@ def test_online_dpo_pairs_the_best_and_the_worst_and_skips_ties():
                                "truncated": ~(tokens == 0).any(1)})
     pairs, informative, verdict = online_dpo.best_and_worst(["a", "b", "c", "d"], batch, scores, 3, Tok())
     assert [p["prompt"] for p in pairs] == ["a", "b", "c", "d"]
-    assert pairs[0]["chosen_ids"] == [6, 7] and pairs[0]["rejected_ids"] == [5]    # EOS and padding dropped
-    assert pairs[2]["chosen_ids"] == [4, 7, 8] and pairs[2]["rejected_ids"] == [3]
-    assert (pairs[2]["chosen_ended"], pairs[2]["rejected_ended"], pairs[0]["chosen_ended"]) == (False, True, True)
+    assert pairs[0]["chosen_ids"] == [6, 7, 0] and pairs[0]["rejected_ids"] == [5, 0]    # padding dropped
+    assert pairs[2]["chosen_ids"] == [4, 7, 8] and pairs[2]["rejected_ids"] == [3, 0]
     seq, _, targets = task.pair_batch(pairs[2:3], Tok())              # chosen row 0, rejected row 1
     assert seq[0].tolist() == [1, 4, 7, 8] and targets[0].tolist() == [1, 1, 1]     # no EOS after the truncated one
     assert seq[1].tolist() == [1, 3, 0, 9] and targets[1].tolist() == [1, 1, 0]     # the ended one keeps its EOS

@@ -1,6 +1,8 @@
-"""Real checkpoints: tiny random GPT-2, Llama and Qwen2 folders in the Hugging Face layout, written with their
-logits, greedy continuations and tokenizer encodings by transformers itself (tests/golden/make_golden.py), load into
-model.py and agree: logits within 1e-4 in float32, greedy generation token for token, encodings exactly."""
+"""Real checkpoints: tiny random GPT-2, Llama, Qwen2, Llama 3 (Llama 3.1's rope scaling, a BOS before every text,
+several EOS ids) and Qwen3 (query/key norms, a head width apart from the model's) folders in the Hugging Face layout,
+written with their logits, greedy continuations and tokenizer encodings by transformers itself
+(tests/golden/make_golden.py), load into model.py and agree: logits within 1e-4 in float32, greedy generation token
+for token, encodings exactly. Their chat templates: tests/test_chat.py."""
 import json
 import os
 import shutil
@@ -13,7 +15,7 @@ import sampler
 from model import GPT, CheckpointError, GPTConfig, Tokenizer
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
-FAMILIES = ["gpt2", "llama", "qwen2"]
+FAMILIES = ["gpt2", "llama", "qwen2", "llama3", "qwen3"]
 
 
 def golden(name):
@@ -50,11 +52,78 @@ def test_greedy_generation_matches_transformers_on_a_left_padded_batch(name):
 def test_the_tokenizer_encodes_and_decodes_as_transformers(name):
     folder, _, meta = golden(name)
     tok = Tokenizer.from_pretrained(folder)
-    assert tok.eos_id == meta["eos_id"] == tok.pad_id
+    assert tok.eos_id in tok.stop_ids and meta["eos_id"] in tok.stop_ids
     for text, ids in meta["encodings"].items():
         assert tok.encode(text) == ids, text
         if text.isascii():
             assert tok.decode(ids) == text
+    for text, ids in meta.get("with_special_tokens", {}).items():     # a prompt as the tokenizer encodes a text
+        assert tok.encode_prompt(text) == ids, text
+
+
+def test_every_eos_id_of_the_folder_stops_a_completion_and_the_bos_comes_first():
+    """Llama 3 lists two EOS ids (generation_config.json and config.json): each ends a row, the verifier's text has
+    neither; the tokenizer's post-processor puts <|begin_of_text|> before a prompt (transformers' tokenizer(text))."""
+    folder, _, meta = golden("llama3")
+    tok, model = Tokenizer.from_pretrained(folder), GPT.from_pretrained(folder)
+    assert tok.stop_ids == (1, 4) and tok.eos_id == 1 and tok.bos_prefix == [0]
+    assert tok.encode_prompt("3+4*2=") == meta["with_special_tokens"]["3+4*2="]
+    three = tok.encode("3")[0]
+
+    class Says(GPT):                                          # "3", then `stop`, whatever it is fed
+        def logits(self, x, head=None, fast=False):
+            out = torch.full((*x.shape[:-1], self.config.support), -1e4)
+            out[..., self.next] = 0.0
+            self.next = stop
+            return out
+    for stop in tok.stop_ids:
+        says = Says(model.config)
+        says.load_state_dict(model.state_dict())
+        says.next = three
+        prompt, mask = tok.encode_batch(["3+4*2="])
+        tokens, keep, truncated = sampler.generate(says.eval(), prompt, mask, 6, tok.stop_ids, tok.pad_id,
+                                                   temperature=0, mode="eager")
+        assert tokens[0, :2].tolist() == [three, stop] and keep.sum() == 2 and not truncated.any()
+        assert tok.decode_completions(tokens, keep) == ["3"]
+
+
+def test_llama3_rope_scaling_is_what_moves_the_logits_and_reads_either_config_key(tmp_path):
+    """The "llama3" scaling changes 4 frequencies of 4 here (one interpolated, three stretched): without it the logits
+    are far off; transformers 4's rope_scaling key loads the same model as transformers 5's rope_parameters; another
+    scaling is refused in one line."""
+    folder, g, _ = golden("llama3")
+    model = GPT.from_pretrained(folder)
+    assert model.config.rope_scaling == "llama3" and model.config.rope_original_max == 16
+    with torch.no_grad():
+        plain = GPT.from_pretrained(folder)
+        plain.config.rope_scaling = "none"
+        assert (plain(g["ids"]) - g["logits"]).abs().max() > 1e-2
+    def legacy(c):
+        rope = c.pop("rope_parameters")
+        c["rope_theta"] = rope.pop("rope_theta")
+        c["rope_scaling"] = rope
+    old = copy_folder(tmp_path, "llama3", edit_config=legacy)
+    with torch.no_grad():
+        torch.testing.assert_close(GPT.from_pretrained(old)(g["ids"]), g["logits"], rtol=0, atol=1e-4)
+    yarn = copy_folder(tmp_path / "y", "llama3", edit_config=lambda c: c["rope_parameters"].update(rope_type="yarn"))
+    with pytest.raises(CheckpointError, match="rope scaling 'yarn' is not supported"):
+        GPT.from_pretrained(yarn)
+
+
+def test_qwen3_norms_queries_and_keys_per_head_at_its_own_head_width():
+    """Qwen3: head_dim 16 at width 32 with 4 heads (the projections are 64 wide, not 32), an RMSNorm over each head's
+    queries and keys: both are in the model and both move its logits."""
+    folder, g, _ = golden("qwen3")
+    model = GPT.from_pretrained(folder)
+    attn = model.blocks[0].attn
+    assert model.config.head_size == 16 and attn.c_attn.weight.shape == ((4 + 2 * 2) * 16, 32)
+    assert attn.c_proj.weight.shape == (32, 64) and attn.q_norm.weight.shape == (16,)
+    with torch.no_grad():
+        for norm in (attn.q_norm, attn.k_norm):
+            saved = norm.weight.clone()
+            norm.weight.mul_(2.0)
+            assert (model(g["ids"]) - g["logits"]).abs().max() > 1e-2
+            norm.weight.copy_(saved)
 
 
 def test_a_left_padded_prompt_sees_the_rotary_positions_it_sees_alone():

@@ -147,13 +147,14 @@ def test_aggregate_steps_hand_worked():
 def test_scores_are_read_at_each_steps_comma_and_at_the_eos():
     tok = Tokenizer()
     prompt, completion = "3+4*2=", "4*2=8,3+8=11#11"
-    ids = tok.encode(completion)
+    ids = tok.encode(completion) + [tok.eos_id]                                  # as sampled: the EOS last
     p = tok.encode(prompt)
     assert task.read_positions(p, ids, tok, "prm") == [6 + 5, 6 + 15]          # the ',' and the EOS, by hand
     assert task.read_positions(p, ids, tok, "orm") == [6 + 15]
     assert task.read_positions(p, tok.encode("4*2=8,"), tok, "prm", finished=False) == [6 + 5]
-    tokens, attn, _ = task.completion_batch([prompt, "1+1+1="], [ids, tok.encode("1+1=2,2+1=3#3")], tok)
-    recs = [{"prompt": prompt, "ids": ids}, {"prompt": "1+1+1=", "ids": tok.encode("1+1=2,2+1=3#3")}]
+    other = tok.encode("1+1=2,2+1=3#3") + [tok.eos_id]
+    tokens, attn, _ = task.completion_batch([prompt, "1+1+1="], [ids, other], tok)
+    recs = [{"prompt": prompt, "ids": ids}, {"prompt": "1+1+1=", "ids": other}]
     _, _, positions, labels, mask = prm.verifier_batch(recs, [[1, 0], [1, 1]], tok, "prm", "cpu")
     read = tokens.gather(1, positions)
     assert read.tolist() == [[tok.encode(",")[0], tok.eos_id], [tok.encode(",")[0], tok.eos_id]]
@@ -184,6 +185,7 @@ class ScriptedPolicy(torch.nn.Module):
         self.config = GPTConfig()
 
     def generate(self, idx, mask, max_new_tokens, eos_id, pad_id, num_samples, temperature, generator):
+        eos_id = eos_id[0] if isinstance(eos_id, (list, tuple)) else eos_id           # a tokenizer's stop_ids
         rows = []
         for row, m in zip(idx.tolist(), mask.tolist()):
             prefix = self.tok.decode([t for t, keep in zip(row, m) if keep])

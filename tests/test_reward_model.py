@@ -62,8 +62,8 @@ def test_score_is_read_at_the_eos_whatever_the_padding():
     model = ScalarGPT.from_policy(GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32)))
     torch.nn.init.normal_(model.head.weight)  # a non-zero head so scores differ by position
     prompts, completions = ["3+4*2=", "1+1="], ["4*2=8,3+8=11#11", "1+1=2,2+1=3#3"]
-    pairs = [{"prompt": p, "chosen_ids": tok.encode(c), "rejected_ids": tok.encode(c)}
-             for p, c in zip(prompts, completions)]
+    pairs = [{"prompt": p, "chosen_ids": tok.encode(c) + [tok.eos_id], "rejected_ids": tok.encode(c) + [tok.eos_id]}
+             for p, c in zip(prompts, completions)]                            # as preference_pairs stores them
     tokens, mask, _ = task.pair_batch(pairs, tok)                           # the batch score_pairs scores
     tokens, mask = tokens[:2], mask[:2]                                     # the chosen rows
     last = mask.sum(1).long() - 1

@@ -111,7 +111,7 @@ def oracle(model, tok, kind, prompts, ids, finished=None, how=None):
     """A perfect PRM: the min of the rule labels of the steps so far (a partial path's empty last piece dropped)."""
     out = []
     for p, c, done in zip(prompts, ids, finished):
-        labels = arithmetic.step_labels(p, tok.decode(c))
+        labels = arithmetic.step_labels(p, tok.decode([t for t in c if t != tok.eos_id]))   # a finished path: EOS last
         out.append(float(min(labels if done else labels[:-1])))
     return torch.tensor(out)
 
@@ -126,12 +126,12 @@ def test_beam_search_by_hand_with_a_scripted_policy_and_an_oracle_prm(monkeypatc
     # beam 1, expand 2: level 1 samples 2 first steps (6 tokens each), keeps '4*2=8,'; level 2 samples 2 endings
     # (9 tokens + EOS each) and keeps the right one: 6 + 6 + 10 + 10 = 32 tokens
     picked, used = search.beam_search(None, None, tok, ["3+4*2="], 1, 2, 1.0, 24, None)
-    assert tok.decode(picked[0]) == "4*2=8,3+8=11#11" and used == [32]
+    assert tok.decode(picked[0]) == "4*2=8,3+8=11#11<|endoftext|>" and used == [32]
     # beam 2, expand 2: level 1 samples 4 first steps; the kept two are '4*2=8,' and the first '3+4=7,' (ties: the
     # first); level 2 gives each 2 endings: 4 * 6 + 4 * 10 = 64 tokens, and the right one wins
     monkeypatch.setattr(search, "sample_steps", scripted(tok, script))
     picked, used = search.beam_search(None, None, tok, ["3+4*2="], 2, 2, 1.0, 24, None)
-    assert tok.decode(picked[0]) == "4*2=8,3+8=11#11" and used == [64]
+    assert tok.decode(picked[0]) == "4*2=8,3+8=11#11<|endoftext|>" and used == [64]
 
 
 def test_beam_search_keeps_a_path_sampled_twice_once(monkeypatch):
@@ -162,12 +162,12 @@ def test_beam_search_ranks_a_finished_path_by_its_last_step_not_its_weakest(monk
     script = {"3+4*2=": ["4*2=8,3+8=11#11<eos>", "3+4=7,"], "3+4*2=3+4=7,": ["7*2=14#14<eos>"]}
 
     def prm_score(model, tok_, kind, prompts, ids, finished=None, how=None):
-        steps = [probs[tok.decode(c)] for c in ids]
+        steps = [probs[tok.decode([t for t in c if t != tok.eos_id])] for c in ids]
         return torch.tensor([s[-1] if how == "last" else min(s) for s in steps])
     monkeypatch.setattr(search, "score", prm_score)
     monkeypatch.setattr(search, "sample_steps", scripted(tok, script))
     picked, used = search.beam_search(None, None, tok, ["3+4*2="], 1, 2, 1.0, 24, None)
-    assert tok.decode(picked[0]) == "4*2=8,3+8=11#11" and used == [16 + 6]    # no level 2: nothing left to expand
+    assert tok.decode(picked[0]) == "4*2=8,3+8=11#11<|endoftext|>" and used == [16 + 6]   # no level 2: none left
 
 
 def test_best_of_n_with_no_samples_is_an_error_that_says_so():
@@ -187,7 +187,7 @@ def test_beam_search_of_width_one_is_sampling(tiny_sft):
         tokens, keep, _ = sampler.generate(policy, idx, mask, 24, tok.eos_id, tok.pad_id, temperature=1.0,
                                            generator=torch.Generator().manual_seed(i))
         row = [t for t, k in zip(tokens[0].tolist(), keep[0].tolist()) if k]
-        assert picked[0] == [t for t in row if t != tok.eos_id] and used == [len(row)]
+        assert picked[0] == row and used == [len(row)]                          # as sampled, its EOS last
 
 
 # -----------------------------------------------------------------------------

@@ -163,11 +163,13 @@ def test_preference_cache_is_remade_for_a_different_policy(tmp_path):
 
 
 def test_pair_batch_masks_exactly_the_completions_and_eos_and_keeps_the_sampled_ids():
+    """A pair's ids are taken as they are (preference_pairs stores a sample as sampled, its EOS last, and a
+    demonstration with its EOS): nothing is appended, so a sample that ran out of tokens is trained without one."""
     tok = Tokenizer()
     pairs = [{"prompt": "3+4*2=", "chosen": "4*2=8,3+8=11#11", "rejected": "3+4=7,7*2=14#14"},
              {"prompt": "1+1+1=", "chosen": "1+1=2,2+1=3#3", "rejected": "1+1=2,2+1=4#4"}]
     for p in pairs:
-        p["chosen_ids"], p["rejected_ids"] = tok.encode(p["chosen"]), tok.encode(p["rejected"])
+        p["chosen_ids"], p["rejected_ids"] = (tok.encode(p[k]) + [tok.eos_id] for k in ("chosen", "rejected"))
     tokens, attn, mask = task.pair_batch(pairs, tok, "cpu")
     assert tokens.shape[0] == 4 and mask.shape == (4, tokens.shape[1] - 1)
     targets = tokens[:, 1:]
@@ -178,11 +180,12 @@ def test_pair_batch_masks_exactly_the_completions_and_eos_and_keeps_the_sampled_
     assert (tokens[torch.arange(4), attn.sum(1).long() - 1] == tok.eos_id).all()   # each row ends with its EOS
     # a sampled side is scored as the ids that were sampled, even where decoding them and encoding again differs
     odd = [0xE2, 0x82]                                      # half a UTF-8 character: decodes to U+FFFD, 3 other bytes
-    pairs[0]["rejected_ids"] = odd + tok.encode("#3")
-    assert tok.encode(tok.decode(pairs[0]["rejected_ids"])) != pairs[0]["rejected_ids"]
+    pairs[0]["rejected_ids"] = odd + tok.encode("#3") + [tok.eos_id]
+    assert tok.encode(tok.decode(pairs[0]["rejected_ids"][:-1])) != pairs[0]["rejected_ids"][:-1]
+    pairs[1]["rejected_ids"] = tok.encode("1+1=2,2+1=4#4")  # ran out of tokens: no EOS, and none is added
     tokens, attn, mask = task.pair_batch(pairs, tok, "cpu")
-    row = [t for t, k in zip(tokens[2, 1:].tolist(), mask[2].tolist()) if k]
-    assert row == odd + tok.encode("#3") + [tok.eos_id]
+    rows = [[t for t, k in zip(tokens[i, 1:].tolist(), mask[i].tolist()) if k] for i in (2, 3)]
+    assert rows == [odd + tok.encode("#3") + [tok.eos_id], tok.encode("1+1=2,2+1=4#4")]
 
 
 def test_concat_rollouts_pads_so_that_each_row_reads_as_it_did_alone():

@@ -241,9 +241,10 @@ def group_advantages(rewards, G, std="population", scale=True):
     return out
 
 
-def grpo_expected(gpt, rows, c):
-    """mu SGD passes on GRPO's loss (negated eq. 3) and its family, c the settings: (model after, gradients)."""
-    ref, model = frozen(gpt), copy.deepcopy(gpt)
+def grpo_expected(gpt, rows, c, ref=None):
+    """mu SGD passes on GRPO's loss (negated eq. 3) and its family, c the settings: (model after, gradients). ref:
+    pi_ref, if not gpt (the policy at the step's start)."""
+    ref, model = frozen(gpt if ref is None else ref), copy.deepcopy(gpt)
     rewards = rows.rewards.clone()
     if c["overlong"]:                                               # DAPO eq. 13, on the length (EOS included)
         L, start = torch.tensor([len(x) for x in rows.ids], dtype=torch.float64), c["max_new"] - c["overlong"]
@@ -334,6 +335,81 @@ def test_grpo_update(case, tiny_sft, tmp_path):
     check_weights(result, model)
 
 
+class LoRA64(torch.nn.Module):
+    """A float64 GPT whose trained parameters are LoRA's A and B alone (Hu et al. 2021): each adapted weight read as
+    W + (alpha / r) B A, written here (a parametrization of the frozen W: the merged weight, row blocks per part of
+    a fused projection) rather than lora.py's W x + s B (A x). parameters(): [A, B] per projection in lora.adapters'
+    order (blocks in order; c_attn, c_proj, then the MLP's first and second linear)."""
+
+    class Delta(torch.nn.Module):
+        def __init__(self, A, B, scale):
+            super().__init__()
+            self.A, self.B, self.scale = A, B, scale
+
+        def forward(self, W):
+            return W + self.scale * self.B @ self.A                 # (out, in)
+
+    def __init__(self, gpt, start, rank, alpha):
+        super().__init__()
+        self.ab = torch.nn.ParameterList([torch.nn.Parameter(t.double().clone()) for t in start])
+        object.__setattr__(self, "gpt", gpt.requires_grad_(False))  # not a submodule: parameters() are A and B
+        sites = [layer for b in gpt.blocks for layer in (b.attn.c_attn, b.attn.c_proj, b.mlp[0], b.mlp[2])]
+        assert len(sites) * 2 == len(start)
+        for i, layer in enumerate(sites):
+            torch.nn.utils.parametrize.register_parametrization(
+                layer, "weight", LoRA64.Delta(self.ab[2 * i], self.ab[2 * i + 1], alpha / rank))
+
+    def hidden(self, *args):
+        return self.gpt.hidden(*args)
+
+    @property
+    def lm_head(self):
+        return self.gpt.lm_head
+
+    def merged(self, names):
+        """The tensors `names` (state_dict names of the GPT without adapters) as they are now: W + (alpha / r) B A for
+        an adapted weight, as a merged checkpoint holds it."""
+        out = []
+        for name in names:
+            module, attr = name.rsplit(".", 1)
+            out.append(getattr(self.gpt.get_submodule(module), attr).detach())
+        return out
+
+
+def test_grpo_update_with_lora(tiny_sft, tmp_path):
+    """--lora_rank: the gradient reaches A and B only, through W + (alpha / r) B A; the reference is the weights
+    without the adapters (B = 0 there: the start), and the checkpoint loads as the merged weights."""
+    c = GRPO
+    flags = [*GRPO_FLAGS, "--steps", "2", "--lora_rank", "4", "--lora_alpha", "8"]
+    result = train("grpo", ["--init", tiny_sft, *flags], str(tmp_path))
+    base = f64(load_checkpoint(tiny_sft)[0])
+    start = result.start
+    assert len(start) == 2 * 4 * base.config.n_layer and all((b == 0).all() for b in start[1::2])   # B = 0
+
+    def two_steps(gpt, c, moving_ref=False):
+        """Two steps of mu passes; pi_ref the start (the adapters off), or with moving_ref the policy at each step."""
+        grads = []
+        for rollout in result.of("rollout"):
+            rows = Rows.fixed(rollout["prompts"], 4)
+            after, g = grpo_expected(gpt, rows, c, ref=gpt if moving_ref else start_model)
+            gpt, grads = after, grads + g
+        return gpt, grads
+
+    start_model = LoRA64(f64(base), start, rank=4, alpha=8.0)
+    model, grads = two_steps(start_model, c)
+    wrong = [("alpha / r at its default", two_steps(LoRA64(f64(base), start, 4, 32.0), c)[1]),
+             ("a flipped KL sign", two_steps(start_model, {**c, "beta": -c["beta"]})[1]),
+             ("the reference moving with the adapters", two_steps(start_model, c, moving_ref=True)[1])]
+    check_grads(result, grads, far=wrong)
+    assert all(g is not None for s in result.steps for g in s["grads"][0])   # the adapters alone are optimised
+    assert result.ckpt["lora"] == {"rank": 4, "alpha": 8.0, "targets": ["qkv", "o", "up", "down"]}
+    names = list(base.state_dict())
+    start_w = [w.detach() for w in base.state_dict().values()]
+    got = [result.model.state_dict()[n] for n in names]
+    err = rel_err([g - w0 for g, w0 in zip(got, start_w)], [w - w0 for w, w0 in zip(model.merged(names), start_w)])
+    assert err < WEIGHT_TOL, f"the merged weights' change is off by {err:.2e} (relative)"
+
+
 # -----------------------------------------------------------------------------
 # RLOO and REINFORCE: the KL to the reference in the reward, one step per batch; two steps (the KL is 0 at the first)
 
@@ -408,8 +484,14 @@ def test_rloo_and_reinforce_update(case, tiny_sft, tmp_path):
 # The reward model (Bradley-Terry, InstructGPT eq. 1): its update, and the checkpoint ppo.py and expert iteration use
 
 def pair_ids(pair, side):
-    """A pair's side as (prompt ids, completion ids): with its EOS, unless the sample ran out of tokens."""
-    return TOK.encode(pair["prompt"]), pair[f"{side}_ids"] + [EOS] * pair.get(f"{side}_ended", True)
+    """A pair's side as (prompt ids, completion ids): as sampled, with the EOS that ended it and none where it ran out
+    of tokens (a demonstration's with its EOS)."""
+    return TOK.encode(pair["prompt"]), list(pair[f"{side}_ids"])
+
+
+def plain(ids):
+    """The text of sampled ids, the EOS that ended them dropped (what the verifier reads)."""
+    return TOK.decode([t for t in ids if t != EOS])
 
 
 def rm_expected(scalar, batches, c):
@@ -440,8 +522,8 @@ def test_reward_model_update(reward_model_run):
     batches = [e["pairs"] for e in result.of("pair_batch")]
     assert len(batches) == 3 and all(len(b) == 8 for b in batches)
     for pairs in batches:                                            # chosen correct, rejected wrong
-        assert all(task.reward(p["prompt"], TOK.decode(p["chosen_ids"])) == 1.0 for p in pairs)
-        assert all(task.reward(p["prompt"], TOK.decode(p["rejected_ids"])) == 0.0 for p in pairs)
+        assert all(task.reward(p["prompt"], plain(p["chosen_ids"])) == 1.0 for p in pairs)
+        assert all(task.reward(p["prompt"], plain(p["rejected_ids"])) == 0.0 for p in pairs)
     scalar = f64(result.model, result.start)
     c = {"margin": 0.5, "read_early": 0, "schedule": True}
     model, grads = rm_expected(scalar, batches, c)
@@ -810,27 +892,26 @@ def test_simpo_and_orpo_update(script, tiny_sft, tmp_path):
 
 
 def kto_expected(gpt, batches, c):
-    """SGD on KTO's loss (Ethayarajh et al. 2024, eq. 8) per batch of (prompt, completion, ended) examples: the mean
+    """SGD on KTO's loss (Ethayarajh et al. 2024, eq. 8) per batch of (prompt, completion ids) examples: the mean
     of lambda_y - v(x, y), r = log pi(y|x) - log pi_ref(y|x), z0 = max(0, the mean r of the batch's mismatched pairs
     (prompt k, completion k+1), no gradient), desirable = the verifier's right answer."""
     ref, model, grads, estimates = frozen(gpt), copy.deepcopy(gpt), [], []
 
-    def seq_logp(m, prompt, ids, ended):
-        ids = list(ids) + [EOS] * ended
+    def seq_logp(m, prompt, ids):                                     # ids as sampled, the EOS included
         lp = token_logp(completion_logits(m, TOK.encode(prompt), ids), ids)
         return lp.mean() if c["mean"] else lp.sum()
-    for step, (prompts, completions, ended) in enumerate(batches):
+    for step, (prompts, completions) in enumerate(batches):
         n = len(prompts)
         with torch.no_grad():
-            mismatched = [(prompts[k], completions[(k + 1) % n], ended[(k + 1) % n]) for k in range(n)]
+            mismatched = [(prompts[k], completions[(k + 1) % n]) for k in range(n)]
             estimates.append(sum(seq_logp(model, *x) - seq_logp(ref, *x) for x in mismatched).item() / n)
             z0 = max(0.0, estimates[-1])
         loss = 0.0
-        for prompt, ids, end in zip(prompts, completions, ended):
+        for prompt, ids in zip(prompts, completions):
             with torch.no_grad():
-                ref_lp = seq_logp(ref, prompt, ids, end)
-            r = seq_logp(model, prompt, ids, end) - ref_lp
-            if task.reward(prompt, TOK.decode(ids)) == 1.0:              # desirable
+                ref_lp = seq_logp(ref, prompt, ids)
+            r = seq_logp(model, prompt, ids) - ref_lp
+            if task.reward(prompt, plain(ids)) == 1.0:                   # desirable
                 loss = loss + c["lambda_d"] - c["lambda_d"] * torch.sigmoid(c["beta"] * (r - z0))
             else:
                 loss = loss + c["lambda_u"] - c["lambda_u"] * torch.sigmoid(c["beta"] * (z0 - r))
@@ -848,9 +929,9 @@ def test_kto_update(tiny_sft, tmp_path):
     flags = ["--steps", "2", "--batch_size", "4", "--n_examples", "8", "--lr", "0.5", "--warmup", "3",
              "--grad_clip", "1e9", "--beta", "0.5", "--lambda_u", "1.5"]
     result = train("kto", ["--init", tiny_sft, *flags], str(tmp_path))
-    batches = [(e["prompts"], e["completions"], e["ended"]) for e in result.of("completion_batch")]
-    assert [len(b[0]) for b in batches] == [4, 4]
-    labels = [task.reward(p, TOK.decode(y)) == 1.0 for b in batches for p, y in zip(b[0], b[1])]
+    batches = [(e["prompts"], e["completions"]) for e in result.of("completion_batch")]
+    assert [len(b[0]) for b in batches] == [4, 4] and all(y[-1] == EOS for b in batches for y in b[1])   # ended
+    labels = [task.reward(p, plain(y)) == 1.0 for b in batches for p, y in zip(b[0], b[1])]
     assert any(labels) and not all(labels)                             # both kinds of example
     c = {"lr": 0.5, "warmup": 3, "beta": 0.5, "lambda_d": 1.0, "lambda_u": 1.5, "mean": False}
     gpt = f64(result.model, result.start)
@@ -1111,13 +1192,14 @@ def test_async_grpo_update(mode, tiny_sft, tmp_path):
 
 def nll_expected(gpt, batches, lrs, wd, max_norm=None, shift=0):
     """SGD on -1/sum|y| sum_(x, y) sum_t log pi(y_t | x, y_<t) over each batch of (prompt, completion) pairs, the EOS
-    a target; lrs: each step's learning rate; max_norm: gradient clipping. shift: the targets moved (a wrong mask)."""
+    a target: a text completion (a demonstration) gets it appended, ids are as sampled (their EOS last); lrs: each
+    step's learning rate; max_norm: gradient clipping. shift: the targets moved (a wrong mask)."""
     model, grads = copy.deepcopy(gpt), []
     for batch, lr in zip(batches, lrs):
         total, n = 0.0, 0
         for prompt, completion in batch:
             p = TOK.encode(prompt)
-            ids = (TOK.encode(completion) if isinstance(completion, str) else list(completion)) + [EOS]
+            ids = TOK.encode(completion) + [EOS] if isinstance(completion, str) else list(completion)
             seq = p + ids
             lp = token_logp(logits_of(model, seq)[:-1], seq[1:])[len(p) - 1 - shift:]
             total, n = total - lp.sum(), n + len(lp)
@@ -1185,10 +1267,10 @@ def test_expert_iteration_update(select, reward_model_run, tmp_path):
         data = expert_iteration_data(rounds, 4, rm_score if select == "rm" else None, 1 if select == "rm" else 4)
         other = expert_iteration_data(rounds, 4, None if select == "rm" else rm_score, 4 if select == "rm" else 1)
     assert sorted(data) != sorted(other)                                      # the rule decides what is kept
-    batches = [[(p, TOK.decode(c)) for p, c in zip(e["prompts"], e["completions"])]
-               for e in result.of("completion_batch")]
+    batches = [list(zip(e["prompts"], e["completions"])) for e in result.of("completion_batch")]
     assert len(batches) == math.ceil(2 * len(data) / 4)                       # --epochs 2 over the kept data
-    items = [x for b in batches for x in b]                                   # two shuffled passes over the data
+    assert all(c[-1] == EOS for b in batches for _, c in b)                   # as sampled: each ended with its EOS
+    items = [(p, plain(c)) for b in batches for p, c in b]                    # two shuffled passes over the data
     assert sorted(items[:len(data)]) == sorted(data) and sorted(items[len(data):2 * len(data)]) == sorted(data)
     gpt = f64(result.model, result.start)
     model, grads = nll_expected(gpt, batches, [SGD_LR] * len(batches), 0.05)
@@ -1203,13 +1285,14 @@ def verifier_expected(scalar, batches, kind, c):
     model, grads = copy.deepcopy(scalar), []
     for step, batch in enumerate(batches):
         total, n = 0.0, 0
-        for prompt, ids in batch:
-            p, text = TOK.encode(prompt), TOK.decode(ids)
-            seq = p + list(ids) + [EOS]
+        for prompt, ids in batch:                                    # ids as sampled, their EOS last
+            p, text = TOK.encode(prompt), plain(ids)
+            seq = p + list(ids)
             if kind == "orm":
                 reads, labels = [len(seq) - 1], [task.reward(prompt, text)]
             else:                                                    # each ',' and the EOS
                 reads = [len(p) + j for j, t in enumerate(ids) if TOK.decode([t]) == ","] + [len(seq) - 1]
+                assert ids[-1] == EOS
                 labels = arithmetic.step_labels(prompt, text)
             assert len(reads) == len(labels)
             r = scores_of(model, seq)[torch.tensor(reads) - c["early"]]

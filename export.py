@@ -1,0 +1,359 @@
+"""
+Export: a checkpoint of this project as a Hugging Face folder, for transformers, vLLM and the rest to load.
+
+    python export.py out/grpo.pt out/grpo-hf              # config.json, model.safetensors, tokenizer, generation config
+    python export.py out/grpo.pt out/grpo-lora --peft     # a LoRA run's adapters alone, as PEFT writes them
+
+    AutoModelForCausalLM.from_pretrained("out/grpo-hf")   # or: vllm serve out/grpo-hf
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), "out/grpo-lora")
+
+The weights go back to the layout their family has on the Hub (model_type gpt2, llama, qwen2, qwen3): model.py's
+fused c_attn split into q_proj, k_proj, v_proj (c_fc into gate_proj, up_proj), GPT-2's Conv1D weights transposed,
+a tied LM head left out. A checkpoint trained from a Hugging Face folder (--init) keeps that folder's config.json
+(its dtype set to the export's), tokenizer files, chat template and generation_config.json. One trained from this
+project's byte tokenizer is GPT-2-shaped: it becomes a gpt2 folder with a tokenizer.json that encodes text as the
+byte tokenizer does (one token per byte, <|endoftext|> 256, <|pad|> 257).
+
+A LoRA checkpoint is exported merged (W + (alpha / r) B A, what lora.merge computes) unless --peft asks for the
+adapter folder: adapter_config.json and adapter_model.safetensors with PEFT's tensor names, the base model being
+the --init folder. Shards: weights past --max_shard_size go to model-0000i-of-0000n.safetensors with an index, as
+save_pretrained writes them. The folder is written whole under a temporary name and renamed: a failed export
+leaves nothing behind.
+"""
+import argparse
+import json
+import os
+import shutil
+import sys
+
+import torch
+from safetensors.torch import save_file
+
+from lora import add_adapters, base_model
+from model import (EOS, GPT, PAD, CheckpointError, GPTConfig, bytes_to_unicode, from_pretrained, load_checkpoint,
+                   pretrained_config)
+
+MODEL_TYPES = ("gpt2", "llama", "qwen2", "qwen3")
+ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "added_tokens.json", "chat_template.jinja", "tokenizer.model")
+PEFT_NAMES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
+              "down": "down_proj"}                                   # Llama, Qwen2, Qwen3
+GPT2_PEFT_NAMES = {"qkv": "attn.c_attn", "o": "attn.c_proj", "up": "mlp.c_fc", "down": "mlp.c_proj"}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# -----------------------------------------------------------------------------
+# Which model_type a config can be, and its config.json
+
+def fits(config, model_type):
+    """None if a model of `config` is a `model_type` model, else what differs."""
+    c = config
+    if model_type == "gpt2":
+        wrong = [c.pos != "learned" and "rotary positions", c.norm != "layernorm" and "RMSNorm",
+                 c.mlp != "gelu" and "a SwiGLU MLP", not (c.bias and c.qkv_bias and c.o_bias in (None, True)) and
+                 "projections without biases", c.kv_heads != c.n_head and "grouped-query attention",
+                 c.head_dim not in (0, c.n_embd // c.n_head) and "a separate head_dim", c.qk_norm and "q/k norms"]
+    else:
+        o_bias = c.bias if c.o_bias is None else c.o_bias
+        wrong = [c.pos != "rope" and "learned positions", c.norm != "rmsnorm" and "LayerNorm",
+                 c.mlp != "swiglu" and "a GELU MLP", c.bias and "MLP biases",
+                 model_type == "qwen2" and not (c.qkv_bias and not o_bias) and "not Qwen2's q/k/v biases",
+                 model_type != "qwen2" and c.qkv_bias != o_bias and "q/k/v biases without an o_proj bias",
+                 (model_type == "qwen3") != c.qk_norm and ("no q/k norms" if c.qk_norm is False else "q/k norms"),
+                 model_type != "llama" and c.rope_scaling != "none" and "Llama 3's rope scaling"]
+    wrong = [w for w in wrong if w]
+    return None if not wrong else ", ".join(wrong)
+
+
+def infer_model_type(config):
+    for model_type in ("gpt2", "qwen3", "qwen2", "llama"):
+        if fits(config, model_type) is None:
+            return model_type
+    return None
+
+
+def hf_config(config, model_type, dtype, eos_id, pad_id):
+    """config.json for a model with no source folder: the keys transformers reads for `model_type`."""
+    c = config
+    if model_type == "gpt2":
+        out = dict(n_positions=c.block_size, n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd,
+                   n_inner=c.mlp_hidden or None, layer_norm_epsilon=c.norm_eps,
+                   activation_function="gelu_new" if c.gelu == "tanh" else "gelu", resid_pdrop=0.0, embd_pdrop=0.0,
+                   attn_pdrop=0.0, n_ctx=c.block_size)
+    else:
+        out = dict(hidden_size=c.n_embd, intermediate_size=c.mlp_hidden or 4 * c.n_embd, num_hidden_layers=c.n_layer,
+                   num_attention_heads=c.n_head, num_key_value_heads=c.kv_heads, head_dim=c.head_size,
+                   max_position_embeddings=c.block_size, rms_norm_eps=c.norm_eps, hidden_act="silu",
+                   rope_theta=c.rope_theta, attention_bias=c.qkv_bias, mlp_bias=c.bias, attention_dropout=0.0,
+                   use_sliding_window=False)
+        if c.rope_scaling == "llama3":
+            out["rope_scaling"] = {"rope_type": "llama3", "factor": c.rope_factor,
+                                   "low_freq_factor": c.rope_low_freq_factor,
+                                   "high_freq_factor": c.rope_high_freq_factor,
+                                   "original_max_position_embeddings": c.rope_original_max}
+    return {"architectures": [ARCHITECTURES[model_type]], "model_type": model_type, "vocab_size": c.vocab_size,
+            **out, "tie_word_embeddings": c.tie_embeddings, "bos_token_id": eos_id, "eos_token_id": eos_id,
+            "pad_token_id": pad_id, "torch_dtype": dtype, "use_cache": True}
+
+
+# -----------------------------------------------------------------------------
+# Tensors: ours -> theirs
+
+def hf_tensors(state, config, model_type):
+    """{Hugging Face name: tensor} of a plain model's state_dict: model.from_pretrained's mapping run backwards."""
+    c, out = config, {}
+    if model_type == "gpt2":
+        out["transformer.wte.weight"], out["transformer.wpe.weight"] = state["wte.weight"], state["wpe.weight"]
+        for i in range(c.n_layer):
+            p, q = f"transformer.h.{i}.", f"blocks.{i}."
+            for theirs, mine, conv in (("ln_1", "ln_1", False), ("ln_2", "ln_2", False),
+                                       ("attn.c_attn", "attn.c_attn", True), ("attn.c_proj", "attn.c_proj", True),
+                                       ("mlp.c_fc", "mlp.0", True), ("mlp.c_proj", "mlp.2", True)):
+                weight = state[q + mine + ".weight"]
+                out[p + theirs + ".weight"] = weight.t() if conv else weight   # Conv1D: (in, out)
+                out[p + theirs + ".bias"] = state[q + mine + ".bias"]
+        out["transformer.ln_f.weight"], out["transformer.ln_f.bias"] = state["ln_f.weight"], state["ln_f.bias"]
+    else:
+        hs, kv = c.head_size, c.kv_heads
+        out["model.embed_tokens.weight"] = state["wte.weight"]
+        for i in range(c.n_layer):
+            p, q = f"model.layers.{i}.", f"blocks.{i}."
+            out[p + "input_layernorm.weight"] = state[q + "ln_1.weight"]
+            out[p + "post_attention_layernorm.weight"] = state[q + "ln_2.weight"]
+            for suffix in ("weight", "bias"):
+                if q + "attn.c_attn." + suffix in state:               # rows: q (n_head hs), k (kv hs), v (kv hs)
+                    parts = state[q + "attn.c_attn." + suffix].split([c.n_head * hs, kv * hs, kv * hs])
+                    out.update({p + f"self_attn.{x}_proj.{suffix}": t for x, t in zip("qkv", parts)})
+                if q + "attn.c_proj." + suffix in state:
+                    out[p + "self_attn.o_proj." + suffix] = state[q + "attn.c_proj." + suffix]
+                if q + "mlp.c_fc." + suffix in state:                  # rows: gate, up
+                    gate, up = state[q + "mlp.c_fc." + suffix].chunk(2)
+                    out[p + "mlp.gate_proj." + suffix], out[p + "mlp.up_proj." + suffix] = gate, up
+                if q + "mlp.c_proj." + suffix in state:
+                    out[p + "mlp.down_proj." + suffix] = state[q + "mlp.c_proj." + suffix]
+            if c.qk_norm:
+                out[p + "self_attn.q_norm.weight"] = state[q + "attn.q_norm.weight"]
+                out[p + "self_attn.k_norm.weight"] = state[q + "attn.k_norm.weight"]
+        out["model.norm.weight"] = state["ln_f.weight"]
+    if not c.tie_embeddings:
+        out["lm_head.weight"] = state["lm_head.weight"]
+    return out
+
+
+def peft_tensors(state, config, model_type):
+    """{PEFT name: tensor} of a LoRA checkpoint's adapters: base_model.model.<module>.lora_A.weight (r, in) and
+    lora_B.weight (out, r), per q/k/v/gate/up part on Llama-family models (each part its own module there)."""
+    out = {}
+    for name, tensor in state.items():
+        if ".lora_A." not in name and ".lora_B." not in name:
+            continue
+        layer, kind, part = name.rsplit(".", 2)                       # blocks.0.attn.c_attn, lora_A, q
+        i = int(layer.split(".")[1])
+        if model_type == "gpt2":
+            module = f"transformer.h.{i}.{GPT2_PEFT_NAMES[part]}"
+        else:
+            where = "mlp" if part in ("gate", "up", "down") else "self_attn"
+            module = f"model.layers.{i}.{where}.{PEFT_NAMES[part]}"
+        out[f"base_model.model.{module}.{kind}.weight"] = tensor
+    return out
+
+
+def peft_config(lora, model_type, base):
+    names = GPT2_PEFT_NAMES if model_type == "gpt2" else PEFT_NAMES
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": lora["rank"],
+            "lora_alpha": lora["alpha"], "lora_dropout": 0.0, "bias": "none", "use_rslora": False,
+            "fan_in_fan_out": model_type == "gpt2",                    # GPT-2's Conv1D stores W as (in, out)
+            "target_modules": sorted(names[t] for t in lora["targets"]), "init_lora_weights": True,
+            "modules_to_save": None, "inference_mode": True}
+
+
+# -----------------------------------------------------------------------------
+# Files
+
+def write_weights(folder, tensors, max_shard_bytes, metadata=None):
+    """model.safetensors, or shards of at most max_shard_bytes (a tensor larger than that alone) and their index."""
+    shards, size = [{}], 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name], size = t.contiguous(), size + n
+    if len(shards) == 1:
+        return save_file(shards[0], os.path.join(folder, "model.safetensors"), metadata=metadata)
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(folder, name), metadata=metadata)
+        weight_map.update(dict.fromkeys(shard, name))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    write_json(folder, "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+def write_json(folder, name, data):
+    with open(os.path.join(folder, name), "w") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+
+
+def byte_tokenizer(block_size):
+    """tokenizer.json and tokenizer_config.json that encode as model.Tokenizer("bytes"): byte-level BPE with no
+    merges (one token per byte, id = the byte), <|endoftext|> and <|pad|> as added special tokens."""
+    alphabet = bytes_to_unicode()
+    added = [{"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+              "special": True} for i, text in ((256, EOS), (257, PAD))]
+    split = {"type": "Split", "pattern": {"Regex": r"[\s\S]{1,256}"}, "behavior": "Isolated", "invert": False}
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+    tokenizer = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+                 "pre_tokenizer": {"type": "Sequence", "pretokenizers": [split, byte_level]},
+                 "post_processor": None, "decoder": {"type": "ByteLevel", "add_prefix_space": False,
+                                                     "trim_offsets": True, "use_regex": False},
+                 "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                           "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                           "ignore_merges": False, "vocab": {alphabet[b]: b for b in range(256)}, "merges": []}}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "pad_token": PAD, "bos_token": EOS,
+              "model_max_length": block_size, "clean_up_tokenization_spaces": False}
+    return tokenizer, config
+
+
+# -----------------------------------------------------------------------------
+# The export
+
+def parse_size(text):
+    units = {"KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "B": 1}
+    for unit, scale in units.items():
+        if text.upper().endswith(unit):
+            try:
+                value = float(text[:-len(unit)])
+            except ValueError:
+                break
+            if value > 0:
+                return int(value * scale)
+            break
+    raise argparse.ArgumentTypeError(f"{text!r} is not a size (allowed: a positive number and a unit: 500MB, 5GB)")
+
+
+def plan(args):
+    """Everything checked before a file is written: (ckpt, model, model_type, source folder or None, dtype name)."""
+    if os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
+        raise SystemExit(f"error: {args.out} exists and is not an empty folder; allowed: a new or empty folder")
+    try:
+        model, ckpt = load_checkpoint(args.checkpoint)
+    except CheckpointError as e:
+        raise SystemExit(f"error: {e}") from None
+    if ckpt["kind"] != "gpt":
+        raise SystemExit(f"error: {args.checkpoint} holds a {ckpt['kind']!r} model (a reward model or verifier); "
+                         f"allowed: a policy (kind 'gpt'), which has a causal-LM layout to export to")
+    if args.peft and not ckpt.get("lora"):
+        raise SystemExit(f"error: --peft, but {args.checkpoint} has no LoRA adapters (trained without "
+                         f"--lora_rank); export it without --peft")
+    name = ckpt["tokenizer"]
+    source = name[3:] if name.startswith("hf:") else None
+    if source is not None and not os.path.isfile(os.path.join(source, "config.json")):
+        raise SystemExit(f"error: {args.checkpoint} was trained from {source}, which is gone; its tokenizer files "
+                         f"are copied from there (restore the folder, or re-download it to that path)")
+    if source is None and name != "bytes":
+        raise SystemExit(f"error: {args.checkpoint} uses tiktoken's {name!r} encoding, which has no tokenizer.json "
+                         f"here; allowed: checkpoints trained from a Hugging Face folder or the byte tokenizer")
+    base = pretrained_config(source) if source else None
+    model_type = args.model_type or (json.load(open(os.path.join(source, "config.json"))).get("model_type")
+                                     if source else infer_model_type(model.config))
+    if model_type is None or fits(model.config, model_type) is not None:
+        why = fits(model.config, model_type) if model_type else "no family has all its parts"
+        flag = f"--model_type {args.model_type}: " if args.model_type else ""
+        raise SystemExit(f"error: {flag}{args.checkpoint} cannot be a {model_type or 'Hugging Face'} model ({why}); "
+                         f"allowed: --model_type {infer_model_type(model.config) or 'none fits'}")
+    if source and args.model_type and args.model_type != json.load(open(os.path.join(source, "config.json")))[
+            "model_type"]:
+        raise SystemExit(f"error: --model_type {args.model_type}: {args.checkpoint} was trained from {source}, a "
+                         f"different model_type; allowed: its own")
+    if base is not None and GPTConfig(**{**vars(base), "tokenizer_vocab": model.config.tokenizer_vocab}) != \
+            model.config:
+        raise SystemExit(f"error: {args.checkpoint}'s architecture differs from its source folder {source}")
+    if args.peft and not base_is_source(ckpt, source):
+        raise SystemExit(f"error: --peft: the adapters of {args.checkpoint} sit on weights that are not "
+                         f"{source or 'a Hugging Face folder'}'s (trained before the adapters, e.g. an sft.pt); a "
+                         f"PEFT folder names its base model: export merged (without --peft)")
+    dtype = args.dtype
+    if dtype == "auto":
+        data = json.load(open(os.path.join(source, "config.json"))) if source else {}
+        dtype = data.get("torch_dtype") or data.get("dtype") or "float32"
+        dtype = dtype if dtype in DTYPES else "float32"
+    return ckpt, model, model_type, source, dtype
+
+
+def base_is_source(ckpt, source):
+    """Whether a LoRA checkpoint's frozen weights are exactly those of its source folder (float32, as loaded)."""
+    if source is None:
+        return False
+    model = add_adapters(GPT(GPTConfig(**ckpt["config"])), **ckpt["lora"])
+    model.load_state_dict(ckpt["model"])
+    theirs = from_pretrained(source).state_dict()
+    return all(torch.equal(t, theirs[n]) for n, t in base_model(model).state_dict().items())
+
+
+def export(args):
+    ckpt, model, model_type, source, dtype = plan(args)
+    out = os.path.abspath(args.out)
+    tmp = f"{out}.tmp{os.getpid()}"
+    os.makedirs(tmp)
+    try:
+        if args.peft:
+            tensors = peft_tensors(ckpt["model"], model.config, model_type)
+            save_file({k: v.to(DTYPES[dtype]).contiguous() for k, v in tensors.items()},
+                      os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
+            write_json(tmp, "adapter_config.json", peft_config(ckpt["lora"], model_type, source or ""))
+        else:
+            tensors = hf_tensors(model.state_dict(), model.config, model_type)
+            write_weights(tmp, {k: v.to(DTYPES[dtype]) for k, v in tensors.items()}, args.max_shard_size,
+                          metadata={"format": "pt"})
+            if source:
+                config = json.load(open(os.path.join(source, "config.json")))
+                config.pop("torch_dtype", None)
+                config.update({"dtype" if "dtype" in config else "torch_dtype": dtype})
+                write_json(tmp, "config.json", config)
+            else:
+                write_json(tmp, "config.json", hf_config(model.config, model_type, dtype, 256, 257))
+        if source:
+            for name in TOKENIZER_FILES + ("generation_config.json",):
+                if os.path.isfile(os.path.join(source, name)):
+                    shutil.copy(os.path.join(source, name), os.path.join(tmp, name))
+        else:
+            tokenizer, config = byte_tokenizer(model.config.block_size)
+            write_json(tmp, "tokenizer.json", tokenizer)
+            write_json(tmp, "tokenizer_config.json", config)
+            write_json(tmp, "generation_config.json", {"bos_token_id": 256, "eos_token_id": 256, "pad_token_id": 257})
+        if os.path.isdir(out):
+            os.rmdir(out)                                             # empty: checked
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    what = "LoRA adapters (PEFT)" if args.peft else f"{model_type} weights in {dtype}"
+    print(f"wrote {args.out}: {what}, {len(tensors)} tensors, "
+          f"{sum(t.numel() for t in tensors.values()) / 1e6:.2f}M parameters"
+          + (f"; base model {source}" if args.peft else "")
+          + (f"; tokenizer from {source}" if source and not args.peft else "")
+          + ("; the byte tokenizer as tokenizer.json" if not source else ""))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", help="a checkpoint a training script wrote (out/grpo.pt, ...)")
+    p.add_argument("out", help="the folder to write (new or empty)")
+    p.add_argument("--peft", action="store_true",
+                   help="write the LoRA adapters as a PEFT adapter folder instead of merged weights")
+    p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
+                   help="the weights' dtype; auto: the --init folder's (config.json's torch_dtype), else float32")
+    p.add_argument("--model_type", choices=MODEL_TYPES, default=None,
+                   help="the Hugging Face family; default: the --init folder's, or the one the architecture fits")
+    p.add_argument("--max_shard_size", type=parse_size, default="5GB",
+                   help="largest weight file; more weights go to numbered shards with an index (default 5GB)")
+    export(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

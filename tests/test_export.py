@@ -1,0 +1,213 @@
+"""export.py: checkpoints out to the Hugging Face layout. Each family's export has exactly the tensor names and shapes
+transformers wrote for that model_type (the golden folders' model.safetensors), loads back bit for bit (model.py's
+loader: same weights, same logits), shards with an index; the byte tokenizer's tokenizer.json encodes as the byte
+tokenizer; a LoRA checkpoint exports merged, or as the adapter folder PEFT writes (tests/golden/*/peft.json: names,
+shapes, config) whose W + (alpha / r) B A is the merged export. Bad input refused with nothing on disk. Loading in
+transformers and PEFT themselves is checked where they are installed (not in requirements.txt)."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from conftest import ROOT, refused
+from lora import LoRALinear, add_adapters
+from model import GPT, GPTConfig, Tokenizer, from_pretrained, load_checkpoint, save_checkpoint
+
+GOLDEN = os.path.join(ROOT, "tests", "golden")
+FAMILIES = ["gpt2", "llama", "qwen2", "llama3", "qwen3"]
+
+
+def export(*args):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "export.py"), *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+def shapes(path):
+    with safe_open(path, "pt") as f:
+        return {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+
+
+def trained(family, tmp_path, lora=False, seed=0):
+    """A checkpoint trained from a golden folder: its weights moved (or, with lora, adapters on every projection
+    with non-zero B over the folder's own weights), saved as the scripts save."""
+    folder = os.path.join(GOLDEN, family)
+    model = from_pretrained(folder)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        if lora:
+            add_adapters(model, 2, 8.0)
+            for m in model.modules():
+                if isinstance(m, LoRALinear):
+                    for b in m.lora_B.values():
+                        b.copy_(0.2 * torch.randn(b.shape, generator=g))
+        else:
+            for p in model.parameters():
+                p.add_(0.01 * torch.randn(p.shape, generator=g))
+    path = tmp_path / f"{family}{'-lora' if lora else ''}.pt"
+    save_checkpoint(str(path), model, "hf:" + folder, step=3)
+    return path
+
+
+def same_model(folder, ckpt_path):
+    """model.py's loader reads the export back as the checkpoint's model: every tensor and the logits equal."""
+    ours, _ = load_checkpoint(str(ckpt_path))
+    back = from_pretrained(str(folder))
+    assert back.config == ours.config
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), ours.state_dict().values()))
+    idx = torch.randint(0, ours.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(back(idx), ours.eval()(idx))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_export_has_the_familys_tensors_and_loads_back_bit_for_bit(family, tmp_path):
+    ckpt = trained(family, tmp_path)
+    out = tmp_path / "hf"
+    p = export(ckpt, out)
+    assert p.returncode == 0, p.stderr
+    golden = os.path.join(GOLDEN, family)
+    assert shapes(out / "model.safetensors") == shapes(os.path.join(golden, "model.safetensors"))   # transformers'
+    assert json.load(open(out / "config.json")) == json.load(open(os.path.join(golden, "config.json")))  # float32
+    for name in os.listdir(golden):                                   # the tokenizer, template, generation config
+        if name.startswith(("tokenizer", "chat_template", "generation_config")):
+            assert open(out / name, "rb").read() == open(os.path.join(golden, name), "rb").read(), name
+    assert sorted(os.listdir(out)) == sorted(n for n in os.listdir(golden) if not n.startswith(("golden", "peft")))
+    same_model(out, ckpt)
+    assert all(t.dtype == torch.float32 for t in load_file(out / "model.safetensors").values())
+
+
+def test_bfloat16_and_shards(tmp_path):
+    ckpt = trained("qwen3", tmp_path)
+    p = export(ckpt, tmp_path / "bf16", "--dtype", "bfloat16", "--max_shard_size", "20KB")
+    assert p.returncode == 0, p.stderr
+    index = json.load(open(tmp_path / "bf16" / "model.safetensors.index.json"))
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    tensors = {}
+    for f in files:
+        assert os.path.getsize(tmp_path / "bf16" / f) < 20_000 + 4_000 or len(shapes(tmp_path / "bf16" / f)) == 1
+        tensors.update(load_file(tmp_path / "bf16" / f))
+    assert index["metadata"]["total_size"] == sum(t.numel() * 2 for t in tensors.values())
+    assert json.load(open(tmp_path / "bf16" / "config.json"))["dtype"] == "bfloat16"
+    ours = load_checkpoint(str(ckpt))[0].state_dict()
+    back = from_pretrained(str(tmp_path / "bf16"), dtype=None)
+    assert next(back.parameters()).dtype == torch.bfloat16
+    assert all(torch.equal(b, ours[n].to(torch.bfloat16)) for n, b in back.state_dict().items())
+
+
+def test_a_byte_tokenizer_model_becomes_gpt2_with_a_tokenizer_json_that_encodes_the_same(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=4))
+    ckpt = tmp_path / "sft.pt"
+    save_checkpoint(str(ckpt), model, "bytes")
+    p = export(ckpt, tmp_path / "hf")
+    assert p.returncode == 0, p.stderr
+    config = json.load(open(tmp_path / "hf" / "config.json"))
+    golden = json.load(open(os.path.join(GOLDEN, "gpt2", "config.json")))     # what transformers' GPT2Config writes
+    assert config["model_type"] == "gpt2" and set(config) - {"torch_dtype", "n_ctx"} <= set(golden)
+    assert config["activation_function"] == "gelu" and config["vocab_size"] == 258          # exact GELU, as ours
+    same_model(tmp_path / "hf", ckpt)
+    ours, theirs = Tokenizer("bytes"), Tokenizer.from_pretrained(str(tmp_path / "hf"))
+    for text in ["12+34*5=", "tabs\tand\nnewlines  ", "caf\u00e9 \u2192 \U0001f600", "<|endoftext|> as text"]:
+        assert theirs.encode(text) == ours.encode(text), text
+    assert (theirs.eos_id, theirs.pad_id, theirs.vocab_size) == (ours.eos_id, ours.pad_id, ours.vocab_size)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_lora_checkpoint_exports_merged_or_as_pefts_adapter_folder(family, tmp_path):
+    ckpt = trained(family, tmp_path, lora=True)
+    assert export(ckpt, tmp_path / "merged").returncode == 0
+    same_model(tmp_path / "merged", ckpt)                            # merged: W + (alpha / r) B A
+    p = export(ckpt, tmp_path / "peft", "--peft")
+    assert p.returncode == 0, p.stderr
+    files = set(os.listdir(tmp_path / "peft"))
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= files                # + the
+    assert not files & {"config.json", "model.safetensors"}                                       # tokenizer's
+    golden = json.load(open(os.path.join(GOLDEN, family, "peft.json")))          # what PEFT wrote
+    assert shapes(tmp_path / "peft" / "adapter_model.safetensors") == golden["tensors"]
+    config, want = json.load(open(tmp_path / "peft" / "adapter_config.json")), golden["adapter_config"]
+    assert set(config) <= set(want)
+    for key in ("peft_type", "task_type", "r", "lora_dropout", "bias", "fan_in_fan_out", "use_rslora"):
+        assert config[key] == want[key], key
+    assert sorted(config["target_modules"]) == sorted(want["target_modules"]) and config["lora_alpha"] == 8
+    assert config["base_model_name_or_path"] == os.path.join(GOLDEN, family)
+    # PEFT's merge of these tensors into the folder's weights is the merged export
+    adapters = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    base, merged = load_file(os.path.join(GOLDEN, family, "model.safetensors")), load_file(
+        tmp_path / "merged" / "model.safetensors")
+    base = {k.removeprefix("transformer."): v for k, v in base.items()}
+    merged = {k.removeprefix("transformer."): v for k, v in merged.items()}
+    changed = set()
+    for name in adapters:
+        if ".lora_A." in name:
+            module = name.removeprefix("base_model.model.").removesuffix(".lora_A.weight").removeprefix("transformer.")
+            A, B = adapters[name].double(), adapters[name.replace("lora_A", "lora_B")].double()
+            delta = 8.0 / 2 * B @ A                                      # (out, in)
+            if config["fan_in_fan_out"]:
+                delta = delta.T                                         # GPT-2's Conv1D stores (in, out)
+            W = base[module + ".weight"].double() + delta
+            assert torch.allclose(merged[module + ".weight"].double(), W, atol=1e-6), module
+            changed.add(module + ".weight")
+    assert all(torch.equal(merged[n], base[n]) for n in base if n not in changed and n in merged)
+
+
+@pytest.mark.skipif(not all(__import__("importlib").util.find_spec(m) for m in ("transformers", "peft")),
+                    reason="transformers and peft are not in requirements.txt")
+@pytest.mark.parametrize("family", ["gpt2", "qwen3"])
+def test_transformers_and_peft_load_the_exports(family, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    ckpt = trained(family, tmp_path, lora=True)
+    assert export(ckpt, tmp_path / "merged").returncode == 0
+    assert export(ckpt, tmp_path / "peft", "--peft").returncode == 0
+    ours = load_checkpoint(str(ckpt))[0].eval()
+    idx = torch.randint(0, ours.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(os.path.join(GOLDEN, family),
+                                                                          dtype=torch.float32), tmp_path / "peft")
+    with torch.no_grad():
+        want = ours(idx)
+        assert torch.allclose(hf(idx).logits, want, atol=1e-4)
+        assert torch.allclose(peft.eval()(idx).logits, want, atol=1e-4)
+    text = "hello 12+3"
+    assert AutoTokenizer.from_pretrained(tmp_path / "merged")(text, add_special_tokens=False)["input_ids"] == \
+        Tokenizer.from_pretrained(str(tmp_path / "merged")).encode(text)
+
+
+def test_bad_input_is_refused_and_leaves_nothing(tmp_path):
+    full, lora = trained("qwen3", tmp_path), trained("qwen3", tmp_path, lora=True)
+    torch.manual_seed(0)
+    byte = tmp_path / "byte.pt"
+    save_checkpoint(str(byte), GPT(GPTConfig(n_layer=1, n_embd=32, n_head=4)), "bytes")
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep.txt").write_text("mine")
+    moved = tmp_path / "moved"                                        # trained from a folder that is gone since
+    shutil.copytree(os.path.join(GOLDEN, "qwen3"), moved)
+    gone = tmp_path / "gone.pt"
+    save_checkpoint(str(gone), from_pretrained(str(moved)), "hf:" + str(moved))
+    shutil.rmtree(moved)
+    before = sorted(os.listdir(tmp_path))
+    cases = [((full, busy), [str(busy), "not an empty folder"]),
+             ((full, tmp_path / "a", "--peft"), ["--peft", "no LoRA adapters"]),
+             ((byte, tmp_path / "b", "--model_type", "llama"), ["llama", "learned positions"]),
+             ((lora, tmp_path / "c", "--model_type", "qwen2"), ["--model_type qwen2"]),
+             ((gone, tmp_path / "d"), [str(moved), "gone"]),
+             ((tmp_path / "nothing.pt", tmp_path / "e"), ["nothing.pt"]),
+             ((full, tmp_path / "f", "--max_shard_size", "5 parsecs"), ["--max_shard_size", "5 parsecs"]),
+             ((full, tmp_path / "g", "--dtype", "int8"), ["--dtype", "int8"])]
+    for args, words in cases:
+        refused(export(*args), *words)
+    # adapters over weights that are not the source folder's (an SFT run before them): no PEFT folder
+    model, _ = load_checkpoint(str(full))
+    add_adapters(model, 2, 8.0)
+    shifted = tmp_path / "shifted.pt"
+    save_checkpoint(str(shifted), model, "hf:" + os.path.join(GOLDEN, "qwen3"))
+    refused(export(shifted, tmp_path / "h", "--peft"), "--peft", "not", "export merged")
+    assert sorted(os.listdir(tmp_path)) == sorted(before + ["shifted.pt"])      # no folder, no temporary left
+    assert os.listdir(busy) == ["keep.txt"]
