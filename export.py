@@ -30,8 +30,8 @@ import torch
 from safetensors.torch import save_file
 
 from lora import add_adapters, base_model
-from model import (EOS, GPT, PAD, CheckpointError, GPTConfig, bytes_to_unicode, from_pretrained, load_checkpoint,
-                   pretrained_config)
+from model import (EOS, GPT, PAD, CheckpointError, GPTConfig, _read_json, bytes_to_unicode, from_pretrained,
+                   load_checkpoint, pretrained_config)
 
 MODEL_TYPES = ("gpt2", "llama", "qwen2", "qwen3")
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -236,7 +236,8 @@ def parse_size(text):
 
 
 def plan(args):
-    """Everything checked before a file is written: (ckpt, model, model_type, source folder or None, dtype name)."""
+    """Everything checked before a file is written: (ckpt, model, model_type, source folder or None, its config.json
+    as a dict, dtype name)."""
     if os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
         raise SystemExit(f"error: {args.out} exists and is not an empty folder; allowed: a new or empty folder")
     try:
@@ -257,20 +258,18 @@ def plan(args):
     if source is None and name != "bytes":
         raise SystemExit(f"error: {args.checkpoint} uses tiktoken's {name!r} encoding, which has no tokenizer.json "
                          f"here; allowed: checkpoints trained from a Hugging Face folder or the byte tokenizer")
-    base = pretrained_config(source) if source else None
-    model_type = args.model_type or (json.load(open(os.path.join(source, "config.json"))).get("model_type")
-                                     if source else infer_model_type(model.config))
+    source_config = _read_json(os.path.join(source, "config.json")) if source else {}
+    if source and args.model_type and args.model_type != source_config.get("model_type"):
+        raise SystemExit(f"error: --model_type {args.model_type}: {args.checkpoint} was trained from {source}, a "
+                         f"{source_config.get('model_type')} model; allowed: its own")
+    model_type = args.model_type or (source_config.get("model_type") if source else infer_model_type(model.config))
     if model_type is None or fits(model.config, model_type) is not None:
         why = fits(model.config, model_type) if model_type else "no family has all its parts"
         flag = f"--model_type {args.model_type}: " if args.model_type else ""
         raise SystemExit(f"error: {flag}{args.checkpoint} cannot be a {model_type or 'Hugging Face'} model ({why}); "
                          f"allowed: --model_type {infer_model_type(model.config) or 'none fits'}")
-    if source and args.model_type and args.model_type != json.load(open(os.path.join(source, "config.json")))[
-            "model_type"]:
-        raise SystemExit(f"error: --model_type {args.model_type}: {args.checkpoint} was trained from {source}, a "
-                         f"different model_type; allowed: its own")
-    if base is not None and GPTConfig(**{**vars(base), "tokenizer_vocab": model.config.tokenizer_vocab}) != \
-            model.config:
+    if source and GPTConfig(**{**vars(pretrained_config(source)), "tokenizer_vocab": model.config.tokenizer_vocab}) \
+            != model.config:
         raise SystemExit(f"error: {args.checkpoint}'s architecture differs from its source folder {source}")
     if args.peft and not base_is_source(ckpt, source):
         raise SystemExit(f"error: --peft: the adapters of {args.checkpoint} sit on weights that are not "
@@ -278,10 +277,9 @@ def plan(args):
                          f"PEFT folder names its base model: export merged (without --peft)")
     dtype = args.dtype
     if dtype == "auto":
-        data = json.load(open(os.path.join(source, "config.json"))) if source else {}
-        dtype = data.get("torch_dtype") or data.get("dtype") or "float32"
+        dtype = source_config.get("torch_dtype") or source_config.get("dtype") or "float32"
         dtype = dtype if dtype in DTYPES else "float32"
-    return ckpt, model, model_type, source, dtype
+    return ckpt, model, model_type, source, source_config, dtype
 
 
 def base_is_source(ckpt, source):
@@ -295,7 +293,10 @@ def base_is_source(ckpt, source):
 
 
 def export(args):
-    ckpt, model, model_type, source, dtype = plan(args)
+    try:
+        ckpt, model, model_type, source, source_config, dtype = plan(args)
+    except CheckpointError as e:                                      # a source folder that no longer reads
+        raise SystemExit(f"error: {e}") from None
     out = os.path.abspath(args.out)
     tmp = f"{out}.tmp{os.getpid()}"
     os.makedirs(tmp)
@@ -310,9 +311,9 @@ def export(args):
             write_weights(tmp, {k: v.to(DTYPES[dtype]) for k, v in tensors.items()}, args.max_shard_size,
                           metadata={"format": "pt"})
             if source:
-                config = json.load(open(os.path.join(source, "config.json")))
+                config = dict(source_config)
                 config.pop("torch_dtype", None)
-                config.update({"dtype" if "dtype" in config else "torch_dtype": dtype})
+                config.update({"dtype" if "dtype" in source_config else "torch_dtype": dtype})
                 write_json(tmp, "config.json", config)
             else:
                 write_json(tmp, "config.json", hf_config(model.config, model_type, dtype, 256, 257))
