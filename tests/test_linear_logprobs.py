@@ -85,7 +85,10 @@ def check(impl, hidden, weight, targets, temperature, grad_out, base=None, small
     onehot = torch.nn.functional.one_hot(targets.cpu().long(), weight.shape[0]).double()
     g = grad_out.cpu().double().abs().unsqueeze(-1) / temperature  # [..., 1]
     tiny = torch.finfo(torch.float32).tiny  # p below it underflows to 0 in float32
-    dx_err = g * ((4 * EPS[dtype] + 16 * EPS32) * (onehot + p) + 4 * x_err * p + 2 * tiny)  # [..., V]
+    # dx is stored in the inputs' dtype: where g is small its entries are subnormal there (fp16 below 6e-5), each
+    # rounded to half the subnormal spacing, EPS * tiny of the dtype (fp16: 3e-8), absolute: not relative to dx
+    dx_sub = EPS[dtype] * torch.finfo(dtype).tiny if dtype != torch.float32 else 0.0
+    dx_err = g * ((4 * EPS[dtype] + 16 * EPS32) * (onehot + p) + 4 * x_err * p + 2 * tiny) + dx_sub  # [..., V]
     tol_h = dx_err @ wd.abs()  # [..., C]
     tol_w = dx_err.reshape(-1, dx_err.shape[-1]).T @ hd.reshape(-1, hd.shape[-1]).abs()  # [V, C]
     for name, got, ref, tol in [("hidden", base.grad, h.grad, tol_h), ("weight", weight.grad, w.grad, tol_w)]:
