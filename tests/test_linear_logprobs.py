@@ -85,9 +85,11 @@ def check(impl, hidden, weight, targets, temperature, grad_out, base=None, small
     onehot = torch.nn.functional.one_hot(targets.cpu().long(), weight.shape[0]).double()
     g = grad_out.cpu().double().abs().unsqueeze(-1) / temperature  # [..., 1]
     tiny = torch.finfo(torch.float32).tiny  # p below it underflows to 0 in float32
-    # dx is stored in the inputs' dtype: where g is small its entries are subnormal there (fp16 below 6e-5), each
-    # rounded to half the subnormal spacing, EPS * tiny of the dtype (fp16: 3e-8), absolute: not relative to dx
-    dx_sub = EPS[dtype] * torch.finfo(dtype).tiny if dtype != torch.float32 else 0.0
+    # dx is stored in the inputs' dtype, and an entry below its smallest normal number loses more than EPS: float16
+    # keeps subnormals, rounded to half their spacing (EPS * tiny, 3e-8); bfloat16's are flushed to zero (the
+    # interpreter's conversion), an error up to tiny (1.2e-38). Absolute, not relative to dx
+    dx_sub = {torch.float16: EPS[dtype] * torch.finfo(dtype).tiny, torch.bfloat16: torch.finfo(dtype).tiny}.get(
+        dtype, 0.0)
     dx_err = g * ((4 * EPS[dtype] + 16 * EPS32) * (onehot + p) + 4 * x_err * p + 2 * tiny) + dx_sub  # [..., V]
     tol_h = dx_err @ wd.abs()  # [..., C]
     tol_w = dx_err.reshape(-1, dx_err.shape[-1]).T @ hd.reshape(-1, hd.shape[-1]).abs()  # [V, C]
