@@ -11,8 +11,8 @@ The weights go back to the layout their family has on the Hub (model_type gpt2, 
 fused c_attn split into q_proj, k_proj, v_proj (c_fc into gate_proj, up_proj), GPT-2's Conv1D weights transposed,
 a tied LM head left out. A checkpoint trained from a Hugging Face folder (--init) keeps that folder's config.json
 (its dtype set to the export's), tokenizer files, chat template and generation_config.json. One trained from this
-project's byte tokenizer is GPT-2-shaped: it becomes a gpt2 folder with a tokenizer.json that encodes text as the
-byte tokenizer does (one token per byte, <|endoftext|> 256, <|pad|> 257).
+project's byte tokenizer gets a config.json of the family its parts fit (sft.py's models: gpt2) and a tokenizer.json
+that encodes text as the byte tokenizer does (one token per byte, <|endoftext|> 256, <|pad|> 257).
 
 A LoRA checkpoint is exported merged (W + (alpha / r) B A, what lora.merge computes) unless --peft asks for the
 adapter folder: adapter_config.json and adapter_model.safetensors with PEFT's tensor names, the base model being
@@ -60,6 +60,7 @@ def fits(config, model_type):
         wrong = [c.pos != "rope" and "learned positions", c.norm != "rmsnorm" and "LayerNorm",
                  c.mlp != "swiglu" and "a GELU MLP", c.bias and "MLP biases",
                  model_type == "qwen2" and not (c.qkv_bias and not o_bias) and "not Qwen2's q/k/v biases",
+                 model_type == "qwen2" and c.head_dim not in (0, c.n_embd // c.n_head) and "a separate head_dim",
                  model_type != "qwen2" and c.qkv_bias != o_bias and "q/k/v biases without an o_proj bias",
                  (model_type == "qwen3") != c.qk_norm and ("no q/k norms" if c.qk_norm is False else "q/k norms"),
                  model_type != "llama" and c.rope_scaling != "none" and "Llama 3's rope scaling"]
@@ -84,10 +85,14 @@ def hf_config(config, model_type, dtype, eos_id, pad_id):
                    attn_pdrop=0.0, n_ctx=c.block_size)
     else:
         out = dict(hidden_size=c.n_embd, intermediate_size=c.mlp_hidden or 4 * c.n_embd, num_hidden_layers=c.n_layer,
-                   num_attention_heads=c.n_head, num_key_value_heads=c.kv_heads, head_dim=c.head_size,
-                   max_position_embeddings=c.block_size, rms_norm_eps=c.norm_eps, hidden_act="silu",
-                   rope_theta=c.rope_theta, attention_bias=c.qkv_bias, mlp_bias=c.bias, attention_dropout=0.0,
-                   use_sliding_window=False)
+                   num_attention_heads=c.n_head, num_key_value_heads=c.kv_heads, max_position_embeddings=c.block_size,
+                   rms_norm_eps=c.norm_eps, hidden_act="silu", rope_theta=c.rope_theta, attention_dropout=0.0)
+        if model_type != "qwen2":                                     # Qwen2: q/k/v biases always, no head_dim key
+            out.update(head_dim=c.head_size, attention_bias=c.qkv_bias)
+        if model_type != "llama":
+            out.update(use_sliding_window=False)
+        if model_type == "llama":
+            out.update(mlp_bias=c.bias)
         if c.rope_scaling == "llama3":
             out["rope_scaling"] = {"rope_type": "llama3", "factor": c.rope_factor,
                                    "low_freq_factor": c.rope_low_freq_factor,

@@ -166,12 +166,17 @@ def test_weights_published_every_second_step_within_a_lag_of_one(tiny_sft, tmp_p
     assert not os.path.exists(tmp_path / "no")
 
 
-def test_a_killed_actor_stops_the_run_with_its_exit_code(tiny_sft, tmp_path):
-    p = launch(SMALL + ["--steps", "100000", "--eval_every", "1000", "--init", tiny_sft, "--out", str(tmp_path)])
+def wait_for_rows(p, out, n):
+    """Until the running learner `p` has logged n rows of metrics in `out` (at most 120 s)."""
     t = time.time()
-    while not os.path.exists(tmp_path / "async_grpo" / "metrics.jsonl") or len(rows_of(str(tmp_path))) < 3:
+    while not os.path.exists(out / "async_grpo" / "metrics.jsonl") or len(rows_of(str(out))) < n:
         assert time.time() - t < 120 and p.poll() is None, p.communicate()
         time.sleep(0.2)
+
+
+def test_a_killed_actor_stops_the_run_with_its_exit_code(tiny_sft, tmp_path):
+    p = launch(SMALL + ["--steps", "100000", "--eval_every", "1000", "--init", tiny_sft, "--out", str(tmp_path)])
+    wait_for_rows(p, tmp_path, 3)
     actor_pid = int(subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()[0])
     os.kill(actor_pid, signal.SIGKILL)
     killed = time.time()
@@ -183,10 +188,7 @@ def test_a_killed_actor_stops_the_run_with_its_exit_code(tiny_sft, tmp_path):
 
 def test_ctrl_c_stops_every_process_and_says_how_to_resume(tiny_sft, tmp_path):
     p = launch(SMALL + ["--steps", "100000", "--eval_every", "1000", "--init", tiny_sft, "--out", str(tmp_path)])
-    t = time.time()
-    while not os.path.exists(tmp_path / "async_grpo" / "metrics.jsonl") or len(rows_of(str(tmp_path))) < 2:
-        assert time.time() - t < 120 and p.poll() is None, p.communicate()
-        time.sleep(0.2)
+    wait_for_rows(p, tmp_path, 2)
     os.killpg(p.pid, signal.SIGINT)                                # as a terminal's Ctrl-C: every process of the group
     stdout, stderr = p.communicate(timeout=60)
     assert p.returncode == 130, stdout[-2000:] + stderr[-2000:]
@@ -217,10 +219,7 @@ def test_ctrl_c_while_the_processes_start_ends_every_one_at_once(tiny_sft, tmp_p
 def test_a_killed_learner_leaves_the_actors_quietly(tiny_sft, tmp_path):
     """SIGKILL of the learner: every actor ends without a gloo traceback."""
     p = launch(SMALL + ["--steps", "100000", "--eval_every", "1000", "--init", tiny_sft, "--out", str(tmp_path)])
-    t = time.time()
-    while not os.path.exists(tmp_path / "async_grpo" / "metrics.jsonl") or len(rows_of(str(tmp_path))) < 2:
-        assert time.time() - t < 120 and p.poll() is None, p.communicate()
-        time.sleep(0.2)
+    wait_for_rows(p, tmp_path, 2)
     os.kill(p.pid, signal.SIGKILL)
     p.wait(timeout=30)
     t = time.time()

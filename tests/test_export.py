@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -58,7 +59,8 @@ def same_model(folder, ckpt_path):
     """model.py's loader reads the export back as the checkpoint's model: every tensor and the logits equal."""
     ours, _ = load_checkpoint(str(ckpt_path))
     back = from_pretrained(str(folder))
-    assert back.config == ours.config
+    resolved = lambda c: {**asdict(c), "o_bias": c.bias if c.o_bias is None else c.o_bias}   # None: as `bias`
+    assert resolved(back.config) == resolved(ours.config)
     assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), ours.state_dict().values()))
     idx = torch.randint(0, ours.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
     assert torch.equal(back(idx), ours.eval()(idx))
@@ -116,6 +118,29 @@ def test_a_byte_tokenizer_model_becomes_gpt2_with_a_tokenizer_json_that_encodes_
     for text in ["12+34*5=", "tabs\tand\nnewlines  ", "caf\u00e9 \u2192 \U0001f600", "<|endoftext|> as text"]:
         assert theirs.encode(text) == ours.encode(text), text
     assert (theirs.eos_id, theirs.pad_id, theirs.vocab_size) == (ours.eos_id, ours.pad_id, ours.vocab_size)
+
+
+ROPE = dict(n_layer=2, n_embd=32, n_head=4, n_kv_head=2, pos="rope", norm="rmsnorm", mlp="swiglu", mlp_hidden=48,
+            bias=False, tie_embeddings=False)
+
+
+@pytest.mark.parametrize("family, config", [
+    ("llama", dict(ROPE, qkv_bias=False, rope_scaling="llama3", rope_original_max=16)),
+    ("qwen2", dict(ROPE, qkv_bias=True, o_bias=False, tie_embeddings=True)),
+    ("qwen3", dict(ROPE, qkv_bias=False, qk_norm=True, head_dim=16)),
+])
+def test_a_rotary_byte_tokenizer_model_becomes_the_family_its_parts_fit(family, config, tmp_path):
+    """No source folder: config.json is written from the model's config, the family inferred from its parts."""
+    torch.manual_seed(0)
+    ckpt = tmp_path / "m.pt"
+    save_checkpoint(str(ckpt), GPT(GPTConfig(**config)), "bytes")
+    p = export(ckpt, tmp_path / "hf")
+    assert p.returncode == 0, p.stderr
+    written = json.load(open(tmp_path / "hf" / "config.json"))
+    golden = json.load(open(os.path.join(GOLDEN, "llama3" if family == "llama" else family, "config.json")))
+    assert written["model_type"] == family and set(written) - {"torch_dtype", "rope_theta", "rope_scaling"} <= \
+        set(golden)                                                   # transformers 5 nests these in rope_parameters
+    same_model(tmp_path / "hf", ckpt)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

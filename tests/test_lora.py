@@ -96,14 +96,13 @@ def test_targets_sit_on_the_projections_they_name():
     assert isinstance(gpt2.blocks[1].mlp[0], LoRALinear) and isinstance(gpt2.blocks[1].mlp[2], LoRALinear)
 
 
-@pytest.mark.parametrize("targets, rank, words", [
-    (["q"], 2, ["'q'", "qkv, o, up, down"]),                          # a Llama name on GPT-2
-    (["qkv"], 2, ["'qkv'"]),
-    (None, 33, ["--lora_rank 33", "1 to 32"]),
-    (None, 0, ["--lora_rank 0", "1 to 32"]),
+@pytest.mark.parametrize("config, targets, rank, words", [
+    (GPT2, ["q"], 2, ["'q'", "qkv, o, up, down"]),                  # a Llama name on GPT-2's fused projection
+    (LLAMA, ["qkv"], 2, ["'qkv'", "q, k, v, o, gate, up, down"]),
+    (GPT2, None, 33, ["--lora_rank 33", "1 to 32"]),                  # past the narrowest projection (width 32)
+    (GPT2, None, 0, ["--lora_rank 0", "1 to 32"]),
 ])
-def test_a_target_or_rank_the_model_cannot_have_is_refused(targets, rank, words):
-    config = GPT2 if words[0] == "'q'" else LLAMA if words[0] == "'qkv'" else GPT2
+def test_a_target_or_rank_the_model_cannot_have_is_refused(config, targets, rank, words):
     with pytest.raises(ValueError) as e:
         add_adapters(tiny(config), rank=rank, alpha=1.0, targets=targets)
     assert all(w in str(e.value) for w in words), str(e.value)
