@@ -12,29 +12,30 @@ the wrong thing, to show what it does (experiments/README.md).
 
 Episode i, o_i the tokens the policy sampled (the environment's are in the context, never in the sum), t in o_i:
     r_i = 1[final answer right] - c * calls_i                                     (c = --call_cost)
-    A_i = (r_i - mean(r_1..r_G)) / (std(r_1..r_G) + eps)
+    A_i = (r_i - mean(r_1..r_G)) / (s + eps),  s = std(r over the whole step)     (--scale_rewards batch, default)
     L = 1/G sum_i 1/|o_i| sum_t [ -min(rho_it A_i, clip(rho_it, 1-eps, 1+eps) A_i) + beta KL_it ]
---turns 2 (SCoRe, Kumar et al. 2024, arXiv 2409.12917, its stage II bonus): the first attempt's tokens take A from
-    r_1 = right_1 - c calls_1, the second attempt's from r_2 = right_2 + alpha (right_2 - right_1) - c calls_2,
-so turning a wrong first answer right earns 1 + alpha, turning a right one wrong -alpha (alpha = --shaping).
+--turns 2, self-correction (SCoRe, Kumar et al. 2024, arXiv 2409.12917): each attempt takes A from its own reward.
+    stage I (the first --stage1_steps): r_2 = right_2 - c calls_2; attempt 1 no reward, its KL weight beta_2
+    stage II: r_1 = right_1 - c calls_1,  r_2 = right_2 + alpha (right_2 - right_1) - c calls_2   (alpha = --shaping)
 
 Deviations and choices:
-- Each attempt is trained on its own reward: one reward for both would pay the first attempt for being wrong.
-- No SCoRe stage I (its KL constraint on the first attempt); one revision prompt, REVISE in tasks/toolcalc.py.
+- s is the step's std, not each group's (GRPO's): a group whose answers are all right, or all wrong, differs only by
+  calls, and its own std would turn the 0.1 call cost into advantages of +-1 against the tool (TRL's
+  scale_rewards="batch"; Liu et al. 2025, arXiv 2508.08221). --scale_rewards group is GRPO's; none divides by 1.
+- Each attempt is trained on its own reward (one for both would pay attempt 1 for being wrong); one revision prompt,
+  REVISE in tasks/toolcalc.py, with no hint of whether the first answer was right.
 - The policy's EOS ends an attempt and is trained with it; the revision prompt follows (as in a chat template).
 - A malformed call (never closed, refused by the calculator, past --max_calls) costs a call, is answered "error".
-- mu passes over the whole batch; the old log-probs are scored once per batch (step 3), with the weights that sampled
-  it, not taken from the sampler; equal rewards in a group give A = 0.
+- mu passes over the whole batch; old log-probs scored once per batch (step 3); equal rewards in a group give A = 0.
 
-Shapes: P prompts, G episodes per prompt, B = P*G rows; Tp prompt, Tn episode tokens after it (policy's and
-environment's); K attempts (--turns); V vocabulary.
+Shapes: P prompts, G episodes each, B = P*G rows; Tp prompt, Tn episode tokens after it; K attempts (--turns).
 
 Run:
     python agent.py                        # builds out/toolcalc/sft.pt first; about 9 minutes on 2 CPU cores in all
     python agent.py --resume               # continue from out/toolcalc/agent.pt up to --steps
     python agent.py --call_cost 0.5        # calls dearer: the policy calls only where its head fails
     python agent.py --train_on_env_tokens  # the pitfall: the environment's tokens in the loss
-    python agent.py --turns 2              # self-correction: a second attempt after the revision prompt
+    python agent.py --turns 2 --stage1_steps 30 --steps 60    # self-correction, SCoRe's stages I and II
 Metrics: out/toolcalc/agent/metrics.jsonl (docs/metrics.md says what each means); checkpoint out/toolcalc/agent.pt.
 """
 import math
@@ -61,31 +62,37 @@ def episode_rewards(correct, calls, call_cost, shaping):
     return rewards
 
 
-def grpo_advantages(rewards, group_size, eps=1e-6, present=None):
+def grpo_advantages(rewards, group_size, eps=1e-6, present=None, scale=None):
     """rewards (P*G,), G = group_size consecutive episodes per prompt -> (r - mean_g) / (std_g + eps) (P*G,), population
     std; 0 for a group whose rewards are all equal. present (P*G,) bool: the episodes that reached this attempt (one
-    that ran out of tokens before it has no reward there): the group's mean and std over those alone, 0 for the rest."""
+    that ran out of tokens before it has no reward there): the group's mean and std over those alone, 0 for the rest.
+    scale: a number to divide by in place of each group's own std (the batch's std, or 1 for none)."""
     r = rewards.view(-1, group_size)                                   # (P, G)
-    if present is None:
-        advantages = (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True, unbiased=False) + eps)
-        all_equal = (r == r[:, :1]).all(dim=1, keepdim=True)           # (P, 1) no signal in this group
-        return torch.where(all_equal, torch.zeros_like(advantages), advantages).view(-1)  # (P*G,)
-    m = present.view(-1, group_size)                                   # (P, G) bool
+    m = torch.ones_like(r, dtype=torch.bool) if present is None else present.view(-1, group_size)   # (P, G)
     n = m.sum(1, keepdim=True).clamp(min=1)
     mean = torch.where(m, r, 0.0).sum(1, keepdim=True) / n             # over the present ones
-    std = (torch.where(m, (r - mean) ** 2, 0.0).sum(1, keepdim=True) / n).sqrt()
+    std = (torch.where(m, (r - mean) ** 2, 0.0).sum(1, keepdim=True) / n).sqrt() if scale is None else scale
     advantages = (r - mean) / (std + eps)
     all_equal = torch.where(m, r, -math.inf).amax(1, keepdim=True) == torch.where(m, r, math.inf).amin(1, keepdim=True)
     return torch.where(all_equal | ~m, torch.zeros_like(advantages), advantages).view(-1)   # (P*G,)
+
+
+def batch_std(run, rewards, present=None):
+    """The population std of the step's rewards (B,) over every rank, where present (B,) bool: the scale of
+    --scale_rewards batch (a group's mean is still its baseline; Liu et al. 2025, arXiv 2508.08221)."""
+    m = torch.ones_like(rewards) if present is None else present.float()
+    n = run.all_sum(m.sum()).clamp(min=1)
+    mean = run.all_sum((rewards * m).sum()) / n
+    return (run.all_sum(((rewards - mean) ** 2 * m).sum()) / n).sqrt()
 
 
 def agent_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps=0.2, beta=0.04, kl_estimator="k3", num_seqs=None,
                num_tokens=None):
     """GRPO's loss on episodes and its metrics (detached). logp (B, T) log pi_theta of the episode's tokens (with grad);
     old_logp (B, T) at sampling time; ref_logp (B, T) under the reference; advantages (B, T), each token its attempt's
-    A; mask (B, T) 1.0 on the tokens the loss sees: the policy's (Episodes.sampled), never the environment's. Where mask
-    is 0 the gradient is exactly 0 (values there are never read). num_seqs, num_tokens: the whole step's counts when
-    this batch is a part of it."""
+    A; beta a number or (B, T), each token's KL weight; mask (B, T) 1.0 on the tokens the loss sees: the policy's
+    (Episodes.sampled), never the environment's. Where mask is 0 the gradient is exactly 0 (values there are never
+    read). num_seqs, num_tokens: the whole step's counts when this batch is a part of it."""
     real = mask > 0                                                    # (B, T) bool
     logp, old_logp, ref_logp = (torch.where(real, x, 0.0) for x in (logp, old_logp, ref_logp))
     ratio = torch.exp(logp - old_logp)                                 # rho_it = pi_theta / pi_old
@@ -116,7 +123,13 @@ def parse_args(argv=None):
                    help="calls the tool answers per episode; later ones get 'error'")
     g.add_argument("--turns", type=Int(ge=1, le=2), default=1, help="attempts: 2 adds a revision turn (SCoRe)")
     g.add_argument("--shaping", type=Float(ge=0), default=1.0,
-                   help="alpha: --turns 2 adds alpha (right_2 - right_1) to the second attempt's reward")
+                   help="alpha: --turns 2 adds alpha (right_2 - right_1) to the second attempt's reward (stage II)")
+    g.add_argument("--stage1_steps", type=Int(ge=0), default=0,
+                   help="--turns 2: SCoRe's stage I for the first steps: attempt 2 trained, attempt 1 held by a KL")
+    g.add_argument("--stage1_beta", type=Float(ge=0), default=1.0,
+                   help="beta_2: stage I's KL weight on the first attempt's tokens")
+    g.add_argument("--scale_rewards", default="batch", choices=["group", "batch", "none"],
+                   help="divide r - mean_group by the group's std (GRPO), the step's std, or nothing")
     g.add_argument("--train_on_env_tokens", action="store_true",
                    help="WRONG, for the study: the environment's tokens (tool replies, revision prompt) in the loss")
     g = p.add_argument_group("sampling")
@@ -137,6 +150,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.task != "toolcalc":
         p.error(f"--task {args.task}: agent.py's environment is the tool task's; use --task toolcalc")
+    if args.stage1_steps and args.turns != 2:
+        p.error(f"--stage1_steps {args.stage1_steps}: SCoRe's stage I trains a second attempt; it needs --turns 2")
     return args
 
 
@@ -191,11 +206,19 @@ def main(args):
         loss_mask = mask if args.train_on_env_tokens else ep.sampled   # the policy's tokens; the pitfall: all of them
         run.samples += P * G
 
-        # 2. rewards and advantages per attempt: the group is the baseline; each token takes its attempt's A
-        rewards = episode_rewards(ep.correct, ep.calls, args.call_cost, args.shaping)            # (B, K)
+        # 2. rewards and advantages per attempt: the group is the baseline; each token takes its attempt's A. SCoRe's
+        #    stage I: no reward for attempt 1, no bonus for attempt 2, and beta_2 on attempt 1's KL
+        stage1 = run.step < args.stage1_steps
+        rewards = episode_rewards(ep.correct, ep.calls, args.call_cost, 0.0 if stage1 else args.shaping)  # (B, K)
+        if stage1:
+            rewards[:, 0] = 0.0                                                                  # A = 0 on attempt 1
         reached = [None] + [((ep.turn == k) & (mask > 0)).any(1) for k in range(1, K)]          # (B,) per attempt
-        advantages = torch.stack([grpo_advantages(rewards[:, k], G, present=reached[k]) for k in range(K)], 1)  # (B, K)
-        advantages = advantages.gather(1, ep.turn)                                               # (B, Tn)
+        scale = lambda k: (None if args.scale_rewards == "group" else 1.0 if args.scale_rewards == "none"
+                           else batch_std(run, rewards[:, k], reached[k]))               # divides r - mean_group
+        episode_adv = torch.stack([grpo_advantages(rewards[:, k], G, present=reached[k], scale=scale(k))
+                                   for k in range(K)], 1)                                        # (B, K)
+        advantages = episode_adv.gather(1, ep.turn)                                              # (B, Tn)
+        beta = torch.where(ep.turn == 0, args.stage1_beta, args.beta) if stage1 else torch.full_like(mask, args.beta)
 
         # 3. score without gradient: sampling-time and reference log-probs of every token (the environment's for the
         #    log); the exact KL and entropy on the policy's tokens
@@ -223,7 +246,7 @@ def main(args):
                     logp = completion_logprobs(train_policy, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows],
                                                temp)
                 part, part_stats = agent_loss(logp, old_logp[rows], ref_logp[rows], advantages[rows], loss_mask[rows],
-                                              args.clip_eps, args.beta, args.kl_estimator, n_seqs, n_tokens)
+                                              args.clip_eps, beta[rows], args.kl_estimator, n_seqs, n_tokens)
                 run.check_finite(part, f"lower --lr (now {args.lr})")
                 part.backward()
                 loss = loss + part.detach()
@@ -236,18 +259,22 @@ def main(args):
         # 5. log, evaluate, checkpoint (every number over all ranks)
         if run.log_due():
             right, calls, env = ep.correct[:, -1], ep.calls.sum(1), mask - ep.sampled
-            called, groups = (calls > 0).float(), rewards[:, -1].view(-1, G)
+            called, groups, rights = (calls > 0).float(), rewards[:, -1].view(-1, G), right.view(-1, G)
+            cost_only = (rights == rights[:, :1]).all(1) & ~(groups == groups[:, :1]).all(1)   # (P,) calls alone differ
             stats = {k.replace("kl_est", f"kl_{args.kl_estimator}"): run.all_sum(v).item() for k, v in stats.items()}
             metrics = {"loss": run.all_sum(loss).item(), "reward_mean": run.mean(rewards.sum(1)),
                        "reward_std": run.std(rewards.sum(1)), "accuracy": run.mean(right), "calls": run.mean(calls),
                        "call_share": run.mean(called), "malformed": run.mean(ep.malformed.sum(1)),
                        "accuracy_called": run.mean(right, called), "accuracy_uncalled": run.mean(right, 1 - called),
                        "zero_var_groups": run.mean((groups == groups[:, :1]).all(1).float()),
+                       "cost_only_groups": run.mean(cost_only.float()),
+                       "advantage_called": run.mean(episode_adv[:, -1], called),
                        "kl_exact": run.all_sum(kl_exact).item(), "entropy": run.all_sum(ent).item(), **stats,
                        "completion_len": run.mean(ep.sampled.sum(1)), "env_tokens": run.mean(env.sum(1)),
                        "env_logp": run.mean(old_logp, env), "truncated": run.mean(ep.truncated.float()),
                        "grad_norm": grad_norm.item()}
             if K == 2:
+                metrics["stage"] = 1 if stage1 else 2
                 first = ep.correct[:, 0]
                 metrics.update({"accuracy_turn1": run.mean(first), "wrong_to_right": run.mean((1 - first) * right),
                                 "right_to_wrong": run.mean(first * (1 - right))})

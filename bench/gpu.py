@@ -228,6 +228,8 @@ def steps(args):
             [py, "bench/recipe.py", "--steps", "3"], ROOT)]
     for name in training_scripts():
         out.append((f"script:{name}", "scripts", f"python {name}.py", [py, os.path.join(ROOT, f"{name}.py")], args.out))
+    out.append(("script:agent:seed1", "scripts", "python agent.py --seed 1 --out out/agent_seed1",   # issue 41: 2 seeds
+                [py, os.path.join(ROOT, "agent.py"), "--seed", "1", "--out", "out/agent_seed1"], args.out))
     out.append(("ratio", "ratio", "Sampler/trainer agreement at the first update",
                 [py, "bench/gpu.py", "--measure_ratio", "--out", args.out, "--ratio_batches",
                  str(args.ratio_batches)], ROOT))

@@ -6,13 +6,14 @@ import json
 import math
 import os
 import re
+from types import SimpleNamespace
 
 import pytest
 import tiktoken
 import torch
 
 import task
-from agent import agent_loss, episode_rewards, grpo_advantages
+from agent import agent_loss, batch_std, episode_rewards, grpo_advantages
 from conftest import refuses_all, run_script, task_args
 from kernels import logprobs
 from model import GPT, GPTConfig, Tokenizer, completion_logits, load_checkpoint
@@ -247,6 +248,29 @@ def test_an_episode_that_never_reached_the_second_attempt_stays_out_of_its_group
     assert torch.allclose(grpo_advantages(plain, 4, present=torch.ones(4, dtype=torch.bool)), grpo_advantages(plain, 4))
 
 
+def test_the_steps_std_keeps_the_call_cost_small_where_a_groups_own_std_makes_it_plus_or_minus_one():
+    """Two groups of G = 4 (call cost 0.1): in the first every answer is right and two called (0.9, 1, 0.9, 1), in the
+    second one right answer with a call among wrong ones (0.9, 0, 0, 0). Dividing by a group's own std gives the
+    cost-only group +-1, as large as the right answer's; the step's std (population, float64 by hand) leaves it a
+    tenth of the right answer's; scale 1 leaves r - mean. batch_std matches the hand value, and over present rows."""
+    r = torch.tensor([0.9, 1.0, 0.9, 1.0, 0.9, 0.0, 0.0, 0.0])
+    group = grpo_advantages(r, 4)
+    assert torch.allclose(group[:4], torch.tensor([-1.0, 1.0, -1.0, 1.0]), atol=1e-4)
+    assert torch.allclose(group[4:], torch.tensor([3 ** 0.5, -3 ** -0.5, -3 ** -0.5, -3 ** -0.5]), atol=1e-4)
+    x = r.double()
+    s = ((x - x.mean()) ** 2).mean().sqrt()
+    run = SimpleNamespace(all_sum=lambda v: v)                          # one process: all_sum is the value itself
+    assert batch_std(run, r).item() == pytest.approx(s.item(), rel=1e-6)
+    batch = grpo_advantages(r, 4, scale=batch_std(run, r))
+    want = torch.cat([x[:4] - x[:4].mean(), x[4:] - x[4:].mean()]) / (s + 1e-6)
+    assert torch.allclose(batch.double(), want, atol=1e-6)
+    assert batch[1] / batch[4] == pytest.approx(0.05 / 0.675, rel=1e-5)  # the call cost a tenth of a right answer
+    assert torch.allclose(grpo_advantages(r, 4, scale=1.0).double(), want * (s + 1e-6), atol=1e-6)
+    present = torch.tensor([True, True, False, True, True, True, True, False])
+    xp = x[present]
+    assert batch_std(run, r, present).item() == pytest.approx(((xp - xp.mean()) ** 2).mean().sqrt().item(), rel=1e-6)
+
+
 def ref_loss(logp, old, ref, adv, mask, clip_eps, beta):
     """GRPO's loss on episodes, token by token in float64: the mean over episodes of each one's mean over the tokens
     its mask keeps of -min(rho A, clip(rho) A) + beta k3."""
@@ -314,7 +338,8 @@ def test_script_runs_end_to_end_and_resumes(tiny_tool_sft, tmp_path):
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [0, 1, 2]
     for key in ("reward_mean", "accuracy", "calls", "call_share", "malformed", "accuracy_called", "kl_exact",
-                "entropy", "completion_len", "env_tokens", "env_logp", "grad_norm", "clip_frac", "kl_k3"):
+                "entropy", "completion_len", "env_tokens", "env_logp", "grad_norm", "clip_frac", "kl_k3",
+                "cost_only_groups", "advantage_called"):
         assert key in rows[1] and math.isfinite(rows[1][key]), key
     for key in ("eval_accuracy", "eval_accuracy_no_tool", "eval_calls", "eval_call_share_hard", "eval_accuracy_called"):
         assert key in rows[0] and key in rows[2], key
@@ -330,18 +355,21 @@ def test_script_runs_end_to_end_and_resumes(tiny_tool_sft, tmp_path):
 
 def test_script_runs_two_attempts_and_the_pitfall(tiny_tool_sft, tmp_path):
     out = str(tmp_path)
-    p = run_script("agent.py", TINY + ["--steps", "2", "--turns", "2", "--train_on_env_tokens", "--init",
-                                       tiny_tool_sft, "--out", out])
+    p = run_script("agent.py", TINY + ["--steps", "2", "--turns", "2", "--train_on_env_tokens", "--stage1_steps", "1",
+                                       "--init", tiny_tool_sft, "--out", out])
     assert p.returncode == 0, p.stderr
     assert "ENVIRONMENT TOKENS IN THE LOSS" in p.stdout and "second attempt" in p.stdout
     rows = read_metrics(out)
     assert all(k in rows[2] for k in ("eval_accuracy_turn2", "eval_wrong_to_right", "eval_right_to_wrong"))
     assert all(k in rows[1] for k in ("accuracy_turn1", "wrong_to_right", "right_to_wrong"))
+    assert [rows[1]["stage"], rows[2]["stage"]] == [1, 2]                        # SCoRe's stage I, then stage II
     assert rows[1]["env_tokens"] >= len(toolcalc.REVISE)                        # the revision prompt, at least
 
 
 def test_script_rejects_bad_settings_with_a_message(tmp_path):
     refuses_all("agent.py", [(["--turns", "3"], ["--turns", "3"]), (["--call_cost", "-1"], ["--call_cost", "-1"]),
-                             (["--max_new_tokens", "60", "--turns", "2"], ["--max_new_tokens"])], tmp_path)
+                             (["--max_new_tokens", "60", "--turns", "2"], ["--max_new_tokens"]),
+                             (["--stage1_steps", "5"], ["--stage1_steps", "5", "--turns 2"]),
+                             (["--scale_rewards", "median"], ["--scale_rewards", "median"])], tmp_path)
     assert all(not os.path.exists(tmp_path / f"out{i}") or os.listdir(tmp_path / f"out{i}") in ([], ["agent"])
-               for i in range(3))
+               for i in range(5))

@@ -1024,26 +1024,35 @@ class Episode:
 
 def agent_expected(gpt, batches, c):
     """mu SGD passes per batch of episodes on agent.py's loss, c the settings: r_k = right_k - c calls_k, + alpha
-    (right_2 - right_1) on the second; A per attempt over the group's episodes that reached it; then
-    1/B sum_i 1/|o_i| sum_(t in o_i) [-min(rho A, clip(rho) A) + beta k3], o_i the policy's tokens. Planted mistakes:
+    (right_2 - right_1) on the second; A per attempt over the group's episodes that reached it, r - the group's mean
+    divided by the step's std of r_k over those episodes (c["scale"] "batch"), the group's own ("group") or 1 ("none");
+    in SCoRe's stage I (the first c["stage1"] steps) attempt 1 has no reward and KL weight c["beta2"], attempt 2 no
+    bonus; then 1/B sum_i 1/|o_i| sum_(t in o_i) [-min(rho A, clip(rho) A) + beta_t k3], o_i the policy's tokens.
+    Planted mistakes: c["stage1_r1"] attempt 1 keeps its reward in stage I;
     c["env"] the environment's tokens in o_i; c["eos_env"] attempt 1's EOS taken for the environment's; c["one_reward"]
     the last attempt's A on every token; c["all_groups"] attempt 2's group over every episode; c["norm_all"] 1/|o_i|
     over every token of the episode."""
     ref, model, grads = frozen(gpt), copy.deepcopy(gpt), []
-    for eps in batches:
+    for step, eps in enumerate(batches):
         B, K, G = len(eps), c["turns"], c["G"]
+        stage1 = step < c.get("stage1", 0)
         right = torch.tensor([[float(task.reward(e.prompt, t) == 1.0) for t in e.texts] for e in eps],
                              dtype=torch.float64)                                           # (B, K)
         r = right - c["cost"] * torch.tensor([e.calls for e in eps], dtype=torch.float64)   # (B, K)
-        if K == 2:
+        if K == 2 and not stage1:
             r[:, 1] += c["alpha"] * (right[:, 1] - right[:, 0])
+        if stage1 and not c.get("stage1_r1"):
+            r[:, 0] = 0.0
         A = torch.zeros(B, K, dtype=torch.float64)
+        pop_std = lambda x: torch.sqrt(((x - x.mean()) ** 2).mean())
         for k in range(K):
+            everyone = r[[i for i in range(B) if eps[i].reached[k] or c.get("all_groups")], k]
             for g in range(B // G):
                 rows = [i for i in range(g * G, (g + 1) * G) if eps[i].reached[k] or c.get("all_groups")]
                 x = r[rows, k]
                 if len(rows) and not (x == x[0]).all():
-                    A[rows, k] = (x - x.mean()) / (torch.sqrt(((x - x.mean()) ** 2).mean()) + 1e-6)
+                    s = {"group": pop_std(x), "batch": pop_std(everyone), "none": 1.0}[c["scale"]]
+                    A[rows, k] = (x - x.mean()) / (s + 1e-6)
         masks = []
         for e in eps:
             m = torch.tensor([1.0 if p or c.get("env") else 0.0 for p in e.policy], dtype=torch.float64)
@@ -1051,6 +1060,8 @@ def agent_expected(gpt, batches, c):
                 m[e.ids.index(EOS)] = 0.0                               # the first attempt's EOS
             masks.append(m)
         adv = [A[i, [K - 1 if c.get("one_reward") else k for k in e.turn]] for i, e in enumerate(eps)]
+        betas = [torch.tensor([c["beta2"] if stage1 and k == 0 else c["beta"] for k in e.turn], dtype=torch.float64)
+                 for e in eps]
         logps = lambda m: [token_logp(completion_logits(m, e.prompt_ids, e.ids, c["T"]), e.ids) for e in eps]
         with torch.no_grad():
             old, ref_lp = logps(model), logps(ref)
@@ -1059,7 +1070,7 @@ def agent_expected(gpt, batches, c):
             for i, lp in enumerate(logps(model)):
                 ratio = torch.exp(lp - old[i])
                 pg = -torch.min(ratio * adv[i], ratio.clamp(1 - c["clip"], 1 + c["clip"]) * adv[i])
-                per_token = (pg + c["beta"] * kl_estimate(lp, ref_lp[i], "k3")) * masks[i]
+                per_token = (pg + betas[i] * kl_estimate(lp, ref_lp[i], "k3")) * masks[i]
                 total = total + per_token.sum() / (len(lp) if c.get("norm_all") else masks[i].sum()) / B
             g = grad_of(total, model)
             grads.append(g)
@@ -1067,18 +1078,24 @@ def agent_expected(gpt, batches, c):
     return model, grads
 
 
-AGENT = {"T": 0.7, "beta": 0.3, "clip": 0.1, "cost": 0.3, "alpha": 0.5, "mu": 2, "G": 4, "turns": 1}
+AGENT = {"T": 0.7, "beta": 0.3, "clip": 0.1, "cost": 0.3, "alpha": 0.5, "mu": 2, "G": 4, "turns": 1, "scale": "batch",
+         "beta2": 1.0}
 AGENT_BUDGET = 34              # the longest planned attempt is 30 tokens; the run-on's 40 are cut
 AGENT_FLAGS = ["--steps", "2", "--mu", "2", "--prompts_per_step", "4", "--group_size", "4", "--precedence_share", "0.5",
                "--temperature", "0.7", "--beta", "0.3", "--clip_eps", "0.1", "--call_cost", "0.3", "--shaping", "0.5",
                "--max_new_tokens", str(AGENT_BUDGET), "--grad_clip", "1e9"]
 AGENT_CASES = {   # name: (flags, settings, the defaults of the flags under test and the planted mistakes)
     "one attempt": ([], {}, [{"T": 1.0}, {"beta": 0.04}, {"clip": 0.2}, {"cost": 0.1}, {"env": True},
-                             {"norm_all": True}, {"beta": -0.3}]),
+                             {"norm_all": True}, {"beta": -0.3}, {"scale": "group"}, {"scale": "none"}]),
+    "--scale_rewards group": (["--scale_rewards", "group"], {"scale": "group"}, [{"scale": "batch"}]),
+    "--scale_rewards none": (["--scale_rewards", "none"], {"scale": "none"}, [{"scale": "batch"}]),
     "--turns 2": (["--turns", "2"], {"turns": 2},
                   [{"alpha": 1.0}, {"eos_env": True}, {"one_reward": True}, {"all_groups": True}, {"env": True}]),
     "--turns 2 --train_on_env_tokens": (["--turns", "2", "--train_on_env_tokens"], {"turns": 2, "env": True},
                                         [{"env": False}]),
+    "--turns 2 --stage1_steps 1 (SCoRe I, then II)": (
+        ["--turns", "2", "--stage1_steps", "1", "--stage1_beta", "2.5"], {"turns": 2, "stage1": 1, "beta2": 2.5},
+        [{"stage1": 0}, {"stage1": 2}, {"beta2": 0.3}, {"beta2": 1.0}, {"stage1_r1": True}]),
 }
 
 
