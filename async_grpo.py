@@ -209,7 +209,7 @@ def receiver(src, tag, size, inbox, last_kinds):
 
 
 def actor(args, rank):
-    signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C reaches every local process: the learner decides
+    signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C under torchrun reaches every process: the learner decides
     task.use(args)
     device = pick_device(args.device)
     if device == "cuda" and torch.cuda.device_count() > 1:
@@ -481,18 +481,24 @@ def rendezvous(rank, world, procs):
 def main(args):
     omp, per_process = os.environ.get("OMP_NUM_THREADS", ""), max(1, (os.cpu_count() or 1) // (args.actors + 1))
     torch.set_num_threads(args.threads or (int(omp) if omp.isdigit() else per_process))
-    procs = []
+    procs, held = [], []
     if "RANK" not in os.environ:                    # a plain `python async_grpo.py`: this process is the learner
         env = {**os.environ, "WORLD_SIZE": str(args.actors + 1), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(free_port())}
         os.environ.update(env, RANK="0")
-        handler = signal.signal(signal.SIGINT, signal.SIG_IGN)   # the actors ignore Ctrl-C from their first instant:
-        procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *sys.argv[1:]],   # the learner decides
-                                  env={**env, "RANK": str(a)}) for a in range(1, args.actors + 1)]
+        # The actors in a session of their own: a terminal's Ctrl-C reaches the learner alone, which decides. One that
+        # comes while they are spawned is held and acted on in the try below, where the actors are stopped. (Ignoring
+        # SIGINT here for them to inherit lost a Ctrl-C that came in that window: the run went on.)
+        handler = signal.signal(signal.SIGINT, lambda *_: held.append(True))
+        cmd = [sys.executable, os.path.abspath(__file__), *sys.argv[1:]]
+        procs = [subprocess.Popen(cmd, env={**env, "RANK": str(a)}, start_new_session=True)
+                 for a in range(1, args.actors + 1)]
         signal.signal(signal.SIGINT, handler)
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     code = 0
     try:
+        if held:
+            raise KeyboardInterrupt
         if world != args.actors + 1:
             raise SystemExit(f"error: {world} processes for --actors {args.actors}; allowed: --actors + 1 processes")
         rendezvous(rank, world, procs)

@@ -116,6 +116,18 @@ def launch(args, **kw):
                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True, **kw)
 
 
+def children(p):
+    """The pids of p's child processes (the actors: each in a session of its own, so not in p's process group)."""
+    return [int(x) for x in subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()]
+
+
+def running(pids):
+    """Those of pids still running (a zombie has ended)."""
+    states = [subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()
+              for pid in pids]
+    return [pid for pid, state in zip(pids, states) if state and not state.startswith("Z")]
+
+
 SMALL = ["--prompts_per_step", "4", "--group_size", "4", "--eval_n", "16", "--log_every", "1", "--eval_every", "2"]
 
 
@@ -177,7 +189,7 @@ def wait_for_rows(p, out, n):
 def test_a_killed_actor_stops_the_run_with_its_exit_code(tiny_sft, tmp_path):
     p = launch(SMALL + ["--steps", "100000", "--eval_every", "1000", "--init", tiny_sft, "--out", str(tmp_path)])
     wait_for_rows(p, tmp_path, 3)
-    actor_pid = int(subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()[0])
+    actor_pid = children(p)[0]
     os.kill(actor_pid, signal.SIGKILL)
     killed = time.time()
     stdout, stderr = p.communicate(timeout=60)
@@ -189,41 +201,44 @@ def test_a_killed_actor_stops_the_run_with_its_exit_code(tiny_sft, tmp_path):
 def test_ctrl_c_stops_every_process_and_says_how_to_resume(tiny_sft, tmp_path):
     p = launch(SMALL + ["--steps", "100000", "--eval_every", "1000", "--init", tiny_sft, "--out", str(tmp_path)])
     wait_for_rows(p, tmp_path, 2)
+    actors = children(p)
+    assert len(actors) == 1
     os.killpg(p.pid, signal.SIGINT)                                # as a terminal's Ctrl-C: every process of the group
     stdout, stderr = p.communicate(timeout=60)
     assert p.returncode == 130, stdout[-2000:] + stderr[-2000:]
     assert "continue with: python async_grpo.py" in stdout and "--resume" in stdout
-    time.sleep(0.5)
-    left = subprocess.run(["pgrep", "-g", str(p.pid)], capture_output=True, text=True).stdout.split()
-    assert left == [], left                                        # no orphaned actor
+    assert running(actors) == []                                   # no orphaned actor
 
 
 @pytest.mark.parametrize("after", [0.0, 1.0])
 def test_ctrl_c_while_the_processes_start_ends_every_one_at_once(tiny_sft, tmp_path, after):
     """A Ctrl-C as soon as the learner has started its actor (`after` seconds later), while the actor is still
-    importing torch or meeting the learner: the actor ignores it from its first instant, the learner stops within
-    seconds with one line (it used to hang in gloo's rendezvous until SIGKILL), and no process is left."""
+    importing torch or meeting the learner: it reaches the learner alone (the actor has a session of its own), which
+    stops within seconds with one line (it used to hang in gloo's rendezvous until SIGKILL, and, while it ignored
+    Ctrl-C for its actor to inherit, to lose one sent in that window and train on), and no process is left."""
     p = launch(SMALL + ["--steps", "100000", "--eval_every", "1000", "--init", tiny_sft, "--out", str(tmp_path)])
     t = time.time()
-    while not subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split():
+    while not children(p):
         assert time.time() - t < 120 and p.poll() is None, p.communicate()
         time.sleep(0.05)
+    actors = children(p)
     time.sleep(after)
     os.killpg(p.pid, signal.SIGINT)
     stdout, stderr = p.communicate(timeout=120)   # a hang is forever; a loaded machine is slow
     assert p.returncode == 130 and "Traceback" not in stderr, stdout[-2000:] + stderr[-2000:]
-    time.sleep(0.5)
-    assert subprocess.run(["pgrep", "-g", str(p.pid)], capture_output=True, text=True).stdout.split() == []
+    assert running(actors) == []
 
 
 def test_a_killed_learner_leaves_the_actors_quietly(tiny_sft, tmp_path):
     """SIGKILL of the learner: every actor ends without a gloo traceback."""
     p = launch(SMALL + ["--steps", "100000", "--eval_every", "1000", "--init", tiny_sft, "--out", str(tmp_path)])
     wait_for_rows(p, tmp_path, 2)
+    actors = children(p)
+    assert len(actors) == 1
     os.kill(p.pid, signal.SIGKILL)
     p.wait(timeout=30)
     t = time.time()
-    while subprocess.run(["pgrep", "-g", str(p.pid)], capture_output=True, text=True).stdout.split():
+    while running(actors):
         assert time.time() - t < 30, "an actor outlived the learner"
         time.sleep(0.2)
     assert "Traceback" not in p.stderr.read()
