@@ -481,24 +481,25 @@ def rendezvous(rank, world, procs):
 def main(args):
     omp, per_process = os.environ.get("OMP_NUM_THREADS", ""), max(1, (os.cpu_count() or 1) // (args.actors + 1))
     torch.set_num_threads(args.threads or (int(omp) if omp.isdigit() else per_process))
-    procs, held = [], []
-    if "RANK" not in os.environ:                    # a plain `python async_grpo.py`: this process is the learner
-        env = {**os.environ, "WORLD_SIZE": str(args.actors + 1), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(free_port())}
-        os.environ.update(env, RANK="0")
-        # The actors in a session of their own: a terminal's Ctrl-C reaches the learner alone, which decides. One that
-        # comes while they are spawned is held and acted on in the try below, where the actors are stopped. (Ignoring
-        # SIGINT here for them to inherit lost a Ctrl-C that came in that window: the run went on.)
-        handler = signal.signal(signal.SIGINT, lambda *_: held.append(True))
-        cmd = [sys.executable, os.path.abspath(__file__), *sys.argv[1:]]
-        procs = [subprocess.Popen(cmd, env={**env, "RANK": str(a)}, start_new_session=True)
-                 for a in range(1, args.actors + 1)]
-        signal.signal(signal.SIGINT, handler)
-    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    code = 0
+    procs, held, code = [], [], 0
     try:
-        if held:
-            raise KeyboardInterrupt
+        if "RANK" not in os.environ:                # a plain `python async_grpo.py`: this process is the learner
+            signal.signal(signal.SIGINT, signal.default_int_handler)   # Ctrl-C stops it from now on, even if it was
+            # started ignoring SIGINT (a script's background job), as Run's handler does once training starts
+            env = {**os.environ, "WORLD_SIZE": str(args.actors + 1), "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(free_port())}
+            os.environ.update(env, RANK="0")
+            # The actors in a session of their own: a terminal's Ctrl-C reaches the learner alone, which decides. One
+            # that comes while they are spawned is held, then acted on. (Ignoring SIGINT here for them to inherit lost
+            # a Ctrl-C that came in that window: the run went on.)
+            handler = signal.signal(signal.SIGINT, lambda *_: held.append(True))
+            cmd = [sys.executable, os.path.abspath(__file__), *sys.argv[1:]]
+            procs = [subprocess.Popen(cmd, env={**env, "RANK": str(a)}, start_new_session=True)
+                     for a in range(1, args.actors + 1)]
+            signal.signal(signal.SIGINT, handler)
+            if held:
+                raise KeyboardInterrupt
+        world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
         if world != args.actors + 1:
             raise SystemExit(f"error: {world} processes for --actors {args.actors}; allowed: --actors + 1 processes")
         rendezvous(rank, world, procs)

@@ -210,13 +210,17 @@ def test_ctrl_c_stops_every_process_and_says_how_to_resume(tiny_sft, tmp_path):
     assert running(actors) == []                                   # no orphaned actor
 
 
-@pytest.mark.parametrize("after", [0.0, 1.0])
-def test_ctrl_c_while_the_processes_start_ends_every_one_at_once(tiny_sft, tmp_path, after):
+@pytest.mark.parametrize("after, ignored", [(0.0, False), (1.0, False), (0.0, True)])
+def test_ctrl_c_while_the_processes_start_ends_every_one_at_once(tiny_sft, tmp_path, after, ignored):
     """A Ctrl-C as soon as the learner has started its actor (`after` seconds later), while the actor is still
     importing torch or meeting the learner: it reaches the learner alone (the actor has a session of its own), which
     stops within seconds with one line (it used to hang in gloo's rendezvous until SIGKILL, and, while it ignored
-    Ctrl-C for its actor to inherit, to lose one sent in that window and train on), and no process is left."""
-    p = launch(SMALL + ["--steps", "100000", "--eval_every", "1000", "--init", tiny_sft, "--out", str(tmp_path)])
+    Ctrl-C for its actor to inherit, to lose one sent in that window and train on), and no process is left. ignored:
+    the learner started with SIGINT ignored, as a background job of a script starts (Python then installs no Ctrl-C
+    handler of its own): it used to lose the Ctrl-C and train on."""
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignored else None
+    p = launch(SMALL + ["--steps", "100000", "--eval_every", "1000", "--init", tiny_sft, "--out", str(tmp_path)],
+               preexec_fn=ignore)
     t = time.time()
     while not children(p):
         assert time.time() - t < 120 and p.poll() is None, p.communicate()
