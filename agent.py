@@ -35,7 +35,7 @@ Run:
     python agent.py --resume               # continue from out/toolcalc/agent.pt up to --steps
     python agent.py --call_cost 0.5        # calls dearer: the policy calls only where its head fails
     python agent.py --train_on_env_tokens  # the pitfall: the environment's tokens in the loss
-    python agent.py --turns 2 --stage1_steps 30 --steps 60    # self-correction, SCoRe's stages I and II
+    python agent.py --turns 2 --stage1_steps 20 --steps 40    # SCoRe's stages I and II (not learning here: README)
 Metrics: out/toolcalc/agent/metrics.jsonl (docs/metrics.md says what each means); checkpoint out/toolcalc/agent.pt.
 """
 import math
@@ -80,10 +80,8 @@ def grpo_advantages(rewards, group_size, eps=1e-6, present=None, scale=None):
 def batch_std(run, rewards, present=None):
     """The population std of the step's rewards (B,) over every rank, where present (B,) bool: the scale of
     --scale_rewards batch (a group's mean is still its baseline; Liu et al. 2025, arXiv 2508.08221)."""
-    m = torch.ones_like(rewards) if present is None else present.float()
-    n = run.all_sum(m.sum()).clamp(min=1)
-    mean = run.all_sum((rewards * m).sum()) / n
-    return (run.all_sum(((rewards - mean) ** 2 * m).sum()) / n).sqrt()
+    mean = run.mean(rewards, present)                                  # over every rank's present rewards
+    return math.sqrt(run.mean((rewards - mean) ** 2, present))
 
 
 def agent_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps=0.2, beta=0.04, kl_estimator="k3", num_seqs=None,
@@ -213,9 +211,11 @@ def main(args):
         if stage1:
             rewards[:, 0] = 0.0                                                                  # A = 0 on attempt 1
         reached = [None] + [((ep.turn == k) & (mask > 0)).any(1) for k in range(1, K)]          # (B,) per attempt
-        scale = lambda k: (None if args.scale_rewards == "group" else 1.0 if args.scale_rewards == "none"
-                           else batch_std(run, rewards[:, k], reached[k]))               # divides r - mean_group
-        episode_adv = torch.stack([grpo_advantages(rewards[:, k], G, present=reached[k], scale=scale(k))
+        if args.scale_rewards == "batch":                       # s: the step's std of each attempt's rewards
+            scales = [batch_std(run, rewards[:, k], reached[k]) for k in range(K)]
+        else:                                                   # GRPO's: each group's own std (None); none: 1
+            scales = [None if args.scale_rewards == "group" else 1.0] * K
+        episode_adv = torch.stack([grpo_advantages(rewards[:, k], G, present=reached[k], scale=scales[k])
                                    for k in range(K)], 1)                                        # (B, K)
         advantages = episode_adv.gather(1, ep.turn)                                              # (B, Tn)
         beta = torch.where(ep.turn == 0, args.stage1_beta, args.beta) if stage1 else torch.full_like(mask, args.beta)

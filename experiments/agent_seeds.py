@@ -29,7 +29,13 @@ import subprocess
 import sys
 import time
 
+import torch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import task  # noqa: E402
+from model import Tokenizer, load_checkpoint  # noqa: E402
+
 PARTS = {  # part -> (seeds, {run name: agent.py flags beyond --seed, --init and --out})
     "seeds": ([0, 1, 2, 3, 4], {"default (batch std)": [], "--scale_rewards group": ["--scale_rewards", "group"]}),
     "score": ([0, 1, 2], {"naive (no stage I, no bonus)": ["--turns", "2", "--steps", "40", "--shaping", "0"],
@@ -140,10 +146,6 @@ def score_table(results, seeds):
 
 def attempts_table(seeds):
     """The SFT policies' two-attempt episodes at temperature 1, per attempt and kind of problem."""
-    import torch
-    sys.path.insert(0, ROOT)
-    import task
-    from model import Tokenizer, load_checkpoint
     task.use(argparse.Namespace(task="toolcalc", format="plain", countdown_numbers=3, data=None, chat=False))
     prompts, G = task.eval_prompts()[:256], 8
     hard = torch.tensor([task.is_precedence(p) for p in prompts]).repeat_interleave(G)      # (B,)

@@ -17,6 +17,7 @@ from agent import agent_loss, batch_std, episode_rewards, grpo_advantages
 from conftest import refuses_all, run_script, task_args
 from kernels import logprobs
 from model import GPT, GPTConfig, Tokenizer, completion_logits, load_checkpoint
+from plumbing import Run
 from tasks import toolcalc
 
 
@@ -259,8 +260,9 @@ def test_the_steps_std_keeps_the_call_cost_small_where_a_groups_own_std_makes_it
     assert torch.allclose(group[4:], torch.tensor([3 ** 0.5, -3 ** -0.5, -3 ** -0.5, -3 ** -0.5]), atol=1e-4)
     x = r.double()
     s = ((x - x.mean()) ** 2).mean().sqrt()
-    run = SimpleNamespace(all_sum=lambda v: v)                          # one process: all_sum is the value itself
-    assert batch_std(run, r).item() == pytest.approx(s.item(), rel=1e-6)
+    run = SimpleNamespace(all_sum=lambda v: v if torch.is_tensor(v) else torch.tensor(float(v)))   # one process
+    run.mean = lambda x, mask=None: Run.mean(run, x, mask)             # plumbing's, as agent.py's run has it
+    assert batch_std(run, r) == pytest.approx(s.item(), rel=1e-6)
     batch = grpo_advantages(r, 4, scale=batch_std(run, r))
     want = torch.cat([x[:4] - x[:4].mean(), x[4:] - x[4:].mean()]) / (s + 1e-6)
     assert torch.allclose(batch.double(), want, atol=1e-6)
@@ -268,7 +270,7 @@ def test_the_steps_std_keeps_the_call_cost_small_where_a_groups_own_std_makes_it
     assert torch.allclose(grpo_advantages(r, 4, scale=1.0).double(), want * (s + 1e-6), atol=1e-6)
     present = torch.tensor([True, True, False, True, True, True, True, False])
     xp = x[present]
-    assert batch_std(run, r, present).item() == pytest.approx(((xp - xp.mean()) ** 2).mean().sqrt().item(), rel=1e-6)
+    assert batch_std(run, r, present) == pytest.approx(((xp - xp.mean()) ** 2).mean().sqrt().item(), rel=1e-6)
 
 
 def ref_loss(logp, old, ref, adv, mask, clip_eps, beta):
