@@ -3,7 +3,7 @@ Agent: GRPO on multi-turn episodes, where the policy may call a calculator and t
 
 An episode is one token sequence, the policy's tokens and the environment's in turn: the policy writes a call
 <37+12*46>, the environment writes the result 589 after it, the policy goes on to its answer #589. With --turns 2 the
-environment answers the end of the first attempt with a prompt to revise it, and the policy tries again. Each prompt
+environment answers the end of the first attempt with a revision prompt, and the policy tries again. Each prompt
 gets G episodes; GRPO's group-relative advantage goes to every token the policy sampled and never to the
 environment's: the policy did not choose them, and a loss on them teaches it to predict the tool's output instead of
 using the tool (ReTool, Feng et al. 2025, arXiv 2504.11536; Search-R1, Jin et al. 2025, arXiv 2503.09516; RAGEN,
@@ -22,8 +22,8 @@ Deviations and choices:
 - s is the step's std, not each group's (GRPO's): a group whose answers are all right, or all wrong, differs only by
   calls, and its own std would turn the 0.1 call cost into advantages of +-1 against the tool (TRL's
   scale_rewards="batch"; Liu et al. 2025, arXiv 2508.08221). --scale_rewards group is GRPO's; none divides by 1.
-- Each attempt is trained on its own reward (one for both would pay attempt 1 for being wrong); one revision prompt,
-  REVISE in tasks/toolcalc.py, with no hint of whether the first answer was right.
+- Each attempt is trained on its own reward (one for both would pay attempt 1 for being wrong). The revision prompt
+  (toolcalc.revision: "\nrevise:" and the problem again) has no hint of whether the first answer was right.
 - The policy's EOS ends an attempt and is trained with it; the revision prompt follows (as in a chat template).
 - A malformed call (never closed, refused by the calculator, past --max_calls) costs a call, is answered "error".
 - mu passes over the whole batch; old log-probs scored once per batch (step 3); equal rewards in a group give A = 0.
@@ -35,7 +35,7 @@ Run:
     python agent.py --resume               # continue from out/toolcalc/agent.pt up to --steps
     python agent.py --call_cost 0.5        # calls dearer: the policy calls only where its head fails
     python agent.py --train_on_env_tokens  # the pitfall: the environment's tokens in the loss
-    python agent.py --turns 2 --stage1_steps 20 --steps 40    # SCoRe's stages I and II (not learning here: README)
+    python agent.py --turns 2 --stage1_steps 20 --steps 40    # SCoRe's stages I and II (README: what each does)
 Metrics: out/toolcalc/agent/metrics.jsonl (docs/metrics.md says what each means); checkpoint out/toolcalc/agent.pt.
 """
 import math
@@ -180,7 +180,8 @@ def main(args):
     run = Run("agent", args, batch_flag="prompts_per_step")  # device, seeds, lock, log, resume, torchrun: plumbing.py
     policy, tok = run.load_policy(args.init)        # the policy starts as the SFT policy ...
     ref = run.reference(args.init, policy)          # ... which stays frozen as the reference
-    longest = args.turns * args.max_new_tokens + (args.turns - 1) * (len(tok.encode(toolcalc.REVISE)) + 1)   # + EOS
+    revision = len(tok.encode(toolcalc.REVISE)) + toolcalc.max_prompt_tokens(tok)   # REVISE and the problem again
+    longest = args.turns * args.max_new_tokens + (args.turns - 1) * (revision + 1)     # + the first attempt's EOS
     run.check_lengths(policy, tok, longest)         # the longest episode after its prompt
     optimizer = torch.optim.AdamW(trainable(policy), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     run.resume(policy, optimizer)

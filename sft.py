@@ -40,6 +40,9 @@ def parse_args(argv=None):
     g.add_argument("--block_size", type=Int(ge=8), default=64, help="longest sequence (prompt + completion)")
     g.add_argument("--n_head", type=Int(ge=1), default=4, help="attention heads")
     g.add_argument("--n_embd", type=Int(ge=1), default=128, help="model width (a multiple of --n_head)")
+    g.add_argument("--pos", default=None, choices=["learned", "rope"],
+                   help="positions: learned absolute (GPT-2) or rotary (default: rotary for --task toolcalc, else "
+                        "learned)")
     g.add_argument("--tokenizer", default="bytes", help="'bytes' (built in, offline) or a tiktoken encoding name")
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=Int(ge=1), default=None,
@@ -58,6 +61,7 @@ def parse_args(argv=None):
                 f"every weight)")
     if args.steps is None:   # countdown at 1500 steps: held-out 0.35, its arithmetic half learned; at 4000: 0.45
         args.steps = 4000 if args.task == "countdown" else 1500
+    args.pos = args.pos or "learned"                # --task toolcalc has set its own default (task.check_tool_args)
     if args.n_embd % args.n_head:
         p.error(f"--n_embd {args.n_embd} must be a multiple of --n_head {args.n_head}")
     return args
@@ -81,7 +85,7 @@ def main(args):
                              f"longest prompt is {longest} tokens and its completions up to {budget}; allowed: "
                              f"--block_size >= {longest + budget}")
         model = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
-                              n_head=args.n_head, n_embd=args.n_embd)).to(run.device)
+                              n_head=args.n_head, n_embd=args.n_embd, pos=args.pos)).to(run.device)
     model.grad_checkpoint = args.grad_checkpoint
     optimizer = torch.optim.AdamW(trainable(model), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     run.resume(model, optimizer)

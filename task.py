@@ -81,12 +81,15 @@ def check_args(parser, args):
 
 def check_tool_args(parser, args):
     """--task toolcalc: its episodes need the environment, which only agent.py (and sft.py, on demonstrations) run; the
-    plain format only; sft.py's --block_size default becomes toolcalc.BLOCK_SIZE (two attempts must fit)."""
+    plain format only; sft.py's --block_size default becomes toolcalc.BLOCK_SIZE (two attempts must fit) and its --pos
+    default toolcalc.POSITIONS."""
     if not (hasattr(args, "max_calls") or hasattr(args, "mistake_rate")):
         parser.error("--task toolcalc needs its environment (the calculator answering calls): train on it with sft.py "
                      "(demonstrations) and agent.py (episodes)")
     if args.format != "plain":
         parser.error(f"--task toolcalc is defined in the plain format only; got --format {args.format}")
+    if hasattr(args, "pos") and args.pos is None:
+        args.pos = toolcalc.POSITIONS
     if getattr(args, "block_size", None) == 64:
         args.block_size = toolcalc.BLOCK_SIZE
     elif getattr(args, "block_size", toolcalc.BLOCK_SIZE) < toolcalc.BLOCK_SIZE:
@@ -429,10 +432,10 @@ def episodes(policy, tokenizer, prompts, group_size=1, temperature=1.0, max_new_
     budget = max_new_tokens or default_max_new_tokens()
     max_calls = _max_calls if max_calls is None else max_calls
     opens, closes = _markers(tokenizer)
-    revise = tokenizer.encode(toolcalc.REVISE)
+    revise = [tokenizer.encode(toolcalc.revision(p)) for p in prompts for _ in range(group_size)]   # each row's
     prompt, prompt_mask = tokenizer.encode_batch(prompts, device)                     # (P, Tp)
     prompt, prompt_mask = prompt.repeat_interleave(group_size, 0), prompt_mask.repeat_interleave(group_size, 0)
-    B, Tn = prompt.size(0), turns * budget + (turns - 1) * (len(revise) + 1)          # (B, Tp); longest episode
+    B, Tn = prompt.size(0), turns * budget + (turns - 1) * (max(map(len, revise)) + 1)   # (B, Tp); longest episode
     cache = KVCache(policy.config.n_layer, B, prompt.size(1) + Tn, device)
     logits = policy(prompt, prompt_mask, cache)[:, -1].float()                        # (B, V) the first token's
     state = [_Episode(turns) for _ in range(B)]
@@ -443,8 +446,8 @@ def episodes(policy, tokenizer, prompts, group_size=1, temperature=1.0, max_new_
             sampled = logits.argmax(-1)                                               # (B,)
         else:
             sampled = torch.multinomial(F.softmax(logits / temperature, -1), 1, generator=generator).squeeze(1)
-        written = [_advance(e, s, tokenizer, closes, revise, turns, budget, max_calls)
-                   for e, s in zip(state, sampled.tolist())]
+        written = [_advance(e, s, tokenizer, closes, r, turns, budget, max_calls)
+                   for e, s, r in zip(state, sampled.tolist(), revise)]
         if all(e.done for e in state):
             break
         logits = policy(torch.tensor(written, device=device)[:, None], torch.ones(B, 1, device=device),
@@ -573,8 +576,9 @@ def completion_batch(prompts, completions, tokenizer, device="cpu"):
     for p, c in zip(prompts, completions):
         end = isinstance(c, str)                           # text: a demonstration, which ends with the EOS
         pieces = toolcalc.segments(c) if _task.name == "toolcalc" and isinstance(c, str) else [(c, False)]
-        pieces = [x for text, env in pieces                # an attempt ends with the policy's EOS, before REVISE
-                  for x in ([([tokenizer.eos_id], False)] if env and text == toolcalc.REVISE else []) + [(text, env)]]
+        pieces = [x for text, env in pieces                # an attempt ends with the policy's EOS, before the revision
+                  for x in ([([tokenizer.eos_id], False)] if env and text.startswith(toolcalc.REVISE) else [])
+                  + [(text, env)]]
         encoded = [(tokenizer.encode(text) if isinstance(text, str) else list(text), env) for text, env in pieces]
         ids.append((tokenizer.encode_prompt(p), [t for piece, _ in encoded for t in piece] + [tokenizer.eos_id] * end))
         targets.append([float(not env) for piece, env in encoded for _ in piece] + [1.0] * end)

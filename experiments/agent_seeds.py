@@ -7,17 +7,18 @@ Every seed has its own SFT policy (sft.py --task toolcalc --seed s): seed 0's is
     std (--scale_rewards group), seeds 0-4.
 --part score: --turns 2 for 40 steps, seeds 0-2: the naive objective (each attempt on its own right-or-wrong reward,
     no stage I, no bonus: --shaping 0), SCoRe's stage II alone (the bonus, alpha 1) and SCoRe (20 steps of stage I,
-    then 20 of stage II). Held-out greedy: each attempt's accuracy, Delta(i->c) and Delta(c->i).
+    then 20 of stage II). Held-out greedy: each attempt's accuracy, Delta(i->c) and Delta(c->i), at the end and at
+    step 20 (where stage I ends).
 --part attempts: no training; each SFT policy's two-attempt episodes at temperature 1 (the episodes stage I starts
     from), 256 held-out problems x 8: per attempt and kind, accuracy, the share that calls, accuracy with a call and
     malformed calls per episode.
 A finished run is read, not run again; a stopped one is resumed (--resume: the same result as uninterrupted).
 
 Run:
-    python experiments/agent_seeds.py --part seeds --jobs 2    # about 10 minutes on 2 CPU cores, + 30 for the SFTs
-    python experiments/agent_seeds.py --part score --jobs 2    # about 20 minutes
+    python experiments/agent_seeds.py --part seeds --jobs 2    # about 6 minutes on 2 CPU cores, + 25 for the SFTs
+    python experiments/agent_seeds.py --part score --jobs 2    # about 15 minutes
     python experiments/agent_seeds.py --part seeds --same_sft 1 --jobs 2   # agent.py's seeds 0-4 from one SFT policy
-    python experiments/agent_seeds.py --part attempts          # a minute
+    python experiments/agent_seeds.py --part attempts          # seconds
     python experiments/agent_seeds.py --part seeds --table_only
 Outputs: results/agent/seeds.md, score.md, attempts.md (the tables) and seeds.json, score.json.
 """
@@ -36,12 +37,13 @@ sys.path.insert(0, ROOT)
 import task  # noqa: E402
 from model import Tokenizer, load_checkpoint  # noqa: E402
 
+STAGE1 = 20   # SCoRe's stage I steps in --part score (of 40)
 PARTS = {  # part -> (seeds, {run name: agent.py flags beyond --seed, --init and --out})
     "seeds": ([0, 1, 2, 3, 4], {"default (batch std)": [], "--scale_rewards group": ["--scale_rewards", "group"]}),
     "score": ([0, 1, 2], {"naive (no stage I, no bonus)": ["--turns", "2", "--steps", "40", "--shaping", "0"],
                           "stage II alone (alpha 1)": ["--turns", "2", "--steps", "40"],
                           "SCoRe (stage I 20, stage II 20)": ["--turns", "2", "--steps", "40",
-                                                              "--stage1_steps", "20"]}),
+                                                              "--stage1_steps", str(STAGE1)]}),
 }
 
 
@@ -79,7 +81,8 @@ def finished(out, flags):
 def read(out):
     rows = [json.loads(line) for line in open(os.path.join(out, "agent", "metrics.jsonl"))]
     evals = [r for r in rows if "eval_accuracy" in r]
-    return {"before": evals[0], "after": evals[-1], "seconds": rows[-1].get("elapsed_s", 0.0),
+    return {"before": evals[0], "after": evals[-1], "evals": {r["step"]: r for r in evals},
+            "seconds": rows[-1].get("elapsed_s", 0.0),
             "kl": [r["kl_exact"] for r in rows if "kl_exact" in r][-1],
             "calls": {r["step"]: r["calls"] for r in rows if "calls" in r}}
 
@@ -133,14 +136,17 @@ def score_table(results, seeds):
             lines.append(f"| {name} | {s} | {key(r, 'eval_accuracy')} | {key(r, 'eval_accuracy_turn2')} | "
                          f"{100 * (a['eval_accuracy_turn2'] - a['eval_accuracy']):+.1f} | "
                          f"{key(r, 'eval_wrong_to_right')} | {key(r, 'eval_right_to_wrong')} | {r['seconds']:.0f} |")
-    lines += ["", "| run | seeds | attempt 1 | attempt 2 | attempt 2 - attempt 1, points | Delta(i->c) | Delta(c->i) |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
-    for name, by_seed in results.items():
-        runs = [by_seed[s]["after"] for s in seeds if s in by_seed]
-        col = lambda k: spread([a[k] for a in runs])
-        gap = spread([100 * (a["eval_accuracy_turn2"] - a["eval_accuracy"]) for a in runs], ".1f")
-        lines.append(f"| {name} | {len(runs)} | {col('eval_accuracy')} | {col('eval_accuracy_turn2')} | {gap} | "
-                     f"{col('eval_wrong_to_right')} | {col('eval_right_to_wrong')} |")
+    for title, at in (("At the end (step 40):", None), (f"At step {STAGE1}, where SCoRe's stage I ends:", STAGE1)):
+        lines += ["", title, "", "| run | seeds | attempt 1 | attempt 2 | attempt 2 - attempt 1, points | "
+                  "Delta(i->c) | Delta(c->i) |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        for name, by_seed in results.items():
+            runs = [by_seed[s]["after"] if at is None else by_seed[s]["evals"].get(at) for s in seeds if s in by_seed]
+            if not all(runs):
+                continue
+            col = lambda k: spread([a[k] for a in runs])
+            gap = spread([100 * (a["eval_accuracy_turn2"] - a["eval_accuracy"]) for a in runs], ".1f")
+            lines.append(f"| {name} | {len(runs)} | {col('eval_accuracy')} | {col('eval_accuracy_turn2')} | {gap} | "
+                         f"{col('eval_wrong_to_right')} | {col('eval_right_to_wrong')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -218,7 +224,7 @@ def main():
     with open(os.path.join(folder, f"{part}.md"), "w") as f:
         f.write(text)
     with open(os.path.join(folder, f"{part}.json"), "w") as f:
-        json.dump({n: {str(s): {k: r[k] for k in ("before", "after", "seconds", "kl")} for s, r in by.items()}
+        json.dump({n: {str(s): {k: r[k] for k in ("before", "after", "evals", "seconds", "kl")} for s, r in by.items()}
                    for n, by in results.items()}, f, indent=1)
     print("\n" + text)
     print(f"wrote {args.results}/{part}.md and {part}.json")

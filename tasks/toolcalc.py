@@ -5,7 +5,7 @@ may call. agent.py trains on its episodes; sft.py on its demonstrations (the env
     prompt        37+12*46=
     with a call   <37+12*46>589#589<|endoftext|>      the policy writes <37+12*46>, the environment 589
     in the head   12*46=552,37+552=589#589<|endoftext|>
-    two attempts  12*46=562,37+562=599#599\\nrevise:<37+12*46>589#589<|endoftext|>   (agent.py --turns 2)
+    two attempts  12*46=562,37+562=599#599\\nrevise:37+12*46=<37+12*46>589#589<|endoftext|>   (agent.py --turns 2)
 
 Problems: half "hard", a+b*c= or a-b*c= with a in 1..99 and b, c in 10..99 (a two-digit product), half "easy", the
 arithmetic task's (three operands from 1..9). The held-out set is 512 fixed problems, hard and easy alternating
@@ -20,9 +20,11 @@ result, or "error" for a refused call (`tool_reply`).
 Demonstrations: the right way is the tool for a hard problem and the head for an easy one. The demonstrator's slip
 (sft.py --mistake_rate) is the other way: the head on a hard problem (its arithmetic is right, but a 0.8M-parameter
 model does not learn two-digit products from it reliably) or an unneeded call on an easy one. A quarter of the
-demonstrations (a fixed quarter of the problems) are two attempts: a first with the slip at SLIP_RATE (in the head
-on a hard problem it is wrong, its product off by ten, as the model's own are), REVISE, then a second drawn as a
-one-attempt demonstration is. So a revision sometimes changes the answer, and SFT cannot learn "say it again".
+demonstrations (a fixed quarter of the problems) are two attempts: a first (on a hard problem in the head and wrong,
+its product off by ten, as the model's own are; on an easy one the slip at SLIP_RATE), the revision prompt, then a
+second drawn as a one-attempt demonstration is. So a revision changes every hard answer and no easy one: SFT cannot
+learn "say it again". The revision prompt (`revision`) restates the problem: REVISE, then the prompt. A second attempt
+then copies its expression from just before, as a first does, not from a whole attempt back.
 Verifier: the arithmetic task's: the integer after the last '#' (of the last attempt).
 """
 import random
@@ -33,20 +35,21 @@ from functools import lru_cache
 from tasks import Task, arithmetic
 
 CALL_OPEN, CALL_CLOSE = "<", ">"   # the policy writes <expression>; the environment answers right after the '>'
-REVISE = "\nrevise:"               # what the environment writes after a first attempt (agent.py --turns 2)
+REVISE = "\nrevise:"               # the environment writes it, then the problem, after a first attempt (--turns 2)
 MAX_CHARS = 64                     # the calculator's limits: expression length, nesting, every number's magnitude
 MAX_DEPTH = 8
 MAX_MAGNITUDE = 10 ** 12
 MAX_CALLS = 2                      # calls answered per episode (agent.py --max_calls)
 MAX_NEW_TOKENS = 36                # per attempt; the longest demonstration: '99*99=9801,99-9801=-9702#-9702' + EOS = 32
-BLOCK_SIZE = 96                    # sft.py's default --block_size for this task: two attempts must fit
+BLOCK_SIZE = 112                   # sft.py's default --block_size for this task: two attempts must fit
+POSITIONS = "rope"                 # sft.py's default --pos for this task: a second attempt copies at later positions
 HELD_OUT_PER_CLASS = 256
 SPLIT_SEED = 2718
 TWO_ATTEMPT_SHARE = 0.25           # of the problems whose demonstration is two attempts
 SLIP_RATE = 0.6                    # the first attempt's slip rate in those (sft.py's default --mistake_rate)
 
 _HARD = re.compile(r"([1-9][0-9]?)([+\-])([1-9][0-9])\*([1-9][0-9])=")
-_REPLY = re.compile(rf"(?<={re.escape(CALL_CLOSE)})(?:-?[0-9]+|error)|{re.escape(REVISE)}")
+_REPLY = re.compile(rf"(?<={re.escape(CALL_CLOSE)})(?:-?[0-9]+|error)|{re.escape(REVISE)}[0-9+\-*]+=")
 _WELL_FORMED = re.compile(r"(?:<[0-9+\-*()]{1,64}>(?:-?[0-9]+|error))*[0-9+\-*=,]*#-?[0-9]{1,12}")
 
 
@@ -126,8 +129,9 @@ def tool_reply(expression):
 
 
 def segments(completion):
-    """A demonstration -> [(text, written_by_environment)]: the tool's replies and REVISE are the environment's (for
-    demonstrations only, which this module writes; an episode's tokens are never re-read from text)."""
+    """A demonstration -> [(text, written_by_environment)]: the tool's replies and the revision prompt are the
+    environment's (for demonstrations only, which this module writes; an episode's tokens are never re-read from
+    text)."""
     out, i = [], 0
     for m in _REPLY.finditer(completion):
         out += [(completion[i:m.start()], False)] if m.start() > i else []
@@ -175,14 +179,18 @@ def _uniform(prompt, salt):                             # a fixed number in [0, 
 
 
 def demonstration(prompt, mistake=False):
-    """One attempt with the slip when `mistake`; for a fixed quarter of the problems, a first attempt (the slip at
-    SLIP_RATE; in the head on a hard problem, wrong), REVISE, then that attempt."""
+    """One attempt with the slip when `mistake`; for a fixed quarter of the problems, a first attempt (hard: in the
+    head and wrong; easy: the slip at SLIP_RATE), the revision prompt, then that attempt."""
     if _uniform(prompt, "two") < TWO_ATTEMPT_SHARE:
-        first = attempt(prompt, _uniform(prompt, "slip") < SLIP_RATE)
-        if is_hard(prompt) and not first.startswith(CALL_OPEN):
-            first = synthetic_mistake(prompt)          # in the head on a hard problem, the first attempt slips
-        return first + REVISE + attempt(prompt, mistake)
+        first = synthetic_mistake(prompt) if is_hard(prompt) else attempt(prompt, _uniform(prompt, "slip") < SLIP_RATE)
+        return first + revision(prompt) + attempt(prompt, mistake)
     return attempt(prompt, mistake)
+
+
+def revision(prompt):
+    """What the environment writes after a first attempt: REVISE and the problem again (no hint of whether the first
+    answer was right)."""
+    return REVISE + prompt
 
 
 def synthetic_mistake(prompt):

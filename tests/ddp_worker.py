@@ -103,7 +103,7 @@ def fixed_episode(prompt, j, turns):
     None as text for the policy's EOS. The first attempt by j % 4: a call (right), the head with the product or the
     last result off (wrong), a call the calculator refuses (on an easy problem the head, right: groups of the two
     kinds differ in their rewards' spread), a run-on with no answer (40 tokens: past any budget below it, the episode
-    truncated); with turns 2, REVISE and the second: the head off, a call, the head (right)."""
+    truncated); with turns 2, the revision prompt and the second: the head off, a call, the head (right)."""
     r, head = toolcalc.answer(prompt), toolcalc.attempt(prompt, slip=toolcalc.is_hard(prompt))   # right, in the head
     call = [(f"<{prompt[:-1]}>", "policy"), (str(r), "env"), (f"#{r}", "policy")]
     wrong = [(toolcalc.synthetic_mistake(prompt), "policy")]
@@ -111,7 +111,7 @@ def fixed_episode(prompt, j, turns):
     third = refused if toolcalc.is_hard(prompt) else [(head, "policy")]
     first = [call, wrong, third, [("1+" * 20, "policy")]][j % 4] + [(None, "policy")]
     second = [wrong, call, [(head, "policy")], []][j % 4] + [(None, "policy")]
-    return first + ([(toolcalc.REVISE, "env")] + second if turns == 2 else [])
+    return first + ([(toolcalc.revision(prompt), "env")] + second if turns == 2 else [])
 
 
 class Planned(torch.nn.Module):

@@ -60,7 +60,8 @@ def writer(*parts):
     def respond(text):
         episode = text.partition("=")[2]
         episode = episode.replace("<|endoftext|>" + toolcalc.REVISE, toolcalc.REVISE)        # an attempt's own EOS
-        own = re.sub(r"(?<=>)(?:-?[0-9]+|error)", "", episode.replace(toolcalc.REVISE, "\0"))   # the policy's text
+        own = re.sub(re.escape(toolcalc.REVISE) + r"[0-9+\-*]+=", "\0", episode)           # the revision prompt
+        own = re.sub(r"(?<=>)(?:-?[0-9]+|error)", "", own)                                  # the policy's text
         target = "".join("\0" if p is None else p(episode) if callable(p) else p for p in parts)
         if not target.startswith(own) or len(own) == len(target):
             return None
@@ -134,13 +135,15 @@ def test_without_the_tool_no_call_is_ever_opened():
 
 def test_two_attempts_the_first_eos_is_the_policys_and_the_revision_prompt_follows_it():
     """The EOS that ends the first attempt is the policy's token, of the first attempt (trained: "stop here" gets
-    its gradient and KL term as every other decision does); the environment's REVISE comes after it."""
+    its gradient and KL term as every other decision does); the environment's revision prompt (REVISE and the
+    problem again) comes after it."""
     tok = Tokenizer()
     policy = Scripted(tok, writer("12*46=562,37+562=599#599", None, "<37+12*46>", after_reply))
     e = task.episodes(policy, tok, ["37+12*46="], temperature=0.0, turns=2)
     first = "12*46=562,37+562=599#599"
-    assert decode(tok, e, 0, e.mask) == first + "<|endoftext|>" + toolcalc.REVISE + "<37+12*46>589#589<|endoftext|>"
-    assert decode(tok, e, 0, e.mask - e.sampled) == toolcalc.REVISE + "589"
+    revise = "\nrevise:37+12*46="
+    assert decode(tok, e, 0, e.mask) == first + "<|endoftext|>" + revise + "<37+12*46>589#589<|endoftext|>"
+    assert decode(tok, e, 0, e.mask - e.sampled) == revise + "589"
     assert e.correct.tolist() == [[0.0, 1.0]] and e.calls.tolist() == [[0.0, 1.0]]
     n = len(first)
     assert e.tokens[0, n] == tok.eos_id and e.sampled[0, n] == 1 and e.turn[0, n] == 0   # the policy's, attempt 1
@@ -149,16 +152,18 @@ def test_two_attempts_the_first_eos_is_the_policys_and_the_revision_prompt_follo
 
 
 def test_a_two_attempt_demonstration_trains_the_first_attempts_eos():
-    """SFT's two-attempt demonstrations as the episodes are: the first attempt, its EOS (a target), REVISE (context),
-    the second attempt and its EOS."""
+    """SFT's two-attempt demonstrations as the episodes are: the first attempt, its EOS (a target), the revision prompt
+    (context), the second attempt and its EOS."""
     tok = Tokenizer()
     first, second = "12*46=562,37+562=599#599", "<37+12*46>589#589"
-    tokens, attn, mask = task.completion_batch(["37+12*46="], [first + toolcalc.REVISE + second], tok)
+    revise = toolcalc.revision("37+12*46=")
+    tokens, attn, mask = task.completion_batch(["37+12*46="], [first + revise + second], tok)
     ids = tokens[0, len("37+12*46="):].tolist()
-    assert tok.decode(ids) == first + "<|endoftext|>" + toolcalc.REVISE + second + "<|endoftext|>"
+    assert tok.decode(ids) == first + "<|endoftext|>" + revise + second + "<|endoftext|>"
     targets = mask[0, len("37+12*46=") - 1:].tolist()                        # target t+1 of each position
     assert targets[len(first)] == 1.0 and ids[len(first)] == tok.eos_id      # the first EOS is a target
-    assert targets[len(first) + 1:len(first) + 1 + len(toolcalc.REVISE)] == [0.0] * len(toolcalc.REVISE)
+    assert targets[len(first) + 1:len(first) + 1 + len(revise)] == [0.0] * len(revise)
+    assert targets[len(first) + 1 + len(revise)] == 1.0                      # the second attempt's first token
 
 
 def merging_tokenizer():
@@ -201,7 +206,7 @@ def test_every_position_the_environment_wrote_gets_exactly_zero_gradient():
         loss, _ = agent_loss(logp, old, ref, advantages, loss_mask)
         loss.backward()
         per_position = logits.grad.abs().sum(-1)                                # (B, Tn)
-        assert env.sum() == 3 * (len(toolcalc.REVISE) + 3)
+        assert env.sum() == 3 * (len(toolcalc.revision("37+12*46=")) + 3)
         assert (per_position[env] > 0).all() if env_grad else (per_position[env] == 0).all()
         assert (per_position[e.sampled > 0] > 0).all() and (per_position[e.mask == 0] == 0).all()
     model.zero_grad()                                           # and through the model: the same loss, every weight

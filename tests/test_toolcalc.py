@@ -115,8 +115,10 @@ def test_answers_and_the_verifier():
     assert toolcalc.answer("3+4*2=") == 11
     assert toolcalc.reward("37+12*46=", "<37+12*46>589#589") == 1.0
     assert toolcalc.reward("37+12*46=", "12*46=552,37+552=589#588") == 0.0
-    assert toolcalc.reward("37+12*46=", "<37+12*46>589#588" + toolcalc.REVISE + "<37+12*46>589#589") == 1.0
-    assert toolcalc.reward("37+12*46=", "<37+12*46>589#589" + toolcalc.REVISE + "#588") == 0.0   # the last attempt
+    revise = toolcalc.revision("37+12*46=")
+    assert revise == "\nrevise:37+12*46="                         # the problem again, no word on the first answer
+    assert toolcalc.reward("37+12*46=", "<37+12*46>589#588" + revise + "<37+12*46>589#589") == 1.0
+    assert toolcalc.reward("37+12*46=", "<37+12*46>589#589" + revise + "#588") == 0.0   # the last attempt
     assert toolcalc.reward("not a problem", "#1") == 0.0 and toolcalc.reward("37+12*46=", None) == 0.0
 
 
@@ -128,34 +130,37 @@ def test_demonstrations_are_right_and_the_slip_is_the_wrong_way_to_compute():
         for mistake in (False, True):
             d = toolcalc.demonstration(p, mistake)
             assert toolcalc.reward(p, d) == 1.0, (p, d)
-            last = d.split(toolcalc.REVISE)[-1]
+            last = d.split(toolcalc.revision(p))[-1]
             assert last.startswith("<") == (toolcalc.is_hard(p) != mistake), (p, mistake, d)   # tool iff hard xor slip
-            assert len(d) + 1 <= 2 * toolcalc.MAX_NEW_TOKENS + len(toolcalc.REVISE)
+            assert len(d) + 1 <= 2 * toolcalc.MAX_NEW_TOKENS + len(toolcalc.revision(p))
         d = toolcalc.demonstration(p)
         if toolcalc.REVISE in d:
             two += 1
-            first = d.split(toolcalc.REVISE)[0]
-            hard_head = toolcalc.is_hard(p) and not first.startswith("<")
-            assert toolcalc.reward(p, first) == float(not hard_head), (p, d)   # a hard problem in the head: wrong
+            first, second = d.split(toolcalc.revision(p))
+            assert toolcalc.reward(p, first) == float(not toolcalc.is_hard(p)), (p, d)   # hard: in the head, wrong
+            assert toolcalc.is_hard(p) == (not first.startswith("<"))
+            assert toolcalc.reward(p, second) == 1.0
     assert 0.18 < two / len(prompts) < 0.32
 
 
 def test_segments_mark_exactly_the_tool_replies_and_the_revision_prompt():
-    d = "12*46=562,37+562=599#599" + toolcalc.REVISE + "<37+12*46>589#589"
-    assert toolcalc.segments(d) == [("12*46=562,37+562=599#599", False), (toolcalc.REVISE, True),
+    d = "12*46=562,37+562=599#599" + toolcalc.revision("37+12*46=") + "<37+12*46>589#589"
+    assert toolcalc.segments(d) == [("12*46=562,37+562=599#599", False), ("\nrevise:37+12*46=", True),
                                     ("<37+12*46>", False), ("589", True), ("#589", False)]
     for p in toolcalc.sample_prompts(random.Random(2), 200):
         d = toolcalc.demonstration(p, True)
         pieces = toolcalc.segments(d)
         assert "".join(t for t, _ in pieces) == d
         calls = re.findall(r"<([^>]*)>", d)
-        assert [t for t, env in pieces if env and t != toolcalc.REVISE] == [calculator(c) for c in calls]
+        assert [t for t, env in pieces if env and not t.startswith(toolcalc.REVISE)] == [calculator(c) for c in calls]
+        assert [t for t, env in pieces if env and t.startswith(toolcalc.REVISE)] == [toolcalc.revision(p)] * (
+            toolcalc.REVISE in d)
 
 
 def test_sft_masks_the_environments_text_out_of_its_loss():
     task.use(task_args("toolcalc"))
     tok = Tokenizer()
-    completion = "12*46=562,37+562=599#599" + toolcalc.REVISE + "<37+12*46>589#589"
+    completion = "12*46=562,37+562=599#599" + toolcalc.revision("37+12*46=") + "<37+12*46>589#589"
     tokens, attn, mask = task.completion_batch(["37+12*46="], [completion], tok)
     targets = tokens[0, 1:][mask[0] > 0].tolist()                 # what the loss predicts
     first = len("12*46=562,37+562=599#599")                         # attempt 1 ends with the policy's own EOS
@@ -181,5 +186,15 @@ def test_scripts_without_the_environment_refuse_the_task(tmp_path):
 def test_episode_budget_fits_the_default_model():
     tok = Tokenizer()
     task.use(task_args("toolcalc"))
-    longest = toolcalc.max_prompt_tokens(tok) + 2 * toolcalc.MAX_NEW_TOKENS + len(tok.encode(toolcalc.REVISE))
+    revision = len(tok.encode(toolcalc.REVISE)) + toolcalc.max_prompt_tokens(tok)   # and the first attempt's EOS
+    longest = toolcalc.max_prompt_tokens(tok) + 2 * toolcalc.MAX_NEW_TOKENS + revision + 1
     assert toolcalc.max_prompt_tokens(tok) == 9 and longest <= toolcalc.BLOCK_SIZE
+
+
+def test_sft_gives_the_tool_task_rotary_positions():
+    """A second attempt's tokens sit at positions the first's never reach: --task toolcalc's SFT model is rotary by
+    default (relative positions), every other task's learned unless --pos says otherwise."""
+    import sft
+    assert sft.parse_args(["--task", "toolcalc"]).pos == toolcalc.POSITIONS == "rope"
+    assert sft.parse_args(["--task", "toolcalc", "--pos", "learned"]).pos == "learned"
+    assert sft.parse_args([]).pos == "learned" and sft.parse_args(["--pos", "rope"]).pos == "rope"

@@ -997,8 +997,8 @@ class Episode:
     """One of the worker's planned episodes (ddp_worker.fixed_episode) played out by the environment's rules, rebuilt
     here from its parts: the ids after the prompt, which of them the policy wrote, each one's attempt, and each
     attempt's text, calls and whether the episode reached it. The rules: the policy's tokens and a tool's reply count
-    against the attempt's budget, its EOS and REVISE (the second attempt's start) do not; the episode ends as soon as
-    an attempt has used its budget."""
+    against the attempt's budget, its EOS and the revision prompt (the second attempt's start) do not; the episode ends
+    as soon as an attempt has used its budget."""
 
     def __init__(self, prompt, j, turns, budget):
         self.prompt, self.prompt_ids = prompt, TOK.encode(prompt)
@@ -1006,7 +1006,7 @@ class Episode:
         self.texts, self.calls, self.reached = [""] * turns, [0] * turns, [True] + [False] * (turns - 1)
         k, used = 0, 0
         for text, who in fixed_episode(prompt, j, turns):
-            if text == toolcalc.REVISE:
+            if text == toolcalc.revision(prompt):
                 k, used = k + 1, 0
                 self.reached[k] = True
             if who == "policy" and text is not None:
@@ -1015,7 +1015,7 @@ class Episode:
                 self.ids.append(t)
                 self.policy.append(who == "policy")
                 self.turn.append(k)
-                if text is not None and text != toolcalc.REVISE:
+                if text is not None and text != toolcalc.revision(prompt):
                     self.texts[k] += TOK.decode([t])
                     used += 1
                     if used == budget:
@@ -1102,9 +1102,9 @@ AGENT_CASES = {   # name: (flags, settings, the defaults of the flags under test
 @pytest.mark.parametrize("case", list(AGENT_CASES))
 def test_agent_update(case, tmp_path):
     """Two steps of two passes on planned episodes from random weights (a tool call answered, a wrong answer in the
-    head, a call the calculator refuses, a run-on cut by the budget; with --turns 2 a second attempt after REVISE, or
-    none): the masks, attempts, rewards and advantages rebuilt from the plans by the environment's rules, the loss
-    from the docstring's equation. Each flag at its default and each planted mistake is told apart."""
+    head, a call the calculator refuses, a run-on cut by the budget; with --turns 2 a second attempt after the revision
+    prompt, or none): the masks, attempts, rewards and advantages rebuilt from the plans by the environment's rules,
+    the loss from the docstring's equation. Each flag at its default and each planted mistake is told apart."""
     flags, settings, wrong = AGENT_CASES[case]
     c = {**AGENT, **settings}
     task.use(task_args("toolcalc"))
