@@ -31,7 +31,7 @@ Deviations and choices:
 Shapes: P prompts, G episodes each, B = P*G rows; Tp prompt, Tn episode tokens after it; K attempts (--turns).
 
 Run:
-    python agent.py                        # builds out/toolcalc/sft.pt first; about 9 minutes on 2 CPU cores in all
+    python agent.py                        # builds out/toolcalc/sft.pt first; about 6 minutes on 2 CPU cores in all
     python agent.py --resume               # continue from out/toolcalc/agent.pt up to --steps
     python agent.py --call_cost 0.5        # calls dearer: the policy calls only where its head fails
     python agent.py --train_on_env_tokens  # the pitfall: the environment's tokens in the loss
