@@ -375,7 +375,8 @@ def main(args):
             r["output"] = tail(output, 40)
             r["summary"] = next((line for line in reversed(output.split("\n")) if line.startswith("done:")), None)
             r["metrics"] = {os.path.basename(os.path.dirname(p)): metrics_summary(p)
-                            for p in glob.glob(os.path.join(cwd, "out", "*", "metrics.jsonl"))
+                            for pattern in ("*", os.path.join("*", "*"))          # out/grpo/, out/toolcalc/agent/
+                            for p in glob.glob(os.path.join(cwd, "out", pattern, "metrics.jsonl"))
                             if os.path.getmtime(p) >= started}
         else:
             r["output"] = tail(output, 200)
