@@ -3,12 +3,11 @@ Agent: GRPO on multi-turn episodes, where the policy may call a calculator and t
 
 An episode is one token sequence, the policy's tokens and the environment's in turn: the policy writes a call
 <37+12*46>, the environment writes the result 589 after it, the policy goes on to its answer #589. With --turns 2 the
-environment answers the end of the first attempt with a revision prompt, and the policy tries again. Each prompt
-gets G episodes; GRPO's group-relative advantage goes to every token the policy sampled and never to the
-environment's: the policy did not choose them, and a loss on them teaches it to predict the tool's output instead of
-using the tool (ReTool, Feng et al. 2025, arXiv 2504.11536; Search-R1, Jin et al. 2025, arXiv 2503.09516; RAGEN,
-Wang et al. 2025, arXiv 2504.20073; ARTIST, Singh et al. 2025, arXiv 2505.01441). --train_on_env_tokens does that,
-the wrong thing, to show what it does (experiments/README.md).
+environment answers the end of the first attempt with a revision prompt, and the policy tries again. Each prompt gets
+G episodes; GRPO's group-relative advantage goes to every token the policy sampled and never to the environment's: the
+policy did not choose them, and a loss on them teaches it to predict the tool's output instead of using the tool
+(ReTool, arXiv 2504.11536; Search-R1, arXiv 2503.09516; RAGEN, arXiv 2504.20073; ARTIST, arXiv 2505.01441).
+--train_on_env_tokens does that, the wrong thing, to show what it does (experiments/README.md).
 
 Episode i, o_i the tokens the policy sampled (the environment's are in the context, never in the sum), t in o_i:
     r_i = 1[final answer right] - c * calls_i                                     (c = --call_cost)

@@ -46,7 +46,7 @@ POSITIONS = "rope"                 # sft.py's default --pos for this task: a sec
 HELD_OUT_PER_CLASS = 256
 SPLIT_SEED = 2718
 TWO_ATTEMPT_SHARE = 0.25           # of the problems whose demonstration is two attempts
-SLIP_RATE = 0.6                    # the first attempt's slip rate in those (sft.py's default --mistake_rate)
+SLIP_RATE = 0.6                    # the first attempt's slip rate in those on easy problems (hard ones: always wrong)
 
 _HARD = re.compile(r"([1-9][0-9]?)([+\-])([1-9][0-9])\*([1-9][0-9])=")
 _REPLY = re.compile(rf"(?<={re.escape(CALL_CLOSE)})(?:-?[0-9]+|error)|{re.escape(REVISE)}[0-9+\-*]+=")
