@@ -493,7 +493,7 @@ def main(args):
             # that comes while they are spawned is held, then acted on. (Ignoring SIGINT here for them to inherit lost
             # a Ctrl-C that came in that window: the run went on.)
             handler = signal.signal(signal.SIGINT, lambda *_: held.append(True))
-            cmd = [sys.executable, os.path.abspath(__file__), *sys.argv[1:]]
+            cmd = [sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:]]   # this process's own command
             procs = [subprocess.Popen(cmd, env={**env, "RANK": str(a)}, start_new_session=True)
                      for a in range(1, args.actors + 1)]
             signal.signal(signal.SIGINT, handler)

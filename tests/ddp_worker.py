@@ -26,7 +26,8 @@ Environment:
 
 agent.py's episodes (task.episodes with a generator: training's, not the evaluation's) are played by a policy that
 writes a fixed plan (fixed_episode), the environment answering as it does; "episodes" records (prompts, group_size).
-async_grpo.py's actors are its own processes, sampling as they do; its learner (this process) records what they sent.
+async_grpo.py's actors are processes of this same command: they send the fixed completions with their policy's log-probs
+of them (the behaviour policy's, as the sampler's own); its learner (rank 0) records what they sent.
 
 The script name "orm" runs prm.py --train orm (its checkpoint is orm.pt); a --steps flag goes to expert_iteration.py
 as --rounds and is dropped for prm.py and orm (their --epochs, --batch_size and data size set the steps).
@@ -40,6 +41,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import plumbing  # noqa: E402
 import task  # noqa: E402
+from model import completion_logprobs  # noqa: E402
 from tasks import arithmetic, toolcalc  # noqa: E402
 
 WIDTH = arithmetic.MAX_NEW_TOKENS  # completions padded to a fixed width: the same tensors whatever the batch
@@ -70,20 +72,23 @@ def fixed_tokens(tokenizer, prompts, group_size, device):
 
 
 def fixed_rollout(policy, tokenizer, prompts, group_size, temperature, max_new_tokens=None, format_weight=0.0,
-                  generator=None):
-    """task.rollout's contract, with the fixed completions."""
+                  generator=None, return_logprobs=False):
+    """task.rollout's contract, with the fixed completions; return_logprobs: the policy's log-probs of them at the
+    temperature, 0 after each row's end, as the sampler returns its own (async_grpo.py's actors)."""
     record("rollout", prompts=list(prompts), group_size=group_size)
-    device = next(policy.parameters()).device
+    device, G = next(policy.parameters()).device, group_size
     prompt, prompt_mask = tokenizer.encode_batch(prompts, device)
-    tokens, mask, truncated = fixed_tokens(tokenizer, prompts, group_size, device)
+    prompt, prompt_mask = prompt.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0)
+    tokens, mask, truncated = fixed_tokens(tokenizer, prompts, G, device)
     completions = tokenizer.decode_completions(tokens, mask)
-    rewards = torch.tensor([task.reward(prompts[i // group_size], c, format_weight) for i, c in enumerate(completions)],
+    rewards = torch.tensor([task.reward(prompts[i // G], c, format_weight) for i, c in enumerate(completions)],
                            device=device)
-    correct = torch.tensor([task.reward(prompts[i // group_size], c) == 1.0 for i, c in enumerate(completions)],
-                           device=device)
-    G = group_size
-    return task.Rollout(prompt.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0), tokens, mask, truncated,
-                        rewards, correct)
+    correct = torch.tensor([task.reward(prompts[i // G], c) == 1.0 for i, c in enumerate(completions)], device=device)
+    batch = task.Rollout(prompt, prompt_mask, tokens, mask, truncated, rewards, correct)
+    if not return_logprobs:
+        return batch
+    logp = completion_logprobs(policy, prompt, prompt_mask, tokens, mask, temperature)      # (P*G, WIDTH)
+    return batch, torch.where(mask > 0, logp, 0.0)
 
 
 def fixed_complete(model, tokenizer, prompts, num_samples=1, temperature=0.0, max_new_tokens=None, batch_size=256,
@@ -268,9 +273,8 @@ if __name__ == "__main__":
         recording_randperm()
     if name == "trpo":
         trpo_init()
-    if name == "async_grpo":                        # its actors: `python async_grpo.py <flags>`, sampling as they do
+    if name == "async_grpo":                        # its actors run this command too: the fixed completions
         recording_unpack(script)
-        sys.argv = [script.__file__, *argv]
     if os.environ.get("DDP_WORKER_NAN_RANK") == os.environ.get("RANK", "0"):    # this rank's log-probs are NaN
         completion_logprobs = script.completion_logprobs
         script.completion_logprobs = lambda *a, **k: completion_logprobs(*a, **k) * float("nan")

@@ -385,12 +385,15 @@ def test_script_runs_gspo_cispo_and_dapo_options(tiny_sft, tmp_path):
 
 
 def test_dynamic_sampling_with_fewer_kept_rows_than_micro_batches(tiny_sft, tmp_path):
-    """One round of dynamic sampling keeps one group of 2 rows at step 1 (seed 0), split into 4 micro-batches: two of
-    them are empty, and still run (under torchrun every rank must run the same number of forward/backward passes)."""
+    """One round of dynamic sampling keeps one group of 2 rows at step 1, split into 4 micro-batches: two of them are
+    empty, and still run (under torchrun every rank must run the same number of forward/backward passes). The
+    completions are tests/ddp_worker.py's fixed ones (a function of the prompt and the sample's index), so which groups
+    are mixed does not depend on the policy or the torch build: seed 0's first four prompts hold one such group."""
     out = str(tmp_path)
-    p = run_script("grpo.py", ["--dynamic_sampling", "--max_sample_rounds", "1", "--grad_accum", "4",
-                               "--prompts_per_step", "4", "--group_size", "2", "--steps", "2", "--log_every", "1",
-                               "--eval_every", "100", "--eval_n", "8", "--seed", "0", "--init", tiny_sft, "--out", out])
+    p = run_script(os.path.join("tests", "ddp_worker.py"), [
+        "grpo", "--dynamic_sampling", "--max_sample_rounds", "1", "--grad_accum", "4", "--prompts_per_step", "4",
+        "--group_size", "2", "--steps", "2", "--log_every", "1", "--eval_every", "100", "--eval_n", "8", "--seed", "0",
+        "--init", tiny_sft, "--out", out])
     assert p.returncode == 0, p.stderr[-2000:]
     assert read_metrics(out)[1]["groups_kept"] == 1                  # 2 rows for 4 micro-batches
 

@@ -7,6 +7,7 @@ import sys
 import torch
 
 import task
+from conftest import TINY_SFT, run_script
 from model import Tokenizer, load_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,11 +65,13 @@ def test_sft_loss_is_completion_tokens_only():
     assert attn[1].sum() == len("1+1=1+1=2,2+0=2#2") + 1
 
 
-def test_sft_learns_the_task(tiny_sft):
-    """The session's small SFT run (conftest.tiny_sft): its loss falls from ln(258) = 5.55 nats (a uniform guess over
-    the byte vocabulary) to a few hundredths of it, and its held-out greedy accuracy leaves 0, which a flipped sign, a
-    shifted target or a loss over the prompt would prevent."""
-    rows = [json.loads(line) for line in open(os.path.join(os.path.dirname(tiny_sft), "sft", "metrics.jsonl"))]
+def test_sft_learns_the_task(tmp_path):
+    """The recipe of the tests' SFT policy (conftest.TINY_SFT): its loss falls from ln(258) = 5.55 nats (a uniform
+    guess over the byte vocabulary) to a few hundredths of it, and its held-out greedy accuracy leaves 0, which a
+    flipped sign, a shifted target or a loss over the prompt would prevent."""
+    p = run_script("sft.py", TINY_SFT + ["--out", str(tmp_path)])
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = [json.loads(line) for line in open(tmp_path / "sft" / "metrics.jsonl")]
     losses = [r["loss"] for r in rows if "loss" in r]
     assert rows[0]["eval_accuracy"] == 0.0 and 0 < losses[-1] < 0.3
     assert rows[-1]["eval_accuracy"] > 0.15 and rows[-1]["eval_accuracy_other"] > 0.3
