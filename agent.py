@@ -11,7 +11,7 @@ policy did not choose them, and a loss on them teaches it to predict the tool's 
 
 Episode i, o_i the tokens the policy sampled (the environment's are in the context, never in the sum), t in o_i:
     r_i = 1[final answer right] - c * calls_i                                     (c = --call_cost)
-    A_i = (r_i - mean(r_1..r_G)) / (s + eps),  s = std(r over the whole step)     (--scale_rewards batch, default)
+    A_i = (r_i - mean(r_1..r_G)) / (s + eps),  s = population std of the step's r  (--scale_rewards batch)
     L = 1/G sum_i 1/|o_i| sum_t [ -min(rho_it A_i, clip(rho_it, 1-eps, 1+eps) A_i) + beta KL_it ]
 --turns 2, self-correction (SCoRe, Kumar et al. 2024, arXiv 2409.12917): each attempt takes A from its own reward.
     stage I (the first --stage1_steps): r_2 = right_2 - c calls_2; attempt 1 no reward, its KL weight beta_2
@@ -20,10 +20,11 @@ Episode i, o_i the tokens the policy sampled (the environment's are in the conte
 Deviations and choices:
 - s is the step's std, not each group's (GRPO's): a group whose answers are all right, or all wrong, differs only by
   calls, and its own std would turn the 0.1 call cost into advantages of +-1 against the tool (TRL's
-  scale_rewards="batch"; Liu et al. 2025, arXiv 2508.08221). --scale_rewards group is GRPO's; none divides by 1.
-- Each attempt is trained on its own reward (one for both would pay attempt 1 for being wrong). The revision prompt
-  (toolcalc.revision: "\nrevise:" and the problem again) has no hint of whether the first answer was right.
-- The policy's EOS ends an attempt and is trained with it; the revision prompt follows (as in a chat template).
+  scale_rewards="batch", whose std is Bessel's). --scale_rewards group is GRPO's; none divides by 1.
+- Each attempt is trained on its own reward. The paper's gradient differs: attempt 1 precedes r_2, so REINFORCE
+  credits it with r_2 (stage I) or r_1 + r_2 (stage II); here it never earns credit for setting up a good revision.
+- Any stop id ends an attempt, trained with it as sampled; the revision prompt follows ("\nrevise:" and the problem
+  again, no hint of whether the first answer was right).
 - A malformed call (never closed, refused by the calculator, past --max_calls) costs a call, is answered "error".
 - mu passes over the whole batch; old log-probs scored once per batch (step 3); equal rewards in a group give A = 0.
 
@@ -180,8 +181,8 @@ def main(args):
     policy, tok = run.load_policy(args.init)        # the policy starts as the SFT policy ...
     ref = run.reference(args.init, policy)          # ... which stays frozen as the reference
     revision = len(tok.encode(toolcalc.REVISE)) + toolcalc.max_prompt_tokens(tok)   # REVISE and the problem again
-    longest = args.turns * args.max_new_tokens + (args.turns - 1) * (revision + 1)     # + the first attempt's EOS
-    run.check_lengths(policy, tok, longest)         # the longest episode after its prompt
+    run.check_lengths(policy, tok, args.max_new_tokens, turns=args.turns,           # the longest episode: each
+                      extra=(args.turns - 1) * (revision + 1))                       # attempt, REVISE, an EOS
     optimizer = torch.optim.AdamW(trainable(policy), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     run.resume(policy, optimizer)
     train_policy = run.ddp(policy)                  # DistributedDataParallel under torchrun, else the policy itself

@@ -215,7 +215,9 @@ def actor(args, rank):
     if device == "cuda" and torch.cuda.device_count() > 1:
         device = f"cuda:{rank % torch.cuda.device_count()}"
     dist.barrier()                                  # the learner has built or checked what --init names
-    policy, tok, _ = load_model(args.init, device, "gpt")
+    date = [None]
+    dist.broadcast_object_list(date, src=0)         # --chat: the day its template writes, the learner's
+    policy, tok, _ = load_model(args.init, device, "gpt", chat_date=date[0])
     # sample under the autocast the learner scores under (plumbing.Run.autocast: bfloat16 on a GPU), so that at lag 0
     # the importance weight measures staleness and the sampler's numerics only, not a precision gap as well
     sample_precision = autocast(device)
@@ -361,6 +363,7 @@ def learner(args, procs):
     optimizer = torch.optim.AdamW(trainable(policy), lr=args.lr, betas=(0.9, 0.99))
     run.resume(policy, optimizer)
     dist.barrier()                                  # the actors may load --init now
+    dist.broadcast_object_list([run.chat_date], src=0)
     P, G, K, temp = args.prompts_per_step, args.group_size, args.actors, args.temperature
     Tp, Tn = task.max_prompt_tokens(tok), args.max_new_tokens
     actors = Actors(args, chunk_size(args, Tp, Tn), procs, run)

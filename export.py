@@ -22,22 +22,22 @@ leaves nothing behind.
 """
 import argparse
 import json
+import math
 import os
 import shutil
+import signal
 import sys
 
 import torch
 from safetensors.torch import save_file
 
 from lora import add_adapters, base_model
-from model import (EOS, GPT, PAD, CheckpointError, GPTConfig, _read_json, bytes_to_unicode, from_pretrained,
-                   load_checkpoint, pretrained_config)
+from model import (EOS, GPT, PAD, TOKENIZER_FILES, CheckpointError, GPTConfig, bytes_to_unicode, from_pretrained,
+                   load_checkpoint, pretrained_config, read_json, tokenizer_files)
 
 MODEL_TYPES = ("gpt2", "llama", "qwen2", "qwen3")
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM"}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                   "added_tokens.json", "chat_template.jinja", "tokenizer.model")
 PEFT_NAMES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
               "down": "down_proj"}                                   # Llama, Qwen2, Qwen3
 GPT2_PEFT_NAMES = {"qkv": "attn.c_attn", "o": "attn.c_proj", "up": "mlp.c_fc", "down": "mlp.c_proj"}
@@ -234,8 +234,8 @@ def parse_size(text):
                 value = float(text[:-len(unit)])
             except ValueError:
                 break
-            if value > 0:
-                return int(value * scale)
+            if math.isfinite(value * scale) and value > 0:
+                return max(1, int(value * scale))
             break
     raise argparse.ArgumentTypeError(f"{text!r} is not a size (allowed: a positive number and a unit: 500MB, 5GB)")
 
@@ -243,6 +243,8 @@ def parse_size(text):
 def plan(args):
     """Everything checked before a file is written: (ckpt, model, model_type, source folder or None, its config.json
     as a dict, dtype name)."""
+    if os.path.islink(args.out):
+        raise SystemExit(f"error: {args.out} is a symbolic link; allowed: a new or empty folder")
     if os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
         raise SystemExit(f"error: {args.out} exists and is not an empty folder; allowed: a new or empty folder")
     try:
@@ -263,7 +265,9 @@ def plan(args):
     if source is None and name != "bytes":
         raise SystemExit(f"error: {args.checkpoint} uses tiktoken's {name!r} encoding, which has no tokenizer.json "
                          f"here; allowed: checkpoints trained from a Hugging Face folder or the byte tokenizer")
-    source_config = _read_json(os.path.join(source, "config.json")) if source else {}
+    if source:
+        check_tokenizer(ckpt, source, args.checkpoint)
+    source_config = read_json(os.path.join(source, "config.json"), dict) if source else {}
     if source and args.model_type and args.model_type != source_config.get("model_type"):
         raise SystemExit(f"error: --model_type {args.model_type}: {args.checkpoint} was trained from {source}, a "
                          f"{source_config.get('model_type')} model; allowed: its own")
@@ -281,10 +285,51 @@ def plan(args):
                          f"{source or 'a Hugging Face folder'}'s (trained before the adapters, e.g. an sft.pt); a "
                          f"PEFT folder names its base model: export merged (without --peft)")
     dtype = args.dtype
-    if dtype == "auto":
+    if dtype == "auto" and args.peft:
+        dtype = "float32"                                              # as PEFT saves adapters trained in float32
+    elif dtype == "auto":
         dtype = source_config.get("torch_dtype") or source_config.get("dtype") or "float32"
         dtype = dtype if dtype in DTYPES else "float32"
     return ckpt, model, model_type, source, source_config, dtype
+
+
+def check_tokenizer(ckpt, source, checkpoint):
+    """The source folder's tokenizer files are those the checkpoint was trained with (the sha256 it keeps), or one
+    line; an older checkpoint, which keeps none, needs at least the folder's tokenizer.json."""
+    saved, now = ckpt.get("tokenizer_files"), tokenizer_files(source)
+    if saved is None and "tokenizer.json" not in now:
+        raise SystemExit(f"error: {checkpoint} was trained with the tokenizer of {source}, which has no "
+                         f"tokenizer.json now; restore the folder as it was")
+    if saved is not None and saved != now:
+        differ = sorted(k for k in {*saved, *now} if saved.get(k) != now.get(k))
+        raise SystemExit(f"error: {checkpoint} was trained with the tokenizer of {source}, whose "
+                         f"{', '.join(differ)} changed since (edited, added or removed); the export would not encode "
+                         f"text as the model was trained to: restore the folder as it was")
+
+
+def cast(tensors, dtype):
+    """{name: tensor in dtype}, or one line naming a tensor whose values do not fit it (float16: |x| <= 65504)."""
+    out = {}
+    for name, t in tensors.items():
+        out[name] = t.to(DTYPES[dtype])
+        if not torch.isfinite(out[name]).all() and torch.isfinite(t).all():
+            raise SystemExit(f"error: tensor {name} does not fit {dtype} (its largest value is "
+                             f"{t.abs().max().item():.3g}); allowed: --dtype float32 or bfloat16")
+    return out
+
+
+def leftovers(out):
+    """Remove the temporary folders of exports to `out` that were killed (their process is gone)."""
+    parent, stem = os.path.dirname(out) or ".", os.path.basename(out) + ".tmp"
+    for name in os.listdir(parent):
+        pid = name[len(stem):]
+        if name.startswith(stem) and pid.isdigit() and int(pid) != os.getpid():
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+            except PermissionError:
+                pass
 
 
 def base_is_source(ckpt, source):
@@ -302,19 +347,20 @@ def export(args):
         ckpt, model, model_type, source, source_config, dtype = plan(args)
     except CheckpointError as e:                                      # a source folder that no longer reads
         raise SystemExit(f"error: {e}") from None
+    tensors = (peft_tensors(ckpt["model"], model.config, model_type) if args.peft
+               else hf_tensors(model.state_dict(), model.config, model_type))
+    weights = cast(tensors, dtype)
     out = os.path.abspath(args.out)
     tmp = f"{out}.tmp{os.getpid()}"
-    os.makedirs(tmp)
     try:
+        leftovers(out)
+        os.makedirs(tmp)
         if args.peft:
-            tensors = peft_tensors(ckpt["model"], model.config, model_type)
-            save_file({k: v.to(DTYPES[dtype]).contiguous() for k, v in tensors.items()},
-                      os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
+            save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(tmp, "adapter_model.safetensors"),
+                      metadata={"format": "pt"})
             write_json(tmp, "adapter_config.json", peft_config(ckpt["lora"], model_type, source or ""))
         else:
-            tensors = hf_tensors(model.state_dict(), model.config, model_type)
-            write_weights(tmp, {k: v.to(DTYPES[dtype]) for k, v in tensors.items()}, args.max_shard_size,
-                          metadata={"format": "pt"})
+            write_weights(tmp, weights, args.max_shard_size, metadata={"format": "pt"})
             if source:
                 config = dict(source_config)
                 config.pop("torch_dtype", None)
@@ -331,10 +377,17 @@ def export(args):
             write_json(tmp, "tokenizer.json", tokenizer)
             write_json(tmp, "tokenizer_config.json", config)
             write_json(tmp, "generation_config.json", {"bos_token_id": 256, "eos_token_id": 256, "pad_token_id": 257})
+        umask = os.umask(0)
+        os.umask(umask)
+        for name in os.listdir(tmp):                                  # readable as every file a user writes is
+            os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
         if os.path.isdir(out):
             os.rmdir(out)                                             # empty: checked
         os.replace(tmp, out)
-    except BaseException:
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise SystemExit(f"error: cannot write {args.out} ({e.strerror or e})") from None
+    except BaseException:                                             # Ctrl-C, SIGTERM: nothing left behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     what = "LoRA adapters (PEFT)" if args.peft else f"{model_type} weights in {dtype}"
@@ -358,7 +411,12 @@ def main(argv=None):
                    help="the Hugging Face family; default: the --init folder's, or the one the architecture fits")
     p.add_argument("--max_shard_size", type=parse_size, default="5GB",
                    help="largest weight file; more weights go to numbered shards with an index (default 5GB)")
-    export(p.parse_args(argv))
+    args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))          # as Ctrl-C: the temporary folder is removed
+    try:
+        export(args)
+    except KeyboardInterrupt:
+        raise SystemExit("export.py: interrupted; nothing was written") from None
 
 
 if __name__ == "__main__":

@@ -10,9 +10,9 @@ checkpoint holds weights and adapters; loaded as a model it is merged (`merge`: 
 
 Choices as PEFT (the field's library) makes them, so that an exported adapter loads there: A initialised as
 nn.Linear's weight (Kaiming-uniform; the paper: Gaussian), B zeros; no dropout, no biases, scale alpha / r. Targets
-are Hugging Face's names: q, k, v, o, gate, up, down (Llama, Qwen2, Qwen3); qkv (GPT-2's fused c_attn), o, up, down
-(GPT-2, this project's GPT). model.py fuses q, k, v into c_attn (gate, up into c_fc): each part gets its own A and
-B, as separate q_proj, k_proj, v_proj would. Embeddings, norms and the LM head stay frozen.
+are Hugging Face's names of the projections a model has: q, k, v (rotary) or qkv (GPT-2's fused c_attn), o, gate
+(gated MLPs), up, down. model.py fuses q, k, v into c_attn (gate, up into c_fc): each part gets its own A and B, as
+separate q_proj, k_proj, v_proj would. Embeddings, norms and the LM head stay frozen.
 
     python grpo.py --init path/to/Qwen2.5-0.5B-Instruct --lora_rank 16 --lora_alpha 32   # every training script
 """
@@ -21,10 +21,6 @@ import math
 
 import torch
 import torch.nn as nn
-
-ROPE_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")       # Llama, Qwen2, Qwen3: model.config.pos == "rope"
-LEARNED_TARGETS = ("qkv", "o", "up", "down")                     # GPT-2 and this project's GPT
-
 
 class LoRALinear(nn.Module):
     """A frozen nn.Linear `base` whose output, split into parts of widths `sizes` (a fused projection: q | k | v),
@@ -65,7 +61,7 @@ class LoRALinear(nn.Module):
 
 
 def projections(model):
-    """{target name: [(parent module, attribute, part names, part widths)]} of a model.GPT: where each target lives."""
+    """{target name: [(parent module, attribute, part names, part widths)]}: a model.GPT's projections."""
     c, out = model.config, {}
     hs, kv = c.head_size, c.kv_heads
     for block in model.blocks:
@@ -88,9 +84,8 @@ def projections(model):
     return out
 
 
-def check_targets(targets, pos):
-    """The target names a model of position kind `pos` has, or ValueError naming the first it does not."""
-    allowed = ROPE_TARGETS if pos == "rope" else LEARNED_TARGETS
+def check_targets(targets, allowed):
+    """`targets` without repeats, or ValueError naming the first not `allowed`, or the list empty."""
     targets = list(dict.fromkeys(targets))
     for t in targets:
         if t not in allowed:
@@ -102,10 +97,9 @@ def check_targets(targets, pos):
 
 def add_adapters(model, rank, alpha, targets=None):
     """Freeze every weight of `model` (a model.GPT) and put adapters of rank `rank` on the projections `targets`
-    (default: all of them). Returns the model. ValueError for a target it lacks or a rank outside 1..min(in, out)."""
-    c = model.config
-    targets = check_targets(targets or (ROPE_TARGETS if c.pos == "rope" else LEARNED_TARGETS), c.pos)
+    (None: every one it has). Returns the model; ValueError for a target it lacks or a rank outside 1..min(in, out)."""
     sites = projections(model)
+    targets = check_targets(list(sites) if targets is None else targets, tuple(sites))
     widths = [min(getattr(parent, attr).in_features, size)
               for t in targets for parent, attr, names, sizes in sites[t] for n, size in zip(names, sizes) if n == t]
     if not 1 <= rank <= min(widths):
@@ -145,8 +139,7 @@ def base_model(model):
 
 @torch.no_grad()
 def merge(model):
-    """A copy of `model` without adapters whose projections hold W + (alpha / r) B A (in W's dtype), every weight
-    trainable again: what a LoRA checkpoint is as a model, and what export writes by default."""
+    """A copy of `model` without adapters, W + (alpha / r) B A in W's dtype, every weight trainable: a LoRA model."""
     merged = copy.deepcopy(base_model(model))                               # its own tensors now
     layers = dict(merged.named_modules())                                   # a LoRALinear's name is its base's there
     for name, m in model.named_modules():

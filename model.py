@@ -32,6 +32,7 @@ Design choices (each one a deliberate simplification, stated so you can change i
 Shapes: B batch, T time, C channels, V vocabulary (the support), nh heads, nkv key/value heads, hs head size.
 """
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -61,12 +62,17 @@ class Tokenizer:
 
     def __init__(self, name="bytes"):
         self.normalise, self.bos_prefix, self.template, self.chat = None, [], None, None
+        self.files = None                           # a folder's tokenizer files: {name: sha256} (tokenizer_files)
         if name.startswith("hf:"):                  # a Hugging Face folder's tokenizer.json (from_pretrained)
             folder = name[3:]
             ranks, pat_str, special, self.normalise, self.bos_prefix, marked = pretrained_tokenizer_parts(folder)
             self.name, self.eos_id, self.pad_id = name, *pretrained_eos_pad(folder, special)
-            self.enc = tiktoken.Encoding(name=os.path.basename(os.path.abspath(folder)), pat_str=pat_str,
-                                         mergeable_ranks=ranks, special_tokens=special)
+            try:
+                self.enc = tiktoken.Encoding(name=os.path.basename(os.path.abspath(folder)), pat_str=pat_str,
+                                             mergeable_ranks=ranks, special_tokens=special)
+            except Exception as e:                                  # e.g. a split pattern that does not compile
+                raise CheckpointError(f"{folder}: tokenizer.json cannot be read as a tokenizer ({type(e).__name__}: "
+                                      f"{' '.join(str(e).split())[:200]})") from None
             self.vocab_size = self.enc.n_vocab
             self.stop_ids = pretrained_stop_ids(folder, self.eos_id)
             for i in self.stop_ids:
@@ -74,6 +80,7 @@ class Tokenizer:
                     raise CheckpointError(f"{folder}: eos_token_id {i} is not an id of its tokenizer "
                                           f"(0 to {self.vocab_size - 1})")
             self.template = pretrained_chat_template(folder, special, marked)   # (source, added, special, variables)
+            self.files = tokenizer_files(folder)
             return
         if name == "bytes":
             ranks = {bytes([i]): i for i in range(256)}  # no merges: one token per byte
@@ -123,24 +130,32 @@ class Tokenizer:
             return self.chat.encode([{"role": "user", "content": text}], self.encode_special, self.encode)
         return self.bos_prefix + self.encode(text)
 
-    def use_chat(self):
+    def use_chat(self, date=None):
         """--chat: every prompt from now on through the folder's chat template (chat.py); the end of an assistant turn
-        the template writes (<|im_end|>, <|eot_id|>) becomes eos_id, appended to demonstrations, and a stop id."""
+        the template writes (<|im_end|>, <|eot_id|>) becomes eos_id, appended to demonstrations, and a stop id.
+        date: the day strftime_now writes (an ISO date; None: today), fixed for a run and kept in its checkpoint."""
         if self.template is None:
             raise CheckpointError(f"--chat: tokenizer {self.name.removeprefix('hf:')!r} has no chat template (a "
                                   f"Hugging Face folder's chat_template.jinja or tokenizer_config.json "
                                   f"chat_template); run without --chat")
         from chat import ChatTemplate, ChatTemplateError
         try:
-            self.chat = ChatTemplate(*self.template)
+            self.chat = ChatTemplate(*self.template, date=date)
+            self.chat.check()                                       # a template that fails fails now, in one line
             end = self.chat.end_of_turn()
-            self.encode_prompt("")                                  # a template that fails fails now, in one line
+            self.encode_prompt("")
         except ChatTemplateError as e:
+            self.chat = None
             raise CheckpointError(f"--chat: {self.name.removeprefix('hf:')}: {e}") from None
         if end is not None:
             self.eos_id = self.template[1][end]
             self.stop_ids = (self.eos_id, *[i for i in self.stop_ids if i != self.eos_id])
         return self
+
+    @property
+    def added_ids(self):
+        """The ids of the added tokens (<|endoftext|>, <|pad|>; a folder's <|im_start|>, <tool_call>, ...)."""
+        return frozenset(self.enc._special_tokens.values())
 
     def decode(self, ids):
         """Ids to text. An id this tokenizer does not have (an embedding row past its vocabulary, a negative id) reads
@@ -752,6 +767,9 @@ def load_checkpoint(path, device="cpu", kind=None, tokenizer=None):
     its run loads ckpt["model"] into the adapted policy instead."""
     if not os.path.exists(path):
         raise CheckpointError(f"no checkpoint at {path}")
+    if os.path.isdir(path) and is_pretrained_folder(path):
+        raise CheckpointError(f"{path} is a Hugging Face model folder; a checkpoint a training script of this project "
+                              f"wrote (a .pt file) is needed here")
     if os.path.isdir(path):
         raise CheckpointError(f"{path} is a folder without config.json: neither one of this project's checkpoints "
                               f"(a .pt file) nor a Hugging Face model folder")
@@ -805,12 +823,28 @@ def is_pretrained_folder(path):
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
 
 
-def _read_json(path):
+MAX_JSON_BYTES = 256 * 2 ** 20     # the largest JSON file of a folder read (tokenizer.json: about 10 MB)
+MAX_TEMPLATE_BYTES = 2 ** 20       # the longest chat template read (Llama 3.x's: 5 KB)
+
+
+def read_json(path, kind=None):
+    """The JSON in `path`, or one error line: unreadable, larger than MAX_JSON_BYTES, nested too deeply, or (kind)
+    not of that type."""
     try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e})") from None
+        if os.path.getsize(path) > MAX_JSON_BYTES:
+            raise CheckpointError(f"{path} is larger than {MAX_JSON_BYTES >> 20} MB; it is not read")
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError, RecursionError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else f"{type(e).__name__}: {e}"
+        raise CheckpointError(f"{path} cannot be read ({why})") from None
+    if kind is not None and not isinstance(data, kind):
+        raise CheckpointError(f"{path} is not a JSON {'object' if kind is dict else kind.__name__}")
+    return data
+
+
+def _finite_positive(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
 
 
 def pretrained_config(folder):
@@ -820,8 +854,9 @@ def pretrained_config(folder):
     config = _pretrained_config(folder)
     path = os.path.join(folder, "tokenizer.json")
     if os.path.isfile(path):
-        data = _read_json(path)
-        vocab = (data.get("model") or {}).get("vocab") or {}
+        data = read_json(path, dict)
+        model = data.get("model") if isinstance(data.get("model"), dict) else {}
+        vocab = model.get("vocab") if isinstance(model.get("vocab"), dict) else {}
         added = [t.get("id") for t in data.get("added_tokens") or [] if isinstance(t, dict)]
         n = max((i + 1 for i in [*vocab.values(), *added] if isinstance(i, int)), default=0)
         if 0 < n < config.vocab_size:
@@ -831,18 +866,23 @@ def pretrained_config(folder):
 
 def _pretrained_config(folder):
     path = os.path.join(folder, "config.json")
-    c = _read_json(path)
-    if not isinstance(c, dict):
-        raise CheckpointError(f"{path} is not a JSON object")
+    c = read_json(path, dict)
 
     def num(key, default=None, kind=int):
-        """config.json's `key`: a positive integer (kind float: a positive number), or one error line naming it."""
+        """config.json's `key`: a positive integer (kind float: a positive finite number), or one error line."""
         v = c.get(key, default)
         if v is None:
             raise CheckpointError(f"{path} has no {key}")
-        if isinstance(v, bool) or not isinstance(v, (int, float) if kind is float else int) or not v > 0:
+        if not _finite_positive(v) or (kind is int and not isinstance(v, int)):
             raise CheckpointError(f"{path}: {key} = {v!r}; it must be a positive "
-                                  f"{'integer' if kind is int else 'number'}")
+                                  f"{'integer' if kind is int else 'finite number'}")
+        return v
+
+    def flag(key, default):
+        """config.json's `key`: true or false (a string "false" is not false), or one error line."""
+        v = c.get(key, default)
+        if not isinstance(v, bool):
+            raise CheckpointError(f"{path}: {key} = {v!r}; it must be true or false")
         return v
 
     kind = c.get("model_type")
@@ -853,7 +893,7 @@ def _pretrained_config(folder):
                       n_head=num("n_head"), n_embd=num("n_embd"), norm_eps=num("layer_norm_epsilon", 1e-5, float),
                       gelu="none" if c.get("activation_function") == "gelu" else "tanh",
                       mlp_hidden=num("n_inner") if c.get("n_inner") else 0,
-                      tie_embeddings=bool(c.get("tie_word_embeddings", True)))
+                      tie_embeddings=flag("tie_word_embeddings", True))
     elif kind in ("llama", "qwen2", "qwen3"):
         heads, width = num("num_attention_heads"), num("hidden_size")
         unsupported = {"hidden_act": c.get("hidden_act", "silu"), "use_sliding_window": c.get("use_sliding_window",
@@ -864,15 +904,15 @@ def _pretrained_config(folder):
                 raise CheckpointError(f"{folder}: config.json {key} = {value!r} is not supported (only "
                                       f"{allowed[key]!r})")
         head_dim = num("head_dim", width // heads) if c.get("head_dim") is not None else 0
-        attn_bias = True if kind == "qwen2" else bool(c.get("attention_bias", False))   # Qwen2: q, k, v biases
+        attn_bias = True if kind == "qwen2" else flag("attention_bias", False)   # Qwen2: q, k, v biases
         config = dict(vocab_size=num("vocab_size"), block_size=num("max_position_embeddings"),
                       n_layer=num("num_hidden_layers"), n_head=heads, n_embd=width,
                       n_kv_head=num("num_key_value_heads", heads), norm="rmsnorm",
                       norm_eps=num("rms_norm_eps", kind=float), pos="rope",
-                      mlp="swiglu", mlp_hidden=num("intermediate_size"), bias=bool(c.get("mlp_bias", False)),
+                      mlp="swiglu", mlp_hidden=num("intermediate_size"), bias=flag("mlp_bias", False),
                       qkv_bias=attn_bias, o_bias=attn_bias and kind != "qwen2",   # attention_bias covers o_proj
                       head_dim=0 if head_dim == width // heads else head_dim, qk_norm=kind == "qwen3",
-                      tie_embeddings=bool(c.get("tie_word_embeddings", False)), **_rope_config(c, path))
+                      tie_embeddings=flag("tie_word_embeddings", False), **_rope_config(c, path))
     else:
         raise CheckpointError(f"{folder}: model_type {kind!r} is not supported; allowed: gpt2, llama, qwen2, qwen3")
     try:
@@ -890,8 +930,8 @@ def _rope_config(c, path):
     scaling = scaling if isinstance(scaling, dict) else {"rope_type": scaling}
     kind = scaling.get("rope_type", scaling.get("type", "default")) or "default"
     theta = c.get("rope_theta") or rope.get("rope_theta") or 10000.0
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
-        raise CheckpointError(f"{path}: rope_theta = {theta!r}; it must be a positive number")
+    if not _finite_positive(theta):
+        raise CheckpointError(f"{path}: rope_theta = {theta!r}; it must be a positive finite number")
     if kind == "default":
         return {"rope_theta": float(theta)}
     if kind != "llama3":
@@ -901,8 +941,9 @@ def _rope_config(c, path):
     out = {"rope_theta": float(theta), "rope_scaling": "llama3"}
     for theirs, ours in keys.items():
         v = scaling.get(theirs)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-            raise CheckpointError(f"{path}: llama3 rope scaling {theirs} = {v!r}; it must be a positive number")
+        if not _finite_positive(v):
+            raise CheckpointError(f"{path}: llama3 rope scaling {theirs} = {v!r}; it must be a positive finite "
+                                  f"number")
         out[ours] = int(v) if ours == "rope_original_max" else float(v)
     return out
 
@@ -913,10 +954,10 @@ def _read_safetensors(folder):
     index = os.path.join(folder, "model.safetensors.index.json")
     files = ["model.safetensors"]
     if os.path.isfile(index):
-        shards = _read_json(index)
-        shards = shards.get("weight_map") if isinstance(shards, dict) else None
-        if not isinstance(shards, dict) or not all(isinstance(f, str) for f in shards.values()):
-            raise CheckpointError(f"{index}: no weight_map of tensor names to shard files")
+        shards = read_json(index, dict).get("weight_map")
+        if not isinstance(shards, dict) or not all(isinstance(f, str) and f == os.path.basename(f) and
+                                                   f.endswith(".safetensors") for f in shards.values()):
+            raise CheckpointError(f"{index}: no weight_map of tensor names to .safetensors files in the folder")
         files = sorted(set(shards.values()))
     tensors = {}
     for name in files:
@@ -930,7 +971,7 @@ def _read_safetensors(folder):
     return tensors
 
 
-def _our_names(hf, config):
+def _our_names(hf, config, folder):
     """Hugging Face tensors -> {our parameter name: tensor}, and the names of theirs it used. GPT-2's Conv1D weights
     are stored (in, out) and are transposed; Llama's q, k, v (and gate, up) projections are concatenated into our
     c_attn (and c_fc)."""
@@ -938,7 +979,7 @@ def _our_names(hf, config):
 
     def take(name):
         if name not in hf:
-            raise CheckpointError(f"tensor {name} is missing from the checkpoint")
+            raise CheckpointError(f"{folder}: tensor {name} is missing from its safetensors weights")
         used.add(name)
         return hf[name]
 
@@ -978,7 +1019,8 @@ def _our_names(hf, config):
         ours["ln_f.weight"] = take("model.norm.weight")
     if config.tie_embeddings:
         if "lm_head.weight" in hf and not torch.equal(hf["lm_head.weight"], ours["wte.weight"]):
-            raise CheckpointError("tensor lm_head.weight differs from the token embedding, but the config ties them")
+            raise CheckpointError(f"{folder}: tensor lm_head.weight differs from the token embedding, but config.json "
+                                  f"ties them (tie_word_embeddings)")
         used.add("lm_head.weight")
     else:
         ours["lm_head.weight"] = take("lm_head.weight")
@@ -991,21 +1033,24 @@ def from_pretrained(folder, dtype=torch.float32):
     tensor is one error line naming it."""
     config = pretrained_config(folder)
     hf = _read_safetensors(folder)
-    ours, used = _our_names(hf, config)
+    ours, used = _our_names(hf, config, folder)
     unused = sorted(set(hf) - used - {"transformer." + k for k in used})
     if unused:
         raise CheckpointError(f"{folder}: tensor {unused[0]} is not used by a {config.pos}-position model "
                               f"({len(unused)} unused)")
-    model = GPT(config)
-    expected = model.state_dict()
+    with torch.device("meta"):                                         # the shapes, before any memory is taken
+        expected = GPT(config).state_dict()
     for name, tensor in ours.items():
         if tuple(tensor.shape) != tuple(expected[name].shape):
             raise CheckpointError(f"{folder}: tensor for {name} has shape {tuple(tensor.shape)}; the config needs "
                                   f"{tuple(expected[name].shape)}")
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise CheckpointError(f"{folder}: tensor for {name} holds NaN or infinite values")
     dtype = dtype or next(iter(hf.values())).dtype
     missing = [n for n in expected if n not in ours and not (n == "lm_head.weight" and config.tie_embeddings)]
     if missing:
         raise CheckpointError(f"{folder}: no tensor for {missing[0]}")
+    model = GPT(config)
     model.load_state_dict({**ours, **({"lm_head.weight": ours["wte.weight"]} if config.tie_embeddings else {})})
     return model.to(dtype).eval()
 
@@ -1026,8 +1071,8 @@ def pretrained_tokenizer_parts(folder):
     special) of a folder's byte-level BPE tokenizer.json. The BOS prefix: the special tokens its post-processor's
     TemplateProcessing puts before a single text (Llama 3: <|begin_of_text|>)."""
     path = os.path.join(folder, "tokenizer.json")
-    data = _read_json(path)
-    model = (data.get("model") if isinstance(data, dict) else None) or {}
+    data = read_json(path, dict)
+    model = data.get("model") or {}
     if not isinstance(model, dict) or model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
         raise CheckpointError(f"{path}: model type {model.get('type') if isinstance(model, dict) else model!r}, or "
                               f"no vocab; only a byte-level BPE tokenizer is read")
@@ -1037,14 +1082,22 @@ def pretrained_tokenizer_parts(folder):
             isinstance(t, dict) and isinstance(t.get("content"), str) for t in added):
         raise CheckpointError(f"{path}: a token id that is not a non-negative integer, or an added token without "
                               f"its content")
+    if len(set(model["vocab"].values())) < len(model["vocab"]) or len({t["id"] for t in added}) < len(added):
+        raise CheckpointError(f"{path}: two tokens share an id")
     to_byte = {ch: b for b, ch in bytes_to_unicode().items()}
     try:
         ranks = {bytes(to_byte[ch] for ch in token): i for token, i in model["vocab"].items()}
     except KeyError:
         raise CheckpointError(f"{folder}: tokenizer.json is not byte-level (a vocabulary entry outside GPT-2's "
                               f"byte alphabet)") from None
+    lacking = [b for b in range(256) if bytes([b]) not in ranks]
+    if lacking:                                                        # text holding that byte could not be encoded
+        raise CheckpointError(f"{path}: the byte-level vocabulary lacks the token of byte {lacking[0]} "
+                              f"({len(lacking)} of 256 missing)")
     pre = data.get("pre_tokenizer") or {}
-    steps = pre.get("pretokenizers", [pre])
+    steps = pre.get("pretokenizers", [pre]) if isinstance(pre, dict) else None
+    if not isinstance(steps, list) or not all(isinstance(x, dict) for x in steps):
+        raise CheckpointError(f"{path}: pre_tokenizer is not an object (or a Sequence of objects)")
     splits = [s["pattern"]["Regex"] for s in steps if s.get("type") == "Split" and "Regex" in s.get("pattern", {})]
     if splits:
         pattern = splits[0]
@@ -1052,11 +1105,14 @@ def pretrained_tokenizer_parts(folder):
         pattern = GPT2_SPLIT
     else:
         raise CheckpointError(f"{folder}: tokenizer.json pre-tokenizer {pre.get('type')!r} is not supported")
-    normaliser = (data.get("normalizer") or {}).get("type")
+    normaliser = data.get("normalizer") or {}
+    normaliser = normaliser.get("type") if isinstance(normaliser, dict) else normaliser
     if normaliser not in (None, "NFC"):
         raise CheckpointError(f"{folder}: tokenizer.json normalizer {normaliser!r} is not supported (none or NFC)")
     special = {t["content"]: t["id"] for t in added}
     post = data.get("post_processor") or {}
+    if not isinstance(post, dict):
+        raise CheckpointError(f"{path}: post_processor is not an object")
     steps = [p for p in (post.get("processors") or [post]) if isinstance(p, dict)]
     template = next((p for p in steps if p.get("type") == "TemplateProcessing"), {})
     prefix = []
@@ -1071,13 +1127,32 @@ def pretrained_tokenizer_parts(folder):
     return ranks, pattern, special, normaliser, prefix, {t["content"] for t in added if t.get("special")}
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "added_tokens.json", "chat_template.jinja", "tokenizer.model", "generation_config.json")
+
+
+def tokenizer_files(folder):
+    """{name: sha256} of the folder's files that decide how text becomes ids and where a completion stops: a
+    checkpoint keeps them, and loading it or exporting it checks that the folder still holds the same."""
+    out = {}
+    for name in TOKENIZER_FILES:
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            try:
+                with open(path, "rb") as f:
+                    out[name] = hashlib.sha256(f.read()).hexdigest()
+            except OSError as e:
+                raise CheckpointError(f"{path} cannot be read ({e.strerror})") from None
+    return out
+
+
 def pretrained_stop_ids(folder, eos):
     """Every id that ends a completion, `eos` first: generation_config.json's and config.json's eos_token_id, each an
     id or a list (Qwen2.5-Instruct: <|im_end|> and <|endoftext|>; Llama 3.x Instruct: three)."""
     ids = [eos]
     for name in ("generation_config.json", "config.json"):
         path = os.path.join(folder, name)
-        data = _read_json(path) if os.path.isfile(path) else {}
+        data = read_json(path) if os.path.isfile(path) else {}
         value = data.get("eos_token_id") if isinstance(data, dict) else None
         for i in value if isinstance(value, list) else [value]:
             if isinstance(i, int) and not isinstance(i, bool) and i not in ids:
@@ -1090,18 +1165,21 @@ def pretrained_chat_template(folder, special, marked):
     chat_template.jinja, else tokenizer_config.json's chat_template (a string, or a list of named templates: the
     "default" one); variables are the special-token strings the template may read (bos_token, eos_token, ...)."""
     path = os.path.join(folder, "tokenizer_config.json")
-    config = _read_json(path) if os.path.isfile(path) else {}
-    config = config if isinstance(config, dict) else {}
+    config = read_json(path, dict) if os.path.isfile(path) else {}
     source = config.get("chat_template")
     if isinstance(source, list):
         source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
     jinja = os.path.join(folder, "chat_template.jinja")
     if os.path.isfile(jinja):
         try:
+            if os.path.getsize(jinja) > MAX_TEMPLATE_BYTES:
+                raise CheckpointError(f"{jinja} is larger than {MAX_TEMPLATE_BYTES >> 20} MB; it is not read")
             with open(jinja, encoding="utf-8") as f:
                 source = f.read()
         except (OSError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{jinja} cannot be read ({type(e).__name__}: {e})") from None
+    if isinstance(source, str) and len(source) > MAX_TEMPLATE_BYTES:
+        raise CheckpointError(f"{path}: chat_template is longer than {MAX_TEMPLATE_BYTES >> 20} MB")
     if not isinstance(source, str):
         return None
     content = lambda t: t.get("content") if isinstance(t, dict) else t
@@ -1118,12 +1196,11 @@ def pretrained_eos_pad(folder, special):
     for name in ("generation_config.json", "config.json"):
         path = os.path.join(folder, name)
         if eos is None and os.path.isfile(path):
-            data = _read_json(path)
+            data = read_json(path)
             eos = data.get("eos_token_id") if isinstance(data, dict) else None
     eos = eos[0] if isinstance(eos, list) and eos else eos
     path = os.path.join(folder, "tokenizer_config.json")
-    tokens = _read_json(path) if os.path.isfile(path) else {}
-    tokens = tokens if isinstance(tokens, dict) else {}
+    tokens = read_json(path, dict) if os.path.isfile(path) else {}
     content = lambda t: t.get("content") if isinstance(t, dict) else t
     if eos is None:
         eos = special.get(content(tokens.get("eos_token")))

@@ -26,10 +26,12 @@ What it holds:
 import argparse
 import atexit
 import contextlib
+import datetime
 import json
 import math
 import os
 import random
+import shlex
 import signal
 import socket
 import subprocess
@@ -101,10 +103,17 @@ class _Parser(argparse.ArgumentParser):
         return parsed
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each default, except None: a flag without a value says in its help what happens then."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def parser(doc):
     """An ArgumentParser whose description is the script docstring's first paragraph; its parse_args also checks
     the task flags and fills in the defaults that depend on the task (task.check_args)."""
-    return _Parser(description=doc.strip().split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    return _Parser(description=doc.strip().split("\n\n")[0], formatter_class=_Help)
 
 
 def add_run_flags(parser, script, log_every, eval_every):
@@ -134,8 +143,9 @@ def add_run_flags(parser, script, log_every, eval_every):
         group.add_argument("--lora_alpha", type=Float(gt=0), default=32.0,
                            help="LoRA's alpha: the adapters' output is scaled by alpha / rank")
         group.add_argument("--lora_targets", type=lambda s: [t.strip() for t in s.split(",") if t.strip()],
-                           default=None, help="comma-separated projections to adapt: q,k,v,o,gate,up,down (Llama, "
-                                              "Qwen) or qkv,o,up,down (GPT-2, this project's GPT); default: all")
+                           default=None, help="comma-separated projections to adapt, of those the model has: "
+                                              "q,k,v,o,gate,up,down (Llama, Qwen), qkv,o,up,down (GPT-2, this "
+                                              "project's GPT), q,k,v,o,up,down (sft.py --pos rope); default: all")
     add_task_flags(parser)
     return group
 
@@ -207,15 +217,14 @@ TORCHRUN_VARIABLES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "G
 
 
 def build_missing(path, default, command, device=None):
-    """If `path` is missing and is the flag's `default`, build it by running `command` (a script and its flags)
-    with --out set to the folder of `path`, so it is written exactly where it is then loaded from, whatever the
-    working directory. A missing path that is not the default is an error naming the script that makes it."""
+    """If `path` is missing and is the flag's `default`, build it by running `command` (a script and its flags, in
+    this working directory) with --out set to the folder of `path`, so it is written exactly where it is then loaded
+    from. A missing path that is not the default is an error naming the script that makes it."""
     if os.path.exists(path):
         return
     if os.path.abspath(path) != os.path.abspath(default):
         raise SystemExit(f"error: no checkpoint at {path}; train one with `python {command[0]}` or pass another path")
-    cmd = [sys.executable, os.path.join(ROOT, command[0]), *command[1:], "--out",
-           os.path.dirname(os.path.abspath(path))]
+    cmd = [sys.executable, os.path.join(ROOT, command[0]), *command[1:], "--out", os.path.dirname(path) or "."]
     if device is not None:
         cmd += ["--device", device]
     print(f"{path} not found: building it first with `python {' '.join(command)}`", flush=True)
@@ -239,21 +248,26 @@ def read_checkpoint(path, flag):
         raise SystemExit(f"error: {flag}: {e}") from None
 
 
-def check_fits(longest, max_new_tokens, block_size):
-    """The longest prompt plus max_new_tokens must fit the model's context, or one error line."""
-    if longest >= block_size:
-        raise SystemExit(f"error: the longest prompt of the task has {longest} tokens, and the model's context "
+def check_fits(longest, max_new_tokens, block_size, turns=1, extra=0):
+    """The longest prompt plus `turns` completions of max_new_tokens (and `extra` tokens between them: a revision
+    prompt) must fit the model's context, or one error line naming --max_new_tokens and what is allowed."""
+    allowed = (block_size - longest - extra) // turns
+    what = f"{turns} attempts of it and {extra} tokens between them" if turns > 1 else "it"
+    if allowed < 1:
+        raise SystemExit(f"error: the longest prompt of the task has {longest} tokens"
+                         f"{f' and {extra} more come between attempts' if extra else ''}, and the model's context "
                          f"(block_size) is {block_size}: no completion fits; train a model with a larger block_size "
                          f"(sft.py --block_size) or use one with a longer context")
-    if longest + max_new_tokens > block_size:
+    if max_new_tokens > allowed:
         raise SystemExit(f"error: --max_new_tokens {max_new_tokens} does not fit: the longest prompt has {longest} "
-                         f"tokens and the model's context (block_size) is {block_size}; allowed: "
-                         f"--max_new_tokens <= {block_size - longest}")
+                         f"tokens, {what} must follow, and the model's context (block_size) is {block_size}; "
+                         f"allowed: --max_new_tokens <= {allowed}")
 
 
-def load_model(path, device, kind="gpt", expect=None):
+def load_model(path, device, kind="gpt", expect=None, chat_date=None):
     """(model in eval mode, tokenizer, checkpoint dict); any problem with the file is one error line.
-    kind: "gpt" or "scalar"; expect: {key: value} the checkpoint must hold (e.g. {"script": "prm"}).
+    kind: "gpt" or "scalar"; expect: {key: value} the checkpoint must hold (e.g. {"script": "prm"}); chat_date: the
+    day a --chat template's strftime_now writes (default: the checkpoint's, else today).
     Eval mode means no dropout, so that scoring sees the distribution the sampler drew from."""
     try:
         if is_pretrained_folder(path):              # a Hugging Face folder: GPT-2, Llama or Qwen2 weights
@@ -264,9 +278,16 @@ def load_model(path, device, kind="gpt", expect=None):
             if tok.vocab_size > model.config.vocab_size:
                 raise CheckpointError(f"vocabulary mismatch: {path} has vocab_size {model.config.vocab_size} but "
                                       f"its tokenizer.json has {tok.vocab_size} tokens")
-            return model, tok.use_chat() if task.chat() else tok, {"kind": "gpt", "tokenizer": tok.name, "step": 0}
+            tok = tok.use_chat(chat_date) if task.chat() else tok
+            return model, tok, {"kind": "gpt", "tokenizer": tok.name, "step": 0}
         model, ckpt = load_checkpoint(path, device, kind=kind)
         tok = Tokenizer(ckpt["tokenizer"])
+        saved = ckpt.get("tokenizer_files")
+        if saved is not None and tok.files != saved:                # the folder's tokenizer changed since training
+            differ = sorted(k for k in {*saved, *tok.files} if saved.get(k) != tok.files.get(k))
+            raise CheckpointError(f"checkpoint {path} was trained with the tokenizer of {ckpt['tokenizer'][3:]}, "
+                                  f"whose {', '.join(differ)} changed since (edited, added or removed); restore "
+                                  f"the folder as it was")
         c = model.config
         if tok.name.startswith("hf:") and not c.tokenizer_vocab and tok.vocab_size <= c.vocab_size:
             pass                                    # an older checkpoint of a real model, padded past its tokenizer
@@ -278,7 +299,7 @@ def load_model(path, device, kind="gpt", expect=None):
                 raise CheckpointError(f"checkpoint {path} holds {key} {ckpt.get(key)!r}; {key} {value!r} is "
                                       f"needed here")
         if task.chat():
-            tok.use_chat()
+            tok.use_chat(chat_date or ckpt.get("chat_date"))
     except (CheckpointError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     return model.eval(), tok, ckpt
@@ -405,9 +426,10 @@ class Run:
         self.rng = random.Random(args.seed)                                 # draws the prompts
         self.gen = torch.Generator(device=self.device).manual_seed(args.seed + self.rank)  # draws the completions
         self.step, self.before, self.last_eval, self.eval_step = 0, None, None, -1
-        self.tokenizer_name = None
+        self.tokenizer_name, self.tokenizer_files = None, None               # the policy's: kept in checkpoints
         self.sources = {}                                                   # abspath -> fingerprint of what was loaded
         self.interrupted, self.current = False, 0                            # current: the step in progress
+        self.loading = True                                                 # until the first evaluation or resume
         # t0: the first training step; tokens: counted by the script
         self.t0, self.t_log, self.tokens = None, time.time(), 0
         self.samples = 0                       # completions drawn from a policy so far (counted by the script, resumed)
@@ -454,6 +476,8 @@ class Run:
             if self.resume_ckpt["step"] > self.total_steps:
                 raise SystemExit(f"error: {self.ckpt_path} is at step {self.resume_ckpt['step']}, past this run's "
                                  f"limit of {self.total_steps} steps; pass a larger limit to train on")
+            if hasattr(args, "lora_rank"):
+                self._check_lora_resume(self.resume_ckpt.get("lora"))
         if getattr(args, "chat", False) and hasattr(args, "init"):
             init = args.init
             if init is None or not os.path.exists(init):
@@ -461,6 +485,9 @@ class Run:
                 raise SystemExit(f"error: --chat needs --init to name a Hugging Face folder with a chat template, or a "
                                  f"checkpoint trained from one; {why} (a model built here would use the byte "
                                  f"tokenizer, which has none)")
+        # --chat: the day the template's strftime_now writes, fixed for the run (Llama 3.2 writes "Today Date"): the
+        # resumed run's, else that of the policy it starts from (trained on those prompts), else today's
+        self.chat_date = (getattr(self, "resume_ckpt", {}).get("chat_date") if args.resume else None)
         policy_config = asdict(GPTConfig())                                  # what a default built here would be
         for flag, (default, maker) in self.CHECKPOINT_FLAGS.items():
             path, default = getattr(args, flag, None), task.default_path(default, args)
@@ -472,6 +499,11 @@ class Run:
             ckpt = read_checkpoint(path, f"--{flag}")
             if flag == "init":
                 policy_config = ckpt["config"]
+                self.chat_date = self.chat_date or ckpt.get("chat_date")
+        if getattr(args, "chat", False):
+            self.chat_date = self.chat_date or datetime.date.today().isoformat()
+        else:
+            self.chat_date = None
         if getattr(args, "lora_rank", 0):                                   # targets and rank, on a weightless twin
             with torch.device("meta"):
                 model = GPT(GPTConfig(**policy_config))
@@ -481,12 +513,32 @@ class Run:
                 raise SystemExit(f"error: {e}") from None
 
 
+    def _check_lora_resume(self, saved):
+        """--resume with the LoRA settings the checkpoint was trained with, or one line naming the flag that differs."""
+        args, where = self.args, f"{self.ckpt_path} was trained"
+        if saved and not args.lora_rank:
+            raise SystemExit(f"error: {where} with LoRA adapters (--lora_rank {saved['rank']}); resume with "
+                             f"--lora_rank {saved['rank']}, or start afresh without --resume")
+        if not saved and args.lora_rank:
+            raise SystemExit(f"error: {where} without LoRA (every weight trains); resume without --lora_rank "
+                             f"{args.lora_rank}, or start afresh without --resume")
+        if not saved:
+            return
+        for flag, mine, theirs in (("--lora_rank", args.lora_rank, saved["rank"]),
+                                   ("--lora_alpha", args.lora_alpha, saved["alpha"]),
+                                   ("--lora_targets", args.lora_targets, saved["targets"])):
+            if mine is not None and mine != theirs:
+                show = lambda v: ",".join(v) if isinstance(v, list) else f"{v:g}"
+                raise SystemExit(f"error: {flag} {show(mine)}, but {where} with {flag} {show(theirs)}; resume with "
+                                 f"{flag} {show(theirs)}, or start afresh without --resume")
+
     def load(self, path, kind="gpt", expect=None):
         """load_model on this run's device, remembering what was loaded (resume checks it). Returns (model, tok)."""
-        model, tok, ckpt = load_model(path, self.device, kind, expect)
+        model, tok, ckpt = load_model(path, self.device, kind, expect, self.chat_date)
         getattr(model, "backbone", model).grad_checkpoint = getattr(self.args, "grad_checkpoint", False)  # GPT.hidden
         self.sources[os.path.abspath(path)] = fingerprint(model)
         self.tokenizer_name = self.tokenizer_name or ckpt["tokenizer"]
+        self.tokenizer_files = self.tokenizer_files or tok.files
         return model, tok
 
     def load_policy(self, path):
@@ -534,11 +586,11 @@ class Run:
         self.barrier()
         return self.load(path, "scalar", expect={"script": "reward_model"})[0]
 
-    def check_lengths(self, model, tok, max_new_tokens, parenthesised=False):
-        """The longest prompt plus max_new_tokens must fit the model's context: checked before any work.
-        parenthesised: the run also uses the parenthesised problems (longer prompts)."""
+    def check_lengths(self, model, tok, max_new_tokens, parenthesised=False, turns=1, extra=0):
+        """The longest prompt plus max_new_tokens (turns times, extra tokens between) must fit the model's context:
+        checked before any work. parenthesised: the run also uses the parenthesised problems (longer prompts)."""
         longest = arithmetic.max_prompt_tokens(tok, True) if parenthesised else task.max_prompt_tokens(tok)
-        check_fits(longest, max_new_tokens, model.config.block_size)
+        check_fits(longest, max_new_tokens, model.config.block_size, turns, extra)
 
     # ---- resume
 
@@ -547,6 +599,7 @@ class Run:
         restore the step, the random states and the starting evaluation, and return the checkpoint (for extra
         state such as PPO's beta). Refuses a checkpoint this run would not have written. Without --resume: None."""
         args = self.args
+        self.loading = False
         if not args.resume:
             return None
         ckpt = self.resume_ckpt                                             # read and checked in _check_inputs
@@ -567,7 +620,8 @@ class Run:
             for name, module in modules.items():
                 module.load_state_dict(ckpt[name])
         except (RuntimeError, ValueError, KeyError) as e:
-            raise SystemExit(f"error: {self.ckpt_path} does not fit this run's models ({str(e)[:200]}); start afresh "
+            why = " ".join(str(e).split())                                  # one line, however torch words it
+            raise SystemExit(f"error: {self.ckpt_path} does not fit this run's models ({why[:200]}); start afresh "
                              f"without --resume") from None
         self.step, self.before, self.samples = ckpt["step"], ckpt.get("eval_before"), ckpt.get("samples", 0)
         state = ckpt["rng"]
@@ -637,6 +691,7 @@ class Run:
     def evaluate(self, model, tok):
         """Held-out metrics of `model` (task.evaluate: greedy accuracy, and pass@1 of 4 samples at T = 1), as eval_*.
         Rank 0 alone evaluates; the other ranks get {}."""
+        self.loading = False
         if not self.is_main:
             self.eval_step = self.step
             return {}
@@ -697,7 +752,9 @@ class Run:
             save_checkpoint(self.ckpt_path, model, self.tokenizer_name, optimizer, self.step, self.args,
                             script=self.script, sources=self.sources, rng=list(self.rng.getstate()),
                             generator=generators[0],
-                            generators=generators, eval_before=self.before, samples=self.samples, **extra)
+                            generators=generators, eval_before=self.before, samples=self.samples,
+                            **({"chat_date": self.chat_date} if self.chat_date else {}),
+                            **({"tokenizer_files": self.tokenizer_files} if self.tokenizer_files else {}), **extra)
         self.saved_step = self.step
 
     def finish(self, model, tok, optimizer=None, summary=None, **extra):
@@ -714,7 +771,7 @@ class Run:
                 self.save(model, optimizer, **extra)
             argv = [a for a in sys.argv[1:] if a != "--resume"] + ["--resume"]
             self.print(f"stopped at step {self.step} of {self.total_steps}; checkpoint {self.ckpt_path} (step "
-                       f"{self.step}); continue with: {self.launcher()} {self.script}.py {' '.join(argv)}")
+                       f"{self.step}); continue with: {self.launcher()} {self.script}.py {shlex.join(argv)}")
             self.close(finished=True, code=130)
             raise SystemExit(130)
         if summary is None:
@@ -764,7 +821,12 @@ class Run:
                 os._exit(code)
 
     def _stop(self, signum, frame):
-        """First Ctrl-C (or SIGTERM): finish the step, checkpoint, exit. A second Ctrl-C aborts at once."""
+        """First Ctrl-C (or SIGTERM): finish the step, checkpoint, exit. A second Ctrl-C aborts at once. A SIGTERM
+        while the run is still loading (before the starting evaluation or the resume) stops it there: nothing is
+        trained or written yet, and what loads may take long (building the SFT policy, a slow chat template)."""
+        if signum == signal.SIGTERM and self.loading:
+            self.print("\nSIGTERM while loading: stopped; nothing was trained or written")
+            raise SystemExit(143)
         self.interrupted = True
         signal.signal(signal.SIGINT, signal.default_int_handler)
         when = f"after step {self.current}" if self.current else "before the first step"

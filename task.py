@@ -368,8 +368,9 @@ class _Episode:
 
 @lru_cache(maxsize=8)
 def _markers(tokenizer):
-    """(ids whose text holds CALL_OPEN, ids whose text holds CALL_CLOSE), special tokens excepted."""
-    special = {tokenizer.eos_id, tokenizer.pad_id}
+    """(ids whose text holds CALL_OPEN, ids whose text holds CALL_CLOSE), the tokenizer's added tokens excepted
+    (<|im_start|> is not a call's end)."""
+    special = {tokenizer.eos_id, tokenizer.pad_id, *tokenizer.stop_ids, *tokenizer.added_ids}
     texts = [(i, tokenizer.decode([i])) for i in range(tokenizer.vocab_size) if i not in special]
     opens, closes = [i for i, t in texts if toolcalc.CALL_OPEN in t], [i for i, t in texts if toolcalc.CALL_CLOSE in t]
     return opens, frozenset(closes)
@@ -386,15 +387,15 @@ def _unclosed_call(e, tokenizer):
 def _advance(e, sampled, tokenizer, closes, revise, turns, budget, max_calls):
     """Write one position of episode e and return the token written: the environment's next queued token if it has
     one, else the policy's `sampled` token, acted on: a token that closes a call gets the tool's reply queued (calls
-    past max_calls are answered "error"); an EOS ends the attempt, and before the last attempt REVISE follows it: the
-    EOS stays the policy's token, trained with its attempt (as a chat template trains the end of an assistant's
-    turn), so that "stop here" is learned as "keep going" is."""
+    past max_calls are answered "error"); any stop id ends the attempt, and before the last attempt REVISE follows
+    it: the stop id stays the policy's token as sampled, trained with its attempt (as a chat template trains the end
+    of an assistant's turn), so that "stop here" is learned as "keep going" is."""
     if e.done:
         return tokenizer.pad_id
     if e.queue:
         token, counts = e.queue.pop(0)
         e.write(token, _ENV, counts)
-    elif sampled == tokenizer.eos_id:
+    elif sampled in tokenizer.stop_ids:
         _unclosed_call(e, tokenizer)
         e.write(sampled, _POLICY, counts=False)            # the end of this attempt: the policy's decision
         if e.turn + 1 < turns:

@@ -21,7 +21,9 @@ compute them twice (forward, and once in backward, feeding both gradient product
 gradient products are the same in all three. The Triton path's backward writes the gradient
 w.r.t. a chunk of tokens' logits ([n, V] in the inputs' dtype, at most DLOGITS_BYTES) and leaves
 d hidden = dlogits @ weight and d weight = dlogits.T @ hidden to the matrix library, as Liger-
-Kernel's fused linear cross entropy does with its chunk's logits.
+Kernel's fused linear cross entropy does with its chunk's logits. In float16 an entry below its
+range (|grad p| < 6e-8) is flushed to 0 and one below 6e-5 loses bits: the softmax tail's small
+gradients are biased; bfloat16, the scripts' autocast dtype, has float32's range.
 
 Shapes: hidden [..., C] (any strides: the RL slice `h[:, :-1]` is fine; it is flattened to
 [N, C], a copy of N * C elements when no view exists), weight [V, C], targets [...] with N

@@ -125,6 +125,27 @@ def test_malformed_calls_unclosed_calls_and_the_call_budget():
     assert decode(tok, e, 0, e.mask) == "<9*9>81#" and e.truncated.all()                    # 8 tokens, reply included
 
 
+def test_every_stop_id_ends_an_attempt_as_sampled_and_no_added_token_is_a_call_marker():
+    """A real checkpoint's tokenizer (the Qwen3 folder: stop ids <|im_end|> and <|endoftext|>, added tokens such as
+    <|im_start|> and <tool_call> whose text holds '<' and '>'): its second stop id ends the attempt and stays in the
+    episode as sampled (it used to be written as an ordinary token and sampling ran on), and <|im_start|> does not
+    close a call."""
+    tok = Tokenizer.from_pretrained(os.path.join(os.path.dirname(__file__), "golden", "qwen3"))
+    assert len(tok.stop_ids) == 2 and tok.stop_ids[1] != tok.eos_id
+    opens, closes = task._markers(tok)
+    assert not (set(opens) | closes) & tok.added_ids and tok.encode_special("<|im_start|>")[0] in tok.added_ids
+    assert tok.encode("<")[0] in opens and tok.encode(">")[0] in closes
+    for stop in tok.stop_ids:
+        e = task._Episode(turns=1)
+        for s in tok.encode("1#5") + [stop] + tok.encode("2"):
+            task._advance(e, s, tok, closes, [], 1, 36, 2)
+        assert e.done and e.ids == tok.encode("1#5") + [stop] and e.who[-1] == task._POLICY
+    e = task._Episode(turns=1)
+    for s in tok.encode("<1+1") + tok.encode_special("<|im_start|>") + tok.encode("#2"):
+        task._advance(e, s, tok, closes, [], 1, 36, 2)
+    assert e.calls == [0] and not e.queue                   # no call closed, nothing of the environment's queued
+
+
 def test_without_the_tool_no_call_is_ever_opened():
     tok = Tokenizer()
     e = task.episodes(Scripted(tok, writer("<37+12*46>", after_reply)), tok, ["37+12*46="], 4, 1.0, tool=False,
@@ -173,7 +194,7 @@ def merging_tokenizer():
     ranks[b"9#"] = 256
     tok.enc = tiktoken.Encoding(name="bytes+9#", pat_str=r"[\s\S]{1,256}", mergeable_ranks=ranks,
                                 special_tokens={"<|endoftext|>": 257, "<|pad|>": 258})
-    tok.eos_id, tok.pad_id, tok.vocab_size = 257, 258, 259
+    tok.eos_id, tok.pad_id, tok.vocab_size, tok.stop_ids = 257, 258, 259, (257,)
     return tok
 
 
@@ -380,3 +401,26 @@ def test_script_rejects_bad_settings_with_a_message(tmp_path):
                              (["--scale_rewards", "median"], ["--scale_rewards", "median"])], tmp_path)
     assert all(not os.path.exists(tmp_path / f"out{i}") or os.listdir(tmp_path / f"out{i}") in ([], ["agent"])
                for i in range(5))
+
+
+def test_lora_on_a_rotary_gelu_policy_and_the_two_attempt_length_refusal(tmp_path):
+    """The tool task's SFT policy has rotary positions and a GELU MLP: --lora_rank adapts the projections it has (the
+    default targets used to include gate: a KeyError). --turns 2: the length refusal names the flag's own value and an
+    allowed value that runs (it named the episode's total, and a bound that was itself refused)."""
+    from model import save_checkpoint
+    init = str(tmp_path / "rope.pt")
+    torch.manual_seed(0)
+    save_checkpoint(init, GPT(GPTConfig(block_size=toolcalc.BLOCK_SIZE, n_layer=1, n_head=2, n_embd=32, pos="rope")),
+                    "bytes")
+    small = ["--init", init, "--steps", "1", "--prompts_per_step", "2", "--group_size", "2", "--eval_n", "2"]
+    p = run_script("agent.py", small + ["--lora_rank", "2", "--out", str(tmp_path / "a")])
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "LoRA: rank 2, alpha 32 on q, k, v, o, up, down" in p.stdout
+    refused = refuses_all("agent.py", [(small + ["--turns", "2", "--max_new_tokens", "500"],
+                                        ["--max_new_tokens 500 does not fit", "allowed: --max_new_tokens <="])],
+                          tmp_path)[0]
+    allowed = int(re.search(r"allowed: --max_new_tokens <= (\d+)", refused.stderr)[1])
+    refuses_all("agent.py", [(small + ["--turns", "2", "--max_new_tokens", str(allowed + 1)],
+                              [f"--max_new_tokens {allowed + 1} does not fit", f"<= {allowed}"])], tmp_path)
+    p = run_script("agent.py", small + ["--turns", "2", "--max_new_tokens", str(allowed), "--out", str(tmp_path / "b")])
+    assert p.returncode == 0, p.stderr[-2000:]

@@ -6,16 +6,25 @@ scripts with --chat, and its refusals."""
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from datetime import datetime
 
 import pytest
 
 import task
-from conftest import refused, refuses_all, run_script, task_args
+from conftest import ROOT, refused, refuses_all, run_script, task_args
+from chat import ChatTemplate
 from model import CheckpointError, Tokenizer
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
 CHAT = {"llama3": ("<|eot_id|>", 4), "qwen3": ("<|im_end|>", 2)}     # folder: the end of an assistant turn, its id
+TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate an arithmetic expression.",
+                                           "parameters": {"type": "object", "properties": {"expression": {
+                                               "type": "string", "description": "e.g. 12*46"}},
+                                               "required": ["expression"]}}}]      # make_golden.py's
 
 
 def chat_tokenizer(name):
@@ -24,15 +33,38 @@ def chat_tokenizer(name):
         return Tokenizer.from_pretrained(folder).use_chat(), json.load(f)["chat"]
 
 
+def check_golden(tok, chat, golden):
+    """chat renders and encodes each golden message as transformers did, without and with its tool."""
+    for key, tools in (("messages", None), ("with_tools", TOOLS)):
+        for m in golden[key]:
+            messages, kw = [{"role": "user", "content": m["content"]}], dict(date_string="26 Jul 2024", tools=tools)
+            assert chat.render(messages, **kw) == m["rendered"], (key, m["content"])
+            assert chat.encode(messages, tok.encode_special, tok.encode, **kw) == m["ids"], (key, m["content"])
+    turn = [{"role": "user", "content": "3+4*2="}, {"role": "assistant", "content": "4*2=8,3+8=11#11"}]
+    assert chat.render(turn, add_generation_prompt=False, date_string="26 Jul 2024") == golden["assistant_turn"]
+
+
 @pytest.mark.parametrize("name", list(CHAT))
 def test_the_template_renders_and_encodes_as_transformers(name):
+    """Each golden message, with and without a tool: among them Qwen2.5's <tool_call> (an added token that is not
+    special, written by the template) and transformers' own markers (U+F0000, U+F0001) inside a message."""
     tok, golden = chat_tokenizer(name)
-    for m in golden["messages"]:
-        messages = [{"role": "user", "content": m["content"]}]
-        assert tok.chat.render(messages, date_string="26 Jul 2024") == m["rendered"]
-        assert tok.chat.encode(messages, tok.encode_special, tok.encode, date_string="26 Jul 2024") == m["ids"]
-    turn = [{"role": "user", "content": "3+4*2="}, {"role": "assistant", "content": "4*2=8,3+8=11#11"}]
-    assert tok.chat.render(turn, add_generation_prompt=False, date_string="26 Jul 2024") == golden["assistant_turn"]
+    check_golden(tok, tok.chat, golden)
+    assert any("<tool_call>" in m["content"] for m in golden["messages"])
+    assert any("\U000f0000" in m["content"] for m in golden["messages"])
+
+
+def test_a_template_of_bare_and_indented_tags_renders_as_transformers():
+    """Jinja's trim_blocks and lstrip_blocks, which every tag written with '-' hides: templates/bare.jinja, its tags
+    on lines of their own and indented, through the Qwen3 folder's tokenizer."""
+    tok, _ = chat_tokenizer("qwen3")
+    with open(os.path.join(GOLDEN, "qwen3", "golden.json")) as f:
+        golden = json.load(f)["chat_bare"]
+    with open(os.path.join(GOLDEN, "templates", "bare.jinja")) as f:
+        source = f.read()
+    assert "{%-" not in source and "\n  {% if" in source
+    added = Tokenizer.from_pretrained(os.path.join(GOLDEN, "qwen3")).template
+    check_golden(tok, ChatTemplate(source, *added[1:]), golden)
 
 
 @pytest.mark.parametrize("name", list(CHAT))
@@ -61,10 +93,14 @@ def test_the_end_of_the_assistant_turn_ends_completions_and_demonstrations(name)
     assert mask[0].sum() == len(tok.encode("4*2=8,3+8=11#11")) + 1         # the completion and the turn's end
 
 
-def test_llama_32s_template_writes_todays_date_as_transformers_does():
+def test_llama_32s_template_writes_the_runs_date():
+    """Today's by default, as transformers writes it; a given day otherwise (a run fixes it and its checkpoint keeps
+    it, so that a run resumed another day renders the prompts it trained on)."""
     tok, _ = chat_tokenizer("llama3")
     text = tok.decode(tok.encode_prompt("3+4*2="))
     assert f"Today Date: {datetime.now().strftime('%d %b %Y')}\n" in text and text.startswith("<|begin_of_text|>")
+    fixed = Tokenizer.from_pretrained(os.path.join(GOLDEN, "llama3")).use_chat("2024-02-29")
+    assert "Today Date: 29 Feb 2024\n" in fixed.decode(fixed.encode_prompt("3+4*2="))
 
 
 def test_the_longest_prompt_counts_the_template():
@@ -109,3 +145,61 @@ def test_chat_refusals_are_one_line_before_any_work(tmp_path):
     assert not any(x.name.startswith("out") or x.name == "sft" for x in tmp_path.iterdir())
     with pytest.raises(CheckpointError, match="has no chat template"):
         Tokenizer().use_chat()
+
+
+HOSTILE = {   # a downloaded template is untrusted input: each of these is one ChatTemplateError, none a hang or a crash
+    "nested loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "lipsum": "{{ lipsum(10**6) }}", "a repeated string": "{{ 'a' * 10**8 }}", "a huge range": "{% for i in "
+    "range(10**9) %}{% endfor %}", "a doubling string": "{% set ns = namespace(s='a') %}{% for i in range(40) %}"
+    "{% set ns.s = ns.s + ns.s %}{% endfor %}", "a huge power": "{{ 2 ** 100000000 }}",
+    "a wide format": "{{ '{:>100000000}'.format(1) }}", "a wide %": "{{ '%*d' % (100000000, 1) }}",
+    "a wide filter": "{{ 'a'|center(100000000) }}", "endless output": "{% for i in range(100000) %}{{ 'x' * 100 }}"
+    "{% endfor %}", "division by zero": "{{ 1/0 }}", "a type error": "{{ 'x' + 1 }}",
+    "strftime_now's argument": "{{ strftime_now(123) }}", "tojson": "{{ cycler|tojson }}",
+    "a float overflow": "{{ 10.0**400 }}", "include": "{% include 'other.jinja' %}",
+    "recursion": "{% macro f(x) %}{{ f(x) }}{% endmacro %}{{ f(1) }}",
+    "an unsafe attribute": "{{ strftime_now.__globals__ }}", "attr()": "{{ messages|attr('__class__') }}",
+    "no message": "hello", "nothing": "",
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_a_hostile_template_is_one_error(case, monkeypatch):
+    import chat
+    monkeypatch.setattr(chat, "RENDER_SECONDS", 0.5)
+    tok = Tokenizer.from_pretrained(os.path.join(GOLDEN, "qwen3"))
+    tok.template = (HOSTILE[case] + "{{ messages[0]['content'] }}" * (case not in ("no message", "nothing")),
+                    *tok.template[1:])
+    with pytest.raises(CheckpointError, match="--chat: .*qwen3: the chat template"):
+        tok.use_chat()
+    assert tok.chat is None and tok.stop_ids == Tokenizer.from_pretrained(os.path.join(GOLDEN, "qwen3")).stop_ids
+
+
+def test_a_hostile_template_is_refused_by_the_scripts_and_sigterm_stops_a_loading_run(tmp_path):
+    """Through grpo.py: a template that raises, one that never writes the message, one that loops past the render's
+    time limit (5 s): one line each, no folder left. SIGTERM while the looping one renders stops the run at once
+    (its handler used to wait for a first step that never came)."""
+    folders = {}
+    for name in ("raises", "empty", "loops"):
+        folders[name] = tmp_path / name
+        shutil.copytree(os.path.join(GOLDEN, "qwen3"), folders[name])
+    (folders["raises"] / "chat_template.jinja").write_text("{{ messages[0]['content'] }}{{ 1/0 }}")
+    (folders["empty"] / "chat_template.jinja").write_text("")
+    (folders["loops"] / "chat_template.jinja").write_text(HOSTILE["nested loops"] + "{{ messages[0]['content'] }}")
+    refuses_all("grpo.py", [(["--init", str(folders["raises"]), "--chat"], ["--chat", "ZeroDivisionError"]),
+                            (["--init", str(folders["empty"]), "--chat"], ["--chat", "does not write the user's"]),
+                            (["--init", str(folders["loops"]), "--chat"], ["--chat", "within 5 s"])], tmp_path)
+    out = tmp_path / "stopped"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.Popen([sys.executable, "grpo.py", "--init", str(folders["loops"]), "--chat", "--out", str(out)],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    for line in p.stdout:                                  # Run's start line; the template renders next
+        if line.startswith("task "):
+            break
+    time.sleep(1.0)
+    started = time.time()
+    p.send_signal(signal.SIGTERM)
+    stdout, stderr = p.communicate(timeout=60)
+    assert p.returncode == 143 and time.time() - started < 3.5, (p.returncode, stderr)
+    assert "SIGTERM while loading" in stdout and "Traceback" not in stderr, stderr
+    assert not out.exists()

@@ -16,6 +16,7 @@ from sampler import generate
 LLAMA = dict(vocab_size=50, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, pos="rope", norm="rmsnorm",
              mlp="swiglu", mlp_hidden=48, bias=False, qkv_bias=True, tie_embeddings=False, dropout=0.0)
 GPT2 = dict(vocab_size=50, block_size=32, n_layer=2, n_head=4, n_embd=32, dropout=0.0)
+ROPE_GELU = {**GPT2, "pos": "rope"}          # sft.py --pos rope (the tool task's default): rotary, a GELU MLP
 
 
 def tiny(config, seed=0):
@@ -94,6 +95,9 @@ def test_targets_sit_on_the_projections_they_name():
     assert sorted(projections(gpt2)) == ["down", "o", "qkv", "up"] and gpt2.lora["targets"] == ["qkv", "o", "up",
                                                                                                 "down"]
     assert isinstance(gpt2.blocks[1].mlp[0], LoRALinear) and isinstance(gpt2.blocks[1].mlp[2], LoRALinear)
+    rope = add_adapters(tiny(ROPE_GELU), rank=2, alpha=2.0)          # the targets are what the model has: no gate
+    assert rope.lora["targets"] == ["q", "k", "v", "o", "up", "down"]
+    assert rope.blocks[0].attn.c_attn.adapted == ["q", "k", "v"] and rope.blocks[0].mlp[0].adapted == ["up"]
 
 
 @pytest.mark.parametrize("config, targets, rank, words", [
@@ -101,6 +105,8 @@ def test_targets_sit_on_the_projections_they_name():
     (LLAMA, ["qkv"], 2, ["'qkv'", "q, k, v, o, gate, up, down"]),
     (GPT2, None, 33, ["--lora_rank 33", "1 to 32"]),                  # past the narrowest projection (width 32)
     (GPT2, None, 0, ["--lora_rank 0", "1 to 32"]),
+    (ROPE_GELU, ["gate"], 2, ["'gate'", "q, k, v, o, up, down"]),   # rotary positions, no gated MLP
+    (GPT2, [], 2, ["--lora_targets is empty", "qkv, o, up, down"]),  # --lora_targets , (not: every projection)
 ])
 def test_a_target_or_rank_the_model_cannot_have_is_refused(config, targets, rank, words):
     with pytest.raises(ValueError) as e:
@@ -176,7 +182,8 @@ def test_the_scripts_refuse_bad_lora_flags_before_any_work(tiny_sft, tmp_path):
     cases = [(["--init", tiny_sft, "--lora_rank", "4", "--lora_targets", "q,v"], ["--lora_targets", "'q'"]),
              (["--init", tiny_sft, "--lora_rank", "4096"], ["--lora_rank 4096", "1 to 64"]),
              (["--init", tiny_sft, "--lora_rank", "-1"], ["--lora_rank", "-1"]),
-             (["--lora_rank", "4", "--lora_targets", "gate"], ["--lora_targets", "'gate'"])]   # sft.pt: not built
+             (["--lora_rank", "4", "--lora_targets", "gate"], ["--lora_targets", "'gate'"]),   # sft.pt: not built
+             (["--init", tiny_sft, "--lora_rank", "4", "--lora_targets", ","], ["--lora_targets is empty"])]
     refuses_all("grpo.py", cases, tmp_path)
     refuses_all("sft.py", [(["--lora_rank", "4"], ["--lora_rank 4", "--init"])], tmp_path)
     assert sorted(os.listdir(tmp_path)) == [], os.listdir(tmp_path)  # no output folder left behind
@@ -202,3 +209,16 @@ def test_grpo_with_lora_trains_only_adapters_and_resumes_exactly(tiny_sft, tmp_p
         if "lora_" not in k:
             assert torch.equal(v, start[base]), k                    # every weight of the model stays as it was
     assert any(not torch.equal(v, torch.zeros_like(v)) for k, v in a["model"].items() if "lora_B" in k)
+    # --resume with other LoRA settings than the checkpoint's: one line naming the flag (it was two lines cut
+    # mid-shape), the checkpoint untouched
+    plain = flags[:-4]                                               # flags without --lora_rank 4 --lora_targets qkv,o
+    assert run_script("grpo.py", plain + ["--steps", "1", "--out", str(tmp_path / "c")], env=env).returncode == 0
+    b_out, c_out = ["--out", str(tmp_path / "b")], ["--out", str(tmp_path / "c")]
+    refuses_all("grpo.py", [
+        (plain + ["--lora_rank", "2", "--lora_targets", "qkv,o", "--steps", "5", "--resume"] + b_out,
+         ["--lora_rank 2, but", "with --lora_rank 4", "resume with --lora_rank 4"]),
+        (plain + ["--steps", "5", "--resume"] + b_out, ["trained with LoRA adapters (--lora_rank 4)"]),
+        (flags + ["--lora_alpha", "8", "--steps", "5", "--resume"] + b_out, ["--lora_alpha 8, but", "32"]),
+        (flags[:-1] + ["qkv", "--steps", "5", "--resume"] + b_out, ["--lora_targets qkv, but", "qkv,o"]),
+        (flags + ["--steps", "5", "--resume"] + c_out, ["without LoRA", "without --lora_rank 4"])], tmp_path)
+    assert torch.load(tmp_path / "b" / "grpo.pt", map_location="cpu", weights_only=False)["step"] == 3

@@ -265,6 +265,32 @@ def test_the_fused_path_gives_the_log_probs_and_gradients_of_the_logits_path():
     torch.testing.assert_close(unfused, fused, rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_log_probs_are_over_the_tokenizers_ids_when_the_embedding_is_larger(fused):
+    """Every Qwen2.5: the embedding has more rows than the tokenizer has ids (tokenizer_vocab). The trainer's log-probs,
+    fused or not, are the float64 log-softmax over the first tokenizer_vocab rows of the head written here, from the
+    hidden states: the rows past them (made large, so that a softmax over all rows would differ) take no part, and
+    get no gradient."""
+    from model import completion_hidden, completion_logprobs
+    torch.manual_seed(0)
+    V, rows = 9001, 9001 + 71                                   # above FUSED_VOCAB: the fused kernel's support
+    model = GPT(GPTConfig(vocab_size=rows, tokenizer_vocab=V, n_layer=1, n_head=2, n_embd=32))
+    with torch.no_grad():
+        model.lm_head.weight[V:] = 2.0 * torch.randn(71, 32)    # logits far above the real ones
+    prompt, prompt_mask = torch.randint(0, V, (2, 4)), torch.ones(2, 4)
+    tokens, mask = torch.randint(0, V, (2, 3)), torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    h = completion_hidden(model, prompt, prompt_mask, tokens, mask)[:, -3:].double()      # (B, Tn, C)
+    W = model.lm_head.weight.double()
+    reference = torch.log_softmax(h @ W[:V].T / 0.7, -1).gather(-1, tokens[..., None])[..., 0]
+    everything = torch.log_softmax(h @ W.T / 0.7, -1).gather(-1, tokens[..., None])[..., 0]
+    assert (reference - everything).abs().min() > 1.0            # the padded rows would show
+    logp = completion_logprobs(model, prompt, prompt_mask, tokens, mask, 0.7, fused=fused)
+    torch.testing.assert_close(logp.double()[mask > 0], reference[mask > 0], rtol=0, atol=2e-5)
+    model.zero_grad()
+    torch.where(mask > 0, logp, 0.0).sum().backward()
+    assert model.lm_head.weight.grad[V:].abs().max() == 0 and model.lm_head.weight.grad[:V].abs().max() > 0
+
+
 def test_the_fused_path_is_the_default_above_fused_vocab_only(monkeypatch):
     """Below FUSED_VOCAB the scripts' log-probs come from the logits (every default run bit-identical); above it,
     from the fused kernel: which one ran is seen by making the other raise."""

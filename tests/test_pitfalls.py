@@ -64,8 +64,8 @@ def test_scripts_score_in_eval_mode_so_dropout_cannot_move_the_first_ratio(tmp_p
     model, p, m, tokens, mask = sampled_batch(dropout=0.3)
     path = str(tmp_path / "dropout.pt")
     save_checkpoint(path, model, "bytes")
-    fake_run = types.SimpleNamespace(device="cpu", sources={}, tokenizer_name=None,
-                                     args=types.SimpleNamespace(grad_checkpoint=False))
+    fake_run = types.SimpleNamespace(device="cpu", sources={}, tokenizer_name=None, tokenizer_files=None,
+                                     chat_date=None, args=types.SimpleNamespace(grad_checkpoint=False))
     loaded, _ = plumbing.Run.load(fake_run, path)
     assert not loaded.training
     with torch.no_grad():

@@ -7,6 +7,7 @@ import glob
 import importlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -252,7 +253,7 @@ def test_eval_every_is_honoured_on_its_own(tiny_sft, tmp_path):
 
 
 def test_ctrl_c_stops_cleanly_and_resume_logs_each_step_once(tiny_sft, tmp_path):
-    out = str(tmp_path)
+    out = str(tmp_path / "sp ace")                                    # the resume command quotes it
     flags = ["--prompts_per_step", "2", "--group_size", "2", "--eval_n", "4", "--log_every", "1",
              "--eval_every", "1000",
              "--init", tiny_sft, "--out", out]
@@ -268,6 +269,8 @@ def test_ctrl_c_stops_cleanly_and_resume_logs_each_step_once(tiny_sft, tmp_path)
     last = stdout.strip().splitlines()[-1]
     assert last.startswith("stopped at step ") and "--resume" in last and "grpo.pt" in last, last
     stopped = int(last.split()[3])
+    command = shlex.split(last.split("continue with: ")[1])
+    assert command[:2] == ["python", "grpo.py"] and command[command.index("--out") + 1] == out, last
     assert f"SIGINT: stopping after step {stopped} and" in stdout, stdout    # the message named the step it stopped at
     assert load_checkpoint(os.path.join(out, "grpo.pt"))[1]["step"] == stopped
     assert steps_logged(out) == list(range(stopped + 1))

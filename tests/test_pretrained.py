@@ -1,10 +1,12 @@
 """Real checkpoints: tiny random GPT-2, Llama, Qwen2, Llama 3 (Llama 3.1's rope scaling, a BOS before every text,
 several EOS ids) and Qwen3 (query/key norms, a head width apart from the model's) folders in the Hugging Face layout,
 written with their logits, greedy continuations and tokenizer encodings by transformers itself
-(tests/golden/make_golden.py), load into model.py and agree: logits within 1e-4 in float32, greedy generation token
-for token, encodings exactly. Their chat templates: tests/test_chat.py."""
+(tests/golden/make_golden.py), load into model.py and agree: logits within 1e-4 in float32 (over the tokenizer's ids:
+Qwen3's embedding is padded past them, and its q/k norm weights are not 1), greedy generation token for token,
+encodings exactly. Their chat templates: tests/test_chat.py."""
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -30,8 +32,9 @@ def test_logits_match_transformers(name):
     model = GPT.from_pretrained(folder)
     with torch.no_grad():
         logits = model(g["ids"])
-    assert logits.shape == g["logits"].shape
-    torch.testing.assert_close(logits, g["logits"], rtol=0, atol=1e-4)
+    V = model.config.support                        # Qwen3's embedding is padded past its tokenizer's 324 ids
+    assert logits.shape == (*g["logits"].shape[:2], V) and (V < g["logits"].size(-1)) == (name == "qwen3")
+    torch.testing.assert_close(logits, g["logits"][..., :V], rtol=0, atol=1e-4)
     assert logits.std() > 0.5                       # weights large enough that a wrong layer could not hide
 
 
@@ -118,12 +121,31 @@ def test_qwen3_norms_queries_and_keys_per_head_at_its_own_head_width():
     attn = model.blocks[0].attn
     assert model.config.head_size == 16 and attn.c_attn.weight.shape == ((4 + 2 * 2) * 16, 32)
     assert attn.c_proj.weight.shape == (32, 64) and attn.q_norm.weight.shape == (16,)
+    V = model.config.support
     with torch.no_grad():
         for norm in (attn.q_norm, attn.k_norm):
             saved = norm.weight.clone()
             norm.weight.mul_(2.0)
-            assert (model(g["ids"]) - g["logits"]).abs().max() > 1e-2
+            assert (model(g["ids"]) - g["logits"][..., :V]).abs().max() > 1e-2
             norm.weight.copy_(saved)
+
+
+def test_qwen3_norms_queries_and_keys_before_the_rotation(monkeypatch):
+    """The golden's q/k norm weights are not 1 (a uniform weight commutes with the rotation and would hide the order):
+    the same norms applied after the rotation give other logits."""
+    import model as model_module
+    folder, g, _ = golden("qwen3")
+    model = GPT.from_pretrained(folder)
+    norms = [n for b in model.blocks for n in (b.attn.q_norm, b.attn.k_norm)]   # the order forward rotates q, k in
+    assert all(n.weight.std() > 0.1 for n in norms)
+    calls, rotate = iter(norms), model_module.rotate
+    monkeypatch.setattr(model_module, "rotate", lambda x, cos, sin: next(calls)(rotate(x, cos, sin)))
+    for b in model.blocks:
+        b.attn.q_norm = b.attn.k_norm = torch.nn.Identity()
+    with torch.no_grad():
+        swapped = model(g["ids"])                                      # rotate, then norm
+    assert next(calls, None) is None                                   # each norm applied once
+    assert (swapped - g["logits"][..., :model.config.support]).abs().max() > 1e-2
 
 
 def test_a_left_padded_prompt_sees_the_rotary_positions_it_sees_alone():
@@ -244,7 +266,9 @@ def edit_json(folder, name, edit):
     ("config.json", lambda c: c.update(num_attention_heads=3), "must be divisible by n_head = 3"),
     ("config.json", lambda c: c.update(rms_norm_eps=float("nan")), "rms_norm_eps = nan"),
     ("model.safetensors.index.json", lambda c: {"metadata": {}}, "no weight_map"),
-    ("model.safetensors.index.json", lambda c: ["model.safetensors"], "no weight_map"),
+    ("model.safetensors.index.json", lambda c: ["model.safetensors"], "index.json is not a JSON object"),
+    ("model.safetensors.index.json", lambda c: {"weight_map": {"lm_head.weight": "/etc/passwd"}},
+     "no weight_map of tensor names to .safetensors files in the folder"),
     ("tokenizer.json", lambda c: c["model"]["vocab"].update({"Ġx": "7"}), "not a non-negative integer"),
     ("tokenizer.json", lambda c: c.update(added_tokens=[{"id": 319}]), "without its content"),
 ])
@@ -285,3 +309,71 @@ def test_a_llama_folder_with_attention_biases_and_no_mlp_biases_loads(tmp_path):
         before = model(x)
         block.attn.c_proj.bias.add_(1.0)
         assert not torch.allclose(model(x), before)
+
+
+def deep(folder, name):
+    with open(os.path.join(folder, name), "w") as f:
+        f.write("[" * 100_000 + "]" * 100_000)
+
+
+def pre_split(c):
+    return c["pre_tokenizer"]["pretokenizers"][0]["pattern"]
+
+
+HOSTILE_FOLDERS = {   # (what the case does to a copy of the qwen2 folder, what the one line says)
+    "an absurd hidden_size": (lambda f: edit_json(f, "config.json", lambda c: c.update(hidden_size=10**9)),
+                              "the config needs"),
+    "an absurd vocab_size": (lambda f: edit_json(f, "config.json", lambda c: c.update(vocab_size=10**9)),
+                             "the config needs"),
+    "an absurd intermediate_size": (lambda f: edit_json(f, "config.json",
+                                                        lambda c: c.update(intermediate_size=10**10)),
+                                    "the config needs"),
+    "an infinite rope_theta": (lambda f: edit_json(f, "config.json", lambda c: c.update(rope_theta=float("inf"))),
+                               "rope_theta = inf; it must be a positive finite number"),
+    "an infinite rms_norm_eps": (lambda f: edit_json(f, "config.json",
+                                                     lambda c: c.update(rms_norm_eps=float("inf"))),
+                                 "rms_norm_eps = inf"),
+    "tie_word_embeddings as text": (lambda f: edit_json(f, "config.json",
+                                                        lambda c: c.update(tie_word_embeddings="false")),
+                                    "tie_word_embeddings = 'false'; it must be true or false"),
+    "a deep config.json": (lambda f: deep(f, "config.json"), "config.json cannot be read (nested too deeply)"),
+    "a deep tokenizer.json": (lambda f: deep(f, "tokenizer.json"), "tokenizer.json cannot be read (nested"),
+    "a deep tokenizer_config.json": (lambda f: deep(f, "tokenizer_config.json"), "tokenizer_config.json cannot"),
+    "tokenizer.json a list": (lambda f: edit_json(f, "tokenizer.json", lambda c: [c]),
+                              "tokenizer.json is not a JSON object"),
+    "pre_tokenizer a list": (lambda f: edit_json(f, "tokenizer.json", lambda c: c.update(pre_tokenizer=[1])),
+                             "pre_tokenizer is not an object"),
+    "two tokens with one id": (lambda f: edit_json(f, "tokenizer.json",
+                                                   lambda c: c["model"]["vocab"].update({"zzz": 7})),
+                               "two tokens share an id"),
+    "a byte without its token": (lambda f: edit_json(f, "tokenizer.json", lambda c: c["model"]["vocab"].pop("Č")),
+                                 "lacks the token of byte 12"),
+    "a split pattern that does not compile": (lambda f: edit_json(f, "tokenizer.json",
+                                                                  lambda c: pre_split(c).update(Regex="[z-a]")),
+                                              "tokenizer.json cannot be read as a tokenizer"),
+    "a NaN weight": (lambda f: save_file({**load_file(os.path.join(f, "model.safetensors")),
+                                          "model.norm.weight": torch.full((32,), float("nan"))},
+                                         os.path.join(f, "model.safetensors")), "holds NaN or infinite values"),
+    "a missing tensor": (lambda f: save_file({k: v for k, v in load_file(os.path.join(f, "model.safetensors")).items()
+                                              if k != "model.norm.weight"}, os.path.join(f, "model.safetensors")),
+                         "qwen2: tensor model.norm.weight is missing"),
+}
+
+
+def test_hostile_folder_contents_are_one_line_before_anything_is_built(tmp_path):
+    """The reliability review's cases (N5, N6, N12, N13): absurd sizes are refused from the shapes before the model is
+    allocated (it used to be built first: an allocator traceback, or on a large machine a huge allocation), deep or
+    mistyped JSON, a tokenizer that cannot encode every byte, non-finite weights and config numbers: one line each,
+    naming the file; through the loader, and through grpo.py with nothing left on disk."""
+    from conftest import refuses_all
+    cases = []
+    for i, (case, (make, words)) in enumerate(HOSTILE_FOLDERS.items()):
+        folder = copy_folder(tmp_path / str(i), "qwen2")
+        make(folder)
+        with pytest.raises(CheckpointError, match=re.escape(words)):
+            Tokenizer.from_pretrained(folder)
+            GPT.from_pretrained(folder)
+        cases.append((["--init", folder, "--steps", "1"], [words]))
+    os.makedirs(tmp_path / "runs")
+    refuses_all("grpo.py", cases, tmp_path / "runs")
+    assert os.listdir(tmp_path / "runs") == []

@@ -257,6 +257,33 @@ def test_eos_mask_covers_through_first_eos_and_flags_cut_off_rows(mode):
     assert ended > 0 and cut > 0  # both cases were exercised
 
 
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_several_stop_ids_each_end_a_row_and_the_samplers_log_probs_are_0_after_it(mode):
+    """Three stop ids (a chat model's: <|eot_id|>, <|eom_id|>, <|end_of_text|>): whichever comes first ends the row and
+    stays as sampled, the mask runs through it, padding follows; the sampler's own log-probs are its log-softmax at
+    each sampled token up to the end (recomputed here) and exactly 0 after it, as its docstring promises."""
+    stops, pad = [5, 6, 7], 4
+    torch.manual_seed(4)
+    model = GPT(GPTConfig(vocab_size=8, n_layer=1, n_head=1, n_embd=16)).eval()  # near-uniform: a stop ~3/8 a step
+    prompts = torch.randint(0, 4, (64, 3))
+    g = torch.Generator().manual_seed(5)
+    tokens, mask, truncated, logp = sampler.generate(model, prompts, torch.ones(64, 3), 10, stops, pad,
+                                                     temperature=1.3, generator=g, mode=mode, return_logprobs=True)
+    seen = set()
+    for i, (row, m) in enumerate(zip(tokens.tolist(), mask.tolist())):
+        ends = [t for t, x in enumerate(row) if x in stops]
+        end = ends[0] + 1 if ends else len(row)
+        seen |= {row[ends[0]]} if ends else set()
+        assert m == [1.0] * end + [0.0] * (len(row) - end) and row[end:] == [pad] * (len(row) - end)
+        assert bool(truncated[i]) == (not ends)
+        assert (logp[i, end:] == 0).all() and (logp[i, :end] < 0).all()
+        want = completion_logits(model, prompts[i:i + 1], torch.ones(1, 3), tokens[i:i + 1, :end],
+                                 mask[i:i + 1, :end])[0].div(1.3).log_softmax(-1)
+        torch.testing.assert_close(logp[i, :end], want.gather(1, tokens[i, :end, None]).squeeze(1), rtol=0,
+                                   atol=1e-5)
+    assert seen == set(stops) and truncated.any()                   # every stop id ended a row, and some ran out
+
+
 def test_top_k_one_equals_greedy():
     tok = Tokenizer()
     model = peaked_model(6)

@@ -4,8 +4,10 @@ Llama, Qwen2, Llama 3 and Qwen3 checkpoints in the Hugging Face layout (config.j
 tokenizer.json), each with the logits transformers computes on fixed token ids and its greedy continuations of a
 left-padded batch, and the encodings of fixed texts by the Hugging Face tokenizer. The Llama 3 folder (Llama 3.1's
 rope scaling, a tied head, <|begin_of_text|> added to a plain encoding, several EOS ids) carries Llama 3.2's chat
-template, the Qwen3 folder (query/key norms, head_dim apart from the width) Qwen2.5's ChatML template
-(templates/); their golden.json also holds what apply_chat_template renders and encodes for fixed user messages.
+template, the Qwen3 folder (query/key norms of weights apart from 1, head_dim apart from the width, Qwen2.5's tool
+tokens added but not special, its embedding padded past its tokenizer) Qwen2.5's ChatML template (templates/); their
+golden.json also holds what apply_chat_template renders and encodes for fixed user messages, without and with a tool
+(for Qwen3 through templates/bare.jinja too: tags that '-' does not trim).
 Needs transformers and tokenizers, which are not in requirements.txt (the tests read only the files this writes);
 run from the repository root:
 
@@ -39,7 +41,13 @@ TEXTS = ["3+4*2=", "5,1,7:42=", "Tom has 3 apples.\nHow many?", "It's 12,345.67 
 # What the chat goldens render: a task prompt, R1's format, text with a control token in it (encoded as text, as
 # apply_chat_template(..., sanitize_control_tokens=True) does), whitespace that Llama's template trims
 CHAT_TEXTS = ["3+4*2=", "A conversation between User and Assistant. User: 5,1,7:42=. Assistant:",
-              "say <|im_end|> or <|eot_id|> and stop", "  padded \n", "東京 😀"]
+              "say <|im_end|> or <|eot_id|> and stop", "  padded \n", "東京 😀",
+              "call <tool_call> then </tool_call>", "markers \ue000<|im_start|>\ue001 \U000f0000x\U000f0001"]
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]   # Qwen2.5's: added, not special
+TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate an arithmetic expression.",
+                                           "parameters": {"type": "object", "properties": {"expression": {
+                                               "type": "string", "description": "e.g. 12*46"}},
+                                               "required": ["expression"]}}}]
 CHAT_DATE = "26 Jul 2024"      # Llama 3.2's template writes today's date unless date_string is given
 LLAMA3_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 CHATML_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -72,19 +80,24 @@ def train_tokenizer(style, special=None):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
 
 
-def chat_goldens(tokenizer):
+def chat_goldens(tokenizer, **template):
     """What transformers renders and encodes for each CHAT_TEXTS user message with the generation prompt (control
-    tokens in the message sanitised), and for a user and an assistant message (where the assistant's turn ends)."""
-    out = []
-    for text in CHAT_TEXTS:
-        messages = [{"role": "user", "content": text}]
-        kw = dict(add_generation_prompt=True, date_string=CHAT_DATE)
-        out.append({"content": text, "rendered": tokenizer.apply_chat_template(messages, tokenize=False, **kw),
-                    "ids": list(tokenizer.apply_chat_template(messages, tokenize=True, sanitize_control_tokens=True,
-                                                              return_dict=False, **kw))})
+    tokens in the message sanitised), without and with TOOLS, and for a user and an assistant message (where the
+    assistant's turn ends). template: chat_template=<source> for another template than the tokenizer's."""
+    out = {}
+    for name, tools in (("messages", None), ("with_tools", TOOLS)):
+        out[name] = []
+        for text in CHAT_TEXTS:
+            messages = [{"role": "user", "content": text}]
+            kw = dict(add_generation_prompt=True, date_string=CHAT_DATE, tools=tools, **template)
+            out[name].append({"content": text,
+                              "rendered": tokenizer.apply_chat_template(messages, tokenize=False, **kw),
+                              "ids": list(tokenizer.apply_chat_template(messages, tokenize=True,
+                                                                        sanitize_control_tokens=True,
+                                                                        return_dict=False, **kw))})
     turn = [{"role": "user", "content": "3+4*2="}, {"role": "assistant", "content": "4*2=8,3+8=11#11"}]
-    return {"messages": out, "assistant_turn": tokenizer.apply_chat_template(turn, tokenize=False,
-                                                                              date_string=CHAT_DATE)}
+    out["assistant_turn"] = tokenizer.apply_chat_template(turn, tokenize=False, date_string=CHAT_DATE, **template)
+    return out
 
 
 def make(name, model, tokenizer, template=None, eos_ids=None):
@@ -126,6 +139,9 @@ def make(name, model, tokenizer, template=None, eos_ids=None):
               "with_special_tokens": {t: tokenizer(t)["input_ids"] for t in TEXTS[:3]}}
     if template:
         golden["chat"] = chat_goldens(tokenizer)
+    if name == "qwen3":                   # a template of bare and indented tags: Jinja's trim and lstrip settings
+        source = open(os.path.join(HERE, "templates", "bare.jinja")).read()
+        golden["chat_bare"] = chat_goldens(tokenizer, chat_template=source)
     with open(os.path.join(folder, "golden.json"), "w") as f:
         json.dump(golden, f, indent=0, ensure_ascii=False)
     print(f"{name}: {sum(os.path.getsize(os.path.join(folder, x)) for x in os.listdir(folder)) / 1e3:.0f} KB, "
@@ -165,10 +181,15 @@ def main(names):
         make("llama3", model, tok, "llama3.jinja", eos_ids)
     torch.manual_seed(2)
     tok = train_tokenizer("qwen2", CHATML_SPECIAL)
+    tok.add_tokens(TOOL_TOKENS)                       # ids 320-323; the embedding is padded to 336 rows, as Qwen2.5's
     ids = {t: tok.convert_tokens_to_ids(t) for t in CHATML_SPECIAL}
-    model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16, rms_norm_eps=1e-6, rope_theta=1000000.0,
-                                         tie_word_embeddings=True, bos_token_id=ids["<|endoftext|>"],
-                                         eos_token_id=ids["<|im_end|>"]))
+    model = Qwen3ForCausalLM(Qwen3Config(**{**common, "vocab_size": VOCAB + 16}, head_dim=16, rms_norm_eps=1e-6,
+                                         rope_theta=1000000.0, tie_word_embeddings=True,
+                                         bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"]))
+    with torch.no_grad():                             # q/k norm weights apart from 1: the norm and the rotation do
+        for layer in model.model.layers:              # not commute then, so their order shows in the logits
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
     if "qwen3" in names:
         make("qwen3", model, tok, "chatml.jinja", [ids["<|im_end|>"], ids["<|endoftext|>"]])
 
