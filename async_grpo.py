@@ -53,10 +53,11 @@ import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 import task
+from flags import SFT_PATH, TEMPERATURE, Float, Int, add_run_flags, parser
 from kernels import kl_penalty
 from lora import merge, trainable
 from model import completion_logprobs
-from plumbing import SFT_PATH, TEMPERATURE, Float, Int, Run, add_run_flags, autocast, load_model, parser, pick_device
+from plumbing import Run, autocast, load_model, pick_device
 
 CHUNK, WEIGHTS = 1, 2      # message tags: actor -> learner groups, learner -> actor weights
 GROUPS, GOODBYE, STOP = 1.0, 2.0, -1.0

@@ -1,22 +1,26 @@
 """
-Chat templates: a prompt rendered through a checkpoint's own chat template and encoded, as transformers'
-`apply_chat_template(messages, add_generation_prompt=True, tokenize=True, sanitize_control_tokens=True)` does.
+Chat templates: a prompt rendered through a checkpoint's own chat template and encoded, as
+transformers' `apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+sanitize_control_tokens=True)` does.
 
-An instruct model was tuned on its template's text (Qwen2.5: <|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>
-assistant\n). The template, a Jinja program from the checkpoint's folder, runs in Jinja's sandbox with what
-transformers gives it: trim/lstrip blocks, loop controls, raise_exception, strftime_now, a tojson keeping non-ASCII
-text, and `tools` and `documents` (None here). The special tokens it writes become special ids; none in a message
-can (each is wrapped in transformers' markers, U+F0000 and U+F0001, before rendering and encoded as text after).
-`end_of_turn` finds what follows an assistant message (<|im_end|>, <|eot_id|>): the tokenizer stops on it,
-demonstrations end with it.
+An instruct model was tuned on its template's text (Qwen2.5: "<|im_start|>user\n{prompt}
+<|im_end|>\n<|im_start|>assistant\n"). The template, a Jinja program from the checkpoint's folder,
+runs in Jinja's sandbox with what transformers gives it: trim/lstrip blocks, loop controls,
+raise_exception, strftime_now, a tojson keeping non-ASCII text, and `tools` and `documents` (None
+here). The special tokens it writes become special ids; none in a message can (each is wrapped in
+transformers' markers, U+F0000 and U+F0001, before rendering and encoded as text after).
+`end_of_turn` finds what follows an assistant message (<|im_end|>, <|eot_id|>): the tokenizer
+stops on it, demonstrations end with it.
 
 Where this differs from transformers:
-- strftime_now reads a date fixed per run (`date`, kept in the checkpoint), not the clock: Llama 3.2's template
-  writes "Today Date", and a run resumed on another day must see the prompts it trained on.
-- A downloaded template is untrusted input. A render gets RENDER_SECONDS (in the main thread) and writes at most
-  MAX_CHARS; a string, list or integer it builds past that size is refused before it is built (`*`, `+`, `%`,
-  `**`, a call or filter with an integer argument above MAX_INT); an attribute the sandbox refuses raises instead
-  of rendering as "". Every failure, a Python error inside the template included, is one ChatTemplateError.
+- strftime_now reads a date fixed per run (`date`, kept in the checkpoint), not the clock: Llama
+  3.2's template writes "Today Date", and a run resumed on another day must see the prompts it
+  trained on.
+- A downloaded template is untrusted input. A render gets RENDER_SECONDS (in the main thread) and
+  writes at most MAX_CHARS; a string, list or integer it builds past that size is refused before it
+  is built (`*`, `+`, `%`, `**`, a call or filter with an integer argument above MAX_INT); an
+  attribute the sandbox refuses raises instead of rendering as "". Every failure, a Python error
+  inside the template included, is one ChatTemplateError.
 """
 import functools
 import json
@@ -31,11 +35,11 @@ import jinja2.nodes
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-START, END = "\U000f0000", "\U000f0001"     # transformers' markers around a control token inside a message
-PROBE = "\U000f0002"                       # a message's content while end_of_turn looks for what follows it
-RENDER_SECONDS = 5.0                       # one render's time (a real template takes about a millisecond)
-MAX_CHARS = 1_000_000                      # the longest text, list or rendering a template may build
-MAX_INT = 100_000                          # the largest integer argument of a call or filter (Jinja's range cap)
+START, END = "\U000f0000", "\U000f0001"   # transformers' markers around a message's control token
+PROBE = "\U000f0002"                     # a message's content while end_of_turn looks past it
+RENDER_SECONDS = 5.0                     # one render's time (a real template takes a millisecond)
+MAX_CHARS = 1_000_000                    # the longest text, list or rendering a template may build
+MAX_INT = 100_000                        # the largest integer argument (Jinja's range cap)
 
 
 class ChatTemplateError(ValueError):
@@ -64,14 +68,16 @@ def _raise(message):
 
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
 
 
 def _check_size(value):
-    """value, or SecurityError where it is a text or list longer than MAX_CHARS or an integer of more bits."""
+    """value, or SecurityError where it is a text or list longer than MAX_CHARS or an integer of
+    more bits."""
     if isinstance(value, (str, list, tuple)) and len(value) > MAX_CHARS:
-        raise SecurityError(f"the template builds a {type(value).__name__} of {len(value):,} items (at most "
-                            f"{MAX_CHARS:,})")
+        raise SecurityError(f"the template builds a {type(value).__name__} of {len(value):,} "
+                            f"items (at most {MAX_CHARS:,})")
     if isinstance(value, int) and value.bit_length() > MAX_CHARS:
         raise SecurityError("the template builds an integer of more than a million bits")
     return value
@@ -84,7 +90,8 @@ def _check_arguments(args, kwargs):
 
 
 def _check_format(fmt, args=()):
-    """A format string (str.format, the format filter, %) whose field widths stay below a million characters."""
+    """A format string (str.format, the format filter, %) whose field widths stay below a million
+    characters."""
     if isinstance(fmt, str) and (re.search(r"\d{7,}", fmt) or "*" in fmt and any(
             isinstance(a, int) and abs(a) > MAX_INT for a in args)):
         raise SecurityError("the template formats a field a million characters wide or more")
@@ -92,7 +99,7 @@ def _check_format(fmt, args=()):
 
 def _bounded(f, is_format=False):
     """A filter or global with its integer arguments and its result bounded."""
-    @functools.wraps(f)                                # keeps jinja_pass_arg (pass_context, pass_eval_context)
+    @functools.wraps(f)                       # keeps jinja_pass_arg (pass_context, ...)
     def call(*args, **kwargs):
         _check_arguments(args, kwargs)
         if is_format and args:
@@ -111,8 +118,10 @@ class _Environment(ImmutableSandboxedEnvironment):
             seq, n = (left, right) if sized(left) else (right, left)
             if isinstance(n, int) and len(seq) * n > MAX_CHARS:
                 raise SecurityError(f"the template repeats a {type(seq).__name__} {n:,} times")
-        if operator == "+" and sized(left) and sized(right) and len(left) + len(right) > MAX_CHARS:
-            raise SecurityError(f"the template builds a {type(left).__name__} past {MAX_CHARS:,} items")
+        if operator == "+" and sized(left) and sized(right) and \
+                len(left) + len(right) > MAX_CHARS:
+            raise SecurityError(f"the template builds a {type(left).__name__} past {MAX_CHARS:,} "
+                                f"items")
         if operator == "%":
             _check_format(left, right if isinstance(right, tuple) else (right,))
         if operator == "**" and isinstance(left, int) and isinstance(right, int) and \
@@ -122,32 +131,39 @@ class _Environment(ImmutableSandboxedEnvironment):
 
     def call(__self, __context, __obj, *args, **kwargs):             # Jinja's own signature
         _check_arguments(args, kwargs)
-        if getattr(__obj, "__name__", None) in ("format", "format_map"):   # str.format (the sandbox's wrapper)
+        if getattr(__obj, "__name__", None) in ("format", "format_map"):   # str.format (wrapped)
             _check_format(getattr(getattr(__obj, "__wrapped__", __obj), "__self__", None))
         return _check_size(super().call(__context, __obj, *args, **kwargs))
 
     def unsafe_undefined(self, obj, attribute):
-        raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__!r} object is unsafe")
+        raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__!r} "
+                            f"object is unsafe")
 
 
 class ChatTemplate:
-    """source: the Jinja text; added: {text: id} of the added tokens, special: the special ones; variables:
-    bos_token, eos_token, ...; date: what strftime_now formats (a datetime, or an ISO date; None: today)."""
+    """source: the Jinja text; added: {text: id} of the added tokens, special: the special ones;
+    variables: bos_token, eos_token, ...; date: what strftime_now formats (a datetime, or an ISO
+    date; None: today)."""
 
     def __init__(self, source, added, special, variables, date=None):
-        env = _Environment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, jinja2.ext.loopcontrols])
+        env = _Environment(trim_blocks=True, lstrip_blocks=True,
+                           extensions=[_Generation, jinja2.ext.loopcontrols])
         env.filters = {name: _bounded(f, name == "format") for name, f in env.filters.items()}
         env.filters["tojson"] = _bounded(_tojson)
-        self.date = datetime.fromisoformat(date) if isinstance(date, str) else date or datetime.now()
+        if isinstance(date, str):
+            date = datetime.fromisoformat(date)
+        self.date = date or datetime.now()
         env.globals.update(raise_exception=_raise, strftime_now=self.strftime_now,
                            lipsum=_bounded(env.globals["lipsum"]))
         try:
             ast = env.parse(source)
             self.template = env.from_string(source)
-        except Exception as e:                                      # a syntax error, or a recursion in the parser
-            raise ChatTemplateError(f"the chat template does not compile ({type(e).__name__}: {e})") from None
+        except Exception as e:                         # a syntax error, or the parser's recursion
+            raise ChatTemplateError(f"the chat template does not compile ({type(e).__name__}: "
+                                    f"{e})") from None
         literals = "\0".join({n.data for n in ast.find_all(jinja2.nodes.TemplateData)}
-                             | {n.value for n in ast.find_all(jinja2.nodes.Const) if isinstance(n.value, str)})
+                             | {n.value for n in ast.find_all(jinja2.nodes.Const)
+                                if isinstance(n.value, str)})
         control = [t for t in added if t in special or (t in literals and not t.isspace())]
         longest_first = "|".join(map(re.escape, sorted(control, key=len, reverse=True))) or "(?!)"
         self.control_re = re.compile(longest_first)
@@ -160,20 +176,23 @@ class ChatTemplate:
         return self.date.strftime(fmt)
 
     def render(self, messages, add_generation_prompt=True, **kwargs):
-        """The template's text for `messages` ([{"role", "content"}]); kwargs reach the template (date_string=...)."""
+        """The template's text for `messages` ([{"role", "content"}]); kwargs reach the template
+        (date_string=...)."""
         variables = {"tools": None, "documents": None, **self.variables, **kwargs}
         try:
             return _in_time(lambda: self._render(messages, add_generation_prompt, variables))
         except _Timeout:
-            raise ChatTemplateError(f"the chat template did not finish rendering within {RENDER_SECONDS:g} s") \
-                from None
-        except Exception as e:                                      # TemplateError, SecurityError, a Python error
+            raise ChatTemplateError(f"the chat template did not finish rendering within "
+                                    f"{RENDER_SECONDS:g} s") from None
+        except Exception as e:                         # TemplateError, SecurityError, Python's
             why = str(e).splitlines()[0][:200] if str(e) else ""
-            raise ChatTemplateError(f"the chat template fails to render ({type(e).__name__}: {why})") from None
+            raise ChatTemplateError(f"the chat template fails to render ({type(e).__name__}: "
+                                    f"{why})") from None
 
     def _render(self, messages, add_generation_prompt, variables):
         pieces, n = [], 0
-        for piece in self.template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+        for piece in self.template.generate(messages=messages,
+                                            add_generation_prompt=add_generation_prompt,
                                             **variables):
             pieces.append(piece)
             n += len(piece)
@@ -182,8 +201,9 @@ class ChatTemplate:
         return "".join(pieces)
 
     def encode(self, messages, encode, encode_text, add_generation_prompt=True, **kwargs):
-        """Token ids of the rendered messages; encode: text -> ids with special tokens, encode_text: plain text."""
-        def mark(x):                                                     # every string in the messages
+        """Token ids of the rendered messages; encode: text -> ids with special tokens, encode_text:
+        plain text."""
+        def mark(x):                                   # every string in the messages
             if isinstance(x, dict):
                 return {k: mark(v) for k, v in x.items()}
             if isinstance(x, (list, tuple)):
@@ -192,7 +212,8 @@ class ChatTemplate:
                 return x
             x = x.replace(START, "").replace(END, "")                    # no forged markers
             return self.control_re.sub(lambda m: START + m.group(0) + END, x)
-        pieces = self.marked_re.split(self.render(mark(messages), add_generation_prompt, **kwargs))   # text, token, ...
+        text = self.render(mark(messages), add_generation_prompt, **kwargs)
+        pieces = self.marked_re.split(text)                # text, token, text, ...
         ids = []
         for i, piece in enumerate(pieces):
             if piece:
@@ -201,21 +222,24 @@ class ChatTemplate:
 
     def end_of_turn(self):
         """The control token the template writes right after an assistant message, or None."""
-        text = self.render([{"role": "user", "content": "1"}, {"role": "assistant", "content": PROBE}], False)
+        text = self.render([{"role": "user", "content": "1"},
+                            {"role": "assistant", "content": PROBE}], False)
         after = text[text.find(PROBE) + len(PROBE):] if PROBE in text else ""
         m = self.control_re.match(after)
         return m.group(0) if m else None
 
     def check(self):
-        """ChatTemplateError unless a user message renders, with its text in what the template writes."""
+        """ChatTemplateError unless a user message renders, with its text in what the template
+        writes."""
         text = self.render([{"role": "user", "content": PROBE}])
         if PROBE not in text:
-            raise ChatTemplateError("the chat template does not write the user's message (a probe message rendered "
-                                    f"as {text[:80]!r})")
+            raise ChatTemplateError(f"the chat template does not write the user's message (a "
+                                    f"probe message rendered as {text[:80]!r})")
 
 
 def _in_time(render):
-    """render() stopped by _Timeout after RENDER_SECONDS, where a timer can interrupt it (the main thread)."""
+    """render() stopped by _Timeout after RENDER_SECONDS, where a timer can interrupt it (the main
+    thread)."""
     if threading.current_thread() is not threading.main_thread():
         return render()
 

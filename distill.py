@@ -41,10 +41,11 @@ import os
 import torch
 
 import task
+from flags import TEMPERATURE, Float, Int, add_run_flags, default_path, parser, task_flags
 from kernels import entropy, kl, logprobs
 from lora import trainable
 from model import completion_logits, masked_mean
-from plumbing import TEMPERATURE, Float, Int, Run, add_run_flags, build_missing, parser, read_checkpoint
+from plumbing import Run, build_missing, read_checkpoint
 
 TEACHER_PATH = os.path.join("out", "expert_iteration.pt")   # the best RL policy of the results table
 STUDENT_PATH = os.path.join("out", "sft_small", "sft.pt")   # sft.py with the flags below
@@ -126,11 +127,7 @@ def parse_args(argv=None):
     g.add_argument("--init", default=STUDENT_PATH, help="the student's start: a small SFT policy (built if missing)")
     g.add_argument("--teacher", default=TEACHER_PATH, help="the teacher: any policy checkpoint with the student's "
                    "tokenizer (default built by expert_iteration.py if missing)")
-    args = p.parse_args(argv)
-    for flag, default in (("init", STUDENT_PATH), ("teacher", TEACHER_PATH)):   # other tasks: out/<task>/...
-        if getattr(args, flag) == default:
-            setattr(args, flag, os.path.join(task.folder(args), os.path.relpath(default, "out")))
-    return args
+    return p.parse_args(argv)
 
 
 class DistillRun(Run):
@@ -144,10 +141,11 @@ def load_models(run, args):
     error line naming both."""
     if os.path.exists(args.init):
         read_checkpoint(args.init, "--init")                            # unreadable: one line, before any building
-    default = lambda path: os.path.join(task.folder(args), os.path.relpath(path, "out"))
     if run.is_main:
-        build_missing(args.init, default(STUDENT_PATH), ["sft.py", *STUDENT_FLAGS, *task.flags(args)], args.device)
-        build_missing(args.teacher, default(TEACHER_PATH), ["expert_iteration.py", *task.flags(args)], args.device)
+        build_missing(args.init, default_path(STUDENT_PATH, args), ["sft.py", *STUDENT_FLAGS, *task_flags(args)],
+                      args.device)
+        build_missing(args.teacher, default_path(TEACHER_PATH, args), ["expert_iteration.py", *task_flags(args)],
+                      args.device)
     run.barrier()
     policy, tok = run.load_policy(args.init)
     teacher, teacher_tok = run.load(args.teacher)

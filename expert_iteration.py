@@ -41,9 +41,10 @@ import torch
 import torch.distributed as dist
 
 import task
+from flags import RM_PATH, SFT_PATH, TEMPERATURE, Float, Int, add_run_flags, parser, require_arithmetic
 from lora import trainable
 from model import masked_mean, token_logprobs
-from plumbing import RM_PATH, SFT_PATH, TEMPERATURE, Float, Int, Run, add_run_flags, parser
+from plumbing import Run
 from tasks import arithmetic
 
 
@@ -177,7 +178,7 @@ def parse_args(argv=None):
         args.max_per_prompt = 4 if args.select == "verifier" else 1
     args.steps = args.rounds                                       # derived: one Run step is one round
     if args.hindsight:
-        task.require_arithmetic(p, args, "--hindsight (relabelling a+b*c= attempts as (a+b)*c=)")
+        require_arithmetic(p, args, "--hindsight (relabelling a+b*c= attempts as (a+b)*c=)")
     return args
 
 

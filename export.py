@@ -1,24 +1,25 @@
 """
-Export: a checkpoint of this project as a Hugging Face folder, for transformers, vLLM and the rest to load.
+Export: a checkpoint of this project as a Hugging Face folder, for transformers, vLLM and the rest.
 
-    python export.py out/grpo.pt out/grpo-hf              # config.json, model.safetensors, tokenizer, generation config
-    python export.py out/grpo.pt out/grpo-lora --peft     # a LoRA run's adapters alone, as PEFT writes them
+    python export.py out/grpo.pt out/grpo-hf           # config, weights, tokenizer, generation
+    python export.py out/grpo.pt out/grpo-lora --peft  # a LoRA run's adapters, as PEFT writes
 
-    AutoModelForCausalLM.from_pretrained("out/grpo-hf")   # or: vllm serve out/grpo-hf
+    AutoModelForCausalLM.from_pretrained("out/grpo-hf")  # or: vllm serve out/grpo-hf
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), "out/grpo-lora")
 
-The weights go back to the layout their family has on the Hub (model_type gpt2, llama, qwen2, qwen3): model.py's
-fused c_attn split into q_proj, k_proj, v_proj (c_fc into gate_proj, up_proj), GPT-2's Conv1D weights transposed,
-a tied LM head left out. A checkpoint trained from a Hugging Face folder (--init) keeps that folder's config.json
-(its dtype set to the export's), tokenizer files, chat template and generation_config.json. One trained from this
-project's byte tokenizer gets a config.json of the family its parts fit (sft.py's models: gpt2) and a tokenizer.json
-that encodes text as the byte tokenizer does (one token per byte, <|endoftext|> 256, <|pad|> 257).
+The weights go back to their family's layout on the Hub (model_type gpt2, llama, qwen2, qwen3)
+through checkpoint.py's table of names, the one loading reads: c_attn split into q_proj, k_proj,
+v_proj (c_fc into gate_proj, up_proj), GPT-2's Conv1D weights transposed, a tied head left out. A
+checkpoint trained from a Hugging Face folder (--init) keeps that folder's config.json (its dtype
+the export's), tokenizer files, chat template and generation_config.json, checked to be the ones
+it was trained with. One trained from the byte tokenizer gets a config.json of the family its parts
+fit (sft.py's: gpt2) and a tokenizer.json that encodes as the byte tokenizer does.
 
-A LoRA checkpoint is exported merged (W + (alpha / r) B A, what lora.merge computes) unless --peft asks for the
-adapter folder: adapter_config.json and adapter_model.safetensors with PEFT's tensor names, the base model being
-the --init folder. Shards: weights past --max_shard_size go to model-0000i-of-0000n.safetensors with an index, as
-save_pretrained writes them. The folder is written whole under a temporary name and renamed: a failed export
-leaves nothing behind.
+A LoRA checkpoint is exported merged (W + (alpha / r) B A, lora.merge) unless --peft asks for the
+adapter folder (PEFT's names and config, the --init folder as base, float32 as PEFT saves them).
+Weights past --max_shard_size go to numbered shards with an index, as save_pretrained writes. The
+folder is written whole under a temporary name and renamed: a failed or interrupted export leaves
+nothing behind, and the next export to that place removes a killed one's leftovers.
 """
 import argparse
 import json
@@ -31,15 +32,17 @@ import sys
 import torch
 from safetensors.torch import save_file
 
+from checkpoint import (CheckpointError, from_pretrained, hf_tensors, load_checkpoint,
+                        pretrained_config)
 from lora import add_adapters, base_model
-from model import (EOS, GPT, PAD, TOKENIZER_FILES, CheckpointError, GPTConfig, bytes_to_unicode, from_pretrained,
-                   load_checkpoint, pretrained_config, read_json, tokenizer_files)
+from model import GPT, GPTConfig
+from tokenizer import EOS, PAD, TOKENIZER_FILES, bytes_to_unicode, read_json, tokenizer_files
 
 MODEL_TYPES = ("gpt2", "llama", "qwen2", "qwen3")
-ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
-PEFT_NAMES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
-              "down": "down_proj"}                                   # Llama, Qwen2, Qwen3
+ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+PEFT_NAMES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj",
+              "up": "up_proj", "down": "down_proj"}                   # Llama, Qwen2, Qwen3
 GPT2_PEFT_NAMES = {"qkv": "attn.c_attn", "o": "attn.c_proj", "up": "mlp.c_fc", "down": "mlp.c_proj"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -52,17 +55,24 @@ def fits(config, model_type):
     c = config
     if model_type == "gpt2":
         wrong = [c.pos != "learned" and "rotary positions", c.norm != "layernorm" and "RMSNorm",
-                 c.mlp != "gelu" and "a SwiGLU MLP", not (c.bias and c.qkv_bias and c.o_bias in (None, True)) and
-                 "projections without biases", c.kv_heads != c.n_head and "grouped-query attention",
-                 c.head_dim not in (0, c.n_embd // c.n_head) and "a separate head_dim", c.qk_norm and "q/k norms"]
+                 c.mlp != "gelu" and "a SwiGLU MLP",
+                 not (c.bias and c.qkv_bias and c.o_bias in (None, True))
+                 and "projections without biases",
+                 c.kv_heads != c.n_head and "grouped-query attention",
+                 c.head_dim not in (0, c.n_embd // c.n_head) and "a separate head_dim",
+                 c.qk_norm and "q/k norms"]
     else:
         o_bias = c.bias if c.o_bias is None else c.o_bias
         wrong = [c.pos != "rope" and "learned positions", c.norm != "rmsnorm" and "LayerNorm",
                  c.mlp != "swiglu" and "a GELU MLP", c.bias and "MLP biases",
-                 model_type == "qwen2" and not (c.qkv_bias and not o_bias) and "not Qwen2's q/k/v biases",
-                 model_type == "qwen2" and c.head_dim not in (0, c.n_embd // c.n_head) and "a separate head_dim",
-                 model_type != "qwen2" and c.qkv_bias != o_bias and "q/k/v biases without an o_proj bias",
-                 (model_type == "qwen3") != c.qk_norm and ("no q/k norms" if c.qk_norm is False else "q/k norms"),
+                 model_type == "qwen2" and not (c.qkv_bias and not o_bias)
+                 and "not Qwen2's q/k/v biases",
+                 model_type == "qwen2" and c.head_dim not in (0, c.n_embd // c.n_head)
+                 and "a separate head_dim",
+                 model_type != "qwen2" and c.qkv_bias != o_bias
+                 and "q/k/v biases without an o_proj bias",
+                 (model_type == "qwen3") != c.qk_norm
+                 and ("no q/k norms" if c.qk_norm is False else "q/k norms"),
                  model_type != "llama" and c.rope_scaling != "none" and "Llama 3's rope scaling"]
     wrong = [w for w in wrong if w]
     return None if not wrong else ", ".join(wrong)
@@ -76,18 +86,20 @@ def infer_model_type(config):
 
 
 def hf_config(config, model_type, dtype, eos_id, pad_id):
-    """config.json for a model with no source folder: the keys transformers reads for `model_type`."""
+    """config.json for a model with no source folder: the keys transformers reads for it."""
     c = config
     if model_type == "gpt2":
         out = dict(n_positions=c.block_size, n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd,
                    n_inner=c.mlp_hidden or None, layer_norm_epsilon=c.norm_eps,
-                   activation_function="gelu_new" if c.gelu == "tanh" else "gelu", resid_pdrop=0.0, embd_pdrop=0.0,
-                   attn_pdrop=0.0, n_ctx=c.block_size)
+                   activation_function="gelu_new" if c.gelu == "tanh" else "gelu",
+                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, n_ctx=c.block_size)
     else:
-        out = dict(hidden_size=c.n_embd, intermediate_size=c.mlp_hidden or 4 * c.n_embd, num_hidden_layers=c.n_layer,
-                   num_attention_heads=c.n_head, num_key_value_heads=c.kv_heads, max_position_embeddings=c.block_size,
-                   rms_norm_eps=c.norm_eps, hidden_act="silu", rope_theta=c.rope_theta, attention_dropout=0.0)
-        if model_type != "qwen2":                                     # Qwen2: q/k/v biases always, no head_dim key
+        out = dict(hidden_size=c.n_embd, intermediate_size=c.mlp_hidden or 4 * c.n_embd,
+                   num_hidden_layers=c.n_layer, num_attention_heads=c.n_head,
+                   num_key_value_heads=c.kv_heads, max_position_embeddings=c.block_size,
+                   rms_norm_eps=c.norm_eps, hidden_act="silu", rope_theta=c.rope_theta,
+                   attention_dropout=0.0)
+        if model_type != "qwen2":                     # Qwen2: q/k/v biases always, no head_dim
             out.update(head_dim=c.head_size, attention_bias=c.qkv_bias)
         if model_type != "llama":
             out.update(use_sliding_window=False)
@@ -98,63 +110,24 @@ def hf_config(config, model_type, dtype, eos_id, pad_id):
                                    "low_freq_factor": c.rope_low_freq_factor,
                                    "high_freq_factor": c.rope_high_freq_factor,
                                    "original_max_position_embeddings": c.rope_original_max}
-    return {"architectures": [ARCHITECTURES[model_type]], "model_type": model_type, "vocab_size": c.vocab_size,
-            **out, "tie_word_embeddings": c.tie_embeddings, "bos_token_id": eos_id, "eos_token_id": eos_id,
-            "pad_token_id": pad_id, "torch_dtype": dtype, "use_cache": True}
+    return {"architectures": [ARCHITECTURES[model_type]], "model_type": model_type,
+            "vocab_size": c.vocab_size, **out, "tie_word_embeddings": c.tie_embeddings,
+            "bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": pad_id,
+            "torch_dtype": dtype, "use_cache": True}
 
 
 # -----------------------------------------------------------------------------
-# Tensors: ours -> theirs
+# PEFT's adapter folder
 
-def hf_tensors(state, config, model_type):
-    """{Hugging Face name: tensor} of a plain model's state_dict: model.from_pretrained's mapping run backwards."""
-    c, out = config, {}
-    if model_type == "gpt2":
-        out["transformer.wte.weight"], out["transformer.wpe.weight"] = state["wte.weight"], state["wpe.weight"]
-        for i in range(c.n_layer):
-            p, q = f"transformer.h.{i}.", f"blocks.{i}."
-            for theirs, mine, conv in (("ln_1", "ln_1", False), ("ln_2", "ln_2", False),
-                                       ("attn.c_attn", "attn.c_attn", True), ("attn.c_proj", "attn.c_proj", True),
-                                       ("mlp.c_fc", "mlp.0", True), ("mlp.c_proj", "mlp.2", True)):
-                weight = state[q + mine + ".weight"]
-                out[p + theirs + ".weight"] = weight.t() if conv else weight   # Conv1D: (in, out)
-                out[p + theirs + ".bias"] = state[q + mine + ".bias"]
-        out["transformer.ln_f.weight"], out["transformer.ln_f.bias"] = state["ln_f.weight"], state["ln_f.bias"]
-    else:
-        hs, kv = c.head_size, c.kv_heads
-        out["model.embed_tokens.weight"] = state["wte.weight"]
-        for i in range(c.n_layer):
-            p, q = f"model.layers.{i}.", f"blocks.{i}."
-            out[p + "input_layernorm.weight"] = state[q + "ln_1.weight"]
-            out[p + "post_attention_layernorm.weight"] = state[q + "ln_2.weight"]
-            for suffix in ("weight", "bias"):
-                if q + "attn.c_attn." + suffix in state:               # rows: q (n_head hs), k (kv hs), v (kv hs)
-                    parts = state[q + "attn.c_attn." + suffix].split([c.n_head * hs, kv * hs, kv * hs])
-                    out.update({p + f"self_attn.{x}_proj.{suffix}": t for x, t in zip("qkv", parts)})
-                if q + "attn.c_proj." + suffix in state:
-                    out[p + "self_attn.o_proj." + suffix] = state[q + "attn.c_proj." + suffix]
-                if q + "mlp.c_fc." + suffix in state:                  # rows: gate, up
-                    gate, up = state[q + "mlp.c_fc." + suffix].chunk(2)
-                    out[p + "mlp.gate_proj." + suffix], out[p + "mlp.up_proj." + suffix] = gate, up
-                if q + "mlp.c_proj." + suffix in state:
-                    out[p + "mlp.down_proj." + suffix] = state[q + "mlp.c_proj." + suffix]
-            if c.qk_norm:
-                out[p + "self_attn.q_norm.weight"] = state[q + "attn.q_norm.weight"]
-                out[p + "self_attn.k_norm.weight"] = state[q + "attn.k_norm.weight"]
-        out["model.norm.weight"] = state["ln_f.weight"]
-    if not c.tie_embeddings:
-        out["lm_head.weight"] = state["lm_head.weight"]
-    return out
-
-
-def peft_tensors(state, config, model_type):
-    """{PEFT name: tensor} of a LoRA checkpoint's adapters: base_model.model.<module>.lora_A.weight (r, in) and
-    lora_B.weight (out, r), per q/k/v/gate/up part on Llama-family models (each part its own module there)."""
+def peft_tensors(state, model_type):
+    """{PEFT name: tensor} of a LoRA checkpoint's adapters: base_model.model.<module>.lora_A.weight
+    (r, in) and lora_B.weight (out, r), per q/k/v/gate/up part on Llama-family models (each part
+    its own module there)."""
     out = {}
     for name, tensor in state.items():
         if ".lora_A." not in name and ".lora_B." not in name:
             continue
-        layer, kind, part = name.rsplit(".", 2)                       # blocks.0.attn.c_attn, lora_A, q
+        layer, kind, part = name.rsplit(".", 2)                 # blocks.0.attn.c_attn, lora_A, q
         i = int(layer.split(".")[1])
         if model_type == "gpt2":
             module = f"transformer.h.{i}.{GPT2_PEFT_NAMES[part]}"
@@ -167,18 +140,19 @@ def peft_tensors(state, config, model_type):
 
 def peft_config(lora, model_type, base):
     names = GPT2_PEFT_NAMES if model_type == "gpt2" else PEFT_NAMES
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": lora["rank"],
-            "lora_alpha": lora["alpha"], "lora_dropout": 0.0, "bias": "none", "use_rslora": False,
-            "fan_in_fan_out": model_type == "gpt2",                    # GPT-2's Conv1D stores W as (in, out)
-            "target_modules": sorted(names[t] for t in lora["targets"]), "init_lora_weights": True,
-            "modules_to_save": None, "inference_mode": True}
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
+            "r": lora["rank"], "lora_alpha": lora["alpha"], "lora_dropout": 0.0, "bias": "none",
+            "use_rslora": False, "fan_in_fan_out": model_type == "gpt2",   # Conv1D: (in, out)
+            "target_modules": sorted(names[t] for t in lora["targets"]),
+            "init_lora_weights": True, "modules_to_save": None, "inference_mode": True}
 
 
 # -----------------------------------------------------------------------------
 # Files
 
 def write_weights(folder, tensors, max_shard_bytes, metadata=None):
-    """model.safetensors, or shards of at most max_shard_bytes (a tensor larger than that alone) and their index."""
+    """model.safetensors, or shards of at most max_shard_bytes (a larger tensor alone) with
+    their index."""
     shards, size = [{}], 0
     for name, t in tensors.items():
         n = t.numel() * t.element_size()
@@ -194,7 +168,8 @@ def write_weights(folder, tensors, max_shard_bytes, metadata=None):
         save_file(shard, os.path.join(folder, name), metadata=metadata)
         weight_map.update(dict.fromkeys(shard, name))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    write_json(folder, "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+    write_json(folder, "model.safetensors.index.json",
+               {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
 def write_json(folder, name, data):
@@ -204,22 +179,26 @@ def write_json(folder, name, data):
 
 
 def byte_tokenizer(block_size):
-    """tokenizer.json and tokenizer_config.json that encode as model.Tokenizer("bytes"): byte-level BPE with no
-    merges (one token per byte, id = the byte), <|endoftext|> and <|pad|> as added special tokens."""
+    """tokenizer.json and tokenizer_config.json that encode as Tokenizer("bytes"): byte-level BPE
+    without merges (one token per byte, id = the byte), <|endoftext|> and <|pad|> added."""
     alphabet = bytes_to_unicode()
-    added = [{"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
-              "special": True} for i, text in ((256, EOS), (257, PAD))]
-    split = {"type": "Split", "pattern": {"Regex": r"[\s\S]{1,256}"}, "behavior": "Isolated", "invert": False}
-    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
-    tokenizer = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+    added = [{"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
+              "normalized": False, "special": True} for i, text in ((256, EOS), (257, PAD))]
+    split = {"type": "Split", "pattern": {"Regex": r"[\s\S]{1,256}"}, "behavior": "Isolated",
+             "invert": False}
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                  "use_regex": False}
+    model = {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+             "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+             "ignore_merges": False, "vocab": {alphabet[b]: b for b in range(256)}, "merges": []}
+    tokenizer = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+                 "normalizer": None,
                  "pre_tokenizer": {"type": "Sequence", "pretokenizers": [split, byte_level]},
-                 "post_processor": None, "decoder": {"type": "ByteLevel", "add_prefix_space": False,
-                                                     "trim_offsets": True, "use_regex": False},
-                 "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                           "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
-                           "ignore_merges": False, "vocab": {alphabet[b]: b for b in range(256)}, "merges": []}}
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "pad_token": PAD, "bos_token": EOS,
-              "model_max_length": block_size, "clean_up_tokenization_spaces": False}
+                 "post_processor": None, "decoder": {**byte_level, "type": "ByteLevel"},
+                 "model": model}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "pad_token": PAD,
+              "bos_token": EOS, "model_max_length": block_size,
+              "clean_up_tokenization_spaces": False}
     return tokenizer, config
 
 
@@ -237,56 +216,66 @@ def parse_size(text):
             if math.isfinite(value * scale) and value > 0:
                 return max(1, int(value * scale))
             break
-    raise argparse.ArgumentTypeError(f"{text!r} is not a size (allowed: a positive number and a unit: 500MB, 5GB)")
+    raise argparse.ArgumentTypeError(f"{text!r} is not a size (allowed: a positive number and a "
+                                     f"unit: 500MB, 5GB)")
 
 
 def plan(args):
-    """Everything checked before a file is written: (ckpt, model, model_type, source folder or None, its config.json
-    as a dict, dtype name)."""
+    """Everything checked before a file is written: (ckpt, model, model_type, source folder or
+    None, its config.json as a dict, dtype name)."""
     if os.path.islink(args.out):
-        raise SystemExit(f"error: {args.out} is a symbolic link; allowed: a new or empty folder")
+        raise SystemExit(f"error: {args.out} is a symbolic link; allowed: a new or empty "
+                         f"folder")
     if os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
-        raise SystemExit(f"error: {args.out} exists and is not an empty folder; allowed: a new or empty folder")
+        raise SystemExit(f"error: {args.out} exists and is not an empty folder; allowed: a new or "
+                         f"empty folder")
     try:
         model, ckpt = load_checkpoint(args.checkpoint)
     except CheckpointError as e:
         raise SystemExit(f"error: {e}") from None
     if ckpt["kind"] != "gpt":
-        raise SystemExit(f"error: {args.checkpoint} holds a {ckpt['kind']!r} model (a reward model or verifier); "
-                         f"allowed: a policy (kind 'gpt'), which has a causal-LM layout to export to")
+        raise SystemExit(f"error: {args.checkpoint} holds a {ckpt['kind']!r} model (a reward model "
+                         f"or verifier); allowed: a policy (kind 'gpt'), which has a causal-LM "
+                         f"layout to export to")
     if args.peft and not ckpt.get("lora"):
-        raise SystemExit(f"error: --peft, but {args.checkpoint} has no LoRA adapters (trained without "
-                         f"--lora_rank); export it without --peft")
+        raise SystemExit(f"error: --peft, but {args.checkpoint} has no LoRA adapters (trained "
+                         f"without --lora_rank); export it without --peft")
     name = ckpt["tokenizer"]
     source = name[3:] if name.startswith("hf:") else None
     if source is not None and not os.path.isfile(os.path.join(source, "config.json")):
-        raise SystemExit(f"error: {args.checkpoint} was trained from {source}, which is gone; its tokenizer files "
-                         f"are copied from there (restore the folder, or re-download it to that path)")
+        raise SystemExit(f"error: {args.checkpoint} was trained from {source}, which is gone; its "
+                         f"tokenizer files are copied from there (restore the folder, or "
+                         f"re-download it to that path)")
     if source is None and name != "bytes":
-        raise SystemExit(f"error: {args.checkpoint} uses tiktoken's {name!r} encoding, which has no tokenizer.json "
-                         f"here; allowed: checkpoints trained from a Hugging Face folder or the byte tokenizer")
+        raise SystemExit(f"error: {args.checkpoint} uses tiktoken's {name!r} encoding, which has "
+                         f"no tokenizer.json here; allowed: checkpoints trained from a Hugging "
+                         f"Face folder or the byte tokenizer")
     if source:
         check_tokenizer(ckpt, source, args.checkpoint)
     source_config = read_json(os.path.join(source, "config.json"), dict) if source else {}
-    if source and args.model_type and args.model_type != source_config.get("model_type"):
-        raise SystemExit(f"error: --model_type {args.model_type}: {args.checkpoint} was trained from {source}, a "
-                         f"{source_config.get('model_type')} model; allowed: its own")
-    model_type = args.model_type or (source_config.get("model_type") if source else infer_model_type(model.config))
+    theirs = source_config.get("model_type")
+    if source and args.model_type and args.model_type != theirs:
+        raise SystemExit(f"error: --model_type {args.model_type}: {args.checkpoint} was trained "
+                         f"from {source}, a {theirs} model; allowed: its own")
+    model_type = args.model_type or (theirs if source else infer_model_type(model.config))
     if model_type is None or fits(model.config, model_type) is not None:
         why = fits(model.config, model_type) if model_type else "no family has all its parts"
         flag = f"--model_type {args.model_type}: " if args.model_type else ""
-        raise SystemExit(f"error: {flag}{args.checkpoint} cannot be a {model_type or 'Hugging Face'} model ({why}); "
-                         f"allowed: --model_type {infer_model_type(model.config) or 'none fits'}")
-    if source and GPTConfig(**{**vars(pretrained_config(source)), "tokenizer_vocab": model.config.tokenizer_vocab}) \
-            != model.config:
-        raise SystemExit(f"error: {args.checkpoint}'s architecture differs from its source folder {source}")
+        raise SystemExit(f"error: {flag}{args.checkpoint} cannot be a "
+                         f"{model_type or 'Hugging Face'} model ({why}); allowed: --model_type "
+                         f"{infer_model_type(model.config) or 'none fits'}")
+    if source and GPTConfig(**{**vars(pretrained_config(source)),
+                               "tokenizer_vocab": model.config.tokenizer_vocab}) != model.config:
+        raise SystemExit(f"error: {args.checkpoint}'s architecture differs from its source folder "
+                         f"{source}")
     if args.peft and not base_is_source(ckpt, source):
-        raise SystemExit(f"error: --peft: the adapters of {args.checkpoint} sit on weights that are not "
-                         f"{source or 'a Hugging Face folder'}'s (trained before the adapters, e.g. an sft.pt); a "
-                         f"PEFT folder names its base model: export merged (without --peft)")
+        raise SystemExit(f"error: --peft: the adapters of {args.checkpoint} sit on weights that "
+                         f"are not {source or 'a Hugging Face folder'}'s (trained before the "
+                         f"adapters, e.g. an sft.pt); a PEFT folder names its base model: export "
+                         f"merged (without --peft)")
     dtype = args.dtype
     if dtype == "auto" and args.peft:
-        dtype = "float32"                                              # as PEFT saves adapters trained in float32
+        dtype = "float32"                                     # as PEFT saves adapters
     elif dtype == "auto":
         dtype = source_config.get("torch_dtype") or source_config.get("dtype") or "float32"
         dtype = dtype if dtype in DTYPES else "float32"
@@ -294,21 +283,22 @@ def plan(args):
 
 
 def check_tokenizer(ckpt, source, checkpoint):
-    """The source folder's tokenizer files are those the checkpoint was trained with (the sha256 it keeps), or one
-    line; an older checkpoint, which keeps none, needs at least the folder's tokenizer.json."""
+    """The source folder's tokenizer files are those the checkpoint was trained with (the sha256
+    it keeps), or one line; an older checkpoint, keeping none, needs the folder's tokenizer.json."""
     saved, now = ckpt.get("tokenizer_files"), tokenizer_files(source)
     if saved is None and "tokenizer.json" not in now:
-        raise SystemExit(f"error: {checkpoint} was trained with the tokenizer of {source}, which has no "
-                         f"tokenizer.json now; restore the folder as it was")
+        raise SystemExit(f"error: {checkpoint} was trained with the tokenizer of {source}, which "
+                         f"has no tokenizer.json now; restore the folder as it was")
     if saved is not None and saved != now:
         differ = sorted(k for k in {*saved, *now} if saved.get(k) != now.get(k))
         raise SystemExit(f"error: {checkpoint} was trained with the tokenizer of {source}, whose "
-                         f"{', '.join(differ)} changed since (edited, added or removed); the export would not encode "
-                         f"text as the model was trained to: restore the folder as it was")
+                         f"{', '.join(differ)} changed since (edited, added or removed); the "
+                         f"export would not encode text as the model was trained to: restore the "
+                         f"folder as it was")
 
 
 def cast(tensors, dtype):
-    """{name: tensor in dtype}, or one line naming a tensor whose values do not fit it (float16: |x| <= 65504)."""
+    """{name: tensor in dtype}, or one line naming a tensor that does not fit (float16: 65504)."""
     out = {}
     for name, t in tensors.items():
         out[name] = t.to(DTYPES[dtype])
@@ -319,7 +309,7 @@ def cast(tensors, dtype):
 
 
 def leftovers(out):
-    """Remove the temporary folders of exports to `out` that were killed (their process is gone)."""
+    """Remove the temporary folders of exports to `out` that were killed (their process gone)."""
     parent, stem = os.path.dirname(out) or ".", os.path.basename(out) + ".tmp"
     for name in os.listdir(parent):
         pid = name[len(stem):]
@@ -333,7 +323,7 @@ def leftovers(out):
 
 
 def base_is_source(ckpt, source):
-    """Whether a LoRA checkpoint's frozen weights are exactly those of its source folder (float32, as loaded)."""
+    """Whether a LoRA checkpoint's frozen weights are exactly its source folder's (float32)."""
     if source is None:
         return False
     model = add_adapters(GPT(GPTConfig(**ckpt["config"])), **ckpt["lora"])
@@ -342,52 +332,58 @@ def base_is_source(ckpt, source):
     return all(torch.equal(t, theirs[n]) for n, t in base_model(model).state_dict().items())
 
 
+def write(tmp, args, ckpt, model, model_type, source, source_config, dtype, weights):
+    """Every file of the export into the folder `tmp`."""
+    if args.peft:
+        save_file({k: v.contiguous() for k, v in weights.items()},
+                  os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
+        write_json(tmp, "adapter_config.json", peft_config(ckpt["lora"], model_type, source or ""))
+    else:
+        write_weights(tmp, weights, args.max_shard_size, metadata={"format": "pt"})
+        if source:
+            config = dict(source_config)
+            config.pop("torch_dtype", None)
+            config.update({"dtype" if "dtype" in source_config else "torch_dtype": dtype})
+            write_json(tmp, "config.json", config)
+        else:
+            write_json(tmp, "config.json", hf_config(model.config, model_type, dtype, 256, 257))
+    if source:
+        for name in TOKENIZER_FILES:
+            if os.path.isfile(os.path.join(source, name)):
+                shutil.copy(os.path.join(source, name), os.path.join(tmp, name))
+    else:
+        tokenizer, config = byte_tokenizer(model.config.block_size)
+        write_json(tmp, "tokenizer.json", tokenizer)
+        write_json(tmp, "tokenizer_config.json", config)
+        write_json(tmp, "generation_config.json",
+                   {"bos_token_id": 256, "eos_token_id": 256, "pad_token_id": 257})
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in os.listdir(tmp):                              # readable as a user's files are
+        os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
+
+
 def export(args):
     try:
         ckpt, model, model_type, source, source_config, dtype = plan(args)
-    except CheckpointError as e:                                      # a source folder that no longer reads
+    except CheckpointError as e:                              # a source that no longer reads
         raise SystemExit(f"error: {e}") from None
-    tensors = (peft_tensors(ckpt["model"], model.config, model_type) if args.peft
-               else hf_tensors(model.state_dict(), model.config, model_type))
+    tensors = (peft_tensors(ckpt["model"], model_type) if args.peft
+               else hf_tensors(model.state_dict(), model.config))
     weights = cast(tensors, dtype)
     out = os.path.abspath(args.out)
     tmp = f"{out}.tmp{os.getpid()}"
     try:
         leftovers(out)
         os.makedirs(tmp)
-        if args.peft:
-            save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(tmp, "adapter_model.safetensors"),
-                      metadata={"format": "pt"})
-            write_json(tmp, "adapter_config.json", peft_config(ckpt["lora"], model_type, source or ""))
-        else:
-            write_weights(tmp, weights, args.max_shard_size, metadata={"format": "pt"})
-            if source:
-                config = dict(source_config)
-                config.pop("torch_dtype", None)
-                config.update({"dtype" if "dtype" in source_config else "torch_dtype": dtype})
-                write_json(tmp, "config.json", config)
-            else:
-                write_json(tmp, "config.json", hf_config(model.config, model_type, dtype, 256, 257))
-        if source:
-            for name in TOKENIZER_FILES + ("generation_config.json",):
-                if os.path.isfile(os.path.join(source, name)):
-                    shutil.copy(os.path.join(source, name), os.path.join(tmp, name))
-        else:
-            tokenizer, config = byte_tokenizer(model.config.block_size)
-            write_json(tmp, "tokenizer.json", tokenizer)
-            write_json(tmp, "tokenizer_config.json", config)
-            write_json(tmp, "generation_config.json", {"bos_token_id": 256, "eos_token_id": 256, "pad_token_id": 257})
-        umask = os.umask(0)
-        os.umask(umask)
-        for name in os.listdir(tmp):                                  # readable as every file a user writes is
-            os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
+        write(tmp, args, ckpt, model, model_type, source, source_config, dtype, weights)
         if os.path.isdir(out):
-            os.rmdir(out)                                             # empty: checked
+            os.rmdir(out)                                     # empty: checked
         os.replace(tmp, out)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise SystemExit(f"error: cannot write {args.out} ({e.strerror or e})") from None
-    except BaseException:                                             # Ctrl-C, SIGTERM: nothing left behind
+    except BaseException:                                     # Ctrl-C, SIGTERM: nothing left
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     what = "LoRA adapters (PEFT)" if args.peft else f"{model_type} weights in {dtype}"
@@ -404,15 +400,18 @@ def main(argv=None):
     p.add_argument("checkpoint", help="a checkpoint a training script wrote (out/grpo.pt, ...)")
     p.add_argument("out", help="the folder to write (new or empty)")
     p.add_argument("--peft", action="store_true",
-                   help="write the LoRA adapters as a PEFT adapter folder instead of merged weights")
+                   help="write the LoRA adapters as a PEFT adapter folder, not merged weights")
     p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
-                   help="the weights' dtype; auto: the --init folder's (config.json's torch_dtype), else float32")
+                   help="the weights' dtype; auto: the --init folder's (config.json's "
+                        "torch_dtype), else float32; --peft: float32")
     p.add_argument("--model_type", choices=MODEL_TYPES, default=None,
-                   help="the Hugging Face family; default: the --init folder's, or the one the architecture fits")
+                   help="the Hugging Face family; default: the --init folder's, or the one the "
+                        "architecture fits")
     p.add_argument("--max_shard_size", type=parse_size, default="5GB",
-                   help="largest weight file; more weights go to numbered shards with an index (default 5GB)")
+                   help="largest weight file; more weights go to numbered shards with an index "
+                        "(default 5GB)")
     args = p.parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))          # as Ctrl-C: the temporary folder is removed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # as Ctrl-C: nothing left behind
     try:
         export(args)
     except KeyboardInterrupt:

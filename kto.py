@@ -37,10 +37,11 @@ import random
 import torch
 
 import task
+from flags import SFT_PATH, TEMPERATURE, Float, Int, add_run_flags, parser
 from kernels import kl
 from lora import trainable
 from model import token_logprobs
-from plumbing import SFT_PATH, TEMPERATURE, Float, Int, Run, add_run_flags, parser
+from plumbing import Run
 
 
 # -----------------------------------------------------------------------------

@@ -1,20 +1,20 @@
 """
-LoRA, from scratch: low-rank adapters on a model's projections, trained while its weights stay frozen (Hu et al.
-2021, arXiv 2106.09685). A projection y = W x (W: out x in) gets A (r x in) and B (out x r), r << in, out:
+LoRA, from scratch: low-rank adapters on a model's projections, trained while its weights stay
+frozen (Hu et al. 2021, arXiv 2106.09685). A projection y = W x (W: out x in) gets A (r x in) and
+B (out x r), r << in, out:
 
-    y = W x + (alpha / r) B A x                      B = 0 at the start, so the model starts as it was
+    y = W x + (alpha / r) B A x              B = 0 at the start: the model starts as it was
 
-Only A and B train: the optimiser holds r (in + out) numbers per projection, not in x out. The reference policy of
-an RL or preference run is the same weights with the adapters off (`base_model`: shared tensors, no second copy). A
-checkpoint holds weights and adapters; loaded as a model it is merged (`merge`: W + (alpha / r) B A).
+Only A and B train: r (in + out) numbers per projection, not in x out. The reference policy of an
+RL or preference run is the same weights with the adapters off (base_model: no second copy). A
+checkpoint holds weights and adapters; loaded as a model it is merged (W + (alpha / r) B A).
 
-Choices as PEFT (the field's library) makes them, so that an exported adapter loads there: A initialised as
-nn.Linear's weight (Kaiming-uniform; the paper: Gaussian), B zeros; no dropout, no biases, scale alpha / r. Targets
-are Hugging Face's names of the projections a model has: q, k, v (rotary) or qkv (GPT-2's fused c_attn), o, gate
-(gated MLPs), up, down. model.py fuses q, k, v into c_attn (gate, up into c_fc): each part gets its own A and B, as
-separate q_proj, k_proj, v_proj would. Embeddings, norms and the LM head stay frozen.
+PEFT's choices, so that an exported adapter loads there: A initialised as nn.Linear's weight
+(Kaiming-uniform; the paper: Gaussian), B zeros; no dropout, no biases, scale alpha / r. Targets
+are Hugging Face's names of the projections a model has: q, k, v (rotary) or qkv (GPT-2's fused
+c_attn), o, gate (gated MLPs), up, down; each part of a fused projection gets its own A and B.
 
-    python grpo.py --init path/to/Qwen2.5-0.5B-Instruct --lora_rank 16 --lora_alpha 32   # every training script
+    python grpo.py --init path/to/Qwen2.5-0.5B-Instruct --lora_rank 16 --lora_alpha 32
 """
 import copy
 import math
@@ -23,12 +23,13 @@ import torch
 import torch.nn as nn
 
 class LoRALinear(nn.Module):
-    """A frozen nn.Linear `base` whose output, split into parts of widths `sizes` (a fused projection: q | k | v),
-    gets (alpha / r) B_i A_i x added on the parts named in `adapted`."""
+    """A frozen nn.Linear `base` whose output, parts of widths `sizes` (q | k | v), gets
+    (alpha / r) B_i A_i x added on the parts in `adapted`."""
 
     def __init__(self, base, sizes, names, adapted, rank, alpha):
         super().__init__()
-        self.base, self.sizes, self.names, self.rank, self.alpha = base, list(sizes), list(names), rank, alpha
+        self.base, self.sizes, self.names = base, list(sizes), list(names)
+        self.rank, self.alpha = rank, alpha
         self.scale = alpha / rank
         self.adapted = [n for n in names if n in adapted]
         self.lora_A = nn.ParameterDict()
@@ -36,7 +37,7 @@ class LoRALinear(nn.Module):
         for name, size in zip(names, sizes):
             if name in adapted:
                 a = torch.empty(rank, base.in_features, device=base.weight.device)
-                nn.init.kaiming_uniform_(a, a=math.sqrt(5))                  # nn.Linear's (and PEFT's) init of A
+                nn.init.kaiming_uniform_(a, a=math.sqrt(5))        # nn.Linear's (and PEFT's) init
                 self.lora_A[name] = nn.Parameter(a)
                 self.lora_B[name] = nn.Parameter(torch.zeros(size, rank, device=base.weight.device))
         base.requires_grad_(False)
@@ -48,12 +49,13 @@ class LoRALinear(nn.Module):
         y = self.base(x)                                                     # (..., out) W x
         if not self.adapted:
             return y
-        delta = [self.scale * ((x @ self.lora_A[n].t()) @ self.lora_B[n].t()) if n in self.lora_A   # (alpha/r) B A x
-                 else y.new_zeros(*y.shape[:-1], size) for n, size in zip(self.names, self.sizes)]
+        delta = [self.scale * ((x @ self.lora_A[n].t()) @ self.lora_B[n].t())   # (alpha/r) B A x
+                 if n in self.lora_A else y.new_zeros(*y.shape[:-1], size)
+                 for n, size in zip(self.names, self.sizes)]
         return y + torch.cat(delta, -1)                                      # (..., out)
 
     def delta_weight(self):
-        """(alpha / r) B A for each part, zeros where none: the (out, in) float32 change merge adds to W."""
+        """(alpha / r) B A of each part (zeros where none): merge's (out, in) float32 change."""
         rows = [self.scale * (self.lora_B[n].float() @ self.lora_A[n].float()) if n in self.lora_A
                 else torch.zeros(size, self.base.in_features, device=self.base.weight.device)
                 for n, size in zip(self.names, self.sizes)]
@@ -61,7 +63,7 @@ class LoRALinear(nn.Module):
 
 
 def projections(model):
-    """{target name: [(parent module, attribute, part names, part widths)]}: a model.GPT's projections."""
+    """{target: [(parent module, attribute, part names, part widths)]}: a GPT's projections."""
     c, out = model.config, {}
     hs, kv = c.head_size, c.kv_heads
     for block in model.blocks:
@@ -75,7 +77,7 @@ def projections(model):
             hidden = mlp.c_fc.out_features // 2
             up = (mlp, "c_fc", ("gate", "up"), (hidden, hidden))
             down = (mlp, "c_proj", ("down",), (mlp.c_proj.out_features,))
-        else:                                                  # nn.Sequential(Linear, GELU, Linear, Dropout)
+        else:                                      # nn.Sequential(Linear, GELU, Linear, Dropout)
             up = (mlp, "0", ("up",), (mlp[0].out_features,))
             down = (mlp, "2", ("down",), (mlp[2].out_features,))
         for site in (fused, (attn, "c_proj", ("o",), (attn.c_proj.out_features,)), up, down):
@@ -85,25 +87,28 @@ def projections(model):
 
 
 def check_targets(targets, allowed):
-    """`targets` without repeats, or ValueError naming the first not `allowed`, or the list empty."""
+    """`targets` without repeats, or ValueError: one not `allowed`, or none."""
     targets = list(dict.fromkeys(targets))
     for t in targets:
         if t not in allowed:
-            raise ValueError(f"--lora_targets {t!r} names no projection of this model; allowed: {', '.join(allowed)}")
+            raise ValueError(f"--lora_targets {t!r} names no projection of this model; allowed: "
+                             f"{', '.join(allowed)}")
     if not targets:
         raise ValueError(f"--lora_targets is empty; allowed: {', '.join(allowed)}")
     return targets
 
 
 def add_adapters(model, rank, alpha, targets=None):
-    """Freeze every weight of `model` (a model.GPT) and put adapters of rank `rank` on the projections `targets`
-    (None: every one it has). Returns the model; ValueError for a target it lacks or a rank outside 1..min(in, out)."""
+    """`model` (a GPT) with every weight frozen and rank-`rank` adapters on `targets` (None: every
+    projection it has); ValueError for a target it lacks or a rank outside 1..min(in, out)."""
     sites = projections(model)
     targets = check_targets(list(sites) if targets is None else targets, tuple(sites))
     widths = [min(getattr(parent, attr).in_features, size)
-              for t in targets for parent, attr, names, sizes in sites[t] for n, size in zip(names, sizes) if n == t]
+              for t in targets for parent, attr, names, sizes in sites[t]
+              for n, size in zip(names, sizes) if n == t]
     if not 1 <= rank <= min(widths):
-        raise ValueError(f"--lora_rank {rank}; allowed: 1 to {min(widths)} (the narrowest targeted projection)")
+        raise ValueError(f"--lora_rank {rank}; allowed: 1 to {min(widths)} (the narrowest targeted "
+                         f"projection)")
     model.requires_grad_(False)
     done = set()
     for t in targets:
@@ -111,14 +116,16 @@ def add_adapters(model, rank, alpha, targets=None):
             if (id(parent), attr) in done:
                 continue
             done.add((id(parent), attr))
-            setattr(parent, attr, LoRALinear(getattr(parent, attr), sizes, names, set(targets), rank, alpha))
+            adapted = LoRALinear(getattr(parent, attr), sizes, names, set(targets), rank, alpha)
+            setattr(parent, attr, adapted)
     model.lora = {"rank": rank, "alpha": alpha, "targets": targets}
     return model
 
 
 def adapters(model):
     """The adapters' parameters: what the optimiser trains."""
-    return [p for m in model.modules() if isinstance(m, LoRALinear) for p in (*m.lora_A.values(), *m.lora_B.values())]
+    return [p for m in model.modules() if isinstance(m, LoRALinear)
+            for p in (*m.lora_A.values(), *m.lora_B.values())]
 
 
 def trainable(model):
@@ -127,21 +134,21 @@ def trainable(model):
 
 
 def base_model(model):
-    """The model without its adapters, its modules copied, its (frozen) tensors shared: the reference at no memory."""
-    twin = copy.deepcopy(model, memo={id(p): p for p in model.parameters()})   # new modules, the same tensors
+    """The model without adapters, its (frozen) tensors shared: the reference at no memory."""
+    twin = copy.deepcopy(model, memo={id(p): p for p in model.parameters()})   # the same tensors
     for parent in list(twin.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, LoRALinear):
-                setattr(parent, name, child.base)                           # nn.Sequential's children too
+                setattr(parent, name, child.base)                # nn.Sequential's children too
     twin.lora = None
     return twin
 
 
 @torch.no_grad()
 def merge(model):
-    """A copy of `model` without adapters, W + (alpha / r) B A in W's dtype, every weight trainable: a LoRA model."""
+    """A copy without adapters, W + (alpha / r) B A in W's dtype, every weight trainable."""
     merged = copy.deepcopy(base_model(model))                               # its own tensors now
-    layers = dict(merged.named_modules())                                   # a LoRALinear's name is its base's there
+    layers = dict(merged.named_modules())             # a LoRALinear's name is its base's there
     for name, m in model.named_modules():
         if isinstance(m, LoRALinear):
             layers[name].weight.add_(m.delta_weight().to(layers[name].weight.dtype))

@@ -34,10 +34,11 @@ import torch
 import torch.nn.functional as F
 
 import task
+from flags import RM_PATH, SFT_PATH, TEMPERATURE, Float, Int, add_run_flags, parser
 from kernels import kl
 from lora import trainable
 from model import token_logprobs
-from plumbing import RM_PATH, SFT_PATH, TEMPERATURE, Float, Int, Run, add_run_flags, parser
+from plumbing import Run
 
 
 # -----------------------------------------------------------------------------

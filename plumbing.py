@@ -1,29 +1,26 @@
 """
 The run plumbing every training script shares, written once so that each algorithm file shows its
 algorithm and nothing else. No math lives here: a first reading of grpo.py can skip every `run.`
-line and lose nothing of GRPO.
+line and lose nothing of GRPO. Its flags are parsed in flags.py.
 
 What it holds:
-- flag types that refuse bad values at parse time (`Int(ge=1)`, `Float(gt=0)`: finite, in range,
-  and the error names the flag, the value and what is allowed), and the flags every script has;
 - the device (an unavailable one is one line, before anything loads) and the seeds;
 - one run per output folder: a lock file, taken over when the process that left it is dead;
 - building a missing prerequisite checkpoint (the SFT policy, the reward model) where it is then
-  loaded from, whatever the working directory;
+  loaded from; loading a checkpoint or a Hugging Face folder with one error line for any problem;
 - every check that can run before the first expensive step runs there (a --resume without a usable
-  checkpoint, a missing or unreadable checkpoint flag, lengths against the model that would be built);
+  checkpoint, a missing or unreadable checkpoint flag, lengths against the model to be built);
 - resume: weights, optimiser, step, random states, and the checks that the checkpoint is the one
-  this run would have written (same script, same --init, --steps not below its step);
-- the metrics log kept consistent with the checkpoint: nothing on disk is removed or rewritten until
-  every check has passed; a fresh run then replaces the folder's earlier checkpoint and log together;
-  a step's metrics are written before the checkpoint that covers it; on resume the log is cut back
-  to the checkpoint's step;
+  this run would have written (same script, same --init, same LoRA, --steps not below its step);
+- the metrics log kept consistent with the checkpoint: nothing on disk is removed or rewritten
+  until every check has passed; a fresh run then replaces the folder's earlier checkpoint and log
+  together; a step's metrics are written before the checkpoint that covers it; on resume the log
+  is cut back to the checkpoint's step;
 - Ctrl-C (or SIGTERM): the step in progress finishes, a checkpoint is written, and one line says
-  how to resume;
+  how to resume (SIGTERM while the run still loads: it stops at once);
 - held-out evaluation and the summary line;
 - torch.distributed set-up for torchrun (rank 0 alone locks, prints, logs and saves).
 """
-import argparse
 import atexit
 import contextlib
 import datetime
@@ -45,150 +42,39 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import task
+from checkpoint import (CheckpointError, fingerprint, from_pretrained, is_pretrained_folder,
+                        load_checkpoint, pretrained_config, save_checkpoint)
+from flags import RM_PATH, SFT_PATH, default_path, task_flags
 from lora import add_adapters, base_model, trainable
-from model import (GPT, CheckpointError, GPTConfig, Tokenizer, fingerprint, from_pretrained, is_pretrained_folder,
-                   load_checkpoint, pretrained_config, save_checkpoint)
+from model import GPT, GPTConfig
 from tasks import arithmetic
+from tokenizer import Tokenizer
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-SFT_PATH = os.path.join("out", "sft.pt")   # default --init of every script that starts from the SFT policy
-RM_PATH = os.path.join("out", "rm.pt")     # default --rm of ppo.py
-
-
-# -----------------------------------------------------------------------------
-# Flags: argparse types that refuse what training cannot use
-
-class _Number:
-    """An argparse `type`: parses the flag's text, refuses non-finite values and values out of range.
-    Bounds are keyword arguments: gt, ge (lower), lt, le (upper)."""
-    kind, noun = float, "a number"
-
-    def __init__(self, gt=None, ge=None, lt=None, le=None):
-        self.bounds = [(op, v) for op, v in (("gt", gt), ("ge", ge), ("lt", lt), ("le", le)) if v is not None]
-        self.__name__ = self.kind.__name__  # argparse names the type in some messages
-
-    def allowed(self):
-        symbols = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
-        show = lambda v: str(v) if isinstance(v, int) else f"{v:g}"
-        return " and ".join(f"{symbols[op]} {show(v)}" for op, v in self.bounds) or "any finite value"
-
-    def __call__(self, text):
-        try:
-            value = self.kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {self.noun} (allowed: {self.allowed()})") from None
-        ok = {"gt": lambda v, b: v > b, "ge": lambda v, b: v >= b, "lt": lambda v, b: v < b, "le": lambda v, b: v <= b}
-        if not math.isfinite(value) or not all(ok[op](value, b) for op, b in self.bounds):
-            raise argparse.ArgumentTypeError(f"{text} is not allowed (allowed: {self.noun} {self.allowed()})")
-        return value
-
-
-class Float(_Number):
-    kind, noun = float, "a number"
-
-
-class Int(_Number):
-    kind, noun = int, "an integer"
-
-
-# The --temperature flags: below 0.05 sampling is argmax, above 20 noise (kernels accept a wider range, 1e-3 to 1e3,
-# the one float32 can represent: kernels.MIN_TEMPERATURE, kernels.MAX_TEMPERATURE)
-TEMPERATURE = Float(ge=0.05, le=20.0)
-
-
-class _Parser(argparse.ArgumentParser):
-    def parse_args(self, args=None, namespace=None):
-        parsed = super().parse_args(args, namespace)
-        task.check_args(self, parsed)          # --task's flags, and the defaults that depend on the task
-        return parsed
-
-
-class _Help(argparse.ArgumentDefaultsHelpFormatter):
-    """--help shows each default, except None: a flag without a value says in its help what happens then."""
-
-    def _get_help_string(self, action):
-        return action.help if action.default is None else super()._get_help_string(action)
-
-
-def parser(doc):
-    """An ArgumentParser whose description is the script docstring's first paragraph; its parse_args also checks
-    the task flags and fills in the defaults that depend on the task (task.check_args)."""
-    return _Parser(description=doc.strip().split("\n\n")[0], formatter_class=_Help)
-
-
-def add_run_flags(parser, script, log_every, eval_every):
-    """The flags every training script has, in a "run" group; returns the group (scripts add --init to it)."""
-    group = parser.add_argument_group("run")
-    group.add_argument("--log_every", type=Int(ge=1), default=log_every,
-                       help="print and log metrics every this many steps")
-    group.add_argument("--eval_every", type=Int(ge=1), default=eval_every,
-                       help="evaluate on the held-out set and checkpoint every this many steps (and at the last)")
-    group.add_argument("--eval_n", type=Int(ge=1), default=None, help="held-out prompts to evaluate on (default: all)")
-    group.add_argument("--out", default="out", help=f"folder for {script}.pt and {script}/metrics.jsonl")
-    group.add_argument("--seed", type=Int(ge=0, lt=2**32), default=0, help="seeds python, numpy and torch")
-    group.add_argument("--resume", action="store_true", help=f"continue from <out>/{script}.pt up to the step limit")
-    group.add_argument("--device", default=None, help="cuda, mps or cpu (default: the first available)")
-    group.add_argument("--grad_accum", type=Int(ge=1), default=1,
-                       help="split each step's batch into this many micro-batches (same result, less memory)")
-    group.add_argument("--compile", action="store_true",
-                       help="sample through a torch.compile'd decode step (sampler.py's \"compile\" mode; the default "
-                            "on CUDA is already a CUDA graph of the step): the same tokens, faster once compiled")
-    group.add_argument("--grad_checkpoint", action="store_true",
-                       help="recompute each transformer block's activations in backward (less memory, ~30%% more "
-                            "compute; for real checkpoints)")
-    if script not in ("rm", "{orm,prm}"):                     # the scripts that train a policy
-        group.add_argument("--lora_rank", type=Int(ge=0), default=0,
-                           help="LoRA (lora.py): train rank-r adapters on the projections, every weight frozen; the "
-                                "reference is the same weights with the adapters off; 0: full fine-tuning")
-        group.add_argument("--lora_alpha", type=Float(gt=0), default=32.0,
-                           help="LoRA's alpha: the adapters' output is scaled by alpha / rank")
-        group.add_argument("--lora_targets", type=lambda s: [t.strip() for t in s.split(",") if t.strip()],
-                           default=None, help="comma-separated projections to adapt, of those the model has: "
-                                              "q,k,v,o,gate,up,down (Llama, Qwen), qkv,o,up,down (GPT-2, this "
-                                              "project's GPT), q,k,v,o,up,down (sft.py --pos rope); default: all")
-    add_task_flags(parser)
-    return group
-
-
-def add_task_flags(parser):
-    """--task, --format, --data, --countdown_numbers, --countdown_rule and --chat, in a "task" group (task.py reads
-    them)."""
-    g = parser.add_argument_group("task")
-    g.add_argument("--task", default="arithmetic", choices=task.TASKS, help="the problems, verifier and demonstrations")
-    g.add_argument("--format", default="plain", choices=task.FORMATS,
-                   help="plain: the task's own; r1: DeepSeek-R1-Zero's <think>/<answer> template (task.py)")
-    g.add_argument("--data", nargs="+", default=None, metavar="JSONL",
-                   help="--task gsm8k: a GSM8K-format file, and optionally a held-out file (else its last tenth)")
-    g.add_argument("--countdown_numbers", type=Int(ge=3, le=4), default=3, help="--task countdown: numbers given")
-    g.add_argument("--countdown_rule", choices=["exactly", "at_most"], default="exactly",
-                   help="--task countdown: each number used exactly once (the field's rule), or at most once")
-    g.add_argument("--chat", action="store_true",
-                   help="render each prompt through the checkpoint's own chat template as the user's message (a "
-                        "Hugging Face folder's, or a checkpoint trained from one; chat.py); the end of the assistant's "
-                        "turn (<|im_end|>, <|eot_id|>) ends a completion and a demonstration")
-    return g
-
-
 # -----------------------------------------------------------------------------
 # Device and seeds
 
 def pick_device(requested=None):
-    """cuda, then mps, then cpu; a requested device that this machine lacks is an error that says so."""
+    """cuda, then mps, then cpu; a requested device that this machine lacks is an error that says
+    so."""
     available = {"cpu": True, "cuda": torch.cuda.is_available(),
-                 "mps": getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()}
+                 "mps": getattr(torch.backends, "mps", None) is not None
+                 and torch.backends.mps.is_available()}
     if requested is None:
         return next(d for d in ("cuda", "mps", "cpu") if available[d])
     kind = requested.split(":")[0]
     if kind not in available:
-        raise SystemExit(f"error: --device {requested!r} is not a device this project runs on; allowed: cuda, mps, cpu")
+        raise SystemExit(f"error: --device {requested!r} is not a device this project runs on; "
+                         "allowed: cuda, mps, cpu")
     if not available[kind]:
-        raise SystemExit(f"error: {kind} is not available here; run with --device cpu, or without --device "
-                         f"to use the first available ({pick_device()})")
+        raise SystemExit(f"error: {kind} is not available here; run with --device cpu, or without "
+                         f"--device to use the first available ({pick_device()})")
     return requested
 
 
 def autocast(device):
-    """The precision every script computes in on `device`: bfloat16 autocast on a GPU, nothing elsewhere."""
+    """The precision every script computes in on `device`: bfloat16 autocast on a GPU, nothing
+    elsewhere."""
     return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda"))
 
 
@@ -199,8 +85,8 @@ def seed_everything(seed):
 
 
 def lr_schedule(step, lr, warmup, total=None):
-    """Learning rate at `step` (0-based): linear warm-up over `warmup` steps, then a cosine decay to lr / 10
-    at step `total`, or constant when total is None."""
+    """Learning rate at `step` (0-based): linear warm-up over `warmup` steps, then a cosine decay to
+    lr / 10 at step `total`, or constant when total is None."""
     if step < warmup:
         return lr * (step + 1) / warmup
     if total is None:
@@ -212,36 +98,41 @@ def lr_schedule(step, lr, warmup, total=None):
 # -----------------------------------------------------------------------------
 # Checkpoints: built when missing, loaded with one error line for any problem
 
-TORCHRUN_VARIABLES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+TORCHRUN_VARIABLES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                      "GROUP_WORLD_SIZE",
                       "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT"}
 
 
 def build_missing(path, default, command, device=None):
-    """If `path` is missing and is the flag's `default`, build it by running `command` (a script and its flags, in
-    this working directory) with --out set to the folder of `path`, so it is written exactly where it is then loaded
-    from. A missing path that is not the default is an error naming the script that makes it."""
+    """If `path` is missing and is the flag's `default`, build it by running `command` (a script and
+    its flags, in this working directory) with --out set to the folder of `path`, so it is written
+    exactly where it is then loaded from. A missing path that is not the default is an error naming
+    the script that makes it."""
     if os.path.exists(path):
         return
     if os.path.abspath(path) != os.path.abspath(default):
-        raise SystemExit(f"error: no checkpoint at {path}; train one with `python {command[0]}` or pass another path")
-    cmd = [sys.executable, os.path.join(ROOT, command[0]), *command[1:], "--out", os.path.dirname(path) or "."]
+        raise SystemExit(f"error: no checkpoint at {path}; train one with `python {command[0]}` or "
+                         "pass another path")
+    cmd = [sys.executable, os.path.join(ROOT, command[0]), *command[1:], "--out",
+           os.path.dirname(path) or "."]
     if device is not None:
         cmd += ["--device", device]
     print(f"{path} not found: building it first with `python {' '.join(command)}`", flush=True)
-    # one process: a child that inherited torchrun's variables would wait forever for a process group of WORLD_SIZE
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES and not k.startswith("TORCHELASTIC_")}
+    # one process: a child that inherited torchrun's variables would wait forever for its group
+    env = {k: v for k, v in os.environ.items()
+           if k not in TORCHRUN_VARIABLES and not k.startswith("TORCHELASTIC_")}
     if subprocess.run(cmd, env=env).returncode != 0 or not os.path.exists(path):
         raise SystemExit(f"error: building {path} with {command[0]} failed (its output is above)")
 
 
 def read_checkpoint(path, flag):
-    """The checkpoint dict at `path` (read on the CPU), or one error line naming the flag and the problem: for the
-    checks a script runs before any work."""
+    """The checkpoint dict at `path` (read on the CPU), or one error line naming the flag and the
+    problem: for the checks a script runs before any work."""
     if not os.path.exists(path):
         hint = "; run without --resume" if flag == "--resume" else ""
         raise SystemExit(f"error: {flag}, but there is no checkpoint at {path}{hint}")
     try:
-        if is_pretrained_folder(path):              # a Hugging Face folder: its config is checked here
+        if is_pretrained_folder(path):              # a Hugging Face folder: its config checked here
             return {"kind": "gpt", "config": asdict(pretrained_config(path)), "step": 0}
         return load_checkpoint(path, "cpu")[1]
     except (CheckpointError, ValueError) as e:
@@ -249,55 +140,61 @@ def read_checkpoint(path, flag):
 
 
 def check_fits(longest, max_new_tokens, block_size, turns=1, extra=0):
-    """The longest prompt plus `turns` completions of max_new_tokens (and `extra` tokens between them: a revision
-    prompt) must fit the model's context, or one error line naming --max_new_tokens and what is allowed."""
+    """The longest prompt plus `turns` completions of max_new_tokens (and `extra` tokens between
+    them: a revision prompt) must fit the model's context, or one error line naming --max_new_tokens
+    and what is allowed."""
     allowed = (block_size - longest - extra) // turns
     what = f"{turns} attempts of it and {extra} tokens between them" if turns > 1 else "it"
     if allowed < 1:
-        raise SystemExit(f"error: the longest prompt of the task has {longest} tokens"
-                         f"{f' and {extra} more come between attempts' if extra else ''}, and the model's context "
-                         f"(block_size) is {block_size}: no completion fits; train a model with a larger block_size "
-                         f"(sft.py --block_size) or use one with a longer context")
+        raise SystemExit(f"error: the longest prompt of the task has {longest} "
+                         f"tokens{f' and {extra} more come between attempts' if extra else ''}, "
+                         f"and the model's context (block_size) is {block_size}: no completion "
+                         "fits; train a model with a larger block_size (sft.py --block_size) or "
+                         "use one with a longer context")
     if max_new_tokens > allowed:
-        raise SystemExit(f"error: --max_new_tokens {max_new_tokens} does not fit: the longest prompt has {longest} "
-                         f"tokens, {what} must follow, and the model's context (block_size) is {block_size}; "
-                         f"allowed: --max_new_tokens <= {allowed}")
+        raise SystemExit(f"error: --max_new_tokens {max_new_tokens} does not fit: the longest "
+                         f"prompt has {longest} tokens, {what} must follow, and the model's "
+                         f"context (block_size) is {block_size}; allowed: --max_new_tokens <= "
+                         f"{allowed}")
 
 
 def load_model(path, device, kind="gpt", expect=None, chat_date=None):
-    """(model in eval mode, tokenizer, checkpoint dict); any problem with the file is one error line.
-    kind: "gpt" or "scalar"; expect: {key: value} the checkpoint must hold (e.g. {"script": "prm"}); chat_date: the
-    day a --chat template's strftime_now writes (default: the checkpoint's, else today).
-    Eval mode means no dropout, so that scoring sees the distribution the sampler drew from."""
+    """(model in eval mode, tokenizer, checkpoint dict); any problem with the file is one error
+    line. kind: "gpt" or "scalar"; expect: {key: value} the checkpoint must hold (e.g. {"script":
+    "prm"}); chat_date: the day a --chat template's strftime_now writes (default: the checkpoint's,
+    else today). Eval mode means no dropout, so that scoring sees the distribution the sampler drew
+    from."""
     try:
-        if is_pretrained_folder(path):              # a Hugging Face folder: GPT-2, Llama or Qwen2 weights
+        if is_pretrained_folder(path):              # a Hugging Face folder: GPT-2, Llama, Qwen
             if kind != "gpt" or expect:
-                raise CheckpointError(f"{path} is a language model's folder; a checkpoint of this project's "
-                                      f"{expect or kind} is needed here")
+                raise CheckpointError(f"{path} is a language model's folder; a checkpoint of this "
+                                      f"project's {expect or kind} is needed here")
             model, tok = from_pretrained(path).to(device), Tokenizer.from_pretrained(path)
             if tok.vocab_size > model.config.vocab_size:
-                raise CheckpointError(f"vocabulary mismatch: {path} has vocab_size {model.config.vocab_size} but "
-                                      f"its tokenizer.json has {tok.vocab_size} tokens")
+                raise CheckpointError(f"vocabulary mismatch: {path} has vocab_size "
+                                      f"{model.config.vocab_size} but its tokenizer.json has "
+                                      f"{tok.vocab_size} tokens")
             tok = tok.use_chat(chat_date) if task.chat() else tok
             return model, tok, {"kind": "gpt", "tokenizer": tok.name, "step": 0}
         model, ckpt = load_checkpoint(path, device, kind=kind)
         tok = Tokenizer(ckpt["tokenizer"])
         saved = ckpt.get("tokenizer_files")
-        if saved is not None and tok.files != saved:                # the folder's tokenizer changed since training
+        if saved is not None and tok.files != saved:   # the folder's tokenizer changed since
             differ = sorted(k for k in {*saved, *tok.files} if saved.get(k) != tok.files.get(k))
-            raise CheckpointError(f"checkpoint {path} was trained with the tokenizer of {ckpt['tokenizer'][3:]}, "
-                                  f"whose {', '.join(differ)} changed since (edited, added or removed); restore "
-                                  f"the folder as it was")
+            raise CheckpointError(f"checkpoint {path} was trained with the tokenizer of "
+                                  f"{ckpt['tokenizer'][3:]}, whose {', '.join(differ)} changed "
+                                  "since (edited, added or removed); restore the folder as it was")
         c = model.config
         if tok.name.startswith("hf:") and not c.tokenizer_vocab and tok.vocab_size <= c.vocab_size:
-            pass                                    # an older checkpoint of a real model, padded past its tokenizer
+            pass                                    # an older checkpoint of a padded real model
         elif tok.vocab_size != c.support:
-            raise CheckpointError(f"vocabulary mismatch: checkpoint {path} has vocab_size {model.config.vocab_size} "
-                                  f"but its tokenizer {ckpt['tokenizer']!r} has {tok.vocab_size}")
+            raise CheckpointError(f"vocabulary mismatch: checkpoint {path} has vocab_size "
+                                  f"{model.config.vocab_size} but its tokenizer "
+                                  f"{ckpt['tokenizer']!r} has {tok.vocab_size}")
         for key, value in (expect or {}).items():
             if ckpt.get(key) != value:
-                raise CheckpointError(f"checkpoint {path} holds {key} {ckpt.get(key)!r}; {key} {value!r} is "
-                                      f"needed here")
+                raise CheckpointError(f"checkpoint {path} holds {key} {ckpt.get(key)!r}; {key} "
+                                      f"{value!r} is needed here")
         if task.chat():
             tok.use_chat(chat_date or ckpt.get("chat_date"))
     except (CheckpointError, ValueError) as e:
@@ -309,23 +206,26 @@ def load_model(path, device, kind="gpt", expect=None, chat_date=None):
 # One run per output folder
 
 class OutputLock:
-    """A lock file <out>/<script>.lock holding the owner's pid, host and command. A second run on the same
-    folder is refused with a message naming the first; a lock left by a dead process is taken over."""
+    """A lock file <out>/<script>.lock holding the owner's pid, host and command. A second run on
+    the same folder is refused with a message naming the first; a lock left by a dead process is
+    taken over."""
 
     def __init__(self, path):
         self.path, self.held = path, False
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv), "started": time.ctime()}
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv),
+              "started": time.ctime()}
         for _ in range(2):
             try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)   # atomic: only one process creates it
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)   # atomic: one creates it
             except FileExistsError:
                 owner = self._owner()
                 if owner is not None and self._alive(owner):
-                    raise SystemExit(f"error: another run is using this output folder: pid {owner['pid']} on "
-                                     f"{owner['host']} since {owner['started']} ({owner['command']}); wait for it, "
-                                     f"stop it, or pass another --out (lock file: {path})")
+                    raise SystemExit("error: another run is using this output folder: pid "
+                                     f"{owner['pid']} on {owner['host']} since {owner['started']} "
+                                     f"({owner['command']}); wait for it, stop it, or pass another "
+                                     f"--out (lock file: {path})")
                 try:
-                    os.remove(path)                                       # its owner died: take the lock over
+                    os.remove(path)                                # its owner died: take it over
                 except FileNotFoundError:
                     pass
                 continue
@@ -333,19 +233,20 @@ class OutputLock:
                 json.dump(me, f)
             self.held = True
             return
-        raise SystemExit(f"error: could not take the lock {path}; delete it if no run is using this folder")
+        raise SystemExit(f"error: could not take the lock {path}; delete it if no run is using "
+                         "this folder")
 
     def _owner(self):
         try:
             with open(self.path) as f:
                 return json.load(f)
         except (OSError, ValueError):
-            return None                                                   # unreadable: half-written by a killed run
+            return None                                    # unreadable: half-written, then killed
 
     @staticmethod
     def _alive(owner):
         if owner.get("host") != socket.gethostname():
-            return True                                                   # cannot check another machine: assume alive
+            return True                                    # another machine's: assumed alive
         try:
             os.kill(int(owner["pid"]), 0)
         except ProcessLookupError:
@@ -375,7 +276,8 @@ class Run:
         optimizer = ...
         run.resume(policy, optimizer)                 # with --resume
         if not args.resume:
-            run.log_start(run.evaluate(policy, tok))   # held-out accuracy of the starting policy: step 0
+            run.log_start(run.evaluate(policy, tok))   # held-out accuracy of the starting policy:
+            step 0
         while run.training():                         # False at the step limit or after Ctrl-C
             ...                                       # the algorithm's step, then run.step += 1
             if run.eval_due(): metrics.update(run.evaluate(policy, tok))
@@ -385,13 +287,14 @@ class Run:
     """
 
     def __init__(self, script, args, name=None, batch_flag=None, solo=False):
-        """script: the file's name without .py; name: the stem of the checkpoint, log and lock files (default: script);
-        batch_flag: the flag whose count is shared among ranks and micro-batches (checked to divide evenly);
-        solo: this process alone trains, whatever the process group (async_grpo.py's learner: its sums, shares and
-        checkpoints are its own, and the script owns the group)."""
+        """script: the file's name without .py; name: the stem of the checkpoint, log and lock files
+        (default: script); batch_flag: the flag whose count is shared among ranks and micro-batches
+        (checked to divide evenly); solo: this process alone trains, whatever the process group
+        (async_grpo.py's learner: its sums, shares and checkpoints are its own, and the script owns
+        the group)."""
         self.script, self.args, name = script, args, name or script
         self.total_steps = args.steps
-        # torchrun sets WORLD_SIZE, RANK and LOCAL_RANK; a plain `python script.py` is one process of rank 0
+        # torchrun sets WORLD_SIZE, RANK and LOCAL_RANK; `python script.py` is one process, rank 0
         self.world, self.rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
         if solo:
             self.world, self.rank = 1, 0
@@ -399,16 +302,18 @@ class Run:
         if batch_flag is not None:
             n, k = getattr(args, batch_flag), getattr(args, "grad_accum", 1)
             if n % self.world or n // self.world < k:
-                raise SystemExit(f"error: --{batch_flag} {n} must split evenly over {self.world} processes and then "
-                                 f"into --grad_accum {k} micro-batches; allowed: a multiple of {self.world} of at "
-                                 f"least {self.world * k}")
+                raise SystemExit(f"error: --{batch_flag} {n} must split evenly over {self.world} "
+                                 f"processes and then into --grad_accum {k} micro-batches; "
+                                 f"allowed: a multiple of {self.world} of at least "
+                                 f"{self.world * k}")
         try:
-            self.task = task.use(args)   # --task: the problems, verifier and demonstrations of every task.* call
+            self.task = task.use(args)   # --task: what every task.* call draws from
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
         if getattr(args, "eval_n", None) is not None and args.eval_n > len(task.eval_prompts()):
-            raise SystemExit(f"error: --eval_n {args.eval_n}; allowed: 1 to {len(task.eval_prompts())}, the held-out "
-                             f"problems of --task {task.name()}")
+            raise SystemExit(f"error: --eval_n {args.eval_n}; allowed: 1 to "
+                             f"{len(task.eval_prompts())}, the held-out problems of --task "
+                             f"{task.name()}")
         self.device = pick_device(args.device)
         self.ckpt_path = os.path.join(args.out, f"{name}.pt")
         self.metrics_path = os.path.join(args.out, name, "metrics.jsonl")
@@ -424,22 +329,23 @@ class Run:
         self.autocast = autocast(self.device)
         seed_everything(args.seed)
         self.rng = random.Random(args.seed)                                 # draws the prompts
-        self.gen = torch.Generator(device=self.device).manual_seed(args.seed + self.rank)  # draws the completions
+        self.gen = torch.Generator(device=self.device).manual_seed(args.seed + self.rank)  # samples
         self.step, self.before, self.last_eval, self.eval_step = 0, None, None, -1
-        self.tokenizer_name, self.tokenizer_files = None, None               # the policy's: kept in checkpoints
-        self.sources = {}                                                   # abspath -> fingerprint of what was loaded
-        self.interrupted, self.current = False, 0                            # current: the step in progress
-        self.loading = True                                                 # until the first evaluation or resume
+        self.tokenizer_name, self.tokenizer_files = None, None   # the policy's: kept in checkpoints
+        self.sources = {}                                        # abspath -> fingerprint of a load
+        self.interrupted, self.current = False, 0                # current: the step in progress
+        self.loading = True                                      # until the first evaluation
         # t0: the first training step; tokens: counted by the script
         self.t0, self.t_log, self.tokens = None, time.time(), 0
-        self.samples = 0                       # completions drawn from a policy so far (counted by the script, resumed)
+        self.samples = 0                       # completions drawn so far (counted by the script)
         self.lock = None
         if self.is_main:
             if os.path.exists(args.out) and not os.path.isdir(args.out):
-                raise SystemExit(f"error: --out {args.out} is a file; it must be a folder (it is created if missing)")
+                raise SystemExit(f"error: --out {args.out} is a file; it must be a folder (it is "
+                                 "created if missing)")
             try:
-                # the folders made here, removed again by close() if the run leaves them empty (a refusal after
-                # this point, e.g. of the weights or the tokenizer, leaves nothing on disk)
+                # the folders made here, removed again by close() if the run leaves them empty (a
+                # refusal after this point, e.g. of the weights, leaves nothing on disk)
                 self.made, folder = [], os.path.abspath(os.path.dirname(self.metrics_path))
                 while not os.path.exists(folder):                             # innermost first
                     self.made.append(folder)
@@ -447,55 +353,61 @@ class Run:
                 os.makedirs(os.path.dirname(self.metrics_path), exist_ok=True)
                 self.lock = OutputLock(os.path.join(args.out, f"{name}.lock"))
             except OSError as e:
-                raise SystemExit(f"error: cannot write to --out {args.out} ({e.strerror})") from None
-            atexit.register(self.close)                                      # released however the process ends
-            for f in os.listdir(args.out):                                   # orphans of a save that was killed
+                raise SystemExit(f"error: cannot write to --out {args.out} "
+                                 f"({e.strerror})") from None
+            atexit.register(self.close)                      # released however the process ends
+            for f in os.listdir(args.out):                   # orphans of a save that was killed
                 if f.startswith(f"{os.path.basename(self.ckpt_path)}.tmp"):
                     os.remove(os.path.join(args.out, f))
-            # The log is not touched here: a fresh run replaces the folder's earlier run in log_start, once every
-            # check has passed; a resumed run cuts it back to its checkpoint in resume.
+            # The log is not touched here: a fresh run replaces the folder's earlier run in
+            # log_start, once every check has passed; a resumed run cuts it back in resume.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._stop)
         self.print(self.task)
 
     # ---- checks before any work, prerequisites and models
 
-    CHECKPOINT_FLAGS = {"init": (SFT_PATH, "sft.py"), "rm": (RM_PATH, "reward_model.py")}  # flag: (default, maker)
+    CHECKPOINT_FLAGS = {"init": (SFT_PATH, "sft.py"),               # flag: (default, maker)
+                        "rm": (RM_PATH, "reward_model.py")}
 
     def _check_inputs(self):
-        """What can be refused before anything is built, locked or written: a --resume with no usable checkpoint to
-        resume, a checkpoint flag naming a missing file (not its default, which is built) or an unreadable one."""
+        """What can be refused before anything is built, locked or written: a --resume with no
+        usable checkpoint to resume, a checkpoint flag naming a missing file (not its default, which
+        is built) or an unreadable one."""
         args = self.args
         if args.resume:
             self.resume_ckpt = read_checkpoint(self.ckpt_path, "--resume")
             if self.resume_ckpt.get("script") != self.script:
                 written_by = self.resume_ckpt.get("script")
-                raise SystemExit(f"error: {self.ckpt_path} was written by "
-                                 f"{written_by + '.py' if written_by else 'an older version of this project'}, not by "
+                by = written_by + ".py" if written_by else "an older version of this project"
+                raise SystemExit(f"error: {self.ckpt_path} was written by {by}, not by "
                                  f"{self.script}.py; it cannot be resumed here")
             if self.resume_ckpt["step"] > self.total_steps:
-                raise SystemExit(f"error: {self.ckpt_path} is at step {self.resume_ckpt['step']}, past this run's "
-                                 f"limit of {self.total_steps} steps; pass a larger limit to train on")
+                raise SystemExit(f"error: {self.ckpt_path} is at step {self.resume_ckpt['step']}, "
+                                 f"past this run's limit of {self.total_steps} steps; pass a "
+                                 "larger limit to train on")
             if hasattr(args, "lora_rank"):
                 self._check_lora_resume(self.resume_ckpt.get("lora"))
         if getattr(args, "chat", False) and hasattr(args, "init"):
             init = args.init
             if init is None or not os.path.exists(init):
                 why = "no --init given" if init is None else f"{init} is missing"
-                raise SystemExit(f"error: --chat needs --init to name a Hugging Face folder with a chat template, or a "
-                                 f"checkpoint trained from one; {why} (a model built here would use the byte "
-                                 f"tokenizer, which has none)")
-        # --chat: the day the template's strftime_now writes, fixed for the run (Llama 3.2 writes "Today Date"): the
-        # resumed run's, else that of the policy it starts from (trained on those prompts), else today's
-        self.chat_date = (getattr(self, "resume_ckpt", {}).get("chat_date") if args.resume else None)
-        policy_config = asdict(GPTConfig())                                  # what a default built here would be
+                raise SystemExit("error: --chat needs --init to name a Hugging Face folder with a "
+                                 f"chat template, or a checkpoint trained from one; {why} (a model "
+                                 "built here would use the byte tokenizer, which has none)")
+        # --chat: the day the template's strftime_now writes, fixed for the run (Llama 3.2 writes
+        # "Today Date"): the resumed run's, else that of the policy it starts from, else today's
+        self.chat_date = self.resume_ckpt.get("chat_date") if args.resume else None
+        policy_config = asdict(GPTConfig())                  # what a default built here would be
         for flag, (default, maker) in self.CHECKPOINT_FLAGS.items():
-            path, default = getattr(args, flag, None), task.default_path(default, args)
-            if path is None or (not os.path.exists(path) and os.path.abspath(path) == os.path.abspath(default)):
-                continue                                                    # absent flag, or a default built later
+            path, default = getattr(args, flag, None), default_path(default, args)
+            later = not os.path.exists(path or "") and \
+                os.path.abspath(path or "") == os.path.abspath(default)
+            if path is None or later:
+                continue                                     # absent flag, or a default built later
             if not os.path.exists(path):
-                raise SystemExit(f"error: --{flag}: no checkpoint at {path}; train one with `python {maker}` or pass "
-                                 f"another path")
+                raise SystemExit(f"error: --{flag}: no checkpoint at {path}; train one with "
+                                 f"`python {maker}` or pass another path")
             ckpt = read_checkpoint(path, f"--{flag}")
             if flag == "init":
                 policy_config = ckpt["config"]
@@ -504,7 +416,7 @@ class Run:
             self.chat_date = self.chat_date or datetime.date.today().isoformat()
         else:
             self.chat_date = None
-        if getattr(args, "lora_rank", 0):                                   # targets and rank, on a weightless twin
+        if getattr(args, "lora_rank", 0):                    # targets and rank, on a meta twin
             with torch.device("meta"):
                 model = GPT(GPTConfig(**policy_config))
             try:
@@ -514,14 +426,16 @@ class Run:
 
 
     def _check_lora_resume(self, saved):
-        """--resume with the LoRA settings the checkpoint was trained with, or one line naming the flag that differs."""
+        """--resume with the LoRA settings the checkpoint was trained with, or one line naming the
+        flag that differs."""
         args, where = self.args, f"{self.ckpt_path} was trained"
         if saved and not args.lora_rank:
-            raise SystemExit(f"error: {where} with LoRA adapters (--lora_rank {saved['rank']}); resume with "
-                             f"--lora_rank {saved['rank']}, or start afresh without --resume")
+            raise SystemExit(f"error: {where} with LoRA adapters (--lora_rank {saved['rank']}); "
+                             f"resume with --lora_rank {saved['rank']}, or start afresh without "
+                             "--resume")
         if not saved and args.lora_rank:
-            raise SystemExit(f"error: {where} without LoRA (every weight trains); resume without --lora_rank "
-                             f"{args.lora_rank}, or start afresh without --resume")
+            raise SystemExit(f"error: {where} without LoRA (every weight trains); resume without "
+                             f"--lora_rank {args.lora_rank}, or start afresh without --resume")
         if not saved:
             return
         for flag, mine, theirs in (("--lora_rank", args.lora_rank, saved["rank"]),
@@ -529,33 +443,40 @@ class Run:
                                    ("--lora_targets", args.lora_targets, saved["targets"])):
             if mine is not None and mine != theirs:
                 show = lambda v: ",".join(v) if isinstance(v, list) else f"{v:g}"
-                raise SystemExit(f"error: {flag} {show(mine)}, but {where} with {flag} {show(theirs)}; resume with "
-                                 f"{flag} {show(theirs)}, or start afresh without --resume")
+                raise SystemExit(f"error: {flag} {show(mine)}, but {where} with {flag} "
+                                 f"{show(theirs)}; resume with {flag} {show(theirs)}, or start "
+                                 "afresh without --resume")
 
     def load(self, path, kind="gpt", expect=None):
-        """load_model on this run's device, remembering what was loaded (resume checks it). Returns (model, tok)."""
+        """load_model on this run's device, remembering what was loaded (resume checks it). Returns
+        (model, tok)."""
         model, tok, ckpt = load_model(path, self.device, kind, expect, self.chat_date)
-        getattr(model, "backbone", model).grad_checkpoint = getattr(self.args, "grad_checkpoint", False)  # GPT.hidden
+        recompute = getattr(self.args, "grad_checkpoint", False)
+        getattr(model, "backbone", model).grad_checkpoint = recompute     # GPT.run_blocks
         self.sources[os.path.abspath(path)] = fingerprint(model)
         self.tokenizer_name = self.tokenizer_name or ckpt["tokenizer"]
         self.tokenizer_files = self.tokenizer_files or tok.files
         return model, tok
 
     def load_policy(self, path):
-        """(policy, tokenizer) from an SFT checkpoint; out/sft.pt is built first if it is the missing default."""
-        if not os.path.exists(path) and hasattr(self.args, "max_new_tokens"):  # refuse now, not after building it
-            check_fits(task.max_prompt_tokens(Tokenizer()), self.args.max_new_tokens, GPTConfig().block_size)
+        """(policy, tokenizer) from an SFT checkpoint; out/sft.pt is built first if it is the
+        missing default."""
+        if not os.path.exists(path) and hasattr(self.args, "max_new_tokens"):  # before building
+            check_fits(task.max_prompt_tokens(Tokenizer()), self.args.max_new_tokens,
+                       GPTConfig().block_size)
         if self.is_main:
-            build_missing(path, task.default_path(SFT_PATH, self.args), ["sft.py", *task.flags(self.args)],
+            build_missing(path, default_path(SFT_PATH, self.args),
+                          ["sft.py", *task_flags(self.args)],
                           self.args.device)
         self.barrier()
         policy, tok = self.load(path, "gpt")
-        policy.sampler_mode = "compile" if self.args.compile else None   # sampler.generate's mode (None: by device)
+        policy.sampler_mode = "compile" if self.args.compile else None   # None: by device
         return self.adapt(policy), tok
 
     def adapt(self, model):
-        """--lora_rank r: every weight of `model` frozen, adapters on its projections (lora.add_adapters); without
-        it the model as it is. A target the model lacks or a rank it cannot have is one error line."""
+        """--lora_rank r: every weight of `model` frozen, adapters on its projections
+        (lora.add_adapters); without it the model as it is. A target the model lacks or a rank it
+        cannot have is one error line."""
         r = getattr(self.args, "lora_rank", 0)
         if not r:
             return model
@@ -564,13 +485,14 @@ class Run:
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
         n = sum(p.numel() for p in trainable(model))
-        self.print(f"LoRA: rank {r}, alpha {self.args.lora_alpha:g} on {', '.join(model.lora['targets'])}: "
-                   f"{n / 1e6:.3f}M of {model.num_params() / 1e6:.2f}M parameters train")
+        self.print(f"LoRA: rank {r}, alpha {self.args.lora_alpha:g} on "
+                   f"{', '.join(model.lora['targets'])}: {n / 1e6:.3f}M of "
+                   f"{model.num_params() / 1e6:.2f}M parameters train")
         return model
 
     def reference(self, path, policy):
-        """pi_ref, frozen: with --lora_rank the policy without its adapters, sharing its frozen weights (no second
-        copy: lora.base_model); else a copy of `path` (the policy's start)."""
+        """pi_ref, frozen: with --lora_rank the policy without its adapters, sharing its frozen
+        weights (no second copy: lora.base_model); else a copy of `path` (the policy's start)."""
         if getattr(policy, "lora", None):
             return base_model(policy)
         ref, _ = self.load(path, "gpt")
@@ -578,38 +500,45 @@ class Run:
         return ref.requires_grad_(False)
 
     def load_reward_model(self, path, init):
-        """The Bradley-Terry reward model; out/rm.pt is built first (from `init`) if it is the missing default."""
+        """The Bradley-Terry reward model; out/rm.pt is built first (from `init`) if it is the
+        missing default."""
         if self.is_main:
-            build_missing(path, task.default_path(RM_PATH, self.args),
-                          ["reward_model.py", "--init", os.path.abspath(init), *task.flags(self.args)],
+            build_missing(path, default_path(RM_PATH, self.args),
+                          ["reward_model.py", "--init", os.path.abspath(init),
+                           *task_flags(self.args)],
                           self.args.device)
         self.barrier()
         return self.load(path, "scalar", expect={"script": "reward_model"})[0]
 
     def check_lengths(self, model, tok, max_new_tokens, parenthesised=False, turns=1, extra=0):
-        """The longest prompt plus max_new_tokens (turns times, extra tokens between) must fit the model's context:
-        checked before any work. parenthesised: the run also uses the parenthesised problems (longer prompts)."""
-        longest = arithmetic.max_prompt_tokens(tok, True) if parenthesised else task.max_prompt_tokens(tok)
+        """The longest prompt plus max_new_tokens (turns times, extra tokens between) must fit the
+        model's context: checked before any work. parenthesised: the run also uses the parenthesised
+        problems (longer prompts)."""
+        longest = (arithmetic.max_prompt_tokens(tok, True) if parenthesised
+                   else task.max_prompt_tokens(tok))
         check_fits(longest, max_new_tokens, model.config.block_size, turns, extra)
 
     # ---- resume
 
     def resume(self, model, optimizer=None, **modules):
-        """With --resume, load <out>/<script>.pt into `model`, `optimizer` and the named `modules` (e.g. critic=...),
-        restore the step, the random states and the starting evaluation, and return the checkpoint (for extra
-        state such as PPO's beta). Refuses a checkpoint this run would not have written. Without --resume: None."""
+        """With --resume, load <out>/<script>.pt into `model`, `optimizer` and the named `modules`
+        (e.g. critic=...), restore the step, the random states and the starting evaluation, and
+        return the checkpoint (for extra state such as PPO's beta). Refuses a checkpoint this run
+        would not have written. Without --resume: None."""
         args = self.args
         self.loading = False
         if not args.resume:
             return None
-        ckpt = self.resume_ckpt                                             # read and checked in _check_inputs
+        ckpt = self.resume_ckpt                              # read and checked in _check_inputs
         saved = ckpt.get("args") or {}
-        for path, print_ in (ckpt.get("sources") or {}).items():     # the checkpoints it was trained from
+        for path, print_ in (ckpt.get("sources") or {}).items():   # what it was trained from
             if self.sources.get(path) != print_:
-                now = "is missing from this run" if path not in self.sources else "holds other weights now"
-                raise SystemExit(f"error: {self.ckpt_path} was trained from {path}, which {now} (flags --init/--rm: "
-                                 f"{saved.get('init')}, {saved.get('rm')}); resume with the same checkpoints, or "
-                                 f"start afresh without --resume (or with another --out)")
+                now = ("is missing from this run" if path not in self.sources
+                       else "holds other weights now")
+                raise SystemExit(f"error: {self.ckpt_path} was trained from {path}, which {now} "
+                                 f"(flags --init/--rm: {saved.get('init')}, {saved.get('rm')}); "
+                                 "resume with the same checkpoints, or start afresh without "
+                                 "--resume (or with another --out)")
         ignore = {"resume", "steps", "epochs", "log_every", "eval_every", "device"}
         changed = [f"--{k} {saved[k]} -> {v}" for k, v in vars(args).items()
                    if k in saved and k not in ignore and saved[k] != v]
@@ -620,27 +549,31 @@ class Run:
             for name, module in modules.items():
                 module.load_state_dict(ckpt[name])
         except (RuntimeError, ValueError, KeyError) as e:
-            why = " ".join(str(e).split())                                  # one line, however torch words it
-            raise SystemExit(f"error: {self.ckpt_path} does not fit this run's models ({why[:200]}); start afresh "
-                             f"without --resume") from None
-        self.step, self.before, self.samples = ckpt["step"], ckpt.get("eval_before"), ckpt.get("samples", 0)
+            why = " ".join(str(e).split())                   # one line, however torch words it
+            raise SystemExit(f"error: {self.ckpt_path} does not fit this run's models "
+                             f"({why[:200]}); start afresh without --resume") from None
+        self.step, self.before = ckpt["step"], ckpt.get("eval_before")
+        self.samples = ckpt.get("samples", 0)
         state = ckpt["rng"]
         self.rng.setstate((state[0], tuple(state[1]), state[2]))
-        generators = ckpt.get("generators") or [ckpt["generator"]]        # one per rank of the run that saved it
+        generators = ckpt.get("generators") or [ckpt["generator"]]   # one per rank that saved it
         if len(generators) == self.world:
             self.gen.set_state(generators[self.rank].cpu())
-        else:                                                               # another number of processes: fresh streams
+        else:                                          # another number of processes: fresh streams
             self.gen.manual_seed(self.args.seed + 1000 * self.step + self.rank)
-            self.print(f"note: {self.ckpt_path} was written by {len(generators)} process(es), this run has "
-                       f"{self.world}: the sampling streams restart (the run continues, not bit-exactly)")
+            self.print(f"note: {self.ckpt_path} was written by {len(generators)} process(es), this "
+                       f"run has {self.world}: the sampling streams restart (the run continues, "
+                       "not bit-exactly)")
         if self.is_main:
             self._cut_log(self.step)
         self.print(f"resuming from {self.ckpt_path} at step {self.step}"
-                   + (f" (flags changed since it was written: {', '.join(changed)})" if changed else ""))
+                   + (" (flags changed since it was written: "
+                      f"{', '.join(changed)})" if changed else ""))
         return ckpt
 
     def _cut_log(self, step):
-        """Keep the metrics lines of steps <= step: later ones belong to steps this run will do again."""
+        """Keep the metrics lines of steps <= step: later ones belong to steps this run will do
+        again."""
         rows = []
         if os.path.exists(self.metrics_path):
             with open(self.metrics_path) as f:
@@ -648,7 +581,7 @@ class Run:
                     try:
                         row = json.loads(line)
                     except ValueError:
-                        break                                               # a line cut short by a kill
+                        break                                # a line cut short by a kill
                     if row.get("step", math.inf) <= step:
                         rows.append(line if line.endswith("\n") else line + "\n")
         tmp = f"{self.metrics_path}.tmp{os.getpid()}"
@@ -659,13 +592,14 @@ class Run:
     # ---- the loop
 
     def training(self):
-        """True while there are steps to do and no stop was asked for (on any rank: they stop together)."""
-        if self.t0 is None:                                                 # wall time counts from the first step
+        """True while there are steps to do and no stop was asked for (on any rank: they stop
+        together)."""
+        if self.t0 is None:                                  # wall time counts from the first step
             self.t0 = self.t_log = time.time()
         if self.world > 1:
             self.interrupted = bool(self.all_sum(float(self.interrupted)).item())
         going = self.step < self.total_steps and not self.interrupted
-        self.current = self.step + 1 if going else self.step                # what a Ctrl-C now would finish
+        self.current = self.step + 1 if going else self.step   # what a Ctrl-C now would finish
         return going
 
     def _due(self, every, step=None):
@@ -679,8 +613,8 @@ class Run:
         return self._due(self.args.log_every) or self.eval_due()
 
     def logging(self):
-        """During a step (before run.step counts it): True when this step will be logged, so that what only the log
-        reads (the exact KL, the entropy) is computed on those steps alone."""
+        """During a step (before run.step counts it): True when this step will be logged, so that
+        what only the log reads (the exact KL, the entropy) is computed on those steps alone."""
         step = self.step + 1
         return self._due(self.args.log_every, step) or self._due(self.args.eval_every, step)
 
@@ -689,43 +623,46 @@ class Run:
             print(*a, flush=True)
 
     def evaluate(self, model, tok):
-        """Held-out metrics of `model` (task.evaluate: greedy accuracy, and pass@1 of 4 samples at T = 1), as eval_*.
-        Rank 0 alone evaluates; the other ranks get {}."""
+        """Held-out metrics of `model` (task.evaluate: greedy accuracy, and pass@1 of 4 samples at T
+        = 1), as eval_*. Rank 0 alone evaluates; the other ranks get {}."""
         self.loading = False
         if not self.is_main:
             self.eval_step = self.step
             return {}
         t = time.time()
         with self.autocast:
-            e = task.evaluate(model, tok, task.eval_prompts()[:self.args.eval_n], num_samples=4, temperature=1.0,
-                              seed=self.args.seed, max_new_tokens=getattr(self.args, "max_new_tokens", None))
-        self.t_log += time.time() - t                                      # evaluation is not training time
-        self.last_eval, self.eval_step = {"eval_accuracy": e["greedy_accuracy"], "eval_pass_at_1": e["pass_at_1"],
-                                          "eval_accuracy_precedence": e["greedy_accuracy_precedence"],
-                                          "eval_accuracy_other": e["greedy_accuracy_other"]}, self.step
+            e = task.evaluate(model, tok, task.eval_prompts()[:self.args.eval_n], num_samples=4,
+                              temperature=1.0, seed=self.args.seed,
+                              max_new_tokens=getattr(self.args, "max_new_tokens", None))
+        self.t_log += time.time() - t                        # evaluation is not training time
+        self.last_eval = {"eval_accuracy": e["greedy_accuracy"], "eval_pass_at_1": e["pass_at_1"],
+                          "eval_accuracy_precedence": e["greedy_accuracy_precedence"],
+                          "eval_accuracy_other": e["greedy_accuracy_other"]}
+        self.eval_step = self.step
         return dict(self.last_eval)
 
     def log_start(self, evaluation, what="the SFT policy"):
-        """Step 0 of a fresh run (scripts call it when not --resume), every check passed: the folder's earlier run is
-        replaced now, its checkpoint first (a fresh log is never paired with an older run's checkpoint), then its log;
-        the starting policy's evaluation is kept as `before` and logged."""
+        """Step 0 of a fresh run (scripts call it when not --resume), every check passed: the
+        folder's earlier run is replaced now, its checkpoint first (a fresh log is never paired with
+        an older run's checkpoint), then its log; the starting policy's evaluation is kept as
+        `before` and logged."""
         if self.is_main:
             if os.path.exists(self.ckpt_path):
                 os.remove(self.ckpt_path)
-                self.print(f"a fresh run: the earlier run in {self.args.out} ({self.ckpt_path} and its log) is "
-                           f"replaced")
+                self.print(f"a fresh run: the earlier run in {self.args.out} ({self.ckpt_path} and "
+                           "its log) is replaced")
             open(self.metrics_path, "w").close()
         self.before = dict(evaluation)
-        # what the run's numbers depend on beyond its flags: on a CPU the thread count changes the order of float
-        # reductions, and an RL run that differs in one bit can diverge from there
+        # what the run's numbers depend on beyond its flags: on a CPU the thread count changes the
+        # order of float reductions, and an RL run that differs in one bit can diverge from there
         setting = {"device": self.device, "threads": torch.get_num_threads(), "world": self.world,
                    "torch": torch.__version__}
         self.log({**self.before, **setting}, what)
 
     def log(self, metrics, line, tokens=False):
-        """Print `step N | line` (plus held-out accuracy on eval steps) and append `metrics` as one JSON line.
-        tokens=True adds tokens_per_sec: run.tokens (counted by the script) over the training time since the last
-        log."""
+        """Print `step N | line` (plus held-out accuracy on eval steps) and append `metrics` as one
+        JSON line. tokens=True adds tokens_per_sec: run.tokens (counted by the script) over the
+        training time since the last log."""
         now = time.time()
         metrics = {"step": self.step, **metrics}
         if self.step > 0:
@@ -735,31 +672,33 @@ class Run:
             metrics["elapsed_s"] = now - self.t0
         self.t_log, self.tokens = now, 0
         if "eval_accuracy" in metrics:
-            line += f" | held-out greedy {metrics['eval_accuracy']:.3f} pass@1 {metrics['eval_pass_at_1']:.3f}"
+            line += (f" | held-out greedy {metrics['eval_accuracy']:.3f} pass@1 "
+                     f"{metrics['eval_pass_at_1']:.3f}")
         self.print(f"step {self.step:5d} | {line}")
         if self.is_main:
             with open(self.metrics_path, "a") as f:
                 f.write(json.dumps(metrics) + "\n")
 
     def save(self, model, optimizer=None, **extra):
-        """Checkpoint <out>/<script>.pt atomically: weights, optimiser, step, flags, random states (every rank's
-        sampling stream), `extra`. Every rank calls it; rank 0 writes."""
+        """Checkpoint <out>/<script>.pt atomically: weights, optimiser, step, flags, random states
+        (every rank's sampling stream), `extra`. Every rank calls it; rank 0 writes."""
         generators = [self.gen.get_state()]
         if self.world > 1:
             generators = [None] * self.world
             dist.all_gather_object(generators, self.gen.get_state().cpu())
         if self.is_main:
-            save_checkpoint(self.ckpt_path, model, self.tokenizer_name, optimizer, self.step, self.args,
-                            script=self.script, sources=self.sources, rng=list(self.rng.getstate()),
-                            generator=generators[0],
+            kept = {"chat_date": self.chat_date, "tokenizer_files": self.tokenizer_files}
+            save_checkpoint(self.ckpt_path, model, self.tokenizer_name, optimizer, self.step,
+                            self.args, script=self.script, sources=self.sources,
+                            rng=list(self.rng.getstate()), generator=generators[0],
                             generators=generators, eval_before=self.before, samples=self.samples,
-                            **({"chat_date": self.chat_date} if self.chat_date else {}),
-                            **({"tokenizer_files": self.tokenizer_files} if self.tokenizer_files else {}), **extra)
+                            **{k: v for k, v in kept.items() if v}, **extra)
         self.saved_step = self.step
 
     def finish(self, model, tok, optimizer=None, summary=None, **extra):
-        """After the loop: on Ctrl-C, checkpoint and say how to resume; else the summary line (before -> after)."""
-        if not self.is_main:                                                # rank 0 reports (and saves, below)
+        """After the loop: on Ctrl-C, checkpoint and say how to resume; else the summary line
+        (before -> after)."""
+        if not self.is_main:                                 # rank 0 reports (and saves, below)
             if self.interrupted and getattr(self, "saved_step", None) != self.step:
                 self.save(model, optimizer, **extra)
             self.close(finished=True, code=130 if self.interrupted else 0)
@@ -770,23 +709,27 @@ class Run:
             if getattr(self, "saved_step", None) != self.step:
                 self.save(model, optimizer, **extra)
             argv = [a for a in sys.argv[1:] if a != "--resume"] + ["--resume"]
-            self.print(f"stopped at step {self.step} of {self.total_steps}; checkpoint {self.ckpt_path} (step "
-                       f"{self.step}); continue with: {self.launcher()} {self.script}.py {shlex.join(argv)}")
+            self.print(f"stopped at step {self.step} of {self.total_steps}; checkpoint "
+                       f"{self.ckpt_path} (step {self.step}); continue with: {self.launcher()} "
+                       f"{self.script}.py {shlex.join(argv)}")
             self.close(finished=True, code=130)
             raise SystemExit(130)
         if summary is None:
-            if self.eval_step != self.step:                                 # e.g. resumed at the step limit
+            if self.eval_step != self.step:                  # e.g. resumed at the step limit
                 self.evaluate(model, tok)
             final, before = self.last_eval, self.before or {}
             b = lambda key: f"{before[key]:.3f} -> " if key in before else ""
-            split = (f" (precedence {b('eval_accuracy_precedence')}{final['eval_accuracy_precedence']:.3f}, other "
-                     f"{final['eval_accuracy_other']:.3f})")
-            summary = (f"held-out greedy accuracy {b('eval_accuracy')}{final['eval_accuracy']:.3f}"
-                       f"{split if final['eval_accuracy_precedence'] == final['eval_accuracy_precedence'] else ''} "
-                       f"| sampled pass@1 {b('eval_pass_at_1')}{final['eval_pass_at_1']:.3f}")   # no split: gsm8k
+            split = (" (precedence "
+                     f"{b('eval_accuracy_precedence')}{final['eval_accuracy_precedence']:.3f}, "
+                     f"other {final['eval_accuracy_other']:.3f})")
+            prec = final["eval_accuracy_precedence"]
+            split = split if prec == prec else ""              # NaN: no precedence split (gsm8k)
+            summary = (f"held-out greedy accuracy {b('eval_accuracy')}"
+                       f"{final['eval_accuracy']:.3f}{split} | sampled pass@1 "
+                       f"{b('eval_pass_at_1')}{final['eval_pass_at_1']:.3f}")
         samples = f" | {self.samples:,} completions sampled" if self.samples else ""
-        self.print(f"done: {self.step} steps in {time.time() - self.t0:.0f}s | {summary}{samples} | wrote "
-                   f"{self.ckpt_path}")
+        self.print(f"done: {self.step} steps in {time.time() - self.t0:.0f}s | {summary}{samples} "
+                   f"| wrote {self.ckpt_path}")
         self.close(finished=True)
 
     def launcher(self):
@@ -796,14 +739,16 @@ class Run:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
         if local == self.world:
             return f"torchrun --standalone --nproc_per_node {local}"
-        return f"torchrun --nnodes {self.world // local} --nproc_per_node {local} <this run's rendezvous flags>"
+        return (f"torchrun --nnodes {self.world // local} --nproc_per_node {local} <this run's "
+                f"rendezvous flags>")
 
     def close(self, finished=False, code=0):
-        """Release the lock and, under torchrun, tear the process group down. finished: every rank is here, so they
-        first wait for each other (none destroys the group while another still uses it), and then each rank leaves at
-        once with `code`, everything written and flushed: the DDP wrapper keeps the gloo process group alive past
-        destroy_process_group, and its threads' teardown at interpreter exit can abort a finished run
-        ("terminate called without an active exception", 3 runs in 7 here)."""
+        """Release the lock and, under torchrun, tear the process group down. finished: every rank
+        is here, so they first wait for each other (none destroys the group while another still uses
+        it), and then each rank leaves at once with `code`, everything written and flushed: the DDP
+        wrapper keeps the gloo process group alive past destroy_process_group, and its threads'
+        teardown at interpreter exit can abort a finished run ("terminate called without an active
+        exception", 3 runs in 7 here)."""
         if self.lock is not None:
             self.lock.release()
             self.lock = None
@@ -821,9 +766,10 @@ class Run:
                 os._exit(code)
 
     def _stop(self, signum, frame):
-        """First Ctrl-C (or SIGTERM): finish the step, checkpoint, exit. A second Ctrl-C aborts at once. A SIGTERM
-        while the run is still loading (before the starting evaluation or the resume) stops it there: nothing is
-        trained or written yet, and what loads may take long (building the SFT policy, a slow chat template)."""
+        """First Ctrl-C (or SIGTERM): finish the step, checkpoint, exit. A second Ctrl-C aborts at
+        once. A SIGTERM while the run is still loading (before the starting evaluation or the
+        resume) stops it there: nothing is trained or written yet, and what loads may take long
+        (building the SFT policy, a slow chat template)."""
         if signum == signal.SIGTERM and self.loading:
             self.print("\nSIGTERM while loading: stopped; nothing was trained or written")
             raise SystemExit(143)
@@ -834,33 +780,35 @@ class Run:
                    f"(Ctrl-C again to abort without one)")
 
     def check_finite(self, loss, hint):
-        """A NaN or infinite loss stops the run with one line (the last checkpoint is kept). Under torchrun every rank
-        learns whether any rank's loss is bad, so that they stop together: a rank that left alone would leave the
-        others waiting for it in the next collective."""
+        """A NaN or infinite loss stops the run with one line (the last checkpoint is kept). Under
+        torchrun every rank learns whether any rank's loss is bad, so that they stop together: a
+        rank that left alone would leave the others waiting for it in the next collective."""
         bad = torch.zeros(self.world, device=self.device)
         bad[self.rank] = (~torch.isfinite(loss.detach())).float()
-        bad = self.all_sum(bad)                                             # (world,) 1 where a rank's loss is bad
+        bad = self.all_sum(bad)                              # (world,) 1 where a rank's loss is bad
         if bad.any():
             ranks = bad.nonzero().flatten().tolist()
             self.close()
             if not self.is_main:
                 raise SystemExit(1)                                         # rank 0 says why
-            where = f" on rank {', '.join(map(str, ranks))} of {self.world}" if self.world > 1 else ""
+            ranks_text = ", ".join(map(str, ranks))
+            where = f" on rank {ranks_text} of {self.world}" if self.world > 1 else ""
             value = f" {loss.item()}" if ranks[0] == 0 else " not finite"
-            raise SystemExit(f"error: the loss is{value}{where} at step {self.step + 1}; {hint} (the last checkpoint, "
-                             f"if any, is {self.ckpt_path})")
+            raise SystemExit(f"error: the loss is{value}{where} at step {self.step + 1}; {hint} "
+                             f"(the last checkpoint, if any, is {self.ckpt_path})")
 
     # ---- more than one process (torchrun): shares, global sums, DDP, micro-batches
 
     def shard(self, items):
-        """This rank's contiguous share of `items`, a list every rank drew identically (all of it in one process):
-        a group of completions never spans two ranks."""
+        """This rank's contiguous share of `items`, a list every rank drew identically (all of it in
+        one process): a group of completions never spans two ranks."""
         n = len(items) // self.world
         return items[self.rank * n:(self.rank + 1) * n]
 
     def all_sum(self, x):
-        """x (a tensor or a number) summed over the ranks, as a tensor on this run's device; x itself in one process.
-        Every global quantity goes through it: normalisers, batch means and std, logged metrics."""
+        """x (a tensor or a number) summed over the ranks, as a tensor on this run's device; x
+        itself in one process. Every global quantity goes through it: normalisers, batch means and
+        std, logged metrics."""
         x = x if torch.is_tensor(x) else torch.tensor(float(x), device=self.device)
         if self.world == 1:
             return x
@@ -869,23 +817,26 @@ class Run:
         return x
 
     def mean(self, x, mask=None):
-        """For logged metrics, a float: the mean of x's elements over every rank's x (x.mean() in one process), or
-        with a mask, of the elements where mask is 1 (model.masked_mean(x, mask) in one process)."""
+        """For logged metrics, a float: the mean of x's elements over every rank's x (x.mean() in
+        one process), or with a mask, of the elements where mask is 1 (model.masked_mean(x, mask) in
+        one process)."""
         if mask is None:
             return (self.all_sum(x.sum()) / self.all_sum(x.numel())).item()
-        return (self.all_sum(torch.where(mask > 0, x, 0.0).sum()) / self.all_sum(mask.sum()).clamp(min=1)).item()
+        total = self.all_sum(torch.where(mask > 0, x, 0.0).sum())
+        return (total / self.all_sum(mask.sum()).clamp(min=1)).item()
 
     def std(self, x):
-        """The population std of x's elements over every rank's x (x.std(unbiased=False) in one process)."""
+        """The population std of x's elements over every rank's x (x.std(unbiased=False) in one
+        process)."""
         if self.world == 1:
             return x.std(unbiased=False).item()
         return math.sqrt(self.mean((x - self.mean(x)) ** 2))
 
     def ddp(self, model):
-        """The model wrapped in DistributedDataParallel, for the training forward and backward, or the model itself
-        in one process. Its gradient is the SUM of the ranks' gradients, not their mean: each rank's loss is its share
-        of the whole batch's loss (normalised by all_sum counts), so the shares add up to exactly one batch's
-        gradient."""
+        """The model wrapped in DistributedDataParallel, for the training forward and backward, or
+        the model itself in one process. Its gradient is the SUM of the ranks' gradients, not their
+        mean: each rank's loss is its share of the whole batch's loss (normalised by all_sum
+        counts), so the shares add up to exactly one batch's gradient."""
         if self.world == 1:
             return model
         wrapped = DistributedDataParallel(model)
@@ -896,13 +847,13 @@ class Run:
         """The row indices of each --grad_accum micro-batch of an n-row batch, one at a time:
 
             for rows in run.micro_batches(B, train_policy):
-                loss = ...(train_policy(x[rows]) ...)       # forward and backward both inside the loop body
-                loss.backward()
+                loss = ...(train_policy(x[rows]) ...)       # forward and backward both inside the
+                loop body loss.backward()
 
-        Under torchrun, the gradients of `ddp_models` are summed over ranks once, after the last micro-batch: every
-        earlier one runs inside their no_sync(). The forward must be inside it too, not only the backward: DDP decides
-        at forward time whether the backward that follows all-reduces. Without models (scoring under no_grad) it only
-        splits the rows."""
+        Under torchrun, the gradients of `ddp_models` are summed over ranks once, after the last
+        micro-batch: every earlier one runs inside their no_sync(). The forward must be inside it
+        too, not only the backward: DDP decides at forward time whether the backward that follows
+        all-reduces. Without models (scoring under no_grad) it only splits the rows."""
         parts = torch.tensor_split(torch.arange(n, device=self.device), self.args.grad_accum)
         for i, rows in enumerate(parts):
             with contextlib.ExitStack() as stack:
@@ -918,4 +869,5 @@ class Run:
 
 def _allreduce_sum(state, bucket):
     """DDP communication hook: sum a gradient bucket over ranks (DDP's default averages)."""
-    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda fut: fut.value()[0])
+    work = dist.all_reduce(bucket.buffer(), async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])

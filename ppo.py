@@ -41,10 +41,11 @@ import torch
 
 import sampler
 import task
+from flags import RM_PATH, SFT_PATH, TEMPERATURE, Float, Int, add_run_flags, parser
 from kernels import entropy, kl, logprobs
 from lora import trainable
 from model import ScalarGPT, completion_logits, masked_mean
-from plumbing import RM_PATH, SFT_PATH, TEMPERATURE, Float, Int, Run, add_run_flags, parser
+from plumbing import Run
 
 
 # -----------------------------------------------------------------------------

@@ -42,8 +42,10 @@ import torch.nn.functional as F
 
 import sampler
 import task
-from model import ScalarGPT, left_pad, pad_steps, scores_at
-from plumbing import SFT_PATH, TEMPERATURE, Float, Int, Run, add_run_flags, load_model, lr_schedule, parser
+from flags import SFT_PATH, TEMPERATURE, Float, Int, add_run_flags, parser, require_arithmetic
+from model import ScalarGPT, scores_at
+from plumbing import Run, load_model, lr_schedule
+from task import left_pad, pad_steps
 from tasks import arithmetic
 
 KINDS = ("orm", "prm")
@@ -249,7 +251,7 @@ def parse_args(argv=None):
     g.add_argument("--init", default=SFT_PATH,
                    help="SFT policy: the backbone to start from and the sampler of the data")
     args = p.parse_args(argv)
-    task.require_arithmetic(p, args, "process labels (arithmetic.step_labels)")
+    require_arithmetic(p, args, "process labels (arithmetic.step_labels)")
     n = args.n_prompts * args.samples_per_prompt
     if args.batch_size > n:
         p.error(f"--batch_size {args.batch_size} exceeds the {n} training completions (--n_prompts {args.n_prompts} x "

@@ -31,8 +31,9 @@ import torch
 import torch.nn.functional as F
 
 import task
+from flags import SFT_PATH, Float, Int, add_run_flags, parser
 from model import ScalarGPT, last_real
-from plumbing import SFT_PATH, Float, Int, Run, add_run_flags, lr_schedule, parser
+from plumbing import Run, lr_schedule
 
 
 # -----------------------------------------------------------------------------

@@ -28,10 +28,11 @@ Metrics: out/rloo/metrics.jsonl (docs/metrics.md says what each means); checkpoi
 import torch
 
 import task
+from flags import SFT_PATH, TEMPERATURE, Float, Int, add_run_flags, parser
 from kernels import kl_penalty
 from lora import trainable
 from model import completion_hidden, completion_logprobs, kl_entropy
-from plumbing import SFT_PATH, TEMPERATURE, Float, Int, Run, add_run_flags, parser
+from plumbing import Run
 
 
 # -----------------------------------------------------------------------------

@@ -1,33 +1,38 @@
 """
-Sampling completions from model.GPT: the rollout engine every script shares (nanochat's engine.py and nano-vllm are
-the anchors).
+Sampling completions from model.GPT: the rollout engine every script shares (nanochat's engine.py
+and nano-vllm are the anchors).
 
-    tokens, mask, truncated = generate(model, prompt, prompt_mask, max_new_tokens, tok.stop_ids, tok.pad_id,
-                                       num_samples=G, temperature=1.0, generator=g)
+    tokens, mask, truncated = generate(model, prompt, prompt_mask, max_new_tokens,
+                                       tok.stop_ids, tok.pad_id, num_samples=G, generator=g)
 
-A call runs the prompts (left-padded) through the model once, filling a KV cache allocated for the prompt plus every
-new token in the dtype the model computes in, then makes one token per step. Three modes, the same tokens
-(tests/test_sampler.py):
+A call runs the prompts (left-padded) through the model once, filling a KV cache allocated for the
+prompt plus every new token in the dtype the model computes in, then makes one token per step. Three
+modes, the same tokens (tests/test_sampler.py):
 - "eager": the model's own forward on an appending cache: the reference, and the default off CUDA.
-- "graph": a step of fixed shapes (decode_step: the new key and value written at a slot held in a tensor, attention
-  over every slot, the empty ones masked) recorded once per call as a CUDA graph with the LM head, the draw and the
-  bookkeeping of which rows have ended, then replayed: one launch a token instead of hundreds. The host checks for
-  the end every SYNC_EVERY tokens only, so the GPU never waits for it. Off CUDA the same step runs eagerly.
-- "compile": "graph" with the transformer part of the step under torch.compile (fullgraph), on bfloat16 copies of
-  the linear layers (sampling_copy). On CUDA the default from COMPILE_PARAMS parameters up, "graph" below.
+- "graph": a step of fixed shapes (decode_step: the new key and value written at a slot held in a
+  tensor, attention over every slot, the empty ones masked) recorded once per call as a CUDA graph
+  with the LM head, the draw and the bookkeeping of which rows have ended, then replayed: one launch
+  a token instead of hundreds. The host checks for the end every SYNC_EVERY tokens only, so the GPU
+  never waits for it. Off CUDA the same step runs eagerly.
+- "compile": "graph" with the transformer part of the step under torch.compile (fullgraph), on
+  bfloat16 copies of the linear layers (sampling_copy). On CUDA the default from COMPILE_PARAMS
+  parameters up, "graph" below.
 
-The draw: torch.multinomial(p, 1) draws argmax_v p_v / E_v, E_v ~ Exponential(1), from the generator, an exact
-sample of p; it also checks p on the host, a sync no CUDA graph can record. `draw` writes the same race out: the
-same tokens from the same generator, draw for draw (tested against torch.multinomial).
+The draw: torch.multinomial(p, 1) draws argmax_v p_v / E_v, E_v ~ Exponential(1), from the
+generator, an exact sample of p; it also checks p on the host, a sync no CUDA graph can record.
+`draw` writes the same race out: the same tokens from the same generator, draw for draw (tested
+against torch.multinomial).
 
-Support: the logits are over the tokenizer's ids only (GPT.logits), so an embedding row past them (Qwen2.5 pads
-151665 ids to 151936) is never drawn. The LM head: bfloat16 operands, float32 logits (model.py, Precision), its
-operand made once per call.
+Support: the logits are over the tokenizer's ids only (GPT.logits), so an embedding row past them
+(Qwen2.5 pads 151665 ids to 151936) is never drawn. The LM head: bfloat16 operands, float32 logits
+(model.py, Precision), its operand made once per call.
 
 Shapes: N = B * num_samples rows, Tp prompt length, Tn new tokens, V the support, C channels.
 """
 import copy
+import functools
 import weakref
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -36,20 +41,22 @@ import torch.nn.functional as F
 from model import FUSED_VOCAB, KVCache, operand_dtype
 
 MODES = ("eager", "graph", "compile")
-SYNC_EVERY = 16   # "graph" and "compile" on CUDA: tokens between the host's checks that every row has ended
-CACHE_ROUND = 64  # "compile": cache slots rounded up to a multiple of this, so that close prompt lengths share a graph
-COMPILE_PARAMS = 50_000_000   # on CUDA the default is "compile" from this many parameters up, "graph" below
+SYNC_EVERY = 16    # "graph", "compile" on CUDA: tokens between the host's checks for the end
+CACHE_ROUND = 64   # "compile": cache slots rounded up to this (close lengths share a graph)
+COMPILE_PARAMS = 50_000_000   # on CUDA the default is "compile" from this many parameters up
 
 
 @torch.no_grad()
-def generate(model, prompt, prompt_mask, max_new_tokens, eos_id, pad_id=None, num_samples=1, temperature=1.0,
-             top_k=None, generator=None, mode=None, return_logprobs=False):
-    """prompt (B, Tp) left-padded ids, prompt_mask (B, Tp) 1 on real tokens; num_samples completions per prompt on
-    consecutive rows. eos_id: an id, or a sequence of ids (a tokenizer's stop_ids), any of which ends a row.
-    temperature 0: greedy; top_k: keep the k likeliest (None: the full softmax, as RL needs). mode: "eager", "graph"
-    or "compile"; None reads model.sampler_mode (--compile), else default_mode. Returns tokens (N, Tn), pad_id after
-    each row's end; mask (N, Tn) 1.0 through the token that ended it; truncated (N,) bool; and with return_logprobs
-    the sampler's own log softmax(logits / T)[token] (N, Tn) float32, 0 after the end. pad_id None: eos_id[0]."""
+def generate(model, prompt, prompt_mask, max_new_tokens, eos_id, pad_id=None, num_samples=1,
+             temperature=1.0, top_k=None, generator=None, mode=None, return_logprobs=False):
+    """prompt (B, Tp) left-padded ids, prompt_mask (B, Tp) 1 on real tokens; num_samples completions
+    per prompt on consecutive rows. eos_id: an id, or a sequence of ids (a tokenizer's stop_ids),
+    any of which ends a row. temperature 0: greedy; top_k: keep the k likeliest (None: the full
+    softmax, as RL needs). mode: "eager", "graph" or "compile"; None reads model.sampler_mode
+    (--compile), else default_mode. Returns tokens (N, Tn), pad_id after each row's end; mask (N,
+    Tn) 1.0 through the token that ended it; truncated (N,) bool; and with return_logprobs the
+    sampler's own log softmax(logits / T)[token] (N, Tn) float32, 0 after the end. pad_id None:
+    eos_id[0]."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens = {max_new_tokens}; it must be at least 1")
     if temperature < 0:
@@ -57,7 +64,8 @@ def generate(model, prompt, prompt_mask, max_new_tokens, eos_id, pad_id=None, nu
     mode = mode or getattr(model, "sampler_mode", None) or default_mode(model, prompt.device)
     if mode not in MODES:
         raise ValueError(f"sampler mode {mode!r} is unknown; allowed: {', '.join(MODES)}")
-    stops = torch.tensor(eos_id if isinstance(eos_id, (list, tuple)) else [eos_id], device=prompt.device)
+    stops = torch.tensor(eos_id if isinstance(eos_id, (list, tuple)) else [eos_id],
+                         device=prompt.device)
     pad_id = int(stops[0]) if pad_id is None else pad_id
     idx = prompt.repeat_interleave(num_samples, dim=0)                  # (N, Tp)
     idx_mask = prompt_mask.repeat_interleave(num_samples, dim=0)
@@ -72,15 +80,16 @@ def generate(model, prompt, prompt_mask, max_new_tokens, eos_id, pad_id=None, nu
 
 
 def default_mode(model, device):
-    """"eager" off CUDA; on CUDA "compile" from COMPILE_PARAMS parameters up (its tens of seconds of compiling, once,
-    are paid back within a rollout), else "graph"."""
+    """"eager" off CUDA; on CUDA "compile" from COMPILE_PARAMS parameters up (its tens of seconds of
+    compiling, once, are paid back within a rollout), else "graph"."""
     if device.type != "cuda":
         return "eager"
     return "compile" if model.num_params() >= COMPILE_PARAMS else "graph"
 
 
 class Outputs:
-    """What the steps write, on the device; t, the next column, is a tensor so that a recorded step advances it."""
+    """What the steps write, on the device; t, the next column, is a tensor so that a recorded step
+    advances it."""
 
     def __init__(self, N, max_new_tokens, pad_id, device):
         self.tokens = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=device)
@@ -90,18 +99,19 @@ class Outputs:
         self.t = torch.zeros(1, dtype=torch.long, device=device)
 
     def result(self, return_logprobs):
-        # trimmed after the last column any row sampled (steps past the end of every row wrote padding)
+        # trimmed after the last column any row sampled (steps past every row's end wrote padding)
         Tn = int(self.mask.sum(0).nonzero().max()) + 1               # column 0 is always sampled
         outs = (self.tokens[:, :Tn], self.mask[:, :Tn], ~self.done)
         return (*outs, self.logp[:, :Tn]) if return_logprobs else outs
 
 
 def draw(logits, temperature, top_k, generator, want_logp=False):
-    """The next token (N,) from logits (N, V) float32 (and its log-prob, with want_logp): torch.multinomial's draw."""
+    """The next token (N,) from logits (N, V) float32 (and its log-prob, with want_logp):
+    torch.multinomial's draw."""
     if temperature == 0:
         return logits.argmax(-1), None
     logits = logits / temperature
-    if top_k is not None:                                               # keep the k largest, the rest probability 0
+    if top_k is not None:                                               # the k largest; the rest: 0
         kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = F.softmax(logits, dim=-1)                                   # (N, V)
@@ -113,7 +123,8 @@ def draw(logits, temperature, top_k, generator, want_logp=False):
 
 
 def record(out, nxt, logp, stops, pad_id):
-    """The drawn tokens at column out.t (pad_id, mask 0 past a row's end: any of stops); graph-safe device work."""
+    """The drawn tokens at column out.t (pad_id, mask 0 past a row's end: any of stops); graph-safe
+    device work."""
     tokens = torch.where(out.done, pad_id, nxt)[:, None]               # (N, 1)
     out.tokens.index_copy_(1, out.t, tokens)
     out.mask.index_copy_(1, out.t, (~out.done).float()[:, None])
@@ -127,15 +138,16 @@ def record(out, nxt, logp, stops, pad_id):
 def check_finite(logits):
     # once per call (one device sync): NaN weights would otherwise sample garbage
     if not torch.isfinite(logits).all():
-        raise ValueError("the model's logits are not finite (NaN or inf): its weights hold NaN or inf, or have "
-                         "diverged; nothing can be sampled from it")
+        raise ValueError("the model's logits are not finite (NaN or inf): its weights hold NaN or "
+                         "inf, or have diverged; nothing can be sampled from it")
 
 
 def last_logits(model, h, head=None):
-    # the logits (N, V) of each row's last position: up to FUSED_VOCAB from every position's (the computation every
-    # earlier CPU result was made with), above it from the last position alone (no (N, Tp, V) logits)
+    # the logits (N, V) of each row's last position: up to FUSED_VOCAB from every position's (the
+    # computation every earlier CPU result was made with), above it from the last position alone
     if model.config.support > FUSED_VOCAB:
-        return model.logits(h[:, -1], model.head_weight(pad=True) if head is None else head, fast=True)
+        head = model.head_weight(pad=True) if head is None else head
+        return model.logits(h[:, -1], head, fast=True)
     return model.logits(h)[:, -1]
 
 
@@ -144,7 +156,7 @@ def eager_loop(model, idx, idx_mask, max_new_tokens, out, settings):
     temperature, top_k, generator, stops, pad_id, want_logp = settings
     N, Tp = idx.shape
     cache = KVCache(model.config.n_layer, N, Tp + max_new_tokens, idx.device)
-    logits = last_logits(model, model.hidden(idx, idx_mask, cache))     # (N, V) predicts the first new token
+    logits = last_logits(model, model.hidden(idx, idx_mask, cache))     # (N, V): the first token's
     check_finite(logits)
     ones = torch.ones(N, 1, device=idx.device)
     for t in range(max_new_tokens):
@@ -156,26 +168,28 @@ def eager_loop(model, idx, idx_mask, max_new_tokens, out, settings):
 
 
 def decode_step(model, token, cache, slot):
-    """The final hidden state (N, C) of one new token per row, token (N, 1), shapes that never change: its keys and
-    values go to cache slot `slot` (1,), attention reads every slot (the empty ones masked: their terms are exactly 0,
-    the sums ordered otherwise than model.hidden's on an appending cache)."""
-    cache.key_mask.index_fill_(1, slot, True)                           # (N, L) the new token is real in every row
+    """The final hidden state (N, C) of one new token per row, token (N, 1), shapes that never
+    change: its keys and values go to cache slot `slot` (1,), attention reads every slot (the empty
+    ones masked: their terms are exactly 0, the sums ordered otherwise than model.hidden's on an
+    appending cache)."""
+    cache.key_mask.index_fill_(1, slot, True)                           # (N, L) the new one: real
     x, rope = model.embed(token, cache.next_pos[:, None])               # (N, 1, C)
-    attn_mask = cache.key_mask[:, None, None, :]                        # (N, 1, 1, L) every filled slot, no later one
+    attn_mask = cache.key_mask[:, None, None, :]                        # (N, 1, 1, L) filled slots
     for i, block in enumerate(model.blocks):
         x = block(x, attn_mask, cache, i, slot, rope)
     cache.next_pos.add_(1)
     return model.ln_f(x)[:, -1]                                         # (N, C)
 
 
-_compiled = []   # decode_step under torch.compile, made at first use and shared by every model of the process
+_compiled = []   # decode_step under torch.compile, made at first use, shared by every model
 
 
 def compiled_decode_step():
-    """decode_step under torch.compile (fullgraph; static_loop records the CUDA graph). A second shape recompiles with
-    dynamic sizes; past the recompile limit (where fullgraph would raise) the step runs eagerly."""
+    """decode_step under torch.compile (fullgraph; static_loop records the CUDA graph). A second
+    shape recompiles with dynamic sizes; past the recompile limit (where fullgraph would raise) the
+    step runs eagerly."""
     if not _compiled:
-        compiled = torch.compile(decode_step, fullgraph=True)         # a second shape recompiles with dynamic sizes
+        compiled = torch.compile(decode_step, fullgraph=True)   # a second shape: dynamic sizes
 
         def step(model, token, cache, slot):
             try:
@@ -190,14 +204,15 @@ _copies = weakref.WeakKeyDictionary()   # model -> the sampler's copy of it (sam
 
 
 def sampling_copy(model, dtype):
-    """Under bfloat16 autocast, a copy of the model whose linear layers hold bfloat16 weights, the rest shared with it,
-    as an inference engine keeps its own weights; refreshed at every call. The same products (autocast casts to these
-    very numbers), without a cast of every matrix at every token inside a compiled step (2 GB at Qwen2.5-0.5B)."""
+    """Under bfloat16 autocast, a copy of the model whose linear layers hold bfloat16 weights, the
+    rest shared with it, as an inference engine keeps its own weights; refreshed at every call. The
+    same products (autocast casts to these very numbers), without a cast of every matrix at every
+    token inside a compiled step (2 GB at Qwen2.5-0.5B)."""
     if dtype == torch.float32:
         return model
     copied = _copies.get(model)
     if copied is None or copied[0] != dtype:
-        twin = copy.deepcopy(model, memo={id(p): p for p in model.parameters()})   # new modules, the same tensors
+        twin = copy.deepcopy(model, memo={id(p): p for p in model.parameters()})   # same tensors
         pairs = []
         for name, module in twin.blocks.named_modules():
             if isinstance(module, nn.Linear):
@@ -218,46 +233,48 @@ def static_loop(model, idx, idx_mask, max_new_tokens, out, settings, compiled=Fa
     slots = Tp + max_new_tokens
     if compiled:
         slots = -(-slots // CACHE_ROUND) * CACHE_ROUND
-    dtype = operand_dtype(device.type, model.wte.weight.dtype)         # what the attention's projections return
+    dtype = operand_dtype(device.type, model.wte.weight.dtype)         # what projections return
     cache = KVCache.preallocated(c.n_layer, N, slots, c.kv_heads, c.head_size, dtype, device)
-    head = model.head_weight(pad=True)                                  # (V, C) the LM head's operand, made once
-    model = sampling_copy(model, dtype)                                 # bfloat16 matrices under bf16 autocast
-    logits = last_logits(model, model.hidden(idx, idx_mask, cache), head)   # (N, V) predicts the first new token
+    head = model.head_weight(pad=True)                                  # (V, C) made once
+    model = sampling_copy(model, dtype)                                 # bfloat16 under autocast
+    logits = last_logits(model, model.hidden(idx, idx_mask, cache), head)   # (N, V) the first's
     check_finite(logits)
-    longest = int(idx_mask.sum(1).max())                                # real tokens in the longest prompt
-    token = torch.empty(N, 1, dtype=torch.long, device=device)          # the step's input: the newest token
+    longest = int(idx_mask.sum(1).max())                                # the longest prompt's
+    token = torch.empty(N, 1, dtype=torch.long, device=device)          # the step's input
     slot = torch.full((1,), Tp, dtype=torch.long, device=device)        # the cache slot of token t
     body = compiled_decode_step() if compiled else decode_step
 
     def step():   # one token: everything a CUDA graph records
         h = body(model, token, cache, slot)                             # (N, C)
-        nxt, logp = draw(model.logits(h, head=head, fast=True), temperature, top_k, generator, want_logp)
+        logits = model.logits(h, head=head, fast=True)                  # (N, V)
+        nxt, logp = draw(logits, temperature, top_k, generator, want_logp)
         token.copy_(record(out, nxt, logp, stops, pad_id))
         slot.add_(1)
 
-    nxt, logp = draw(logits, temperature, top_k, generator, want_logp)  # token 0, from the prompt's logits
+    nxt, logp = draw(logits, temperature, top_k, generator, want_logp)  # token 0, the prompt's
     token.copy_(record(out, nxt, logp, stops, pad_id))
     run = step
-    every = SYNC_EVERY if device.type == "cuda" else 1                  # steps between the host's end checks
+    every = SYNC_EVERY if device.type == "cuda" else 1                  # steps between end checks
     for t in range(1, max_new_tokens):
         if (t - 1) % every == 0 and out.done.all():                     # a device sync
             break
-        if longest + t > c.block_size:                                  # the eager forward's check, on the host
-            raise ValueError(f"a sequence of {longest + t} real tokens exceeds block_size = {c.block_size}; "
-                             f"shorten it or build the model with a larger block_size")
+        if longest + t > c.block_size:                                  # the eager forward's check
+            raise ValueError(f"a sequence of {longest + t} real tokens exceeds block_size = "
+                             f"{c.block_size}; shorten it or build the model with a larger "
+                             f"block_size")
         run()
-        if t == 1 and device.type == "cuda" and graph_safe(generator):  # it ran once (the warm-up): record it
+        if t == 1 and device.type == "cuda" and graph_safe(generator):  # ran once (warm-up): record
             run = cuda_graph(step, generator)
 
 
 def graph_safe(generator):
-    # the default generator is always graph-safe; another one where torch has register_generator_state (else eager)
+    # the default generator is always graph-safe; another where torch has register_generator_state
     return generator is None or hasattr(torch.cuda.CUDAGraph, "register_generator_state")
 
 
 def cuda_graph(step, generator):
-    """step() (run once before) recorded as a CUDA graph; returns its replay. The generator is registered with the
-    graph, so each replay draws what the eager step would draw at that point."""
+    """step() (run once before) recorded as a CUDA graph; returns its replay. The generator is
+    registered with the graph, so each replay draws what the eager step would draw at that point."""
     graph = torch.cuda.CUDAGraph()
     if generator is not None:
         graph.register_generator_state(generator)
@@ -265,3 +282,157 @@ def cuda_graph(step, generator):
     with torch.cuda.graph(graph):
         step()
     return graph.replay
+
+
+# -----------------------------------------------------------------------------
+# Episodes: the policy's tokens and an environment's, in turn (agent.py)
+
+class Environment(NamedTuple):
+    """What answers the policy in an episode (task.environment builds the tool task's): a call
+    is the text between call_open and call_close, answered with reply(call); revision(prompt)
+    comes between attempts; score(prompt, attempt's text) says whether an attempt is right."""
+    call_open: str
+    call_close: str
+    reply: Callable[[str], str]
+    revision: Callable[[str], str]
+    score: Callable[[str, str], bool]
+    max_calls: int                    # calls answered per episode; later ones get "error"
+
+
+class Episodes(NamedTuple):
+    """A batch of episodes: each the prompt, then one sequence of the policy's and the
+    environment's tokens, a prompt's G episodes on consecutive rows (B = P*G). Built from ids as
+    they were sampled and written, never re-tokenised, so the masks are exact."""
+    prompt: torch.Tensor       # (B, Tp) prompt ids, left-padded
+    prompt_mask: torch.Tensor  # (B, Tp) 1.0 on prompt tokens
+    tokens: torch.Tensor       # (B, Tn) the policy's and the environment's tokens, right-padded
+    mask: torch.Tensor         # (B, Tn) 1.0 on every real token (what attention sees)
+    sampled: torch.Tensor      # (B, Tn) 1.0 on the tokens the policy sampled (what a loss sees)
+    turn: torch.Tensor         # (B, Tn) int64: the attempt each token belongs to (0, 1, ...)
+    truncated: torch.Tensor    # (B,) bool: an attempt ran out of max_new_tokens
+    correct: torch.Tensor      # (B, turns) float32: 1.0 where that attempt's answer is right
+    calls: torch.Tensor        # (B, turns) float32: calls the policy opened in each attempt
+    malformed: torch.Tensor    # (B, turns) float32: of those, the ones the tool did not answer
+
+
+_POLICY, _ENV = 1, 2           # who wrote a token (0: padding)
+
+
+class _Episode:
+    """One episode while it is sampled: what is written so far, by whom, and what the
+    environment has yet to write (a tool's reply, the revision prompt)."""
+
+    def __init__(self, turns):
+        self.ids, self.who, self.turn_of, self.queue, self.segment = [], [], [], [], []
+        self.turn, self.used, self.done, self.truncated = 0, 0, False, False
+        self.answer_ids = [[] for _ in range(turns)]   # each attempt's tokens, replies included
+        self.calls, self.malformed = [0] * turns, [0] * turns
+
+    def write(self, token, who, counts=True):
+        self.ids.append(token)
+        self.who.append(who)
+        self.turn_of.append(self.turn)
+        self.used += counts
+        if counts:
+            self.answer_ids[self.turn].append(token)
+
+
+@functools.lru_cache(maxsize=8)
+def _markers(tokenizer, call_open, call_close):
+    """(ids whose text holds call_open, ids whose text holds call_close), the tokenizer's added
+    tokens excepted (<|im_start|> is not a call's end)."""
+    special = {tokenizer.eos_id, tokenizer.pad_id, *tokenizer.stop_ids, *tokenizer.added_ids}
+    texts = [(i, tokenizer.decode([i])) for i in range(tokenizer.vocab_size) if i not in special]
+    opens = [i for i, t in texts if call_open in t]
+    return opens, frozenset(i for i, t in texts if call_close in t)
+
+
+def _unclosed_call(e, tokenizer, env):
+    """At the end of an attempt: a call opened and never closed is a call, and malformed."""
+    text = tokenizer.decode(e.segment)
+    if text.rfind(env.call_open) > text.rfind(env.call_close):
+        e.calls[e.turn] += 1
+        e.malformed[e.turn] += 1
+
+
+def _advance(e, sampled, tokenizer, env, closes, revise, turns, budget):
+    """Write one position of episode e, return the token written: the environment's next queued
+    token if it has one, else the policy's `sampled`, acted on: a token that closes a call gets
+    the tool's reply queued (past env.max_calls: "error"); any stop id ends the attempt, kept as
+    sampled and trained with it (as a chat template trains the end of a turn), and before the
+    last attempt `revise` follows."""
+    if e.done:
+        return tokenizer.pad_id
+    if e.queue:
+        token, counts = e.queue.pop(0)
+        e.write(token, _ENV, counts)
+    elif sampled in tokenizer.stop_ids:
+        _unclosed_call(e, tokenizer, env)
+        e.write(sampled, _POLICY, counts=False)          # the end of this attempt: the policy's
+        if e.turn + 1 < turns:
+            e.turn, e.used, e.segment = e.turn + 1, 0, []
+            e.queue = [(t, False) for t in revise]       # the revision prompt comes next
+        else:
+            e.done = True
+        return sampled
+    else:
+        e.write(sampled, _POLICY)
+        e.segment.append(sampled)
+        if sampled in closes:
+            text = tokenizer.decode(e.segment)
+            close = text.rfind(env.call_close)
+            start = text.rfind(env.call_open, 0, close)
+            if start >= 0:                                # a call: <expression>
+                e.calls[e.turn] += 1
+                call = text[start + len(env.call_open):close]
+                reply = env.reply(call) if sum(e.calls) <= env.max_calls else "error"
+                e.malformed[e.turn] += reply == "error"
+                e.queue, e.segment = [(t, True) for t in tokenizer.encode(reply)], []
+    if e.used >= budget:                                  # out of tokens: the episode ends
+        _unclosed_call(e, tokenizer, env)
+        e.done = e.truncated = True
+    return e.ids[-1]
+
+
+@torch.no_grad()
+def episodes(policy, tokenizer, prompts, env, group_size=1, temperature=1.0, max_new_tokens=16,
+             turns=1, tool=True, generator=None):
+    """Episodes with `env`, sampled token by token with a KV cache, all rows at once: at each
+    position a row takes the environment's next queued token if it has one, else the policy's
+    (at `temperature`, the full softmax; 0: greedy). Each attempt gets max_new_tokens (replies
+    included); tool=False bans every token that opens a call. Returns Episodes, scored."""
+    device = next(policy.parameters()).device
+    opens, closes = _markers(tokenizer, env.call_open, env.call_close)
+    revise = [tokenizer.encode(env.revision(p)) for p in prompts for _ in range(group_size)]
+    prompt, prompt_mask = tokenizer.encode_batch(prompts, device)             # (P, Tp)
+    prompt = prompt.repeat_interleave(group_size, 0)                          # (B, Tp)
+    prompt_mask = prompt_mask.repeat_interleave(group_size, 0)
+    B = prompt.size(0)
+    Tn = turns * max_new_tokens + (turns - 1) * (max(map(len, revise)) + 1)   # longest episode
+    cache = KVCache(policy.config.n_layer, B, prompt.size(1) + Tn, device)
+    logits = policy(prompt, prompt_mask, cache)[:, -1].float()                # (B, V) the first's
+    state = [_Episode(turns) for _ in range(B)]
+    for _ in range(Tn):
+        if not tool:
+            logits[:, opens] = float("-inf")
+        if temperature == 0:
+            sampled = logits.argmax(-1)                                       # (B,)
+        else:
+            probs = F.softmax(logits / temperature, -1)
+            sampled = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        written = [_advance(e, s, tokenizer, env, closes, r, turns, max_new_tokens)
+                   for e, s, r in zip(state, sampled.tolist(), revise)]
+        if all(e.done for e in state):
+            break
+        logits = policy(torch.tensor(written, device=device)[:, None],
+                        torch.ones(B, 1, device=device), cache)[:, -1].float()
+    T = max(len(e.ids) for e in state)
+    pad = lambda rows, v: torch.tensor([r + [v] * (T - len(r)) for r in rows], device=device)
+    who = pad([e.who for e in state], 0)                                      # (B, T)
+    correct = [[env.score(prompts[i // group_size], tokenizer.decode(ids)) for ids in e.answer_ids]
+               for i, e in enumerate(state)]
+    as_float = lambda rows: torch.tensor(rows, dtype=torch.float32, device=device)
+    return Episodes(prompt, prompt_mask, pad([e.ids for e in state], tokenizer.pad_id),
+                    (who > 0).float(), (who == _POLICY).float(), pad([e.turn_of for e in state], 0),
+                    torch.tensor([e.truncated for e in state], device=device), as_float(correct),
+                    as_float([e.calls for e in state]), as_float([e.malformed for e in state]))

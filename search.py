@@ -40,11 +40,13 @@ import torch
 import torch.nn.functional as F
 
 import task
-from model import GPTConfig, KVCache, Tokenizer, left_pad, pad_steps, scores_at
-from plumbing import (RM_PATH, SFT_PATH, TEMPERATURE, Int, add_task_flags, build_missing, check_fits, load_model,
-                      parser, pick_device, read_checkpoint, seed_everything)
+from flags import RM_PATH, SFT_PATH, TEMPERATURE, Int, add_task_flags, parser, require_arithmetic
+from model import GPTConfig, KVCache, scores_at
+from plumbing import build_missing, check_fits, load_model, pick_device, read_checkpoint, seed_everything
 from prm import aggregate_steps, load_verifier                # the PRM's loading and how its steps combine
+from task import left_pad, pad_steps
 from tasks import arithmetic
+from tokenizer import Tokenizer
 
 ORM_PATH, PRM_PATH = os.path.join("out", "orm.pt"), os.path.join("out", "prm.pt")
 
@@ -204,7 +206,7 @@ def parse_args(argv=None):
     g.add_argument("--device", default=None, help="cuda, mps or cpu (default: the first available)")
     add_task_flags(p)
     args = p.parse_args(argv)
-    task.require_arithmetic(p, args, "test-time search with process rewards (arithmetic.step_labels)")
+    require_arithmetic(p, args, "test-time search with process rewards (arithmetic.step_labels)")
     return args
 
 

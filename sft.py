@@ -20,9 +20,11 @@ Metrics: one JSON object per log step in out/sft/metrics.jsonl.
 import torch
 
 import task
+from flags import Float, Int, add_run_flags, parser
 from lora import trainable
-from model import GPT, GPTConfig, Tokenizer, masked_mean, token_logprobs
-from plumbing import Float, Int, Run, add_run_flags, lr_schedule, parser
+from model import GPT, GPTConfig, masked_mean, token_logprobs
+from plumbing import Run, lr_schedule
+from tokenizer import Tokenizer
 
 
 # -----------------------------------------------------------------------------
@@ -59,9 +61,6 @@ def parse_args(argv=None):
     if args.lora_rank and args.init is None:
         p.error(f"--lora_rank {args.lora_rank} adapts a trained model's weights: it needs --init (a new model trains "
                 f"every weight)")
-    if args.steps is None:   # countdown at 1500 steps: held-out 0.35, its arithmetic half learned; at 4000: 0.45
-        args.steps = 4000 if args.task == "countdown" else 1500
-    args.pos = args.pos or "learned"                # --task toolcalc has set its own default (task.check_tool_args)
     if args.n_embd % args.n_head:
         p.error(f"--n_embd {args.n_embd} must be a multiple of --n_head {args.n_head}")
     return args

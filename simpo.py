@@ -35,10 +35,11 @@ import torch
 import torch.nn.functional as F
 
 import task
+from flags import SFT_PATH, Float, Int, add_run_flags, parser
 from kernels import kl
 from lora import trainable
 from model import token_logprobs
-from plumbing import SFT_PATH, Float, Int, Run, add_run_flags, parser
+from plumbing import Run
 
 
 # -----------------------------------------------------------------------------

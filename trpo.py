@@ -43,10 +43,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.utils import parameters_to_vector
 
 import task
+from flags import SFT_PATH, TEMPERATURE, Float, Int, add_run_flags, parser
 from kernels import entropy, kl, kl_penalty, logprobs
 from lora import trainable
 from model import completion_logits
-from plumbing import SFT_PATH, TEMPERATURE, Float, Int, Run, add_run_flags, parser
+from plumbing import Run
 
 
 # -----------------------------------------------------------------------------

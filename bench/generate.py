@@ -26,8 +26,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import sampler  # noqa: E402
 import task  # noqa: E402
-from model import GPT, GPTConfig, Tokenizer  # noqa: E402
+from checkpoint import from_pretrained  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
 from plumbing import pick_device  # noqa: E402
+from tokenizer import Tokenizer  # noqa: E402
 
 parser = argparse.ArgumentParser(description="sampling speed: the sampler's modes, recompute, transformers")
 parser.add_argument("--batch", type=int, default=64, help="toy model: prompts sampled at once (at most 512)")
@@ -149,7 +151,7 @@ def time_modes(model, prompts, mask, n):
 def qwen():
     recipe = load_recipe()
     folder = recipe.write_folder(os.path.join(args.out, "qwen2.5-0.5b-shaped"))
-    model = GPT.from_pretrained(folder).to(device).eval()
+    model = from_pretrained(folder).to(device).eval()
     g = torch.Generator(device=device).manual_seed(0)
     prompts = torch.randint(0, recipe.ORDINARY, (args.rows, args.prompt_len), device=device, generator=g)
     mask = torch.ones(args.rows, args.prompt_len, device=device)

@@ -33,9 +33,11 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import checkpoint  # noqa: E402
 import grpo  # noqa: E402
 import plumbing  # noqa: E402
-from model import GPT, GPTConfig, bytes_to_unicode  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+from tokenizer import bytes_to_unicode  # noqa: E402
 
 QWEN = dict(vocab_size=151936, block_size=32768, n_layer=24, n_head=14, n_kv_head=2, n_embd=896, mlp_hidden=4864,
             norm="rmsnorm", norm_eps=1e-6, pos="rope", rope_theta=1e6, mlp="swiglu", bias=False, qkv_bias=True,
@@ -90,22 +92,10 @@ def tokenizer_json(n_ordinary=ORDINARY, special=SPECIAL):
 
 
 def hf_tensors(gpt):
-    """Our GPT's weights (Qwen2's config) under the Hugging Face names model._our_names reads: c_attn split into q, k
-    and v projections, c_fc into gate and up."""
-    c, sd = gpt.config, gpt.state_dict()
-    hs = c.head_size
-    out = {"model.embed_tokens.weight": sd["wte.weight"], "model.norm.weight": sd["ln_f.weight"]}
-    sizes = [c.n_head * hs, c.kv_heads * hs, c.kv_heads * hs]
-    for i in range(c.n_layer):
-        p, q = f"model.layers.{i}.", f"blocks.{i}."
-        out[p + "input_layernorm.weight"] = sd[q + "ln_1.weight"]
-        out[p + "post_attention_layernorm.weight"] = sd[q + "ln_2.weight"]
-        for x, w, b in zip("qkv", sd[q + "attn.c_attn.weight"].split(sizes), sd[q + "attn.c_attn.bias"].split(sizes)):
-            out[p + f"self_attn.{x}_proj.weight"], out[p + f"self_attn.{x}_proj.bias"] = w, b
-        out[p + "self_attn.o_proj.weight"] = sd[q + "attn.c_proj.weight"]
-        out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = sd[q + "mlp.c_fc.weight"].chunk(2)
-        out[p + "mlp.down_proj.weight"] = sd[q + "mlp.c_proj.weight"]
-    return {k: v.to(torch.bfloat16).contiguous() for k, v in out.items()}
+    """Our GPT's weights (Qwen2's config) under the Hugging Face names (checkpoint.hf_tensors, the
+    table loading reads), in bfloat16."""
+    return {k: v.to(torch.bfloat16).contiguous()
+            for k, v in checkpoint.hf_tensors(gpt.state_dict(), gpt.config).items()}
 
 
 def write_folder(folder, shapes=QWEN, n_ordinary=ORDINARY, seed=0):

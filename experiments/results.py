@@ -8,7 +8,7 @@ from it, each with its default settings, all into one folder per seed, D = resul
     python reward_model.py --seed s --init D/sft.pt --out D                the reward model, for scripts with --rm
     python X.py --seed s --init D/sft.pt --out D [--rm D/rm.pt]            every other algorithm X
 
-Which scripts: every top-level *.py whose parse_args has an --init flag defaulting to plumbing.SFT_PATH (it starts
+Which scripts: every top-level *.py whose parse_args has an --init flag defaulting to flags.SFT_PATH (it starts
 from the SFT policy), except prm.py and search.py (test-time tools with outputs of their own). A new algorithm file
 is picked up without editing this one. A script with an --rm flag is given the seed's reward model, which is trained
 first.
@@ -60,7 +60,7 @@ LABELS = {"sft": "SFT", "reward_model": "Reward model", "grpo": "GRPO", "rloo": 
           "ipo": "IPO", "async_grpo": "Async GRPO (1 actor)", "online_dpo": "Online DPO", "kto": "KTO",
           "simpo": "SimPO", "orpo": "ORPO"}
 FILES = {"reward_model": "rm"}           # the stem of a script's checkpoint and log, where it is not the script's name
-# --quick: tiny settings. The run flags every script has (plumbing.add_run_flags), then flags passed to the scripts that
+# --quick: tiny settings. The run flags every script has (flags.add_run_flags), then flags passed to the scripts that
 # declare them; the SFT policy is tiny too.
 QUICK_RUN = ["--eval_n", "32", "--eval_every", "2", "--log_every", "2"]
 QUICK = {"--steps": "4", "--rounds": "2", "--epochs": "1", "--n_train": "128", "--n_pairs": "128",
@@ -75,9 +75,9 @@ QUICK_SFT = ["--steps", "200", "--n_layer", "2", "--n_head", "2", "--n_embd", "6
 
 def discover(root=ROOT):
     """{script name: imported module} of the algorithms to run, in ORDER and then alphabetically: sft, and every
-    top-level script whose parse_args has an --init flag defaulting to plumbing.SFT_PATH, except NOT_ALGORITHMS.
+    top-level script whose parse_args has an --init flag defaulting to flags.SFT_PATH, except NOT_ALGORITHMS.
     A file that fails to import is left out with a warning (it may be half-written)."""
-    from plumbing import SFT_PATH
+    from flags import SFT_PATH
     found = {}
     for file in sorted(os.listdir(root)):
         name = file[:-3]

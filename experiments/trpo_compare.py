@@ -45,8 +45,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import task  # noqa: E402
+from checkpoint import load_checkpoint  # noqa: E402
 from kernels import kl  # noqa: E402
-from model import completion_logits, load_checkpoint  # noqa: E402
+from model import completion_logits  # noqa: E402
 from plumbing import load_model  # noqa: E402
 
 ALGORITHMS = {  # name -> (script, flags): 256 completions per update each

@@ -12,13 +12,16 @@ import pytest
 import tiktoken
 import torch
 
+import sampler
 import task
 from agent import agent_loss, batch_std, episode_rewards, grpo_advantages
+from checkpoint import load_checkpoint
 from conftest import refuses_all, run_script, task_args
 from kernels import logprobs
-from model import GPT, GPTConfig, Tokenizer, completion_logits, load_checkpoint
+from model import GPT, GPTConfig, completion_logits
 from plumbing import Run
 from tasks import toolcalc
+from tokenizer import Tokenizer
 
 
 @pytest.fixture(autouse=True)
@@ -132,17 +135,18 @@ def test_every_stop_id_ends_an_attempt_as_sampled_and_no_added_token_is_a_call_m
     close a call."""
     tok = Tokenizer.from_pretrained(os.path.join(os.path.dirname(__file__), "golden", "qwen3"))
     assert len(tok.stop_ids) == 2 and tok.stop_ids[1] != tok.eos_id
-    opens, closes = task._markers(tok)
+    opens, closes = sampler._markers(tok, toolcalc.CALL_OPEN, toolcalc.CALL_CLOSE)
     assert not (set(opens) | closes) & tok.added_ids and tok.encode_special("<|im_start|>")[0] in tok.added_ids
     assert tok.encode("<")[0] in opens and tok.encode(">")[0] in closes
+    env = task.environment(max_calls=2)
     for stop in tok.stop_ids:
-        e = task._Episode(turns=1)
+        e = sampler._Episode(turns=1)
         for s in tok.encode("1#5") + [stop] + tok.encode("2"):
-            task._advance(e, s, tok, closes, [], 1, 36, 2)
-        assert e.done and e.ids == tok.encode("1#5") + [stop] and e.who[-1] == task._POLICY
-    e = task._Episode(turns=1)
+            sampler._advance(e, s, tok, env, closes, [], 1, 36)
+        assert e.done and e.ids == tok.encode("1#5") + [stop] and e.who[-1] == sampler._POLICY
+    e = sampler._Episode(turns=1)
     for s in tok.encode("<1+1") + tok.encode_special("<|im_start|>") + tok.encode("#2"):
-        task._advance(e, s, tok, closes, [], 1, 36, 2)
+        sampler._advance(e, s, tok, env, closes, [], 1, 36)
     assert e.calls == [0] and not e.queue                   # no call closed, nothing of the environment's queued
 
 
@@ -407,7 +411,7 @@ def test_lora_on_a_rotary_gelu_policy_and_the_two_attempt_length_refusal(tmp_pat
     """The tool task's SFT policy has rotary positions and a GELU MLP: --lora_rank adapts the projections it has (the
     default targets used to include gate: a KeyError). --turns 2: the length refusal names the flag's own value and an
     allowed value that runs (it named the episode's total, and a bound that was itself refused)."""
-    from model import save_checkpoint
+    from checkpoint import save_checkpoint
     init = str(tmp_path / "rope.pt")
     torch.manual_seed(0)
     save_checkpoint(init, GPT(GPTConfig(block_size=toolcalc.BLOCK_SIZE, n_layer=1, n_head=2, n_embd=32, pos="rope")),

@@ -15,9 +15,10 @@ from datetime import datetime
 import pytest
 
 import task
-from conftest import ROOT, refused, refuses_all, run_script, task_args
 from chat import ChatTemplate
-from model import CheckpointError, Tokenizer
+from checkpoint import CheckpointError
+from conftest import ROOT, refused, refuses_all, run_script, task_args
+from tokenizer import Tokenizer
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
 CHAT = {"llama3": ("<|eot_id|>", 4), "qwen3": ("<|im_end|>", 2)}     # folder: the end of an assistant turn, its id
@@ -200,6 +201,7 @@ def test_a_hostile_template_is_refused_by_the_scripts_and_sigterm_stops_a_loadin
     started = time.time()
     p.send_signal(signal.SIGTERM)
     stdout, stderr = p.communicate(timeout=60)
-    assert p.returncode == 143 and time.time() - started < 3.5, (p.returncode, stderr)
+    assert p.returncode == 143 and time.time() - started < 30, (p.returncode, stderr)   # not 1: the
+    # render's own time limit would have ended it with a refusal
     assert "SIGTERM while loading" in stdout and "Traceback" not in stderr, stderr
     assert not out.exists()

@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
+from checkpoint import load_checkpoint, save_checkpoint
 from conftest import ROOT
-from model import load_checkpoint, save_checkpoint
 
 WORKER = os.path.join(ROOT, "tests", "ddp_worker.py")
 

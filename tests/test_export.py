@@ -18,10 +18,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+import export as export_py
+from checkpoint import from_pretrained, load_checkpoint, save_checkpoint
 from conftest import ROOT, refused
 from lora import LoRALinear, add_adapters
-import export as export_py
-from model import GPT, GPTConfig, Tokenizer, from_pretrained, load_checkpoint, save_checkpoint, tokenizer_files
+from model import GPT, GPTConfig
+from tokenizer import Tokenizer, tokenizer_files
 
 GOLDEN = os.path.join(ROOT, "tests", "golden")
 FAMILIES = ["gpt2", "llama", "qwen2", "llama3", "qwen3"]

@@ -9,12 +9,12 @@ import os
 import pytest
 import torch
 
-import task
-from conftest import refuses_all, run_script
 import grpo
 import kernels
+import task
+from checkpoint import load_checkpoint
+from conftest import refuses_all, run_script
 from grpo import dynamic_sampling_keep, grpo_advantages, grpo_loss, overlong_penalty
-from model import load_checkpoint
 
 
 # -----------------------------------------------------------------------------

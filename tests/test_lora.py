@@ -8,9 +8,10 @@ import os
 import pytest
 import torch
 
+from checkpoint import load_checkpoint, save_checkpoint
 from conftest import refuses_all, run_script
 from lora import LoRALinear, adapters, add_adapters, base_model, merge, projections, trainable
-from model import GPT, GPTConfig, load_checkpoint, save_checkpoint
+from model import GPT, GPTConfig
 from sampler import generate
 
 LLAMA = dict(vocab_size=50, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, pos="rope", norm="rmsnorm",

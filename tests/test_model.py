@@ -6,8 +6,9 @@ import random
 import pytest
 import torch
 
-from model import (GPT, CheckpointError, GPTConfig, KVCache, ScalarGPT, Tokenizer, completion_logits, last_real,
-                   load_checkpoint, save_checkpoint)
+from checkpoint import CheckpointError, from_pretrained, load_checkpoint, save_checkpoint
+from model import GPT, GPTConfig, KVCache, ScalarGPT, completion_logits, last_real
+from tokenizer import Tokenizer
 
 
 def peaked_model(seed, vocab_size=258, **kw):
@@ -394,7 +395,7 @@ def test_a_pretrained_folder_with_fewer_tokenizer_ids_than_embedding_rows_has_th
     tokenizer's count (tokenizer_vocab), the logits cover those ids only, and every id the model emits decodes."""
     import json
     import shutil
-    from model import pretrained_config
+    from checkpoint import pretrained_config
     folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "qwen2")
     padded = tmp_path / "padded"
     shutil.copytree(folder, padded)
@@ -408,6 +409,6 @@ def test_a_pretrained_folder_with_fewer_tokenizer_ids_than_embedding_rows_has_th
             json.dump({**c, "eos_token_id": 300}, open(padded / name, "w"))
     config, n = pretrained_config(str(padded)), 301
     assert (config.vocab_size, config.tokenizer_vocab, config.support) == (320, n, n)
-    model, tok = GPT.from_pretrained(str(padded)), Tokenizer.from_pretrained(str(padded))
+    model, tok = from_pretrained(str(padded)), Tokenizer.from_pretrained(str(padded))
     assert model(torch.tensor([[1, 2, 3]])).shape[-1] == tok.vocab_size == n
     assert isinstance(tok.decode(list(range(n - 5, config.vocab_size))), str)

@@ -18,21 +18,22 @@ import time
 import pytest
 import torch
 
+import flags
 import plumbing
+from checkpoint import load_checkpoint, save_checkpoint
 from conftest import ROOT, refused, run_script, run_scripts
-from model import load_checkpoint, save_checkpoint
 
 SCRIPTS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "*.py"))
                  if "\ndef parse_args(" in open(p).read())
 
 
 def script_parser(name, monkeypatch):
-    """The ArgumentParser a script builds (captured from plumbing.parser as the script calls it)."""
+    """The ArgumentParser a script builds (captured from flags.parser as the script calls it)."""
     module = importlib.import_module(name)
     made = []
 
     def recording(doc):
-        made.append(plumbing.parser(doc))
+        made.append(flags.parser(doc))
         return made[-1]
 
     monkeypatch.setattr(module, "parser", recording)
@@ -42,7 +43,7 @@ def script_parser(name, monkeypatch):
 
 def numeric_actions(parser):
     return [a for a in parser._actions if a.option_strings and a.option_strings[0] != "--help"
-            and (isinstance(a.type, plumbing._Number) or a.type in (int, float)
+            and (isinstance(a.type, flags._Number) or a.type in (int, float)
                  or (isinstance(a.default, (int, float)) and not isinstance(a.default, bool)))]
 
 
@@ -67,7 +68,7 @@ def test_every_numeric_flag_is_range_checked_at_parse_time(name, monkeypatch, ca
     assert actions, name
     for action in actions:
         flag = action.option_strings[0]
-        assert isinstance(action.type, plumbing._Number), f"{name}.py {flag} has no range-checked type"
+        assert isinstance(action.type, flags._Number), f"{name}.py {flag} has no range-checked type"
         if action.default is not None:
             action.type(str(action.default))                          # the default itself is allowed
         for value in bad_values(action):
@@ -79,9 +80,9 @@ def test_every_numeric_flag_is_range_checked_at_parse_time(name, monkeypatch, ca
 
 
 def test_number_types_accept_the_boundary_they_include():
-    assert plumbing.Float(ge=0, le=1)("0") == 0.0 and plumbing.Float(ge=0, le=1)("1") == 1.0
-    assert plumbing.Int(ge=1)("1") == 1
-    for t, text in ((plumbing.Float(gt=0), "0"), (plumbing.Float(lt=1), "1"), (plumbing.Int(ge=1), "1.5")):
+    assert flags.Float(ge=0, le=1)("0") == 0.0 and flags.Float(ge=0, le=1)("1") == 1.0
+    assert flags.Int(ge=1)("1") == 1
+    for t, text in ((flags.Float(gt=0), "0"), (flags.Float(lt=1), "1"), (flags.Int(ge=1), "1.5")):
         with pytest.raises(Exception):
             t(text)
 

@@ -256,7 +256,7 @@ def test_ppo_runs_end_to_end_and_resumes(tiny_sft, tiny_rm, tmp_path):
                 "entropy"):
         assert math.isfinite(rows[1][key]), key
     assert "eval_accuracy" in rows[0] and "eval_accuracy" in rows[2]
-    from model import load_checkpoint
+    from checkpoint import load_checkpoint
     _, ckpt = load_checkpoint(os.path.join(out, "ppo.pt"), kind="gpt")
     assert ckpt["step"] == 2 and "critic" in ckpt
     p = run_script("ppo.py", common + ["--steps", "3", "--resume"])

@@ -10,8 +10,9 @@ import os
 import pytest
 import torch
 
+from checkpoint import load_checkpoint
 from conftest import ROOT, refused, run_script
-from model import Tokenizer, load_checkpoint
+from tokenizer import Tokenizer
 
 
 def load(name):

@@ -14,7 +14,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import sampler
-from model import GPT, CheckpointError, GPTConfig, Tokenizer
+from checkpoint import CheckpointError, from_pretrained
+from model import GPT, GPTConfig
+from tokenizer import Tokenizer
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
 FAMILIES = ["gpt2", "llama", "qwen2", "llama3", "qwen3"]
@@ -29,7 +31,7 @@ def golden(name):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_logits_match_transformers(name):
     folder, g, _ = golden(name)
-    model = GPT.from_pretrained(folder)
+    model = from_pretrained(folder)
     with torch.no_grad():
         logits = model(g["ids"])
     V = model.config.support                        # Qwen3's embedding is padded past its tokenizer's 324 ids
@@ -41,7 +43,7 @@ def test_logits_match_transformers(name):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_greedy_generation_matches_transformers_on_a_left_padded_batch(name):
     folder, g, meta = golden(name)
-    model = GPT.from_pretrained(folder)
+    model = from_pretrained(folder)
     eos = meta["eos_id"]
     for mode in ("eager", "graph"):
         tokens, mask, _ = sampler.generate(model, g["prompt"], g["prompt_mask"], g["greedy"].size(1), eos, eos,
@@ -68,7 +70,7 @@ def test_every_eos_id_of_the_folder_stops_a_completion_and_the_bos_comes_first()
     """Llama 3 lists two EOS ids (generation_config.json and config.json): each ends a row, the verifier's text has
     neither; the tokenizer's post-processor puts <|begin_of_text|> before a prompt (transformers' tokenizer(text))."""
     folder, _, meta = golden("llama3")
-    tok, model = Tokenizer.from_pretrained(folder), GPT.from_pretrained(folder)
+    tok, model = Tokenizer.from_pretrained(folder), from_pretrained(folder)
     assert tok.stop_ids == (1, 4) and tok.eos_id == 1 and tok.bos_prefix == [0]
     assert tok.encode_prompt("3+4*2=") == meta["with_special_tokens"]["3+4*2="]
     three = tok.encode("3")[0]
@@ -95,10 +97,10 @@ def test_llama3_rope_scaling_is_what_moves_the_logits_and_reads_either_config_ke
     are far off; transformers 4's rope_scaling key loads the same model as transformers 5's rope_parameters; another
     scaling is refused in one line."""
     folder, g, _ = golden("llama3")
-    model = GPT.from_pretrained(folder)
+    model = from_pretrained(folder)
     assert model.config.rope_scaling == "llama3" and model.config.rope_original_max == 16
     with torch.no_grad():
-        plain = GPT.from_pretrained(folder)
+        plain = from_pretrained(folder)
         plain.config.rope_scaling = "none"
         assert (plain(g["ids"]) - g["logits"]).abs().max() > 1e-2
     def legacy(c):
@@ -107,17 +109,17 @@ def test_llama3_rope_scaling_is_what_moves_the_logits_and_reads_either_config_ke
         c["rope_scaling"] = rope
     old = copy_folder(tmp_path, "llama3", edit_config=legacy)
     with torch.no_grad():
-        torch.testing.assert_close(GPT.from_pretrained(old)(g["ids"]), g["logits"], rtol=0, atol=1e-4)
+        torch.testing.assert_close(from_pretrained(old)(g["ids"]), g["logits"], rtol=0, atol=1e-4)
     yarn = copy_folder(tmp_path / "y", "llama3", edit_config=lambda c: c["rope_parameters"].update(rope_type="yarn"))
     with pytest.raises(CheckpointError, match="rope scaling 'yarn' is not supported"):
-        GPT.from_pretrained(yarn)
+        from_pretrained(yarn)
 
 
 def test_qwen3_norms_queries_and_keys_per_head_at_its_own_head_width():
     """Qwen3: head_dim 16 at width 32 with 4 heads (the projections are 64 wide, not 32), an RMSNorm over each head's
     queries and keys: both are in the model and both move its logits."""
     folder, g, _ = golden("qwen3")
-    model = GPT.from_pretrained(folder)
+    model = from_pretrained(folder)
     attn = model.blocks[0].attn
     assert model.config.head_size == 16 and attn.c_attn.weight.shape == ((4 + 2 * 2) * 16, 32)
     assert attn.c_proj.weight.shape == (32, 64) and attn.q_norm.weight.shape == (16,)
@@ -135,7 +137,7 @@ def test_qwen3_norms_queries_and_keys_before_the_rotation(monkeypatch):
     the same norms applied after the rotation give other logits."""
     import model as model_module
     folder, g, _ = golden("qwen3")
-    model = GPT.from_pretrained(folder)
+    model = from_pretrained(folder)
     norms = [n for b in model.blocks for n in (b.attn.q_norm, b.attn.k_norm)]   # the order forward rotates q, k in
     assert all(n.weight.std() > 0.1 for n in norms)
     calls, rotate = iter(norms), model_module.rotate
@@ -150,7 +152,7 @@ def test_qwen3_norms_queries_and_keys_before_the_rotation(monkeypatch):
 
 def test_a_left_padded_prompt_sees_the_rotary_positions_it_sees_alone():
     folder, g, _ = golden("qwen2")
-    model = GPT.from_pretrained(folder)
+    model = from_pretrained(folder)
     ids = g["ids"][:1, :5]
     padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], 1)
     mask = torch.tensor([[0.0] * 3 + [1.0] * 5])
@@ -195,7 +197,7 @@ def copy_folder(tmp_path, name, edit_config=None, edit_tensors=None):
 def test_a_checkpoint_that_does_not_fit_is_one_error_naming_what(tmp_path, edit, words):
     folder = copy_folder(tmp_path, "llama", **edit)
     with pytest.raises(CheckpointError, match=words.replace("(", r"\(")):
-        GPT.from_pretrained(folder)
+        from_pretrained(folder)
 
 
 def test_scripts_take_a_hugging_face_folder_as_init_and_resume_from_what_they_wrote(tmp_path):
@@ -281,7 +283,7 @@ def test_malformed_folder_contents_are_one_error_naming_the_file_and_key(tmp_pat
         json.dump({}, open(os.path.join(folder, name), "w"))
     edit_json(folder, name, edit)
     with pytest.raises(CheckpointError, match=words.replace("(", r"\(")):
-        GPT.from_pretrained(folder) if name != "tokenizer.json" else Tokenizer.from_pretrained(folder)
+        from_pretrained(folder) if name != "tokenizer.json" else Tokenizer.from_pretrained(folder)
     p = run_script("grpo.py", ["--init", folder, "--out", str(tmp_path / "o")])
     refused(p, words)
     assert not os.path.exists(tmp_path / "o")
@@ -299,7 +301,7 @@ def test_a_llama_folder_with_attention_biases_and_no_mlp_biases_loads(tmp_path):
                 tensors[f"model.layers.{i}.self_attn.{x}_proj.bias"] = torch.randn(rows, generator=g)
     folder = copy_folder(tmp_path, "llama", edit_config=lambda c: c.update(attention_bias=True, mlp_bias=False),
                          edit_tensors=add_biases)
-    model = GPT.from_pretrained(folder)
+    model = from_pretrained(folder)
     block = model.blocks[0]
     assert block.attn.c_proj.bias is not None and block.mlp.c_fc.bias is None and block.attn.c_attn.bias is not None
     tensors = load_file(os.path.join(folder, "model.safetensors"))
@@ -372,7 +374,7 @@ def test_hostile_folder_contents_are_one_line_before_anything_is_built(tmp_path)
         make(folder)
         with pytest.raises(CheckpointError, match=re.escape(words)):
             Tokenizer.from_pretrained(folder)
-            GPT.from_pretrained(folder)
+            from_pretrained(folder)
         cases.append((["--init", folder, "--steps", "1"], [words]))
     os.makedirs(tmp_path / "runs")
     refuses_all("grpo.py", cases, tmp_path / "runs")

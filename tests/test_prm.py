@@ -13,9 +13,11 @@ import torch
 import prm
 import sampler
 import task
-from tasks import arithmetic
+from checkpoint import load_checkpoint
 from conftest import refuses_all, run_script
-from model import GPT, GPTConfig, ScalarGPT, Tokenizer, load_checkpoint, scores_at
+from model import GPT, GPTConfig, ScalarGPT, scores_at
+from tasks import arithmetic
+from tokenizer import Tokenizer
 
 
 # -----------------------------------------------------------------------------

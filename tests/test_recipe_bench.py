@@ -6,8 +6,9 @@ import os
 
 import torch
 
+from checkpoint import from_pretrained, pretrained_config
 from conftest import ROOT, run_script
-from model import GPT, Tokenizer, pretrained_config
+from tokenizer import Tokenizer
 
 
 def test_the_recipe_runs_grpo_on_a_folder_whose_embedding_outgrows_its_tokenizer(tmp_path):
@@ -26,7 +27,7 @@ def test_the_recipe_runs_grpo_on_a_folder_whose_embedding_outgrows_its_tokenizer
     folder = str(out / "tiny-qwen2-shaped")
     config = pretrained_config(folder)
     assert (config.vocab_size, config.tokenizer_vocab) == (70000, 65022)
-    model, tok = GPT.from_pretrained(folder), Tokenizer.from_pretrained(folder)
+    model, tok = from_pretrained(folder), Tokenizer.from_pretrained(folder)
     assert tok.vocab_size == 65022 and tok.eos_id == 65002 and tok.decode(tok.encode("3,5,7:22=")) == "3,5,7:22="
     with torch.no_grad():
         assert model(torch.tensor([[1, 2, 3]])).shape[-1] == 65022

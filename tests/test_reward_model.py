@@ -10,9 +10,11 @@ import os
 import pytest
 import torch
 
-from conftest import ROOT, run_script
 import task
-from model import GPT, GPTConfig, ScalarGPT, Tokenizer, load_checkpoint
+from checkpoint import load_checkpoint
+from conftest import ROOT, run_script
+from model import GPT, GPTConfig, ScalarGPT
+from tokenizer import Tokenizer
 
 spec = importlib.util.spec_from_file_location("reward_model", os.path.join(ROOT, "reward_model.py"))
 reward_model = importlib.util.module_from_spec(spec)

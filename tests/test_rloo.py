@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import rloo
+from checkpoint import load_checkpoint
 from conftest import refused, run_script
-from model import load_checkpoint
 from rloo import rloo_advantages, rloo_loss
 
 

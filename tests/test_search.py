@@ -16,9 +16,11 @@ import torch
 import sampler
 import search
 import task
-from tasks import arithmetic
+from checkpoint import load_checkpoint, save_checkpoint
 from conftest import ROOT, refused, refuses_all, run_script
-from model import GPT, GPTConfig, ScalarGPT, Tokenizer, load_checkpoint, save_checkpoint
+from model import GPT, GPTConfig, ScalarGPT
+from tasks import arithmetic
+from tokenizer import Tokenizer
 
 
 # -----------------------------------------------------------------------------

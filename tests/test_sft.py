@@ -7,8 +7,9 @@ import sys
 import torch
 
 import task
+from checkpoint import load_checkpoint
 from conftest import TINY_SFT, run_script
-from model import Tokenizer, load_checkpoint
+from tokenizer import Tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--steps", "4", "--warmup", "2",  # past the warm-up: the cosine schedule's lr goes into the checkpoint too

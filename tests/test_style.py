@@ -1,6 +1,7 @@
 """The shape the files keep, checked so that it stays: ruff (lines <= 120 characters, no unused imports, pyflakes);
 each top-level file's module docstring at most 40 lines and its docstrings at most 0.3 lines per line of code;
-README.md at most 200 lines, every file it links to present."""
+the shared modules at most 100 columns, importing downwards only, at their top; model.py a model (at most 560
+lines, kernels/ its only project import); README.md at most 200 lines, every file it links to present."""
 import ast
 import os
 import re
@@ -52,3 +53,51 @@ def test_the_readme_is_a_first_page_and_its_links_resolve():
     for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
         if not re.match(r"[a-z]+://", target):
             assert os.path.exists(os.path.join(ROOT, target)), target
+
+
+# The shared modules, lowest first: each imports only modules before it (no cycle), at its top (no
+# import hidden in a function to dodge one)
+LAYERS = ["kernels", "tasks", "model", "lora", "chat", "tokenizer", "checkpoint", "sampler", "task",
+          "flags", "plumbing"]
+NARROW = ["model", "tokenizer", "checkpoint", "flags", "task", "sampler", "chat", "export", "lora",
+          "plumbing"]
+
+
+def project_imports(path):
+    """(module imported, at the top level?) for every import of a project module in `path`."""
+    tree = ast.parse(open(path).read())
+    top = {id(n) for n in tree.body}
+    names = set(LAYERS) | set(ALGORITHMS)
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            mods = [a.name.split(".")[0] for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            mods = [node.module.split(".")[0]]
+        else:
+            continue
+        out += [(m, id(node) in top) for m in mods if m in names]
+    return out
+
+
+@pytest.mark.parametrize("name", LAYERS[2:])
+def test_the_shared_modules_import_downwards_and_at_their_top(name):
+    for module, at_top in project_imports(os.path.join(ROOT, f"{name}.py")):
+        assert at_top, f"{name}.py imports {module} inside a function"
+        assert module in LAYERS and LAYERS.index(module) < LAYERS.index(name), \
+            f"{name}.py imports {module}, which is not below it ({' < '.join(LAYERS)})"
+
+
+@pytest.mark.parametrize("name", NARROW)
+def test_the_shared_files_keep_to_100_columns(name):
+    long = [i for i, line in enumerate(open(os.path.join(ROOT, f"{name}.py")), 1)
+            if len(line.rstrip("\n")) > 100]
+    assert not long, f"{name}.py: lines {long[:10]} run past 100 columns"
+
+
+def test_model_py_is_a_model():
+    """model.py holds the model (at most 560 lines) and imports kernels/ alone of the project."""
+    path = os.path.join(ROOT, "model.py")
+    assert len(open(path).read().splitlines()) <= 560
+    assert {m for m, _ in project_imports(path)} <= {"kernels"}
+    assert docstring_measure(path)[0] <= 25

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 import task
+from model import GPT, GPTConfig
 from tasks import arithmetic
-from model import GPT, GPTConfig, Tokenizer
+from tokenizer import Tokenizer
 
 
 def test_solutions_follow_precedence_and_left_to_right_mistakes_ignore_it():

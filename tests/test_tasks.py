@@ -4,11 +4,12 @@ import random
 
 import pytest
 
+import flags
 import task
 from conftest import refused, run_script, run_scripts, task_args
-from model import Tokenizer
-from plumbing import add_run_flags, parser
+from flags import add_run_flags, parser
 from tasks import arithmetic, countdown, gsm8k
+from tokenizer import Tokenizer
 
 # DeepSeek-R1's Table 1, typed here from the paper (not from task.py), with the question in place of "prompt"
 PAPER_R1 = ("A conversation between User and Assistant. The user asks a question, and the Assistant solves it. The "
@@ -123,7 +124,7 @@ def test_task_flags_move_the_default_paths_and_budget_and_refuse_what_does_not_f
     assert a.max_new_tokens == 40 + len(" <think></think> <answer></answer>")
     a = parse("--task", "countdown", "--init", "mine.pt", "--max_new_tokens", "9", "--out", "o")
     assert (a.out, a.init, a.rm, a.max_new_tokens) == ("o", "mine.pt", "out/countdown/rm.pt", 9)
-    assert task.flags(a) == ["--task", "countdown", "--format", "plain", "--countdown_numbers", "3",
+    assert flags.task_flags(a) == ["--task", "countdown", "--format", "plain", "--countdown_numbers", "3",
                              "--countdown_rule", "exactly"]
     a = parse("--task", "countdown", "--countdown_rule", "at_most")                # the easier rule keeps its own files
     assert (a.out, a.init) == ("out/countdown_atmost", "out/countdown_atmost/sft.pt")

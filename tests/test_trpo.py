@@ -16,8 +16,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.utils import parameters_to_vector
 
 import kernels
+from checkpoint import load_checkpoint
 from conftest import ROOT, refuses_all, run_script
-from model import GPT, GPTConfig, load_checkpoint
+from model import GPT, GPTConfig
 from trpo import (LineSearch, backtracking_line_search, conjugate_gradient, fisher_vector_product, flat_grad, mean_kl,
                   natural_gradient_step, rloo_advantages, set_flat_params, surrogate)
 

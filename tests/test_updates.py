@@ -28,10 +28,12 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import task
+from checkpoint import load_checkpoint, save_checkpoint
 from conftest import ROOT, task_args
 from ddp_worker import fixed_completion, fixed_episode
-from model import GPT, GPTConfig, Tokenizer, load_checkpoint, save_checkpoint
+from model import GPT, GPTConfig
 from tasks import arithmetic, toolcalc
+from tokenizer import Tokenizer
 
 WORKER = os.path.join(ROOT, "tests", "ddp_worker.py")
 TOK = Tokenizer()

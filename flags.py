@@ -1,0 +1,247 @@
+"""
+Flags: argv to args, all of it. The number types that refuse what training cannot use, the flags
+every training script shares (run, task), and the defaults that depend on the task, filled in
+here at parse time and nowhere else:
+
+    --out                  out/ for the arithmetic task in the plain format, else out/<task>/
+                           (out/countdown/, out/countdown4_r1/, ...): the tasks' files never mix
+    --init, --rm, ...      a path flag whose default lies under out/ moves with --out's folder
+                           (out/sft.pt -> out/countdown/sft.pt)
+    --max_new_tokens       the task's completion budget, 34 more in the R1 format (None: unset)
+    sft.py --steps         1500, or 4000 for --task countdown (None: unset)
+    sft.py --pos           rope for --task toolcalc (its second attempt must copy from the first),
+                           else learned (None: unset)
+    sft.py --block_size    112 for --task toolcalc where it is left at 64 (two attempts must fit)
+
+and the checks between flags that parsing can make (--data with gsm8k and only with it, the tool
+task with the scripts that run its environment). A flag's bad value is one line naming the flag,
+the value and what is allowed (exit 2), before anything loads.
+"""
+import argparse
+import math
+import os
+
+import task
+from tasks import arithmetic, countdown, gsm8k, toolcalc
+
+SFT_PATH = os.path.join("out", "sft.pt")   # default --init of the scripts that start from SFT
+RM_PATH = os.path.join("out", "rm.pt")     # default --rm of ppo.py and its kin
+
+
+# -----------------------------------------------------------------------------
+# Number types
+
+class _Number:
+    """An argparse `type`: parses the flag's text, refuses non-finite values and values out of
+    range. Bounds are keyword arguments: gt, ge (lower), lt, le (upper)."""
+    kind, noun = float, "a number"
+
+    def __init__(self, gt=None, ge=None, lt=None, le=None):
+        self.bounds = [(op, v) for op, v in (("gt", gt), ("ge", ge), ("lt", lt), ("le", le))
+                       if v is not None]
+        self.__name__ = self.kind.__name__  # argparse names the type in some messages
+
+    def allowed(self):
+        symbols = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+        show = lambda v: str(v) if isinstance(v, int) else f"{v:g}"
+        return " and ".join(f"{symbols[op]} {show(v)}" for op, v in self.bounds) or \
+            "any finite value"
+
+    def __call__(self, text):
+        try:
+            value = self.kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {self.noun} (allowed: "
+                                             f"{self.allowed()})") from None
+        ok = {"gt": lambda v, b: v > b, "ge": lambda v, b: v >= b, "lt": lambda v, b: v < b,
+              "le": lambda v, b: v <= b}
+        if not math.isfinite(value) or not all(ok[op](value, b) for op, b in self.bounds):
+            raise argparse.ArgumentTypeError(f"{text} is not allowed (allowed: {self.noun} "
+                                             f"{self.allowed()})")
+        return value
+
+
+class Float(_Number):
+    kind, noun = float, "a number"
+
+
+class Int(_Number):
+    kind, noun = int, "an integer"
+
+
+# The --temperature flags: below 0.05 sampling is argmax, above 20 noise (the kernels accept
+# 1e-3 to 1e3, what float32 represents: kernels.MIN_TEMPERATURE, kernels.MAX_TEMPERATURE)
+TEMPERATURE = Float(ge=0.05, le=20.0)
+
+
+# -----------------------------------------------------------------------------
+# The parser and the shared flags
+
+class _Parser(argparse.ArgumentParser):
+    def parse_args(self, args=None, namespace=None):
+        parsed = super().parse_args(args, namespace)
+        fill_task_defaults(self, parsed)
+        return parsed
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each default, except None: such a flag's help says what happens then."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def parser(doc):
+    """An ArgumentParser described by the script docstring's first paragraph; its parse_args
+    checks the task flags and fills in the task's defaults (module docstring)."""
+    return _Parser(description=doc.strip().split("\n\n")[0], formatter_class=_Help)
+
+
+def add_run_flags(parser, script, log_every, eval_every):
+    """The flags every training script has, in a "run" group (returned: scripts add --init)."""
+    group = parser.add_argument_group("run")
+    add = group.add_argument
+    add("--log_every", type=Int(ge=1), default=log_every,
+        help="print and log metrics every this many steps")
+    add("--eval_every", type=Int(ge=1), default=eval_every,
+        help="evaluate on the held-out set and checkpoint every this many steps (and at the last)")
+    add("--eval_n", type=Int(ge=1), default=None,
+        help="held-out prompts to evaluate on (default: all)")
+    add("--out", default="out", help=f"folder for {script}.pt and {script}/metrics.jsonl")
+    add("--seed", type=Int(ge=0, lt=2**32), default=0, help="seeds python, numpy and torch")
+    add("--resume", action="store_true",
+        help=f"continue from <out>/{script}.pt up to the step limit")
+    add("--device", default=None, help="cuda, mps or cpu (default: the first available)")
+    add("--grad_accum", type=Int(ge=1), default=1,
+        help="split each step's batch into this many micro-batches (same result, less memory)")
+    add("--compile", action="store_true",
+        help="sample through a torch.compile'd decode step (sampler.py's \"compile\" mode; the "
+             "default on CUDA is already a CUDA graph of the step): the same tokens, faster")
+    add("--grad_checkpoint", action="store_true",
+        help="recompute each transformer block's activations in backward (less memory, ~30%% "
+             "more compute; for real checkpoints)")
+    if script not in ("rm", "{orm,prm}"):                     # the scripts that train a policy
+        add("--lora_rank", type=Int(ge=0), default=0,
+            help="LoRA (lora.py): train rank-r adapters on the projections, every weight frozen; "
+                 "the reference is the same weights with the adapters off; 0: full fine-tuning")
+        add("--lora_alpha", type=Float(gt=0), default=32.0,
+            help="LoRA's alpha: the adapters' output is scaled by alpha / rank")
+        add("--lora_targets", type=lambda s: [t.strip() for t in s.split(",") if t.strip()],
+            default=None,
+            help="comma-separated projections to adapt, of those the model has: "
+                 "q,k,v,o,gate,up,down (Llama, Qwen), qkv,o,up,down (GPT-2, this project's GPT), "
+                 "q,k,v,o,up,down (sft.py --pos rope); default: all")
+    add_task_flags(parser)
+    return group
+
+
+def add_task_flags(parser):
+    """--task, --format, --data, --countdown_numbers, --countdown_rule and --chat, in a "task"
+    group (task.use reads them)."""
+    g = parser.add_argument_group("task")
+    g.add_argument("--task", default="arithmetic", choices=task.TASKS,
+                   help="the problems, verifier and demonstrations")
+    g.add_argument("--format", default="plain", choices=task.FORMATS,
+                   help="plain: the task's own; r1: DeepSeek-R1-Zero's <think>/<answer> template")
+    g.add_argument("--data", nargs="+", default=None, metavar="JSONL",
+                   help="--task gsm8k: a GSM8K-format file, and optionally a held-out file (else "
+                        "its last tenth)")
+    g.add_argument("--countdown_numbers", type=Int(ge=3, le=4), default=3,
+                   help="--task countdown: numbers given")
+    g.add_argument("--countdown_rule", choices=["exactly", "at_most"], default="exactly",
+                   help="--task countdown: each number used exactly once (the field's rule), or "
+                        "at most once")
+    g.add_argument("--chat", action="store_true",
+                   help="render each prompt through the checkpoint's own chat template as the "
+                        "user's message (a Hugging Face folder's, or a checkpoint trained from "
+                        "one; chat.py); the end of the assistant's turn (<|im_end|>, <|eot_id|>) "
+                        "ends a completion and a demonstration")
+    return g
+
+
+# -----------------------------------------------------------------------------
+# The task's defaults and the checks between flags
+
+def fill_task_defaults(parser, args):
+    """The checks and defaults of the module docstring, on parsed `args` (parse_args calls it)."""
+    if getattr(args, "task", None) is None:
+        return
+    if args.task == "gsm8k" and not args.data:
+        parser.error("--task gsm8k needs --data FILE.jsonl [HELD_OUT.jsonl] (GSM8K's format; "
+                     "nothing is downloaded)")
+    if args.task != "gsm8k" and args.data:
+        parser.error(f"--data is for --task gsm8k; --task {args.task} is generated in code")
+    if args.data and len(args.data) > 2:
+        parser.error(f"--data takes one or two files (training, held-out); got {len(args.data)}")
+    if args.task == "toolcalc":
+        _tool_defaults(parser, args)
+    for action in parser._actions:                   # path defaults under out/: the task's folder
+        default = action.default
+        if isinstance(default, str) and (default == "out" or default.startswith("out" + os.sep)) \
+                and getattr(args, action.dest, None) == default:
+            setattr(args, action.dest, os.path.normpath(os.path.join(
+                folder(args), os.path.relpath(default, "out"))))
+    if getattr(args, "max_new_tokens", 0) is None:   # the task's completion budget
+        budget = {"arithmetic": arithmetic.MAX_NEW_TOKENS, "gsm8k": gsm8k.MAX_NEW_TOKENS,
+                  "toolcalc": toolcalc.MAX_NEW_TOKENS,
+                  "countdown": countdown.MAX_NEW_TOKENS[args.countdown_numbers]}[args.task]
+        args.max_new_tokens = budget + (task.R1_EXTRA_TOKENS if args.format == "r1" else 0)
+    if hasattr(args, "mistake_rate"):                # sft.py
+        if args.steps is None:   # countdown at 1500 steps: held-out 0.35, its arithmetic half known
+            args.steps = 4000 if args.task == "countdown" else 1500
+        args.pos = args.pos or "learned"
+
+
+def _tool_defaults(parser, args):
+    """--task toolcalc: only sft.py (its demonstrations) and agent.py (its episodes) run its
+    environment; the plain format only; sft.py's --block_size and --pos defaults."""
+    if not (hasattr(args, "max_calls") or hasattr(args, "mistake_rate")):
+        parser.error("--task toolcalc needs its environment (the calculator answering calls): "
+                     "train on it with sft.py (demonstrations) and agent.py (episodes)")
+    if args.format != "plain":
+        parser.error(f"--task toolcalc is defined in the plain format only; got --format "
+                     f"{args.format}")
+    if hasattr(args, "pos") and args.pos is None:
+        args.pos = toolcalc.POSITIONS
+    if getattr(args, "block_size", None) == 64:
+        args.block_size = toolcalc.BLOCK_SIZE
+    elif getattr(args, "block_size", toolcalc.BLOCK_SIZE) < toolcalc.BLOCK_SIZE:
+        parser.error(f"--block_size {args.block_size} is too short for --task toolcalc's "
+                     f"two-attempt demonstrations; allowed: --block_size >= {toolcalc.BLOCK_SIZE}")
+
+
+def require_arithmetic(parser, args, what):
+    """A parse error unless args choose the arithmetic task in its plain format: for what only
+    it defines."""
+    if (args.task, args.format) != ("arithmetic", "plain"):
+        parser.error(f"{what} is defined for the arithmetic task in its plain format only; got "
+                     f"--task {args.task} --format {args.format}")
+
+
+def folder(args):
+    """Where a script's default outputs go: out/ for the arithmetic task in the plain format,
+    else out/<task>/ with the setting (out/countdown4_r1/)."""
+    name, fmt = getattr(args, "task", "arithmetic"), getattr(args, "format", "plain")
+    if name == "arithmetic" and fmt == "plain":
+        return "out"
+    numbers = str(args.countdown_numbers) if name == "countdown" and \
+        args.countdown_numbers != 3 else ""
+    rule = "_atmost" if name == "countdown" and \
+        getattr(args, "countdown_rule", "exactly") == "at_most" else ""
+    return os.path.join("out", name + numbers + rule + ("_r1" if fmt == "r1" else ""))
+
+
+def default_path(path, args):
+    """A default path under out/ (out/sft.pt) for the task in `args` (out/countdown/sft.pt)."""
+    return os.path.normpath(os.path.join(folder(args), os.path.relpath(path, "out")))
+
+
+def task_flags(args):
+    """The task flags of `args`, to hand to a script that builds a missing prerequisite."""
+    if getattr(args, "task", None) is None:
+        return []
+    out = ["--task", args.task, "--format", args.format, "--countdown_numbers",
+           str(args.countdown_numbers), "--countdown_rule",
+           getattr(args, "countdown_rule", "exactly")]
+    out += ["--chat"] if getattr(args, "chat", False) else []
+    return out + (["--data", *args.data] if args.data else [])
