@@ -375,7 +375,8 @@ def test_hostile_folder_contents_are_one_line_before_anything_is_built(tmp_path)
         with pytest.raises(CheckpointError, match=re.escape(words)):
             Tokenizer.from_pretrained(folder)
             from_pretrained(folder)
-        cases.append((["--init", folder, "--steps", "1"], [words]))
+        if i % 3 == 0:                                 # a third of them through a script too
+            cases.append((["--init", folder, "--steps", "1"], [words]))
     os.makedirs(tmp_path / "runs")
     refuses_all("grpo.py", cases, tmp_path / "runs")
     assert os.listdir(tmp_path / "runs") == []
