@@ -151,6 +151,9 @@ def parse_args(argv=None):
         p.error(f"--task {args.task}: agent.py's environment is the tool task's; use --task toolcalc")
     if args.stage1_steps and args.turns != 2:
         p.error(f"--stage1_steps {args.stage1_steps}: SCoRe's stage I trains a second attempt; it needs --turns 2")
+    if args.stage1_steps > args.steps:
+        p.error(f"--stage1_steps {args.stage1_steps} is longer than the run (--steps {args.steps}); allowed: "
+                f"--stage1_steps <= --steps")
     return args
 
 

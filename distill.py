@@ -247,9 +247,11 @@ def summary(run, policy, tok, teacher_eval):
     final = run.last_eval if run.eval_step == run.step else run.evaluate(policy, tok)
     before, after = (run.before or {}).get("eval_accuracy", float("nan")), final["eval_accuracy"]
     teacher = teacher_eval.get("eval_accuracy", float("nan"))
-    closed = (after - before) / (teacher - before) if teacher != before else float("nan")
-    return (f"student held-out greedy accuracy {before:.3f} -> {after:.3f} (teacher {teacher:.3f}: {closed:.0%} of the "
-            f"gap closed) | sampled pass@1 {final['eval_pass_at_1']:.3f}")
+    gap = teacher - before
+    closed = (f"{(after - before) / gap:.0%} of the gap closed" if gap == gap and gap != 0
+              else "no gap to close" if gap == 0 else "the gap unknown")
+    return (f"student held-out greedy accuracy {before:.3f} -> {after:.3f} (teacher {teacher:.3f}: {closed}) | "
+            f"sampled pass@1 {final['eval_pass_at_1']:.3f}")
 
 
 if __name__ == "__main__":

@@ -719,9 +719,10 @@ class Run:
                 self.evaluate(model, tok)
             final, before = self.last_eval, self.before or {}
             b = lambda key: f"{before[key]:.3f} -> " if key in before else ""
+            other = final["eval_accuracy_other"]                 # NaN: none among --eval_n
             split = (" (precedence "
                      f"{b('eval_accuracy_precedence')}{final['eval_accuracy_precedence']:.3f}, "
-                     f"other {final['eval_accuracy_other']:.3f})")
+                     f"other {f'{other:.3f}' if other == other else 'n/a'})")
             prec = final["eval_accuracy_precedence"]
             split = split if prec == prec else ""              # NaN: no precedence split (gsm8k)
             summary = (f"held-out greedy accuracy {b('eval_accuracy')}"

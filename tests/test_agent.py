@@ -402,9 +402,11 @@ def test_script_rejects_bad_settings_with_a_message(tmp_path):
     refuses_all("agent.py", [(["--turns", "3"], ["--turns", "3"]), (["--call_cost", "-1"], ["--call_cost", "-1"]),
                              (["--max_new_tokens", "60", "--turns", "2"], ["--max_new_tokens"]),
                              (["--stage1_steps", "5"], ["--stage1_steps", "5", "--turns 2"]),
+                             (["--turns", "2", "--stage1_steps", "5", "--steps", "2"],
+                              ["--stage1_steps 5 is longer than the run (--steps 2)"]),
                              (["--scale_rewards", "median"], ["--scale_rewards", "median"])], tmp_path)
     assert all(not os.path.exists(tmp_path / f"out{i}") or os.listdir(tmp_path / f"out{i}") in ([], ["agent"])
-               for i in range(5))
+               for i in range(6))
 
 
 def test_lora_on_a_rotary_gelu_policy_and_the_two_attempt_length_refusal(tmp_path):
