@@ -43,12 +43,16 @@ def check_golden(tok, chat, golden):
             assert chat.encode(messages, tok.encode_special, tok.encode, **kw) == m["ids"], (key, m["content"])
     turn = [{"role": "user", "content": "3+4*2="}, {"role": "assistant", "content": "4*2=8,3+8=11#11"}]
     assert chat.render(turn, add_generation_prompt=False, date_string="26 Jul 2024") == golden["assistant_turn"]
+    episode, kw = golden["tool_reply"], dict(date_string="26 Jul 2024", tools=TOOLS)   # a call, then its reply
+    assert chat.render(episode["messages"], **kw) == episode["rendered"]
+    assert chat.encode(episode["messages"], tok.encode_special, tok.encode, **kw) == episode["ids"]
 
 
 @pytest.mark.parametrize("name", list(CHAT))
 def test_the_template_renders_and_encodes_as_transformers(name):
-    """Each golden message, with and without a tool: among them Qwen2.5's <tool_call> (an added token that is not
-    special, written by the template) and transformers' own markers (U+F0000, U+F0001) inside a message."""
+    """Each golden message, with and without a tool, and an episode with a call and the tool's reply: among them
+    Qwen2.5's <tool_call> (an added token that is not special, written by the template) and transformers' own
+    markers (U+F0000, U+F0001) inside a message."""
     tok, golden = chat_tokenizer(name)
     check_golden(tok, tok.chat, golden)
     assert any("<tool_call>" in m["content"] for m in golden["messages"])

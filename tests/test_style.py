@@ -57,10 +57,10 @@ def test_the_readme_is_a_first_page_and_its_links_resolve():
 
 # The shared modules, lowest first: each imports only modules before it (no cycle), at its top (no
 # import hidden in a function to dodge one)
-LAYERS = ["kernels", "tasks", "model", "lora", "chat", "tokenizer", "checkpoint", "sampler", "task",
-          "flags", "plumbing"]
-NARROW = ["model", "tokenizer", "checkpoint", "flags", "task", "sampler", "chat", "export", "lora",
-          "plumbing"]
+LAYERS = ["kernels", "tasks", "model", "lora", "chat", "tools", "tokenizer", "checkpoint", "sampler",
+          "task", "flags", "plumbing"]
+NARROW = ["model", "tokenizer", "checkpoint", "flags", "task", "sampler", "chat", "tools", "export",
+          "lora", "plumbing"]
 
 
 def project_imports(path):

@@ -13,6 +13,7 @@ run from the repository root:
 
     pip install transformers && python tests/golden/make_golden.py [FAMILY ...]   # default: every family
     pip install peft && python tests/golden/make_golden.py --peft [FAMILY ...]     # peft.json (export.py --peft)
+    python tests/golden/make_golden.py --tools         # tools.json: get_json_schema of tool_functions.py
 
 Kept small: hidden size 32, 2 layers, a 320-token byte-level BPE vocabulary (about 300 KB in all).
 """
@@ -44,6 +45,10 @@ CHAT_TEXTS = ["3+4*2=", "A conversation between User and Assistant. User: 5,1,7:
               "say <|im_end|> or <|eot_id|> and stop", "  padded \n", "東京 😀",
               "call <tool_call> then </tool_call>", "markers \ue000<|im_start|>\ue001 \U000f0000x\U000f0001"]
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]   # Qwen2.5's: added, not special
+TOOL_EPISODE = [{"role": "user", "content": "37+12*46="},      # a call, the tool's reply, the next turn's prompt
+                {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+                    "name": "calculator", "arguments": {"expression": "12*46"}}}]},
+                {"role": "tool", "content": "552"}]
 TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate an arithmetic expression.",
                                            "parameters": {"type": "object", "properties": {"expression": {
                                                "type": "string", "description": "e.g. 12*46"}},
@@ -97,6 +102,11 @@ def chat_goldens(tokenizer, **template):
                                                                         return_dict=False, **kw))})
     turn = [{"role": "user", "content": "3+4*2="}, {"role": "assistant", "content": "4*2=8,3+8=11#11"}]
     out["assistant_turn"] = tokenizer.apply_chat_template(turn, tokenize=False, date_string=CHAT_DATE, **template)
+    kw = dict(add_generation_prompt=True, date_string=CHAT_DATE, tools=TOOLS, **template)
+    out["tool_reply"] = {"messages": TOOL_EPISODE,
+                         "rendered": tokenizer.apply_chat_template(TOOL_EPISODE, tokenize=False, **kw),
+                         "ids": list(tokenizer.apply_chat_template(TOOL_EPISODE, tokenize=True, return_dict=False,
+                                                                   sanitize_control_tokens=True, **kw))}
     return out
 
 
@@ -222,10 +232,24 @@ def peft_golden(name):
     print(f"{name}: peft.json, {len(tensors)} adapter tensors")
 
 
+def tools_golden():
+    """tools.json: transformers' get_json_schema of each function of tool_functions.py."""
+    from transformers.utils import get_json_schema
+    import tool_functions
+    schemas = {f.__name__: get_json_schema(f) for f in tool_functions.FUNCTIONS}
+    with open(os.path.join(HERE, "tools.json"), "w") as f:
+        json.dump(schemas, f, indent=1)
+    print(f"tools.json: {len(schemas)} schemas")
+
+
 if __name__ == "__main__":
     import sys
-    names = [a for a in sys.argv[1:] if a != "--peft"] or ["gpt2", "llama", "qwen2", "llama3", "qwen3"]
-    if "--peft" in sys.argv:                   # the adapter goldens alone, from the folders as they are
+    names = [a for a in sys.argv[1:] if a not in ("--peft", "--tools")] or ["gpt2", "llama", "qwen2",
+                                                                            "llama3", "qwen3"]
+    if "--tools" in sys.argv:                  # the tool schemas alone
+        sys.path.insert(0, HERE)
+        tools_golden()
+    elif "--peft" in sys.argv:                   # the adapter goldens alone, from the folders as they are
         for name in names:
             peft_golden(name)
     else:

@@ -1,0 +1,311 @@
+"""
+Tools a policy can call. Any Python function with type hints and a Google-style docstring is a
+tool: its JSON schema is built as transformers' `get_json_schema` builds it (the form a chat
+template's `tools` renders); a model's calls are parsed in the form its template teaches; a call
+runs with bounds, and whatever goes wrong is an error text the model reads as the tool's reply,
+never a crash and never a silent reward.
+
+    schemas = [json_schema(calculator)]             # apply_chat_template(..., tools=schemas)
+    calls = parse_calls(text, "hermes")             # [Call(name, arguments)] or an error text each
+    reply = run_call({"calculator": calculator}, calls[0])
+
+Call forms (STYLES):
+    hermes   Qwen2.5, Qwen3, Hermes: <tool_call>{"name": ..., "arguments": {...}}</tool_call>,
+             one or more in a turn
+    llama3   Llama 3.x: the whole turn is one JSON object {"name": ..., "parameters": {...}}
+             (after <|python_tag|> where the model writes one)
+
+Bounds: a call's text MAX_CALL_CHARS, calls in a turn MAX_CALLS, a run RUN_SECONDS (a timer, in
+the main thread), a reply MAX_REPLY_CHARS (cut, and said so).
+"""
+import enum
+import inspect
+import json
+import re
+import signal
+import threading
+import types
+import typing
+from typing import Any, Literal, NamedTuple, Union
+
+from tasks import toolcalc
+
+STYLES = ("hermes", "llama3")
+MAX_CALL_CHARS = 4096        # a call's JSON
+MAX_CALLS = 4                # calls parsed in one turn; the rest: one error
+RUN_SECONDS = 2.0            # one run of a tool
+MAX_REPLY_CHARS = 1024       # what the model reads back
+
+
+class Call(NamedTuple):
+    name: str
+    arguments: dict
+
+
+# -----------------------------------------------------------------------------
+# A function's JSON schema (transformers' get_json_schema, rule for rule)
+
+_DESCRIPTION = re.compile(r"^(.*?)[\n\s]*(Args:|Returns:|Raises:|\Z)", re.DOTALL)
+_ARGS = re.compile(r"\n\s*Args:\n(.*?)[\n\s]*(Returns:|Raises:|\Z)", re.DOTALL)
+_ARG = re.compile(r"(?:^|\n)([ \t]*)(\w+)(?:[ \t]*\([^()\n]*\))?:\s*(.*?)\s*"
+                  r"(?=\n(?!\1[ \t])[ \t]*\w+(?:[ \t]*\([^()\n]*\))?:|\Z)", re.DOTALL)
+_RETURNS = re.compile(r"\n\s*Returns:\n\s*(.*?)[\n\s]*(Raises:|\Z)", re.DOTALL)
+_SCALARS = {int: "integer", float: "number", str: "string", bool: "boolean", type(None): "null"}
+_BASIC = {**{t: {"type": name} for t, name in _SCALARS.items()}, list: {"type": "array"},
+          tuple: {"type": "array"}, dict: {"type": "object"}, Any: {}}
+
+
+class SchemaError(ValueError):
+    pass
+
+
+def _enum(values):
+    kinds = list(dict.fromkeys(_SCALARS[type(v)] for v in values))
+    return {"type": kinds[0] if len(kinds) == 1 else kinds, "enum": values}
+
+
+def _schema_of(hint):
+    """A type hint's JSON schema: basic types, Enum, Literal, Union/Optional, list, tuple, dict."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is None and isinstance(hint, type) and issubclass(hint, enum.Enum):
+        values = [m.value for m in hint]
+        if not values or any(type(v) not in _SCALARS for v in values):
+            raise SchemaError(f"the Enum {hint.__name__} needs members of JSON scalar values")
+        return _enum(values)
+    if origin is None:
+        if hint not in _BASIC:
+            raise SchemaError(f"the type hint {hint!r} has no JSON schema (basic types, Enum, "
+                              f"Literal, and list, tuple, dict, Union of them)")
+        return dict(_BASIC[hint])
+    if origin is Union or origin is types.UnionType:
+        parts = [_schema_of(t) for t in args if t is not type(None)]
+        if len(parts) == 1:
+            out = parts[0]
+        elif all(p.keys() == {"type"} and isinstance(p["type"], str) for p in parts):
+            names = sorted({p["type"] for p in parts})
+            out = {"type": names[0] if len(names) == 1 else names}
+        else:
+            out = {"anyOf": parts}
+        if type(None) in args:
+            out["nullable"] = True
+        return out
+    if origin is Literal and args:
+        if any(type(a) not in _SCALARS for a in args):
+            raise SchemaError("only JSON scalars can be listed in a Literal")
+        return _enum(list(args))
+    if origin is list:
+        return {"type": "array", "items": _schema_of(args[0])} if args else {"type": "array"}
+    if origin is tuple:
+        if not args:
+            return {"type": "array"}
+        if len(args) == 1 or ... in args:
+            raise SchemaError(f"the type hint {hint} has no fixed length: use list[...]")
+        return {"type": "array", "prefixItems": [_schema_of(t) for t in args]}
+    if origin is dict:
+        out = {"type": "object"}
+        if len(args) == 2:
+            out["additionalProperties"] = _schema_of(args[1])
+        return out
+    raise SchemaError(f"the type hint {hint!r} has no JSON schema")
+
+
+def json_schema(fn):
+    """{"type": "function", "function": {name, description, parameters[, return]}} of `fn`, from
+    its type hints and its Google-style docstring (every argument described; "(choices: [...])"
+    at the end of a description becomes an enum). SchemaError otherwise."""
+    name = getattr(fn, "__name__", "operation")
+    doc = inspect.getdoc(fn)
+    if not doc:
+        raise SchemaError(f"{name} has no docstring")
+    doc = doc.strip()
+    description = _DESCRIPTION.search(doc)
+    description = description.group(1).strip() if description else None
+    block = _ARGS.search(doc)
+    args = {}
+    if block:
+        lines = "\n".join(line for line in block.group(1).split("\n") if line.strip())
+        args = {m[1]: re.sub(r"\s*\n+\s*", " ", m[2].strip()) for m in _ARG.findall(lines)}
+    returns = _RETURNS.search(doc)
+    hints, signature = typing.get_type_hints(fn), inspect.signature(fn)
+    first = next(iter(signature.parameters), None)
+    implicit = first if first in ("self", "cls") and \
+        signature.parameters[first].annotation is inspect.Parameter.empty else None
+    required = []
+    for p in signature.parameters.values():
+        if p.name == implicit:
+            continue
+        if p.annotation is inspect.Parameter.empty:
+            raise SchemaError(f"argument {p.name} of {name} has no type hint")
+        if p.default is inspect.Parameter.empty:
+            required.append(p.name)
+    properties, ret = {}, None
+    for arg, hint in hints.items():
+        if arg == implicit:
+            continue
+        if arg == "return":
+            try:
+                ret = _schema_of(hint)
+            except SchemaError:
+                pass                                # the model never writes the return value
+            continue
+        properties[arg] = _schema_of(hint)
+    for arg, schema in properties.items():
+        if arg not in args:
+            raise SchemaError(f"the docstring of {name} does not describe its argument {arg!r}")
+        text = args[arg]
+        choices = re.search(r"\(choices:\s*(.*?)\)\s*$", text, flags=re.IGNORECASE)
+        if choices:
+            schema["enum"] = [c.strip() if isinstance(c, str) else c
+                              for c in json.loads(choices.group(1))]
+            text = choices.string[:choices.start()].strip()
+        schema["description"] = text
+    parameters = {"type": "object", "properties": properties}
+    if required:
+        parameters["required"] = required
+    out = {"name": name, "description": description, "parameters": parameters}
+    if ret is not None:
+        if returns:
+            ret["description"] = returns.group(1).strip()
+        out["return"] = ret
+    return {"type": "function", "function": out}
+
+
+# -----------------------------------------------------------------------------
+# Calls, as a chat template teaches the model to write them
+
+def parse_calls(text, style):
+    """The calls in one assistant turn's text: a Call each, or an error text (the tool's reply
+    the model then reads) for a call that is malformed; [] when the turn calls nothing."""
+    if style not in STYLES:
+        raise ValueError(f"call style {style!r}; allowed: {', '.join(STYLES)}")
+    if style == "llama3":
+        body = text.strip().removeprefix("<|python_tag|>").strip()
+        return [_call(body, "parameters")] if body.startswith("{") else []
+    out, pos = [], 0
+    while (start := text.find("<tool_call>", pos)) >= 0:
+        end = text.find("</tool_call>", start)
+        inner = text.find("<tool_call>", start + len("<tool_call>"))
+        if end < 0:
+            out.append("error: a <tool_call> that is never closed")
+            break
+        if 0 <= inner < end:
+            out.append("error: a <tool_call> inside another")
+            pos = end + len("</tool_call>")
+            continue
+        out.append(_call(text[start + len("<tool_call>"):end].strip(), "arguments"))
+        pos = end + len("</tool_call>")
+    if len(out) > MAX_CALLS:
+        out = out[:MAX_CALLS] + [f"error: at most {MAX_CALLS} calls a turn"]
+    return out
+
+
+def _call(body, key):
+    """A Call from one call's JSON text ({"name": ..., key: {...}}), or an error text."""
+    if len(body) > MAX_CALL_CHARS:
+        return f"error: a call of {len(body):,} characters (at most {MAX_CALL_CHARS:,})"
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else str(e).split(":")[0]
+        return f"error: the call is not JSON ({why})"
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+        return 'error: a call is a JSON object with a "name"'
+    arguments = data.get(key, data.get("arguments" if key != "arguments" else "parameters", {}))
+    if not isinstance(arguments, dict):
+        return f'error: the call\'s "{key}" is not a JSON object'
+    return Call(data["name"], arguments)
+
+
+# -----------------------------------------------------------------------------
+# Running a call, bounded
+
+_JSON_TYPES = {"integer": int, "number": (int, float), "string": str, "boolean": bool,
+               "array": list, "object": dict, "null": type(None)}
+
+
+def _is(value, kind):
+    """Whether a JSON value is of a schema type (a bool is no integer or number)."""
+    if isinstance(value, bool) and kind in ("integer", "number"):
+        return False
+    return kind not in _JSON_TYPES or isinstance(value, _JSON_TYPES[kind])
+
+
+def check_arguments(schema, arguments):
+    """An error text for arguments the schema refuses (missing, unknown, a wrong JSON type, not
+    one of its choices), or None."""
+    parameters = schema["function"]["parameters"]
+    properties = parameters.get("properties", {})
+    missing = [a for a in parameters.get("required", []) if a not in arguments]
+    if missing:
+        return f"error: missing argument {missing[0]!r}"
+    for name, value in arguments.items():
+        if name not in properties:
+            return f"error: no argument {name!r}; allowed: {', '.join(properties) or 'none'}"
+        kinds = properties[name].get("type", [])
+        kinds = [kinds] if isinstance(kinds, str) else kinds
+        choices = properties[name].get("enum")
+        if kinds and not any(_is(value, k) for k in kinds) or choices and value not in choices:
+            shown = json.dumps(value, ensure_ascii=False)[:80]
+            allowed = f"one of {choices}" if choices else "/".join(kinds)
+            return f"error: argument {name!r} = {shown}; allowed: {allowed}"
+    return None
+
+
+class _Timeout(BaseException):
+    pass
+
+
+def run_call(tools, call):
+    """The text the model reads back for `call` (a Call, or parse_calls' error text): the tool's
+    result as text, cut at MAX_REPLY_CHARS, or an error text (an unknown tool, arguments the
+    schema refuses, a tool that raises or runs past RUN_SECONDS)."""
+    if isinstance(call, str):
+        return call
+    if call.name not in tools:
+        return f"error: no tool named {call.name[:80]!r}; tools: {', '.join(tools)}"
+    fn = tools[call.name]
+    problem = check_arguments(json_schema(fn), call.arguments)
+    if problem:
+        return problem
+    try:
+        result = _in_time(lambda: fn(**call.arguments))
+    except _Timeout:
+        return f"error: {call.name} ran past {RUN_SECONDS:g} s"
+    except Exception as e:                              # the tool's own failure: the model reads it
+        return f"error: {type(e).__name__}: {str(e)[:200]}"
+    text = result if isinstance(result, str) else json.dumps(result, ensure_ascii=False,
+                                                               default=str)
+    if len(text) > MAX_REPLY_CHARS:
+        text = text[:MAX_REPLY_CHARS] + f" ... ({len(text):,} characters, cut)"
+    return text
+
+
+def _in_time(fn):
+    """fn() stopped by _Timeout after RUN_SECONDS, where a timer can interrupt it."""
+    if threading.current_thread() is not threading.main_thread():
+        return fn()
+
+    def expire(signum, frame):
+        raise _Timeout
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, RUN_SECONDS)
+    try:
+        return fn()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+# -----------------------------------------------------------------------------
+# Built in
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression exactly: integers, + - * and parentheses.
+
+    Args:
+        expression: The expression, e.g. 12*(3+4)
+    """
+    return toolcalc.calculator(expression)
+
+
+BUILT_IN = {"calculator": calculator}
