@@ -1,13 +1,15 @@
 """
 Agent: GRPO on multi-turn episodes, where the policy may call a calculator and the environment's tokens are context.
-
-An episode is one token sequence, the policy's tokens and the environment's in turn: the policy writes a call
-<37+12*46>, the environment writes the result 589 after it, the policy goes on to its answer #589. With --turns 2 the
-environment answers the end of the first attempt with a revision prompt, and the policy tries again. Each prompt gets
-G episodes; GRPO's group-relative advantage goes to every token the policy sampled and never to the environment's: the
-policy did not choose them, and a loss on them teaches it to predict the tool's output instead of using the tool
-(ReTool, arXiv 2504.11536; Search-R1, arXiv 2503.09516; RAGEN, arXiv 2504.20073; ARTIST, arXiv 2505.01441).
---train_on_env_tokens does that, the wrong thing, to show what it does (experiments/README.md).
+An episode is one token sequence, the policy's tokens and the environment's in turn. Two protocols (sampler.episodes):
+- compact (the toy's own, --task toolcalc): the policy writes <37+12*46>, the environment 589 right after it, the policy
+  #589; with --turns 2 the environment answers the first attempt's end with a revision prompt.
+- --chat --tools calculator: the chat template's own (Qwen2.5/Hermes <tool_call>{json}</tool_call>, Llama 3.x's JSON):
+  the tools' schemas in the prompt as the template renders them, a turn's calls run when a stop id ends it, the replies
+  as the template's tool messages with the next turn's opening (tools.py); a turn with no call is the answer. Any task.
+GRPO's group-relative advantage (G episodes a prompt) goes to every token the policy sampled, never to the
+environment's: a loss on them teaches the policy to predict the tool's output instead of using the tool (ReTool, arXiv
+2504.11536; Search-R1, 2503.09516; RAGEN, 2504.20073; ARTIST, 2505.01441). --train_on_env_tokens does that, the wrong
+thing, to show what it does (experiments/README.md).
 
 Episode i, o_i the tokens the policy sampled (the environment's are in the context, never in the sum), t in o_i:
     r_i = 1[final answer right] - c * calls_i                                     (c = --call_cost)
@@ -25,17 +27,15 @@ Deviations and choices:
   credits it with r_2 (stage I) or r_1 + r_2 (stage II); here it never earns credit for setting up a good revision.
 - Any stop id ends an attempt, trained with it as sampled; the revision prompt follows ("\nrevise:" and the problem
   again, no hint of whether the first answer was right).
-- A malformed call (never closed, refused by the calculator, past --max_calls) costs a call, is answered "error".
+- A malformed call costs a call and is answered with an error (compact: "error"; chat: what went wrong, tools.py).
 - mu passes over the whole batch; old log-probs scored once per batch (step 3); equal rewards in a group give A = 0.
 
 Shapes: P prompts, G episodes each, B = P*G rows; Tp prompt, Tn episode tokens after it; K attempts (--turns).
-
 Run:
     python agent.py                        # builds out/toolcalc/sft.pt first; about 6 minutes on 2 CPU cores in all
-    python agent.py --resume               # continue from out/toolcalc/agent.pt up to --steps
-    python agent.py --call_cost 0.5        # calls dearer: the policy calls only where its head fails
-    python agent.py --train_on_env_tokens  # the pitfall: the environment's tokens in the loss
+    python agent.py --chat --tools calculator            # the chat protocol (bytes-chat); out/toolcalc_tools/
     python agent.py --turns 2 --stage1_steps 20 --steps 40    # SCoRe's stages I and II (README: what each does)
+    python agent.py --init path/to/Qwen2.5-0.5B-Instruct --chat --tools calculator --task gsm8k --data train.jsonl
 Metrics: out/toolcalc/agent/metrics.jsonl (docs/metrics.md says what each means); checkpoint out/toolcalc/agent.pt.
 """
 import math
@@ -147,8 +147,12 @@ def parse_args(argv=None):
     g.add_argument("--init", default=SFT_PATH, help="SFT checkpoint: the starting policy and the frozen reference")
     p.set_defaults(task="toolcalc")
     args = p.parse_args(argv)
-    if args.task != "toolcalc":
-        p.error(f"--task {args.task}: agent.py's environment is the tool task's; use --task toolcalc")
+    if args.task != "toolcalc" and not args.tools:
+        p.error(f"--task {args.task}: agent.py's compact environment is the tool task's; use --task "
+                f"toolcalc, or --chat --tools calculator (the chat template's protocol)")
+    if args.tools and args.turns != 1:
+        p.error(f"--turns {args.turns}: with --tools an episode is one attempt (the revision turn is "
+                f"the compact protocol's); allowed: --turns 1")
     if args.stage1_steps and args.turns != 2:
         p.error(f"--stage1_steps {args.stage1_steps}: SCoRe's stage I trains a second attempt; it needs --turns 2")
     if args.stage1_steps > args.steps:
@@ -172,6 +176,7 @@ def evaluate_tools(run, policy, tok, args):
     out = {"eval_accuracy_no_tool": mean(off.correct[:, 0]), "eval_calls": mean(calls),
            "eval_call_share": mean(called), "eval_call_share_hard": mean(called, hard),
            "eval_call_share_easy": mean(called, ~hard), "eval_malformed": mean(e.malformed[:, 0]),
+           "eval_turns": mean(e.policy_turns),
            "eval_accuracy_called": mean(right, called), "eval_accuracy_uncalled": mean(right, ~called)}
     if args.turns == 2:
         out.update({"eval_accuracy_turn2": mean(e.correct[:, 1]), "eval_calls_turn2": mean(e.calls[:, 1]),
@@ -275,6 +280,7 @@ def main(args):
                        "cost_only_groups": run.mean(cost_only.float()),
                        "advantage_called": run.mean(episode_adv[:, -1], called),
                        "kl_exact": run.all_sum(kl_exact).item(), "entropy": run.all_sum(ent).item(), **stats,
+                       "turns": run.mean(ep.policy_turns),
                        "completion_len": run.mean(ep.sampled.sum(1)), "env_tokens": run.mean(env.sum(1)),
                        "env_logp": run.mean(old_logp, env), "truncated": run.mean(ep.truncated.float()),
                        "grad_norm": grad_norm.item()}

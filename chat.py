@@ -203,16 +203,33 @@ class ChatTemplate:
     def encode(self, messages, encode, encode_text, add_generation_prompt=True, **kwargs):
         """Token ids of the rendered messages; encode: text -> ids with special tokens, encode_text:
         plain text."""
-        def mark(x):                                   # every string in the messages
-            if isinstance(x, dict):
-                return {k: mark(v) for k, v in x.items()}
-            if isinstance(x, (list, tuple)):
-                return [mark(v) for v in x]
-            if not isinstance(x, str):
-                return x
-            x = x.replace(START, "").replace(END, "")                    # no forged markers
-            return self.control_re.sub(lambda m: START + m.group(0) + END, x)
-        text = self.render(mark(messages), add_generation_prompt, **kwargs)
+        text = self.render(self._mark(messages), add_generation_prompt, **kwargs)
+        return self._ids(text, encode, encode_text)
+
+    def encode_after_turn(self, messages, encode, encode_text, **kwargs):
+        """The ids the template writes after the end of the assistant turn whose content is PROBE,
+        through the next generation prompt: what an environment writes after the model's turn
+        (its tool messages, a user's next message), the model's own end of turn excluded."""
+        text = self.render(self._mark(messages), True, **kwargs)
+        at, end = text.find(PROBE), self.end_of_turn()
+        m = self.control_re.search(text, at + 1) if at >= 0 else None
+        if m is None or m.group(0) != end:
+            raise ChatTemplateError(f"the chat template writes no {end or 'end of turn'} right "
+                                    f"after an assistant message followed by another message")
+        return self._ids(text[m.end():], encode, encode_text)
+
+    def _mark(self, x):
+        """Every string in the messages with its control tokens wrapped in the markers."""
+        if isinstance(x, dict):
+            return {k: self._mark(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [self._mark(v) for v in x]
+        if not isinstance(x, str):
+            return x
+        x = x.replace(START, "").replace(END, "")                        # no forged markers
+        return self.control_re.sub(lambda m: START + m.group(0) + END, x)
+
+    def _ids(self, text, encode, encode_text):
         pieces = self.marked_re.split(text)                # text, token, text, ...
         ids = []
         for i, piece in enumerate(pieces):
@@ -220,6 +237,7 @@ class ChatTemplate:
                 ids += encode_text(piece) if i % 2 else encode(piece)
         return ids
 
+    @functools.cache
     def end_of_turn(self):
         """The control token the template writes right after an assistant message, or None."""
         text = self.render([{"role": "user", "content": "1"},

@@ -4,24 +4,29 @@ every training script shares (run, task), and the defaults that depend on the ta
 here at parse time and nowhere else:
 
     --out                  out/ for the arithmetic task in the plain format, else out/<task>/
-                           (out/countdown/, out/countdown4_r1/, ...): the tasks' files never mix
+                           (out/countdown/, out/countdown4_r1/, out/toolcalc_tools/ with --tools,
+                           ...): the tasks' files never mix
     --init, --rm, ...      a path flag whose default lies under out/ moves with --out's folder
                            (out/sft.pt -> out/countdown/sft.pt)
     --max_new_tokens       the task's completion budget, 34 more in the R1 format (None: unset)
     sft.py --steps         1500, or 4000 for --task countdown (None: unset)
     sft.py --pos           rope for --task toolcalc (its second attempt must copy from the first),
                            else learned (None: unset)
-    sft.py --block_size    112 for --task toolcalc where it is left at 64 (two attempts must fit)
+    sft.py --block_size    112 for --task toolcalc where it is left at 64 (two attempts must fit);
+                           176 with --tools, any task (the tools' system turn, JSON calls)
+    sft.py --tokenizer     bytes-chat for a new model with --chat (the built-in chat template)
+    --max_new_tokens       (--task toolcalc --chat --tools: 100, a call turn and its reply)
 
 and the checks between flags that parsing can make (--data with gsm8k and only with it, the tool
-task with the scripts that run its environment). A flag's bad value is one line naming the flag,
-the value and what is allowed (exit 2), before anything loads.
+task and --tools with the scripts that run their environment, --tools with --chat). A flag's bad
+value is one line naming the flag, the value and what is allowed (exit 2), before anything loads.
 """
 import argparse
 import math
 import os
 
 import task
+import tools
 from tasks import arithmetic, countdown, gsm8k, toolcalc
 
 SFT_PATH = os.path.join("out", "sft.pt")   # default --init of the scripts that start from SFT
@@ -156,6 +161,11 @@ def add_task_flags(parser):
                         "user's message (a Hugging Face folder's, or a checkpoint trained from "
                         "one; chat.py); the end of the assistant's turn (<|im_end|>, <|eot_id|>) "
                         "ends a completion and a demonstration")
+    g.add_argument("--tools", default=None, metavar="NAMES",
+                   help="with --chat: tools the model calls in its chat template's own protocol "
+                        "(agent.py episodes, sft.py demonstrations): comma-separated, built in "
+                        "(calculator) or module:function (any function with type hints and a "
+                        "docstring; tools.py)")
     return g
 
 
@@ -173,6 +183,8 @@ def fill_task_defaults(parser, args):
         parser.error(f"--data is for --task gsm8k; --task {args.task} is generated in code")
     if args.data and len(args.data) > 2:
         parser.error(f"--data takes one or two files (training, held-out); got {len(args.data)}")
+    if getattr(args, "tools", None) is not None:
+        _tools(parser, args)
     if args.task == "toolcalc":
         _tool_defaults(parser, args)
     for action in parser._actions:                   # path defaults under out/: the task's folder
@@ -181,6 +193,8 @@ def fill_task_defaults(parser, args):
                 and getattr(args, action.dest, None) == default:
             setattr(args, action.dest, os.path.normpath(os.path.join(
                 folder(args), os.path.relpath(default, "out"))))
+    if getattr(args, "max_new_tokens", 0) is None and args.task == "toolcalc" and args.tools:
+        args.max_new_tokens = toolcalc.CHAT_MAX_NEW_TOKENS
     if getattr(args, "max_new_tokens", 0) is None:   # the task's completion budget
         budget = {"arithmetic": arithmetic.MAX_NEW_TOKENS, "gsm8k": gsm8k.MAX_NEW_TOKENS,
                   "toolcalc": toolcalc.MAX_NEW_TOKENS,
@@ -190,6 +204,27 @@ def fill_task_defaults(parser, args):
         if args.steps is None:   # countdown at 1500 steps: held-out 0.35, its arithmetic half known
             args.steps = 4000 if args.task == "countdown" else 1500
         args.pos = args.pos or "learned"
+        if args.chat and args.init is None and args.tokenizer == "bytes":
+            args.tokenizer = "bytes-chat"
+
+
+def _tools(parser, args):
+    """--tools: with --chat, in the scripts that run episodes or demonstrations; names that
+    resolve (tools.resolve)."""
+    if not args.chat:
+        parser.error(f"--tools {args.tools}: tools are called in the chat template's protocol; "
+                     f"add --chat")
+    if not (hasattr(args, "max_calls") or hasattr(args, "mistake_rate")):
+        parser.error(f"--tools {args.tools}: agent.py trains with tools (episodes), sft.py on "
+                     f"their demonstrations; this script has neither")
+    if args.format != "plain":
+        parser.error(f"--tools is defined in the plain format only; got --format {args.format}")
+    try:
+        tools.resolve(args.tools)
+    except ValueError as e:
+        parser.error(str(e))
+    if getattr(args, "block_size", None) == 64:      # sft.py: the tools' system turn, JSON calls
+        args.block_size = toolcalc.CHAT_BLOCK_SIZE
 
 
 def _tool_defaults(parser, args):
@@ -201,13 +236,17 @@ def _tool_defaults(parser, args):
     if args.format != "plain":
         parser.error(f"--task toolcalc is defined in the plain format only; got --format "
                      f"{args.format}")
+    if args.chat and not args.tools:
+        parser.error("--task toolcalc --chat: the calls go in the chat template's protocol; add "
+                     "--tools calculator")
     if hasattr(args, "pos") and args.pos is None:
         args.pos = toolcalc.POSITIONS
+    least = toolcalc.CHAT_BLOCK_SIZE if args.tools else toolcalc.BLOCK_SIZE
     if getattr(args, "block_size", None) == 64:
-        args.block_size = toolcalc.BLOCK_SIZE
-    elif getattr(args, "block_size", toolcalc.BLOCK_SIZE) < toolcalc.BLOCK_SIZE:
+        args.block_size = least
+    elif getattr(args, "block_size", least) < least:
         parser.error(f"--block_size {args.block_size} is too short for --task toolcalc's "
-                     f"two-attempt demonstrations; allowed: --block_size >= {toolcalc.BLOCK_SIZE}")
+                     f"demonstrations; allowed: --block_size >= {least}")
 
 
 def require_arithmetic(parser, args, what):
@@ -220,15 +259,16 @@ def require_arithmetic(parser, args, what):
 
 def folder(args):
     """Where a script's default outputs go: out/ for the arithmetic task in the plain format,
-    else out/<task>/ with the setting (out/countdown4_r1/)."""
+    else out/<task>/ with the setting (out/countdown4_r1/, out/toolcalc_tools/)."""
     name, fmt = getattr(args, "task", "arithmetic"), getattr(args, "format", "plain")
-    if name == "arithmetic" and fmt == "plain":
+    tools = "_tools" if getattr(args, "tools", None) else ""
+    if name == "arithmetic" and fmt == "plain" and not tools:
         return "out"
     numbers = str(args.countdown_numbers) if name == "countdown" and \
         args.countdown_numbers != 3 else ""
     rule = "_atmost" if name == "countdown" and \
         getattr(args, "countdown_rule", "exactly") == "at_most" else ""
-    return os.path.join("out", name + numbers + rule + ("_r1" if fmt == "r1" else ""))
+    return os.path.join("out", name + numbers + rule + ("_r1" if fmt == "r1" else "") + tools)
 
 
 def default_path(path, args):
@@ -244,4 +284,5 @@ def task_flags(args):
            str(args.countdown_numbers), "--countdown_rule",
            getattr(args, "countdown_rule", "exactly")]
     out += ["--chat"] if getattr(args, "chat", False) else []
+    out += ["--tools", args.tools] if getattr(args, "tools", None) else []
     return out + (["--data", *args.data] if args.data else [])

@@ -48,6 +48,7 @@ from flags import RM_PATH, SFT_PATH, default_path, task_flags
 from lora import add_adapters, base_model, trainable
 from model import GPT, GPTConfig
 from tasks import arithmetic
+from tasks.toolcalc import CHAT_BLOCK_SIZE
 from tokenizer import Tokenizer
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -175,6 +176,7 @@ def load_model(path, device, kind="gpt", expect=None, chat_date=None):
                                       f"{model.config.vocab_size} but its tokenizer.json has "
                                       f"{tok.vocab_size} tokens")
             tok = tok.use_chat(chat_date) if task.chat() else tok
+            task.chat_tools(tok)                    # --tools: a template with a call form
             return model, tok, {"kind": "gpt", "tokenizer": tok.name, "step": 0}
         model, ckpt = load_checkpoint(path, device, kind=kind)
         tok = Tokenizer(ckpt["tokenizer"])
@@ -197,6 +199,7 @@ def load_model(path, device, kind="gpt", expect=None, chat_date=None):
                                       f"{value!r} is needed here")
         if task.chat():
             tok.use_chat(chat_date or ckpt.get("chat_date"))
+            task.chat_tools(tok)
     except (CheckpointError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     return model.eval(), tok, ckpt
@@ -390,11 +393,13 @@ class Run:
                 self._check_lora_resume(self.resume_ckpt.get("lora"))
         if getattr(args, "chat", False) and hasattr(args, "init"):
             init = args.init
-            if init is None or not os.path.exists(init):
+            built = getattr(args, "tokenizer", None) == "bytes-chat" if init is None else \
+                getattr(args, "tools", None) and init == default_path(SFT_PATH, args)
+            if not built and (init is None or not os.path.exists(init)):   # built: bytes-chat
                 why = "no --init given" if init is None else f"{init} is missing"
                 raise SystemExit("error: --chat needs --init to name a Hugging Face folder with a "
-                                 f"chat template, or a checkpoint trained from one; {why} (a model "
-                                 "built here would use the byte tokenizer, which has none)")
+                                 f"chat template, or a checkpoint trained from one; {why} (a new "
+                                 "model has one only on sft.py's tokenizer bytes-chat)")
         # --chat: the day the template's strftime_now writes, fixed for the run (Llama 3.2 writes
         # "Today Date"): the resumed run's, else that of the policy it starts from, else today's
         self.chat_date = self.resume_ckpt.get("chat_date") if args.resume else None
@@ -462,8 +467,10 @@ class Run:
         """(policy, tokenizer) from an SFT checkpoint; out/sft.pt is built first if it is the
         missing default."""
         if not os.path.exists(path) and hasattr(self.args, "max_new_tokens"):  # before building
-            check_fits(task.max_prompt_tokens(Tokenizer()), self.args.max_new_tokens,
-                       GPTConfig().block_size)
+            chat = getattr(self.args, "tools", None)             # sft.py's bytes-chat model
+            tok = Tokenizer("bytes-chat").use_chat() if chat else Tokenizer()
+            check_fits(task.max_prompt_tokens(tok), self.args.max_new_tokens,
+                       CHAT_BLOCK_SIZE if chat else GPTConfig().block_size)
         if self.is_main:
             build_missing(path, default_path(SFT_PATH, self.args),
                           ["sft.py", *task_flags(self.args)],

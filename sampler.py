@@ -288,15 +288,19 @@ def cuda_graph(step, generator):
 # Episodes: the policy's tokens and an environment's, in turn (agent.py)
 
 class Environment(NamedTuple):
-    """What answers the policy in an episode (task.environment builds the tool task's): a call
-    is the text between call_open and call_close, answered with reply(call); revision(prompt)
-    comes between attempts; score(prompt, attempt's text) says whether an attempt is right."""
-    call_open: str
-    call_close: str
-    reply: Callable[[str], str]
-    revision: Callable[[str], str]
+    """What answers the policy in an episode (task.environment builds them). The compact
+    protocol: a call is the text between call_open and call_close, answered with reply(call)
+    right after it; revision(prompt) comes between attempts. The chat protocol (chat, a
+    tools.ChatTools): the calls of a turn are answered when a stop id ends it, in the template's
+    tool messages; a turn without a call ends the attempt. score(prompt, the attempt's text; in
+    the chat protocol its last turn's) says whether an attempt is right."""
+    call_open: str | None
+    call_close: str | None
+    reply: Callable[[str], str] | None
+    revision: Callable[[str], str] | None
     score: Callable[[str, str], bool]
     max_calls: int                    # calls answered per episode; later ones get "error"
+    chat: object = None               # tools.ChatTools: the chat template's protocol
 
 
 class Episodes(NamedTuple):
@@ -312,7 +316,9 @@ class Episodes(NamedTuple):
     truncated: torch.Tensor    # (B,) bool: an attempt ran out of max_new_tokens
     correct: torch.Tensor      # (B, turns) float32: 1.0 where that attempt's answer is right
     calls: torch.Tensor        # (B, turns) float32: calls the policy opened in each attempt
-    malformed: torch.Tensor    # (B, turns) float32: of those, the ones the tool did not answer
+    malformed: torch.Tensor    # (B, turns) float32: of those, the ones answered with an error
+    policy_turns: torch.Tensor  # (B,) float32: the policy's turns (each ended by a stop id or
+                                # by the budget)
 
 
 _POLICY, _ENV = 1, 2           # who wrote a token (0: padding)
@@ -325,6 +331,7 @@ class _Episode:
     def __init__(self, turns):
         self.ids, self.who, self.turn_of, self.queue, self.segment = [], [], [], [], []
         self.turn, self.used, self.done, self.truncated = 0, 0, False, False
+        self.policy_turns = 0
         self.answer_ids = [[] for _ in range(turns)]   # each attempt's tokens, replies included
         self.calls, self.malformed = [0] * turns, [0] * turns
 
@@ -348,25 +355,53 @@ def _markers(tokenizer, call_open, call_close):
 
 
 def _unclosed_call(e, tokenizer, env):
-    """At the end of an attempt: a call opened and never closed is a call, and malformed."""
+    """At the end of an attempt: a call opened and never closed is a call, and malformed. In the
+    chat protocol (the budget ran out): every call of the cut turn, never run."""
     text = tokenizer.decode(e.segment)
-    if text.rfind(env.call_open) > text.rfind(env.call_close):
+    if env.chat is not None:
+        calls, errors = env.chat.unfinished(text)
+        e.calls[e.turn] += calls
+        e.malformed[e.turn] += errors
+        e.answer_ids[e.turn] = list(e.segment)
+    elif text.rfind(env.call_open) > text.rfind(env.call_close):
         e.calls[e.turn] += 1
         e.malformed[e.turn] += 1
 
 
-def _advance(e, sampled, tokenizer, env, closes, revise, turns, budget):
+def _chat_turn_end(e, sampled, tokenizer, env, tool):
+    """A stop id in the chat protocol: the turn's calls answered (the template's tool messages
+    and next opening queued, the stop id counted in the budget), or with no call the attempt's
+    end, its last turn the answer."""
+    e.policy_turns += 1
+    reply = env.chat.reply(tokenizer.decode(e.segment), sum(e.calls), env.max_calls, tool)
+    if reply is None:
+        e.write(sampled, _POLICY, counts=False)
+        e.answer_ids[e.turn], e.done = list(e.segment), True
+        return
+    calls, errors, ids = reply
+    e.calls[e.turn] += calls
+    e.malformed[e.turn] += errors
+    e.write(sampled, _POLICY)
+    e.queue, e.segment = [(t, True) for t in ids], []
+
+
+def _advance(e, sampled, tokenizer, env, closes, revise, turns, budget, tool=True):
     """Write one position of episode e, return the token written: the environment's next queued
     token if it has one, else the policy's `sampled`, acted on: a token that closes a call gets
     the tool's reply queued (past env.max_calls: "error"); any stop id ends the attempt, kept as
     sampled and trained with it (as a chat template trains the end of a turn), and before the
-    last attempt `revise` follows."""
+    last attempt `revise` follows. The chat protocol: a stop id ends a turn (_chat_turn_end)."""
     if e.done:
         return tokenizer.pad_id
     if e.queue:
         token, counts = e.queue.pop(0)
         e.write(token, _ENV, counts)
+    elif sampled in tokenizer.stop_ids and env.chat is not None:
+        _chat_turn_end(e, sampled, tokenizer, env, tool)
+        if e.done:
+            return sampled
     elif sampled in tokenizer.stop_ids:
+        e.policy_turns += 1
         _unclosed_call(e, tokenizer, env)
         e.write(sampled, _POLICY, counts=False)          # the end of this attempt: the policy's
         if e.turn + 1 < turns:
@@ -391,6 +426,7 @@ def _advance(e, sampled, tokenizer, env, closes, revise, turns, budget):
     if e.used >= budget:                                  # out of tokens: the episode ends
         _unclosed_call(e, tokenizer, env)
         e.done = e.truncated = True
+        e.policy_turns += not e.queue                     # a turn cut (not a reply)
     return e.ids[-1]
 
 
@@ -402,9 +438,15 @@ def episodes(policy, tokenizer, prompts, env, group_size=1, temperature=1.0, max
     (at `temperature`, the full softmax; 0: greedy). Each attempt gets max_new_tokens (replies
     included); tool=False bans every token that opens a call. Returns Episodes, scored."""
     device = next(policy.parameters()).device
-    opens, closes = _markers(tokenizer, env.call_open, env.call_close)
-    revise = [tokenizer.encode(env.revision(p)) for p in prompts for _ in range(group_size)]
-    prompt, prompt_mask = tokenizer.encode_batch(prompts, device)             # (P, Tp)
+    if env.chat is None:
+        opens, closes = _markers(tokenizer, env.call_open, env.call_close)
+        revise = [tokenizer.encode(env.revision(p)) for p in prompts for _ in range(group_size)]
+        prompt, prompt_mask = tokenizer.encode_batch(prompts, device)         # (P, Tp)
+    else:                             # calls at a turn's end; one attempt
+        opens, closes = _openers(tokenizer, env.chat.opener), frozenset()
+        revise = [[]] * (len(prompts) * group_size)
+        prompt, prompt_mask = left_pad([env.chat.prompt(p) for p in prompts], tokenizer.pad_id,
+                                       device)
     prompt = prompt.repeat_interleave(group_size, 0)                          # (B, Tp)
     prompt_mask = prompt_mask.repeat_interleave(group_size, 0)
     B = prompt.size(0)
@@ -420,7 +462,7 @@ def episodes(policy, tokenizer, prompts, env, group_size=1, temperature=1.0, max
         else:
             probs = F.softmax(logits / temperature, -1)
             sampled = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-        written = [_advance(e, s, tokenizer, env, closes, r, turns, max_new_tokens)
+        written = [_advance(e, s, tokenizer, env, closes, r, turns, max_new_tokens, tool)
                    for e, s, r in zip(state, sampled.tolist(), revise)]
         if all(e.done for e in state):
             break
@@ -435,4 +477,20 @@ def episodes(policy, tokenizer, prompts, env, group_size=1, temperature=1.0, max
     return Episodes(prompt, prompt_mask, pad([e.ids for e in state], tokenizer.pad_id),
                     (who > 0).float(), (who == _POLICY).float(), pad([e.turn_of for e in state], 0),
                     torch.tensor([e.truncated for e in state], device=device), as_float(correct),
-                    as_float([e.calls for e in state]), as_float([e.malformed for e in state]))
+                    as_float([e.calls for e in state]), as_float([e.malformed for e in state]),
+                    as_float([e.policy_turns for e in state]))
+
+
+@functools.lru_cache(maxsize=8)
+def _openers(tokenizer, opener):
+    """The ids whose text holds a chat protocol's call opener (<tool_call>), added tokens too."""
+    return [i for i in range(tokenizer.vocab_size) if opener in tokenizer.decode([i])]
+
+
+def left_pad(seqs, pad_id, device="cpu"):
+    """Id lists -> left-padded tokens (B, T) and mask (B, T), as the sampler takes prompts."""
+    T = max(len(s) for s in seqs)
+    tokens = torch.tensor([[pad_id] * (T - len(s)) + list(s) for s in seqs], dtype=torch.long,
+                          device=device)
+    mask = torch.tensor([[0.0] * (T - len(s)) + [1.0] * len(s) for s in seqs], device=device)
+    return tokens, mask

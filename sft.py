@@ -24,7 +24,7 @@ from flags import Float, Int, add_run_flags, parser
 from lora import trainable
 from model import GPT, GPTConfig, masked_mean, token_logprobs
 from plumbing import Run, lr_schedule
-from tokenizer import Tokenizer
+from tokenizer import CheckpointError, Tokenizer
 
 
 # -----------------------------------------------------------------------------
@@ -45,7 +45,9 @@ def parse_args(argv=None):
     g.add_argument("--pos", default=None, choices=["learned", "rope"],
                    help="positions: learned absolute (GPT-2) or rotary (default: rotary for --task toolcalc, else "
                         "learned)")
-    g.add_argument("--tokenizer", default="bytes", help="'bytes' (built in, offline) or a tiktoken encoding name")
+    g.add_argument("--tokenizer", default="bytes",
+                   help="'bytes' (built in, offline; 'bytes-chat' under --chat, with a chat template) or a "
+                        "tiktoken encoding name")
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=Int(ge=1), default=None,
                    help="optimisation steps (default 1500; 4000 for --task countdown, slower to fit)")
@@ -75,7 +77,8 @@ def main(args):
     else:                                           # a new model
         try:
             tok = Tokenizer(args.tokenizer)
-        except ValueError as e:
+            tok = tok.use_chat(run.chat_date) if task.chat() else tok   # bytes-chat's template
+        except (ValueError, CheckpointError) as e:
             raise SystemExit(f"error: --tokenizer: {e}") from None
         run.tokenizer_name = tok.name
         longest, budget = task.max_prompt_tokens(tok), task.default_max_new_tokens()

@@ -15,6 +15,7 @@ Formats (--format):
             weight is not published). The template is about 400 bytes: with the byte tokenizer it
             needs a model whose block_size exceeds that.
 """
+import functools
 import json
 import os
 import random
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import sampler
+import tools
 from checkpoint import fingerprint
 from tasks import arithmetic, countdown, gsm8k, toolcalc
 
@@ -54,6 +56,7 @@ class InUse(NamedTuple):
     format: str = "plain"             # --format
     chat: bool = False                # --chat: prompts through the checkpoint's chat template
     max_calls: int = toolcalc.MAX_CALLS   # tool calls answered per episode (agent.py --max_calls)
+    tools: dict | None = None         # --tools: {name: function}, called in the chat protocol
 
 
 _in_use = InUse(arithmetic.task())   # the default
@@ -73,12 +76,16 @@ def use(args):
         chosen = toolcalc.task()
     else:
         chosen = arithmetic.task()
+    spec = getattr(args, "tools", None)
     _in_use = InUse(chosen, getattr(args, "format", "plain"), bool(getattr(args, "chat", False)),
-                    getattr(args, "max_calls", toolcalc.MAX_CALLS))
+                    getattr(args, "max_calls", toolcalc.MAX_CALLS),
+                    tools.resolve(spec) if spec else None)
     fmt, chat = _in_use.format, ", in the chat template" if _in_use.chat else ""
     line = f"task {name} ({fmt} format{chat}), {len(chosen.eval_prompts())} held-out problems"
     if name == "countdown":
         line += f", each number used {rule.replace('_', ' ')} once"
+    if spec:
+        line += f", tools {', '.join(_in_use.tools)} in the template's protocol"
     if skipped:
         line += (f", {skipped} line{'s' * (skipped != 1)} skipped for an answer with no number "
                  f"after '#### '")
@@ -94,8 +101,29 @@ def chat():
     return _in_use.chat
 
 
+def uses_tools():
+    """Whether completions are episodes with a tool (--task toolcalc, or --tools)."""
+    return _in_use.task.name == "toolcalc" or _in_use.tools is not None
+
+
+@functools.lru_cache(maxsize=4)
+def _chat_tools(tokenizer, names):
+    return tools.ChatTools(tokenizer, {n: _in_use.tools[n] for n in names})
+
+
+def chat_tools(tokenizer):
+    """The chat protocol's tools.ChatTools for `tokenizer` (--tools), or None."""
+    if _in_use.tools is None:
+        return None
+    if tokenizer.chat is None:
+        raise ValueError("--tools calls tools in the chat template's protocol: it needs --chat")
+    return _chat_tools(tokenizer, tuple(_in_use.tools))
+
+
 def default_max_new_tokens():
     """The task's completion budget; the R1 format's tags take 34 more."""
+    if _in_use.task.name == "toolcalc" and _in_use.tools is not None:
+        return toolcalc.CHAT_MAX_NEW_TOKENS
     return _in_use.task.max_new_tokens + (R1_EXTRA_TOKENS if _in_use.format == "r1" else 0)
 
 
@@ -122,6 +150,12 @@ def sample_demonstrations(rng, n, mistake_rate=0.6, precedence_share=None):
 
 
 def demonstration(prompt, mistake=False):
+    """A completion's text; with --tools the messages after the user's (toolcalc's call, the
+    tool's reply and the answer; another task's one assistant message)."""
+    if _in_use.tools is not None:
+        if _in_use.task.name == "toolcalc":
+            return toolcalc.messages(prompt, mistake)
+        return [{"role": "assistant", "content": _in_use.task.demonstration(prompt, mistake)}]
     return _completion(_in_use.task.demonstration(_problem(prompt), mistake))
 
 
@@ -138,8 +172,9 @@ def max_prompt_tokens(tokenizer):
     encodes it: after the tokenizer's BOS, or in its chat template (2 tokens allowed for merges
     across the message's edges)."""
     n = _in_use.task.max_prompt_tokens(tokenizer)
-    n += len(tokenizer.encode_prompt("")) + (2 if getattr(tokenizer, "chat", None) is not None
-                                              else 0)
+    protocol = chat_tools(tokenizer)
+    n += len(protocol.prompt("") if protocol else tokenizer.encode_prompt("")) + \
+        (2 if getattr(tokenizer, "chat", None) is not None else 0)
     if _in_use.format == "plain":
         return n
     return n + len(tokenizer.encode(R1_TEMPLATE.format(prompt="")))
@@ -204,7 +239,7 @@ def complete(model, tokenizer, prompts, num_samples=1, temperature=0.0, max_new_
     max_new_tokens = max_new_tokens or default_max_new_tokens()
     texts, ids = [], []
     for i in range(0, len(prompts), batch_size):
-        if _in_use.task.name == "toolcalc":             # episodes: the calculator answers calls
+        if uses_tools():                                # episodes: the tools answer calls
             e = episodes(model, tokenizer, prompts[i:i + batch_size], num_samples, temperature,
                          max_new_tokens, generator=generator)
             tokens, cmask = e.tokens, e.mask
@@ -268,19 +303,26 @@ def concat_rollouts(batches, pad_id):
                    *(torch.cat([b[i] for b in batches]) for i in (4, 5, 6)))
 
 
-def environment(max_calls=None):
-    """The tool task's environment (sampler.Environment): calls <expression> answered by the
-    calculator, the revision prompt between attempts, each attempt scored by the verifier."""
+def environment(max_calls=None, tokenizer=None):
+    """The episodes' environment (sampler.Environment), each attempt scored by the verifier.
+    --tools: the chat template's protocol (tools.ChatTools for `tokenizer`). Else the tool task's
+    compact one: calls <expression> answered by the calculator, the revision prompt between
+    attempts."""
+    score = lambda p, text: reward(p, text) == 1.0
+    max_calls = _in_use.max_calls if max_calls is None else max_calls
+    protocol = chat_tools(tokenizer) if tokenizer is not None else None
+    if protocol is not None:
+        return sampler.Environment(None, None, None, None, score, max_calls, protocol)
     return sampler.Environment(toolcalc.CALL_OPEN, toolcalc.CALL_CLOSE, toolcalc.tool_reply,
-                               toolcalc.revision, lambda p, text: reward(p, text) == 1.0,
-                               _in_use.max_calls if max_calls is None else max_calls)
+                               toolcalc.revision, score, max_calls)
 
 
 def episodes(policy, tokenizer, prompts, group_size=1, temperature=1.0, max_new_tokens=None,
              max_calls=None, turns=1, tool=True, generator=None):
-    """Episodes of the tool task (sampler.episodes in its environment), each attempt given
+    """Episodes with the task's tools (sampler.episodes in `environment`), each attempt given
     max_new_tokens (default: the task's), scored by the verifier."""
-    return sampler.episodes(policy, tokenizer, prompts, environment(max_calls), group_size,
+    env = environment(max_calls, tokenizer)
+    return sampler.episodes(policy, tokenizer, prompts, env, group_size,
                             temperature, max_new_tokens or default_max_new_tokens(), turns, tool,
                             generator)
 
@@ -417,7 +459,15 @@ def completion_batch(prompts, completions, tokenizer, device="cpu"):
     where target t+1 is a completion token. --task toolcalc: a text completion is encoded piece
     by piece, the environment's pieces (tool replies, REVISE) 0 in the completion mask."""
     ids, targets = [], []
+    protocol = chat_tools(tokenizer)
     for p, c in zip(prompts, completions):
+        if protocol is not None and not (isinstance(c, (list, tuple)) and c and
+                                         isinstance(c[0], int)):    # a chat demonstration
+            messages = [{"role": "assistant", "content": c}] if isinstance(c, str) else c
+            head, pieces = protocol.demonstration(p, messages)
+            ids.append((head, [t for piece, _ in pieces for t in piece]))
+            targets.append([float(not env) for piece, env in pieces for _ in piece])
+            continue
         end = isinstance(c, str)                         # text: a demonstration, ending with EOS
         tool_text = _in_use.task.name == "toolcalc" and isinstance(c, str)
         pieces = toolcalc.segments(c) if tool_text else [(c, False)]
@@ -426,7 +476,7 @@ def completion_batch(prompts, completions, tokenizer, device="cpu"):
                             if env and text.startswith(toolcalc.REVISE) else []) + [(text, env)]]
         encoded = [(tokenizer.encode(text) if isinstance(text, str) else list(text), env)
                    for text, env in pieces]
-        ids.append((tokenizer.encode_prompt(p),
+        ids.append((protocol.prompt(p) if protocol else tokenizer.encode_prompt(p),
                     [t for piece, _ in encoded for t in piece] + [tokenizer.eos_id] * end))
         targets.append([float(not env) for piece, env in encoded for _ in piece] + [1.0] * end)
     T = max(len(p) + len(c) for p, c in ids)
@@ -448,13 +498,7 @@ def pair_batch(pairs, tokenizer, device="cpu"):
                             tokenizer, device)
 
 
-def left_pad(seqs, pad_id, device="cpu"):
-    """Id lists -> left-padded tokens (B, T) and mask (B, T), as the sampler takes prompts."""
-    T = max(len(s) for s in seqs)
-    tokens = torch.tensor([[pad_id] * (T - len(s)) + list(s) for s in seqs], dtype=torch.long,
-                          device=device)
-    mask = torch.tensor([[0.0] * (T - len(s)) + [1.0] * len(s) for s in seqs], device=device)
-    return tokens, mask
+left_pad = sampler.left_pad   # id lists -> left-padded (B, T) tokens and mask
 
 
 def pad_steps(rows, fill=0.0, dtype=torch.float32, device="cpu"):

@@ -3,7 +3,9 @@ The tokenizer every script shares: text to ids and back, the ids that end a comp
 a prompt is encoded (after a folder's BOS, or through its chat template).
 
 - "bytes", the default: one token per byte plus <|endoftext|> and <|pad|>, built in code, so
-  everything runs offline. A named tiktoken encoding ("gpt2") works where tiktoken can load it.
+  everything runs offline. "bytes-chat" adds ChatML's control tokens and the call tags, and a chat
+  template in Qwen2.5's shape (CHAT_TEMPLATE): the toy model learns the tool protocol of real
+  ones. A named tiktoken encoding ("gpt2") works where tiktoken can load it.
 - A Hugging Face folder's byte-level BPE tokenizer.json (GPT-2, Llama 3, Qwen2/3) read into a
   tiktoken Encoding: its ranks, its pre-tokenizer's split pattern, its added tokens; EOS, the stop
   ids and pad from the folder's configs; the chat template, run by chat.py (--chat).
@@ -29,6 +31,15 @@ MAX_TEMPLATE_BYTES = 2 ** 20       # the longest chat template read (Llama 3.x's
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
                    "tokenizer.model", "generation_config.json")
+CHAT_TOKENS = ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>")   # "bytes-chat"
+CHAT_TEMPLATE = (       # Qwen2.5's shape, compact: tools in the system turn, calls as JSON in tags
+    "{%- if tools %}<|im_start|>system\n{% for t in tools %}{{ t.function.name }}("
+    "{{ t.function.parameters.properties | join(',') }})\n{% endfor %}<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{%- for c in m.tool_calls or [] %}<tool_call>{{ {'name': c.function.name, 'arguments': "
+    "c.function.arguments} | tojson(separators=(',', ':')) }}</tool_call>{% endfor %}"
+    "<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
@@ -46,7 +57,7 @@ class Tokenizer:
         if name.startswith("hf:"):              # a Hugging Face folder (from_pretrained)
             self._read_folder(name)
             return
-        if name == "bytes":
+        if name in ("bytes", "bytes-chat"):
             ranks = {bytes([i]): i for i in range(256)}   # no merges: one token per byte
             pat_str = r"[\s\S]{1,256}"          # with no merges any split works; this covers all
             special = {}
@@ -64,6 +75,9 @@ class Tokenizer:
             if tok not in special:
                 special[tok] = next_id
                 next_id += 1
+        if name == "bytes-chat":
+            special.update({t: next_id + i for i, t in enumerate(CHAT_TOKENS)})
+            self.template = (CHAT_TEMPLATE, special, set(special), {"eos_token": EOS})
         self.name = name
         self.enc = tiktoken.Encoding(name=f"{name}+pad", pat_str=pat_str, mergeable_ranks=ranks,
                                      special_tokens=special)

@@ -19,6 +19,7 @@ Bounds: a call's text MAX_CALL_CHARS, calls in a turn MAX_CALLS, a run RUN_SECON
 the main thread), a reply MAX_REPLY_CHARS (cut, and said so).
 """
 import enum
+import importlib
 import inspect
 import json
 import re
@@ -28,6 +29,7 @@ import types
 import typing
 from typing import Any, Literal, NamedTuple, Union
 
+from chat import PROBE
 from tasks import toolcalc
 
 STYLES = ("hermes", "llama3")
@@ -309,3 +311,126 @@ def calculator(expression: str) -> str:
 
 
 BUILT_IN = {"calculator": calculator}
+
+
+def resolve(spec):
+    """--tools: comma-separated names, built in (BUILT_IN) or module:function (a function of an
+    importable module) -> {name: function}, each checked for a JSON schema. ValueError naming the
+    one that is wrong and what is allowed."""
+    out = {}
+    for name in [s.strip() for s in spec.split(",")]:
+        if ":" in name:
+            module, _, attr = name.partition(":")
+            try:
+                fn = getattr(importlib.import_module(module), attr)
+            except (ImportError, AttributeError, ValueError) as e:
+                raise ValueError(f"--tools {name}: cannot import it ({type(e).__name__}: "
+                                 f"{e})") from None
+        elif name in BUILT_IN:
+            fn = BUILT_IN[name]
+        else:
+            raise ValueError(f"--tools {name or repr(spec)}: allowed: {', '.join(BUILT_IN)} (built "
+                             f"in) or module:function")
+        try:
+            json_schema(fn)
+        except SchemaError as e:
+            raise ValueError(f"--tools {name}: {e}") from None
+        out[fn.__name__] = fn
+    return out
+
+
+# -----------------------------------------------------------------------------
+# The chat template's own protocol: what the environment writes after a model's turn
+
+def call_style(source):
+    """The call form a chat template teaches: "hermes" where it writes <tool_call>, "llama3"
+    where it asks for a JSON object with "parameters"; None for neither."""
+    if "<tool_call>" in source:
+        return "hermes"
+    if '"parameters"' in source or "ipython" in source:
+        return "llama3"
+    return None
+
+
+class ChatTools:
+    """Episodes in a chat template's protocol (sampler.episodes, env.chat): the prompt rendered
+    with the tools' schemas; a finished assistant turn's calls parsed and run; the replies
+    rendered as the template's tool messages, then its next generation prompt: the environment's
+    ids, from just after the model's end of turn (the model's own ids stay as it sampled them)."""
+
+    def __init__(self, tokenizer, tools):
+        self.tok, self.chat, self.tools = tokenizer, tokenizer.chat, tools
+        self.schemas = [json_schema(fn) for fn in tools.values()]
+        self.style = call_style(tokenizer.template[0])
+        if self.style is None:
+            where = tokenizer.name.removeprefix("hf:")
+            raise ValueError(f"{where}: its chat template teaches no call form read here "
+                             f"(<tool_call> JSON as Qwen2.5, or Llama 3.x's JSON with "
+                             f"\"parameters\")")
+        self.opener = "<tool_call>" if self.style == "hermes" else "<|python_tag|>"
+
+    def _encode(self, messages, **kwargs):
+        return self.chat.encode(messages, self.tok.encode_special, self.tok.encode,
+                                tools=self.schemas, **kwargs)
+
+    def prompt(self, text):
+        """The ids of the user's message `text` with the tools in the template's place."""
+        return self._encode([{"role": "user", "content": text}])
+
+    def after_turn(self, messages):
+        """What the template writes after an assistant turn's end, then `messages`, then the
+        next assistant turn's opening (ids)."""
+        return self.chat.encode_after_turn([{"role": "user", "content": "1"},
+                                            {"role": "assistant", "content": PROBE}, *messages],
+                                           self.tok.encode_special, self.tok.encode,
+                                           tools=self.schemas)
+
+    def reply(self, text, calls_before, max_calls, enabled=True):
+        """A finished assistant turn's text -> None where it calls nothing (it is the answer),
+        else (calls, errors, the environment's ids): each call run (past max_calls an episode,
+        or with the tools disabled, an error text instead), each reply a tool message."""
+        calls = parse_calls(text, self.style)
+        if not calls:
+            return None
+        replies = []
+        for i, call in enumerate(calls):
+            if not enabled:
+                replies.append("error: no tools in this episode")
+            elif calls_before + i >= max_calls:
+                replies.append(f"error: at most {max_calls} calls an episode")
+            else:
+                replies.append(run_call(self.tools, call))
+        errors = sum(r.startswith("error") for r in replies)
+        return len(calls), errors, self.after_turn([{"role": "tool", "content": r}
+                                                    for r in replies])
+
+    def unfinished(self, text):
+        """(calls, errors) of a turn cut by the budget: every call in it an error, never run."""
+        calls = parse_calls(text, self.style)
+        if not calls and self.opener in text:
+            return 1, 1
+        return len(calls), len(calls)
+
+    def demonstration(self, prompt, messages):
+        """(prompt ids, [(ids, written by the environment)]) of a demonstration: each assistant
+        message as the template writes it, its end of turn last; each run of tool messages as
+        after_turn writes it. For templates that write an assistant message alike wherever it
+        stands (ChatML, "bytes-chat")."""
+        user, pieces, i = {"role": "user", "content": prompt}, [], 0
+        opening = self._encode([user])
+        while i < len(messages):
+            if messages[i]["role"] == "assistant":
+                full = self._encode([user, messages[i]], add_generation_prompt=False)
+                turn = full[len(opening):]
+                if full[:len(opening)] != opening or self.tok.eos_id not in turn:
+                    raise ValueError(f"{self.tok.name}: its template writes an assistant "
+                                     f"message differently after a generation prompt")
+                pieces.append((turn[:turn.index(self.tok.eos_id) + 1], False))
+                i += 1
+            else:
+                j = i
+                while j < len(messages) and messages[j]["role"] != "assistant":
+                    j += 1
+                pieces.append((self.after_turn(messages[i:j]), True))
+                i = j
+        return opening, pieces

@@ -5,6 +5,8 @@ Every seed has its own SFT policy (sft.py --task toolcalc --seed s): seed 0's is
 `python agent.py` builds; seed s > 0's is out/toolcalc/seed<s>/sft.pt, built here first when missing.
 --part seeds: `python agent.py` (30 steps, --scale_rewards batch, its default) and the same run with GRPO's per-group
     std (--scale_rewards group), seeds 0-4.
+--part chat: `python agent.py --chat --tools calculator` (the toy's chat template, bytes-chat; out/toolcalc_tools/),
+    seeds 0-2.
 --part score: --turns 2 for 40 steps, seeds 0-2: the naive objective (each attempt on its own right-or-wrong reward,
     no stage I, no bonus: --shaping 0), SCoRe's stage II alone (the bonus, alpha 1) and SCoRe (20 steps of stage I,
     then 20 of stage II). Held-out greedy: each attempt's accuracy, Delta(i->c) and Delta(c->i), at the end and at
@@ -18,6 +20,7 @@ Run:
     python experiments/agent_seeds.py --part seeds --jobs 2    # about 6 minutes on 2 CPU cores, + 25 for the SFTs
     python experiments/agent_seeds.py --part score --jobs 2    # about 15 minutes
     python experiments/agent_seeds.py --part seeds --same_sft 1 --jobs 2   # agent.py's seeds 0-4 from one SFT policy
+    python experiments/agent_seeds.py --part chat --same_sft 0 --jobs 2    # the chat protocol from one SFT policy
     python experiments/agent_seeds.py --part attempts          # seconds
     python experiments/agent_seeds.py --part seeds --table_only
 Outputs: results/agent/seeds.md, score.md, attempts.md (the tables) and seeds.json, score.json.
@@ -41,6 +44,7 @@ from tokenizer import Tokenizer  # noqa: E402
 STAGE1 = 20   # SCoRe's stage I steps in --part score (of 40)
 PARTS = {  # part -> (seeds, {run name: agent.py flags beyond --seed, --init and --out})
     "seeds": ([0, 1, 2, 3, 4], {"default (batch std)": [], "--scale_rewards group": ["--scale_rewards", "group"]}),
+    "chat": ([0, 1, 2], {"chat protocol (--chat --tools calculator)": ["--chat", "--tools", "calculator"]}),
     "score": ([0, 1, 2], {"naive (no stage I, no bonus)": ["--turns", "2", "--steps", "40", "--shaping", "0"],
                           "stage II alone (alpha 1)": ["--turns", "2", "--steps", "40"],
                           "SCoRe (stage I 20, stage II 20)": ["--turns", "2", "--steps", "40",
@@ -48,8 +52,10 @@ PARTS = {  # part -> (seeds, {run name: agent.py flags beyond --seed, --init and
 }
 
 
-def sft_path(seed):
-    return os.path.join("out", "toolcalc", "sft.pt" if seed == 0 else os.path.join(f"seed{seed}", "sft.pt"))
+def sft_path(seed, part=None):
+    """Seed s's SFT policy: out/toolcalc/sft.pt for seed 0 (out/toolcalc_tools/ for --part chat)."""
+    folder = "toolcalc_tools" if part == "chat" else "toolcalc"
+    return os.path.join("out", folder, "sft.pt" if seed == 0 else os.path.join(f"seed{seed}", "sft.pt"))
 
 
 def run_all(commands, jobs):
@@ -94,9 +100,10 @@ def spread(values, f=".3f"):
     return f"{m:{f}} +- {sd:{f}} [{min(values):{f}}, {max(values):{f}}]"
 
 
-def seeds_table(results, seeds):
-    lines = ["`python agent.py` (30 steps of 32 prompts x 8 episodes, call cost 0.1), each seed from its own SFT "
-             "policy; held-out greedy, 512 problems (256 hard, 256 easy).", "",
+def seeds_table(results, seeds, command="python agent.py", own_sft=True):
+    lines = [f"`{command}` (30 steps of 32 prompts x 8 episodes, call cost 0.1)"
+             + ", each seed from its own SFT policy" * own_sft
+             + "; held-out greedy, 512 problems (256 hard, 256 easy).", "",
              "| run | seed | accuracy, before -> after | hard | easy | calls per episode | training calls, step 5 / "
              "15 / 30 | KL at the end | wall s |", "| --- | ---: | --- | --- | --- | --- | --- | ---: | ---: |"]
     for name, by_seed in results.items():
@@ -185,7 +192,8 @@ def main():
     args = parser.parse_args()
     seeds, runs = PARTS.get(args.part, ([0, 1, 2], {}))
     seeds = args.seeds or seeds
-    sft = (lambda s: sft_path(args.same_sft)) if args.same_sft is not None else sft_path
+    sft = (lambda s: sft_path(args.same_sft, args.part)) if args.same_sft is not None else \
+        (lambda s: sft_path(s, args.part))
     part = args.part + ("" if args.same_sft is None else f"_sft{args.same_sft}")
     if args.part == "attempts":
         text = attempts_table(seeds)
@@ -195,10 +203,12 @@ def main():
         print(text + f"\nwrote {args.results}/attempts.md")
         return
     if not args.table_only:
+        chat = ["--chat", "--tools", "calculator"] if args.part == "chat" else []
         sfts = [([sys.executable, "sft.py", "--task", "toolcalc", "--format", "plain", "--countdown_numbers", "3",
-                  "--seed", str(s), "--out", os.path.dirname(sft_path(s))], os.path.join(args.out, f"sft_seed{s}.log"))
+                  *chat, "--seed", str(s), "--out", os.path.dirname(sft(s))],
+                 os.path.join(args.out, f"sft_{args.part}_seed{s}.log"))
                 for s in sorted({args.same_sft} if args.same_sft is not None else seeds)
-                if not os.path.exists(os.path.join(ROOT, sft_path(s)))]
+                if not os.path.exists(os.path.join(ROOT, sft(s)))]
         run_all(sfts, args.jobs)
         todo = []
         for name, flags in runs.items():
@@ -217,7 +227,11 @@ def main():
                 results.setdefault(name, {})[s] = read(out)
     if not results:
         raise SystemExit(f"error: no finished runs in {args.out}/{part}; run without --table_only first")
-    text = (seeds_table if args.part == "seeds" else score_table)(results, seeds)
+    if args.part == "score":
+        text = score_table(results, seeds)
+    else:
+        text = seeds_table(results, seeds, "python agent.py" + " --chat --tools calculator" * (args.part == "chat"),
+                           args.same_sft is None)
     if args.same_sft is not None:
         text = f"Every run from seed {args.same_sft}'s SFT policy; the seed column is agent.py's.\n\n" + text
     folder = os.path.join(ROOT, args.results)

@@ -40,6 +40,8 @@ MAX_CHARS = 64                     # the calculator's limits: expression length,
 MAX_DEPTH = 8
 MAX_MAGNITUDE = 10 ** 12
 MAX_CALLS = 2                      # calls answered per episode (agent.py --max_calls)
+CHAT_MAX_NEW_TOKENS = 100          # with --chat --tools (bytes-chat): a call turn, the reply, the answer: 93
+CHAT_BLOCK_SIZE = 176              # sft.py's default --block_size then: the tools' system turn, 61 tokens, too
 MAX_NEW_TOKENS = 36                # per attempt; the longest demonstration: '99*99=9801,99-9801=-9702#-9702' + EOS = 32
 BLOCK_SIZE = 112                   # sft.py's default --block_size for this task: two attempts must fit
 POSITIONS = "rope"                 # sft.py's default --pos for this task: a second attempt copies at later positions
@@ -185,6 +187,20 @@ def demonstration(prompt, mistake=False):
         first = synthetic_mistake(prompt) if is_hard(prompt) else attempt(prompt, _uniform(prompt, "slip") < SLIP_RATE)
         return first + revision(prompt) + attempt(prompt, mistake)
     return attempt(prompt, mistake)
+
+
+def messages(prompt, mistake=False):
+    """A one-attempt demonstration in a chat template's protocol (agent.py --chat --tools
+    calculator): the calculator called with the problem's expression, its reply, the answer; or
+    the derivation in the head, as one assistant message."""
+    text = attempt(prompt, mistake)
+    if not text.startswith(CALL_OPEN):
+        return [{"role": "assistant", "content": text}]
+    call = {"type": "function", "function": {"name": "calculator",
+                                             "arguments": {"expression": prompt[:-1]}}}
+    return [{"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": str(answer(prompt))},
+            {"role": "assistant", "content": f"#{answer(prompt)}"}]
 
 
 def revision(prompt):

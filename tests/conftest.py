@@ -90,6 +90,7 @@ def seeded():
     task.use(task_args())
 
 
-def task_args(name="arithmetic", fmt="plain", numbers=3, data=None, rule="exactly"):
+def task_args(name="arithmetic", fmt="plain", numbers=3, data=None, rule="exactly", chat=False, tools=None):
     """The task flags as a parsed namespace, for task.use."""
-    return argparse.Namespace(task=name, format=fmt, countdown_numbers=numbers, data=data, countdown_rule=rule)
+    return argparse.Namespace(task=name, format=fmt, countdown_numbers=numbers, data=data, countdown_rule=rule,
+                              chat=chat, tools=tools)

@@ -119,6 +119,28 @@ def fixed_episode(prompt, j, turns):
     return first + ([(toolcalc.revision(prompt), "env")] + second if turns == 2 else [])
 
 
+def fixed_chat_episode(protocol, prompt, j):
+    """Episode j in the chat protocol (--chat --tools calculator): [(ids, who)] in order, the policy's turns as the
+    template writes them (its end of turn last), the environment's tool messages and next opening. By j % 4: a call,
+    its reply, the answer (right); the head with the product or last result off (wrong); a call the calculator refuses
+    (on an easy problem the head, right), its error, '#0'; a run-on with no end (120 tokens)."""
+    r, head = toolcalc.answer(prompt), toolcalc.attempt(prompt, slip=toolcalc.is_hard(prompt))
+
+    def called(expression, reply, answer):
+        call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
+        return [{"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "content": reply},
+                {"role": "assistant", "content": answer}]
+    refused = prompt[:-1] + "x"
+    wrong = [{"role": "assistant", "content": toolcalc.synthetic_mistake(prompt)}]
+    plans = [called(prompt[:-1], str(r), f"#{r}"), wrong,
+             called(refused, toolcalc.calculator(refused), "#0") if toolcalc.is_hard(prompt) else
+             [{"role": "assistant", "content": head}]]
+    if j % 4 == 3:
+        return [(protocol.tok.encode("1+" * 60), "policy")]
+    _, pieces = protocol.demonstration(prompt, plans[j % 4])
+    return [(ids, "env" if env else "policy") for ids, env in pieces]
+
+
 class Planned(torch.nn.Module):
     """A policy that puts all its probability on the next token of each row's plan (token ids after the prompt; an EOS
     past its end), whatever it was fed: where the environment writes, its choice is not used, so an episode is its
@@ -145,8 +167,13 @@ def fixed_episodes(policy, tokenizer, prompts, group_size=1, temperature=1.0, ma
     if generator is None or max_calls is None:
         return EPISODES(policy, tokenizer, prompts, group_size, temperature, max_new_tokens, max_calls, turns, tool)
     record("episodes", prompts=list(prompts), group_size=group_size)
-    plans = [sum(([tokenizer.eos_id] if text is None else tokenizer.encode(text) for text, _ in
-                  fixed_episode(p, j, turns)), []) for p in prompts for j in range(group_size)]
+    protocol = task.chat_tools(tokenizer)
+    if protocol is not None:
+        plans = [sum((ids for ids, _ in fixed_chat_episode(protocol, p, j)), []) for p in prompts
+                 for j in range(group_size)]
+    else:
+        plans = [sum(([tokenizer.eos_id] if text is None else tokenizer.encode(text) for text, _ in
+                      fixed_episode(p, j, turns)), []) for p in prompts for j in range(group_size)]
     planned = Planned(policy.config, plans, next(policy.parameters()).device, tokenizer.eos_id)
     return EPISODES(planned, tokenizer, prompts, group_size, temperature, max_new_tokens, max_calls, turns, tool,
                     generator)

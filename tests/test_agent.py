@@ -430,3 +430,36 @@ def test_lora_on_a_rotary_gelu_policy_and_the_two_attempt_length_refusal(tmp_pat
                               [f"--max_new_tokens {allowed + 1} does not fit", f"<= {allowed}"])], tmp_path)
     p = run_script("agent.py", small + ["--turns", "2", "--max_new_tokens", str(allowed), "--out", str(tmp_path / "b")])
     assert p.returncode == 0, p.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name, extra", [("toolcalc", []), ("arithmetic", []), ("countdown", []),
+                                         ("gsm8k", ["--data", "GSM8K"])])
+def test_the_chat_protocol_with_a_tool_on_every_task(name, extra, tmp_path):
+    """--chat --tools calculator: episodes in the toy's chat template (bytes-chat) on each task, scored by its own
+    grader; the step's tool metrics logged, the held-out ones too; and its refusals."""
+    from checkpoint import save_checkpoint
+    init = str(tmp_path / "chat.pt")
+    torch.manual_seed(0)
+    save_checkpoint(init, GPT(GPTConfig(vocab_size=Tokenizer("bytes-chat").vocab_size, block_size=512, n_layer=1,
+                                        n_head=2, n_embd=32, pos="rope")), "bytes-chat", chat_date="2026-01-01")
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps({"question": f"Tom has {a} bags of {a + 1} apples. How many?",
+                                        "answer": f"{a}*{a + 1}={a * (a + 1)}\n#### {a * (a + 1)}"}) + "\n"
+                            for a in range(2, 22)))
+    extra = [str(data) if x == "GSM8K" else x for x in extra]
+    small = ["--init", init, "--chat", "--tools", "calculator", "--task", name, *extra, "--steps", "1",
+             "--prompts_per_step", "2", "--group_size", "2", "--eval_n", "2", "--max_new_tokens", "40", "--log_every",
+             "1", "--out", str(tmp_path / "a")]
+    p = run_script("agent.py", small)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "tools calculator in the template's protocol" in p.stdout and "done: 1 steps" in p.stdout
+    rows = read_metrics(str(tmp_path / "a"))
+    assert all(math.isfinite(rows[1][k]) for k in ("calls", "malformed", "turns", "accuracy_called", "env_tokens"))
+    assert "eval_turns" in rows[0] and rows[1]["turns"] >= 1
+    if name == "toolcalc":
+        refuses_all("agent.py", [(small + ["--turns", "2"], ["--turns 2", "allowed: --turns 1"]),
+                                 (["--chat", "--tools", "abacus"], ["--tools abacus", "allowed: calculator"]),
+                                 (["--tools", "calculator"], ["--tools calculator", "add --chat"]),
+                                 (["--chat"], ["--task toolcalc --chat", "--tools calculator"]),
+                                 (["--tools", "json:loads", "--chat"], ["--tools json:loads", "no type hint"])],
+                    tmp_path)

@@ -16,8 +16,8 @@ import pytest
 
 import task
 from chat import ChatTemplate
-from checkpoint import CheckpointError
-from conftest import ROOT, refused, refuses_all, run_script, task_args
+from checkpoint import CheckpointError, load_checkpoint
+from conftest import ROOT, refuses_all, run_script, task_args
 from tokenizer import Tokenizer
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
@@ -134,7 +134,7 @@ def test_grpo_and_sft_train_through_the_template_and_resume(tmp_path):
 
 def test_chat_refusals_are_one_line_before_any_work(tmp_path):
     """--chat without a template, from the byte tokenizer, with a template that does not compile or that raises: one
-    line each, and no output folder left behind."""
+    line each, and no output folder left behind. A new model under --chat gets bytes-chat and its template."""
     broken, raising = tmp_path / "broken", tmp_path / "raising"
     for folder, source in ((broken, "{% if %}"), (raising, "{{ raise_exception('only system messages') }}")):
         shutil.copytree(os.path.join(GOLDEN, "qwen3"), folder)
@@ -145,11 +145,12 @@ def test_chat_refusals_are_one_line_before_any_work(tmp_path):
         (["--init", str(broken), "--chat"], ["--chat", "does not compile"]),
         (["--init", str(raising), "--chat"], ["--chat", "fails to render", "only system messages"]),
     ], tmp_path)
-    p = run_script("sft.py", ["--chat", "--out", str(tmp_path / "sft")])
-    refused(p, "--chat needs --init", "no --init given")
-    assert not any(x.name.startswith("out") or x.name == "sft" for x in tmp_path.iterdir())
+    assert not any(x.name.startswith("out") for x in tmp_path.iterdir())
     with pytest.raises(CheckpointError, match="has no chat template"):
         Tokenizer().use_chat()
+    p = run_script("sft.py", ["--chat", "--steps", "2", "--eval_n", "2", "--out", str(tmp_path / "sft")])
+    assert p.returncode == 0, p.stderr[-2000:]                 # a new model: bytes-chat, its built-in template
+    assert load_checkpoint(str(tmp_path / "sft" / "sft.pt"))[1]["tokenizer"] == "bytes-chat"
 
 
 HOSTILE = {   # a downloaded template is untrusted input: each of these is one ChatTemplateError, none a hang or a crash

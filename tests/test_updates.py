@@ -30,7 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import task
 from checkpoint import load_checkpoint, save_checkpoint
 from conftest import ROOT, task_args
-from ddp_worker import fixed_completion, fixed_episode
+from ddp_worker import fixed_chat_episode, fixed_completion, fixed_episode
 from model import GPT, GPTConfig
 from tasks import arithmetic, toolcalc
 from tokenizer import Tokenizer
@@ -1098,6 +1098,8 @@ def agent_expected(gpt, batches, c):
             m = torch.tensor([1.0 if p or c.get("env") else 0.0 for p in e.policy], dtype=torch.float64)
             if c.get("eos_env") and K == 2 and e.reached[1]:
                 m[e.ids.index(EOS)] = 0.0                               # the first attempt's EOS
+            if c.get("stop_env"):
+                m[e.stops] = 0.0                                        # a call turn's stop id
             masks.append(m)
         adv = [A[i, [K - 1 if c.get("one_reward") else k for k in e.turn]] for i, e in enumerate(eps)]
         betas = [torch.tensor([c["beta2"] if stage1 and k == 0 else c["beta"] for k in e.turn], dtype=torch.float64)
@@ -1162,6 +1164,65 @@ def test_agent_update(case, tmp_path):
     with margins():
         model, grads = agent_expected(gpt, batches, c)
     far = [(str(w), agent_expected(gpt, batches, {**c, **w})) for w in wrong]
+    check_grads(result, grads, far=[(k, g) for k, (_, g) in far])
+    check_weights(result, model, far=[(k, m) for k, (m, _) in far])
+
+
+class ChatEpisode:
+    """A planned episode in the chat protocol (ddp_worker.fixed_chat_episode) played out by its rules, rebuilt from its
+    pieces: the policy's turns and the environment's tool messages; every token counts against the budget but the
+    stop id that ends the episode; the answer is the last turn's text; a call is a turn answered by a tool message."""
+
+    def __init__(self, protocol, prompt, j, budget):
+        self.prompt, self.prompt_ids = prompt, protocol.prompt(prompt)
+        self.ids, self.policy, self.turn, self.reached, self.calls = [], [], [], [True], [0]
+        self.stops, stop = [], protocol.tok.eos_id
+        pieces, used, turn = fixed_chat_episode(protocol, prompt, j), 0, []
+        for k, (ids, who) in enumerate(pieces):
+            self.calls[0] += who == "policy" and k + 1 < len(pieces)          # a turn the environment answers
+            turn = ids if who == "policy" else turn
+            for t in ids:
+                if t == stop and k + 1 < len(pieces):
+                    self.stops.append(len(self.ids))                          # a stop id ending a call's turn
+                self.ids.append(t)
+                self.policy.append(who == "policy")
+                self.turn.append(0)
+                used += not (t == stop and k + 1 == len(pieces))
+                if used == budget:
+                    turn = turn[:turn.index(t) + 1] if who == "policy" else []
+                    self.texts = [protocol.tok.decode(turn)]
+                    return
+        self.texts = [protocol.tok.decode([t for t in turn if t != stop])]
+
+
+CHAT_BUDGET = 100              # a call, its reply and the answer: at most 93 tokens; the run-on's 120 are cut
+CHAT_WRONG = [{"env": True}, {"stop_env": True}, {"cost": 0.1}, {"norm_all": True}, {"beta": 0.04}]
+
+
+def test_agent_update_in_the_chat_protocol(tmp_path):
+    """agent.py --chat --tools calculator on planned episodes in the toy's chat template (bytes-chat): the policy's
+    turns as the template writes them (a JSON call in <tool_call> tags, its end of turn), the tool's reply as the
+    template's tool message and the next turn's opening, a call the calculator refuses, a run-on cut by the budget.
+    Planted: the tool messages in the loss, a call turn's stop id taken for the environment's, the call cost, the
+    1/|o_i| over every token, the KL weight; each told apart."""
+    c = dict(AGENT)
+    args = task_args("toolcalc", chat=True, tools="calculator")
+    task.use(args)
+    tok = Tokenizer("bytes-chat").use_chat("2026-01-01")
+    protocol = task.chat_tools(tok)
+    torch.manual_seed(2)
+    init = str(tmp_path / "init.pt")
+    save_checkpoint(init, GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=176, n_layer=2, n_head=2, n_embd=32,
+                                        pos="rope")), tok.name, chat_date="2026-01-01")
+    result = train("agent", ["--init", init, *AGENT_FLAGS, "--max_new_tokens", str(CHAT_BUDGET), "--chat", "--tools",
+                             "calculator"], str(tmp_path / "run"))
+    batches = [[ChatEpisode(protocol, p, j, CHAT_BUDGET) for p in e["prompts"] for j in range(e["group_size"])]
+               for e in result.of("episodes")]
+    assert len(batches) == 2 and any(e.stops for e in batches[0]) and any(len(e.ids) == CHAT_BUDGET for e in batches[0])
+    gpt = f64(result.model, result.start)
+    with margins():
+        model, grads = agent_expected(gpt, batches, c)
+    far = [(str(w), agent_expected(gpt, batches, {**c, **w})) for w in CHAT_WRONG]
     check_grads(result, grads, far=[(k, g) for k, (_, g) in far])
     check_weights(result, model, far=[(k, m) for k, (m, _) in far])
 
