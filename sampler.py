@@ -38,6 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lora import LoRALinear
 from model import FUSED_VOCAB, KVCache, operand_dtype
 
 MODES = ("eager", "graph", "compile")
@@ -207,21 +208,36 @@ def sampling_copy(model, dtype):
     """Under bfloat16 autocast, a copy of the model whose linear layers hold bfloat16 weights, the
     rest shared with it, as an inference engine keeps its own weights; refreshed at every call. The
     same products (autocast casts to these very numbers), without a cast of every matrix at every
-    token inside a compiled step (2 GB at Qwen2.5-0.5B)."""
-    if dtype == torch.float32:
+    token inside a compiled step (2 GB at Qwen2.5-0.5B). LoRA adapters (any dtype) are merged into
+    the copy's weights, W + (alpha / r) B A, as vLLM serves a merged model: no adapter work per
+    token (the same tokens as the adapters unmerged, tests/test_sampler.py)."""
+    lora = any(isinstance(m, LoRALinear) for m in model.modules())
+    if dtype == torch.float32 and not lora:
         return model
     copied = _copies.get(model)
     if copied is None or copied[0] != dtype:
         twin = copy.deepcopy(model, memo={id(p): p for p in model.parameters()})   # same tensors
         pairs = []
-        for name, module in twin.blocks.named_modules():
-            if isinstance(module, nn.Linear):
+        for parent in list(twin.blocks.modules()):
+            for attr, child in list(parent.named_children()):
+                if isinstance(child, LoRALinear):     # one linear layer holding W + (alpha/r) B A
+                    base = child.base
+                    merged = nn.Linear(base.in_features, base.out_features, base.bias is not None,
+                                       device=base.weight.device, dtype=dtype).requires_grad_(False)
+                    setattr(parent, attr, merged)
+                    pairs.append((merged.weight, lambda c=child: c.base.weight + c.delta_weight()))
+                    if base.bias is not None:
+                        pairs.append((merged.bias, lambda b=base.bias: b))
+        for module in twin.blocks.modules():
+            if isinstance(module, nn.Linear) and module.weight.dtype != dtype:
                 for pname, p in list(module.named_parameters(recurse=False)):
                     setattr(module, pname, nn.Parameter(p.detach().to(dtype), requires_grad=False))
-                    pairs.append((getattr(module, pname), p))
+                    pairs.append((getattr(module, pname), lambda p=p: p))
         copied = _copies[model] = (dtype, twin, pairs)
-    for mine, theirs in copied[2]:
-        mine.copy_(theirs)
+    device = next(model.parameters()).device.type
+    with torch.no_grad(), torch.autocast(device, enabled=False):      # the merge in float32
+        for mine, source in copied[2]:
+            mine.copy_(source())
     return copied[1]
 
 

@@ -152,6 +152,37 @@ def test_the_samplers_bfloat16_copy_changes_no_number_and_follows_the_model():
     assert sampler.sampling_copy(model, torch.float32) is model
 
 
+def test_lora_adapters_are_merged_into_the_samplers_copy_and_draw_the_same_tokens():
+    """With LoRA the fixed-shape step reads one linear layer per projection holding W + (alpha/r) B A (no adapter
+    work per token): in float32 on CPU its tokens are the unmerged adapters' (the eager sampler), greedy and sampled
+    from the same generator; after the adapters change the next call's copy has them; the model keeps its adapters.
+    Under bfloat16 autocast the copy holds bf16(W + (alpha/r) B A)."""
+    from lora import LoRALinear, add_adapters
+    model, p, m = sampler_case("cpu", n_head=4, n_kv_head=2, pos="rope", norm="rmsnorm", mlp="swiglu", bias=False)
+    model = add_adapters(model, 4, 8.0)
+    for change in range(2):
+        with torch.no_grad():
+            for name, q in model.named_parameters():
+                if "lora_B" in name:
+                    q.copy_(0.3 * torch.randn_like(q))                   # adapters that change the logits
+        for temperature in (0.0, 1.0):
+            got = [sampler.generate(model, p, m, 12, 14, 15, num_samples=3, temperature=temperature, mode=mode,
+                                    generator=torch.Generator().manual_seed(change))[0] for mode in ("eager", "graph")]
+            assert torch.equal(got[0], got[1]), (change, temperature)
+        twin = sampler.sampling_copy(model, torch.float32)
+        attn = twin.blocks[0].attn.c_attn
+        assert type(attn) is torch.nn.Linear and not any(isinstance(x, LoRALinear) for x in twin.modules())
+        lora = model.blocks[0].attn.c_attn
+        assert torch.allclose(attn.weight, lora.base.weight + lora.delta_weight(), atol=0, rtol=0)
+        with torch.no_grad():
+            assert torch.allclose(twin.hidden(p, m), model.hidden(p, m), atol=1e-5)
+    assert isinstance(model.blocks[0].attn.c_attn, LoRALinear)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        twin = sampler.sampling_copy(model, torch.bfloat16)
+    lora = model.blocks[1].mlp.c_fc
+    assert torch.equal(twin.blocks[1].mlp.c_fc.weight, (lora.base.weight + lora.delta_weight()).bfloat16())
+
+
 def test_a_shape_past_the_recompile_limit_runs_eagerly_instead_of_raising(monkeypatch):
     """With fullgraph=True, torch.compile raises on a shape past its recompile limit (8 graphs, here lowered to 1):
     the compiled step falls back to the same step run eagerly and returns the eager sampler's tokens. The compile
