@@ -5,7 +5,8 @@ script's default command and the sampler/trainer agreement, written up in result
 the versions and every command (results/gpu.md is the hand-kept record of every GPU figure, with its analysis).
 
     python bench/gpu.py                     # everything; writes results/gpu-bench.md (finished steps are skipped)
-    python bench/gpu.py --only tests,recipe # some steps: tests, kernels, sampler, recipe, scripts, ratio, memory
+    python bench/gpu.py --only tests,recipe # some steps: tests, kernels, sampler, recipe, trl, scripts, ratio,
+                                            # memory
     python bench/gpu.py --fresh             # forget what is recorded and run everything again
     python bench/gpu.py --measure_ratio     # step 5 alone, printed (what step 5 runs)
 
@@ -24,6 +25,8 @@ Without CUDA it refuses with one line. Steps, in this order:
    rows x 1024 new tokens, beside transformers' generate (`--qwen`).
    recipe: `python bench/recipe.py`: the README's one-GPU recipe, three steps, each split into sampling, scoring
    and update, with completion tokens/s, model FLOPs utilisation and peak memory.
+   trl: `python bench/trl_grpo.py`: TRL's GRPOTrainer beside grpo.py at the recipe's shapes, one process, the
+   ratio of their steps and their peaks (skipped with one line where trl is not installed).
 4. scripts: every training script's default command (sft first, then reward_model, the scripts that need
    them after them), each run in out/gpu/ so that it writes out/gpu/out/ and never the repository's out/:
    wall time, its summary line, held-out greedy accuracy before -> after from its metrics.jsonl.
@@ -62,7 +65,7 @@ import task  # noqa: E402
 from kernels import logprobs  # noqa: E402
 from model import completion_logits  # noqa: E402
 
-GROUPS = ["tests", "kernels", "sampler", "recipe", "scripts", "ratio", "memory"]
+GROUPS = ["tests", "kernels", "sampler", "recipe", "trl", "scripts", "ratio", "memory"]
 FIRST = ["sft", "reward_model", "prm"]   # prerequisites: the SFT policy, PPO's reward model, search's verifiers
 LAST = ["search"]                          # test-time search reads the checkpoints the others write
 TOL = 1e-3                                 # |ratio - 1| above this counts as off
@@ -225,7 +228,9 @@ def steps(args):
            ("sampler:qwen", "sampler", "Sampler, Qwen2.5-0.5B's shapes, 128 x 1024 new tokens, and transformers",
             [py, "bench/generate.py", "--qwen", "--rows", "128", "--new_tokens", "1024", "--repeats", "2"], ROOT),
            ("recipe", "recipe", "The README's one-GPU recipe at Qwen2.5-0.5B's shapes",
-            [py, "bench/recipe.py", "--steps", "3"], ROOT)]
+            [py, "bench/recipe.py", "--steps", "3"], ROOT),
+           ("trl", "trl", "TRL's GRPOTrainer beside grpo.py at the recipe's shapes (skipped without trl)",
+            [py, "bench/trl_grpo.py", "--steps", "3"], ROOT)]
     for name in training_scripts():
         out.append((f"script:{name}", "scripts", f"python {name}.py", [py, os.path.join(ROOT, f"{name}.py")], args.out))
     out.append(("script:agent:seed1", "scripts", "python agent.py --seed 1 --out out/agent_seed1",   # issue 41: 2 seeds
