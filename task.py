@@ -107,8 +107,8 @@ def uses_tools():
 
 
 @functools.lru_cache(maxsize=4)
-def _chat_tools(tokenizer, names):
-    return tools.ChatTools(tokenizer, {n: _in_use.tools[n] for n in names})
+def _chat_tools(tokenizer, named):          # named: ((name, function), ...), hashable
+    return tools.ChatTools(tokenizer, dict(named))
 
 
 def chat_tools(tokenizer):
@@ -117,7 +117,7 @@ def chat_tools(tokenizer):
         return None
     if tokenizer.chat is None:
         raise ValueError("--tools calls tools in the chat template's protocol: it needs --chat")
-    return _chat_tools(tokenizer, tuple(_in_use.tools))
+    return _chat_tools(tokenizer, tuple(_in_use.tools.items()))
 
 
 def default_max_new_tokens():
