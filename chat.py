@@ -46,7 +46,7 @@ class ChatTemplateError(ValueError):
     pass
 
 
-class _Timeout(BaseException):             # not an Exception: nothing inside Jinja catches it
+class Timeout(BaseException):              # not an Exception: nothing inside Jinja catches it
     pass
 
 
@@ -180,8 +180,9 @@ class ChatTemplate:
         (date_string=...)."""
         variables = {"tools": None, "documents": None, **self.variables, **kwargs}
         try:
-            return _in_time(lambda: self._render(messages, add_generation_prompt, variables))
-        except _Timeout:
+            return in_time(lambda: self._render(messages, add_generation_prompt, variables),
+                           RENDER_SECONDS)
+        except Timeout:
             raise ChatTemplateError(f"the chat template did not finish rendering within "
                                     f"{RENDER_SECONDS:g} s") from None
         except Exception as e:                         # TemplateError, SecurityError, Python's
@@ -255,18 +256,18 @@ class ChatTemplate:
                                     f"probe message rendered as {text[:80]!r})")
 
 
-def _in_time(render):
-    """render() stopped by _Timeout after RENDER_SECONDS, where a timer can interrupt it (the main
-    thread)."""
+def in_time(fn, seconds):
+    """fn() stopped by Timeout after `seconds`, where a timer can interrupt it (the main thread;
+    elsewhere fn() runs unbounded). Also bounds a tool's run (tools.py)."""
     if threading.current_thread() is not threading.main_thread():
-        return render()
+        return fn()
 
     def expire(signum, frame):
-        raise _Timeout
+        raise Timeout
     previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, RENDER_SECONDS)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
-        return render()
+        return fn()
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)

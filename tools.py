@@ -23,13 +23,11 @@ import importlib
 import inspect
 import json
 import re
-import signal
-import threading
 import types
 import typing
 from typing import Any, Literal, NamedTuple, Union
 
-from chat import PROBE
+from chat import PROBE, Timeout, in_time
 from tasks import toolcalc
 
 STYLES = ("hermes", "llama3")
@@ -253,10 +251,6 @@ def check_arguments(schema, arguments):
     return None
 
 
-class _Timeout(BaseException):
-    pass
-
-
 def run_call(tools, call):
     """The text the model reads back for `call` (a Call, or parse_calls' error text): the tool's
     result as text, cut at MAX_REPLY_CHARS, or an error text (an unknown tool, arguments the
@@ -270,8 +264,8 @@ def run_call(tools, call):
     if problem:
         return problem
     try:
-        result = _in_time(lambda: fn(**call.arguments))
-    except _Timeout:
+        result = in_time(lambda: fn(**call.arguments), RUN_SECONDS)
+    except Timeout:
         return f"error: {call.name} ran past {RUN_SECONDS:g} s"
     except Exception as e:                              # the tool's own failure: the model reads it
         return f"error: {type(e).__name__}: {str(e)[:200]}"
@@ -280,22 +274,6 @@ def run_call(tools, call):
     if len(text) > MAX_REPLY_CHARS:
         text = text[:MAX_REPLY_CHARS] + f" ... ({len(text):,} characters, cut)"
     return text
-
-
-def _in_time(fn):
-    """fn() stopped by _Timeout after RUN_SECONDS, where a timer can interrupt it."""
-    if threading.current_thread() is not threading.main_thread():
-        return fn()
-
-    def expire(signum, frame):
-        raise _Timeout
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, RUN_SECONDS)
-    try:
-        return fn()
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 # -----------------------------------------------------------------------------
