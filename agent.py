@@ -25,15 +25,14 @@ Deviations and choices:
   scale_rewards="batch", whose std is Bessel's). --scale_rewards group is GRPO's; none divides by 1.
 - Each attempt is trained on its own reward. The paper's gradient differs: attempt 1 precedes r_2, so REINFORCE
   credits it with r_2 (stage I) or r_1 + r_2 (stage II); here it never earns credit for setting up a good revision.
-- Any stop id ends an attempt, trained with it as sampled; the revision prompt follows ("\nrevise:" and the problem
-  again, no hint of whether the first answer was right).
+- Any stop id ends an attempt, trained as sampled; then the revision prompt ("\nrevise:", the problem, no verdict).
 - A malformed call costs a call and is answered with an error (compact: "error"; chat: what went wrong, tools.py).
 - mu passes over the whole batch; old log-probs scored once per batch (step 3); equal rewards in a group give A = 0.
 
 Shapes: P prompts, G episodes each, B = P*G rows; Tp prompt, Tn episode tokens after it; K attempts (--turns).
 Run:
     python agent.py                        # builds out/toolcalc/sft.pt first; about 6 minutes on 2 CPU cores in all
-    python agent.py --chat --tools calculator            # the chat protocol (bytes-chat); out/toolcalc_tools/
+    python agent.py --chat --tools calculator   # the chat protocol (bytes-chat); about 25 minutes, SFT first
     python agent.py --turns 2 --stage1_steps 20 --steps 40    # SCoRe's stages I and II (README: what each does)
     python agent.py --init path/to/Qwen2.5-0.5B-Instruct --chat --tools calculator --task gsm8k --data train.jsonl
 Metrics: out/toolcalc/agent/metrics.jsonl (docs/metrics.md says what each means); checkpoint out/toolcalc/agent.pt.

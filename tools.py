@@ -301,7 +301,7 @@ def resolve(spec):
             module, _, attr = name.partition(":")
             try:
                 fn = getattr(importlib.import_module(module), attr)
-            except (ImportError, AttributeError, ValueError) as e:
+            except Exception as e:                  # the user's module: any failure, one line
                 raise ValueError(f"--tools {name}: cannot import it ({type(e).__name__}: "
                                  f"{e})") from None
         elif name in BUILT_IN:
@@ -313,6 +313,8 @@ def resolve(spec):
             json_schema(fn)
         except SchemaError as e:
             raise ValueError(f"--tools {name}: {e}") from None
+        except Exception as e:                      # e.g. a type hint that names nothing defined
+            raise ValueError(f"--tools {name}: no JSON schema ({type(e).__name__}: {e})") from None
         out[fn.__name__] = fn
     return out
 

@@ -3,6 +3,7 @@ same output key for key and in order, since a template renders it as it is); the
 parsed from well-formed and hostile text; a call run with its bounds, every failure an error text the model reads."""
 import json
 import os
+import re
 import sys
 import time
 
@@ -328,3 +329,16 @@ def test_a_template_that_teaches_no_call_form_is_refused_in_one_line(tmp_path):
     shutil.copy(os.path.join(GOLDEN, "templates", "bare.jinja"), folder / "chat_template.jinja")
     refuses_all("agent.py", [(["--init", str(folder), "--chat", "--tools", "calculator", "--task", "arithmetic"],
                               [f"{folder}: its chat template teaches no call form"])], tmp_path)
+
+
+def test_a_tool_that_cannot_be_loaded_is_one_line(tmp_path, monkeypatch):
+    """--tools module:function where the module raises on import, or a string type hint names nothing: ValueError
+    naming the tool (flags.py makes it the parse error), never a traceback."""
+    (tmp_path / "boom_tools.py").write_text('raise RuntimeError("boom")\n')
+    (tmp_path / "hint_tools.py").write_text('def f(x: "Undefined"):\n    """F.\n\n    Args:\n        x: y\n    """\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for spec, words in (("boom_tools:f", "cannot import it (RuntimeError: boom)"),
+                        ("hint_tools:f", "no JSON schema (NameError"), ("calculator,abacus", "--tools abacus")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            tools.resolve(spec)
+    assert list(tools.resolve("calculator")) == ["calculator"]
