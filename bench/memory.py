@@ -15,7 +15,8 @@ what an earlier phase freed), and its peak is on CUDA torch.cuda.max_memory_allo
 memory (VmHWM, restarted through /proc/self/clear_refs once the models are built). "State" is the memory in use
 before the update: both models' weights and AdamW's two moments, which no path changes. With --lora_rank the table
 compares full fine-tuning with LoRA (lora.py, every projection): the reference is the policy's own weights with the
-adapters off, AdamW's moments are the adapters'.
+adapters off, AdamW's moments are the adapters'. The README recipe's own peak, by owner and phase, with the sampler
+and the reference as grpo.py keeps them: bench/recipe.py (its ledger; results/gpu.md, issue 49).
 """
 import argparse
 import json
@@ -81,7 +82,7 @@ def one_phase(args, phase, path, checkpointing, lora=0):
     prompt, tokens = torch.randint(0, V, (B, Tp), device=args.device), torch.randint(0, V, (B, Tn), device=args.device)
     prompt_mask, mask = torch.ones(B, Tp, device=args.device), torch.ones(B, Tn, device=args.device)
     rewards = torch.randint(0, 2, (B,), device=args.device).float()
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.device == "cuda")
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.device == "cuda", cache_enabled=False)
     micro = [torch.arange(i, min(i + -(-B // args.grad_accum), B)) for i in range(0, B, -(-B // args.grad_accum))]
     old_logp, ref_logp = -torch.rand(B, Tn, device=args.device), -torch.rand(B, Tn, device=args.device)
     out = {"state": peak_gib(args.device, now=True)}

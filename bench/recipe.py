@@ -19,7 +19,8 @@ Then it runs grpo.main on that folder with the recipe's flags (README, Real chec
 each phase between device syncs. Model FLOPs utilisation counts 2 x parameters x tokens for a forward, 6 x for a
 forward and backward, 8 x with --grad_checkpoint (the recomputed forward), over the real prompt and completion tokens
 (attention's own FLOPs are not counted), against the chip's dense bf16 peak (--peak_tflops; 989 for an H100 or H200
-SXM) and against a bf16 8192^3 matrix product measured here. Peak memory: torch.cuda.max_memory_allocated. A random
+SXM) and against a bf16 8192^3 matrix product measured here. Memory (CUDA; Ledger): each phase's peak
+(torch.cuda.max_memory_allocated) and what was in use when it began, by owner; the run's peak is the largest. A random
 model rarely samples its EOS, so completions run to --max_new_tokens: the longest step the recipe can take. The run's
 checkpoint is not written (6 GB of weights and AdamW moments, not part of a step).
 """
@@ -36,6 +37,7 @@ sys.path.insert(0, ROOT)
 import checkpoint  # noqa: E402
 import grpo  # noqa: E402
 import plumbing  # noqa: E402
+import sampler  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from tokenizer import bytes_to_unicode  # noqa: E402
 
@@ -135,6 +137,7 @@ class Timer:
     def __init__(self, device):
         self.device, self.now, self.depth = device, {}, 0
         self.tokens = self.rows = self.real = 0
+        self.ledger = Ledger("cpu")
 
     def sync(self):
         if self.device.startswith("cuda"):
@@ -146,6 +149,7 @@ class Timer:
                 return fn(*a, **k)
             self.depth += 1
             self.sync()
+            self.ledger.mark(phase)
             t = time.perf_counter()
             try:
                 out = fn(*a, **k)
@@ -155,6 +159,60 @@ class Timer:
             self.now[phase] = self.now.get(phase, 0.0) + time.perf_counter() - t
             return out
         return timed
+
+
+class Ledger:
+    """Device memory by phase (CUDA): each phase's peak (torch.cuda.max_memory_allocated, restarted
+    at every change of phase) and, when it first begins in a step, what is in use by owner: the
+    policy's weights, their gradients, AdamW's moments, the reference's weights, the sampler's copy
+    (sampler.sampling_copy), the rest. Phases: sampling, scoring, update (the rest of a step)."""
+    OWNERS = ("weights", "gradients", "adamw", "reference", "sampler copy")
+
+    def __init__(self, device):
+        self.on, self.phase, self.models, self.optimizers = device.startswith("cuda"), "load", [], []
+        self.steps, self.now, self.kv, self.peak = [], {}, 0, 0.0
+
+    def owners(self):
+        seen, out = set(), {}
+
+        def add(owner, tensors):
+            for t in tensors:
+                s = t.untyped_storage()
+                if t.device.type == "cuda" and s.data_ptr() not in seen and s.size():
+                    seen.add(s.data_ptr())
+                    out[owner] = out.get(owner, 0) + s.size()
+        policy = self.models[0] if self.models else None
+        if policy is not None:
+            params = list(policy.parameters())
+            add("weights", params)
+            add("gradients", [p.grad for p in params if p.grad is not None])
+        for opt in self.optimizers:
+            add("adamw", [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t)])
+        for m in self.models[1:2]:
+            add("reference", m.parameters())
+        copied = sampler._copies.get(policy) if policy is not None else None
+        if copied:
+            add("sampler copy", copied[1].parameters())
+        return {k: v / 2**30 for k, v in out.items()}
+
+    def mark(self, phase):
+        """The phase in progress ends here and `phase` begins."""
+        if not self.on or phase == self.phase:
+            return
+        rec, peak = self.now.setdefault(self.phase, {}), torch.cuda.max_memory_allocated() / 2**30
+        rec["peak"], self.peak = max(rec.get("peak", 0.0), peak), max(self.peak, peak)
+        torch.cuda.reset_peak_memory_stats()
+        self.phase = phase
+        if phase not in self.now:
+            self.now[phase] = {"start": torch.cuda.memory_allocated() / 2**30, **self.owners()}
+
+    def end_step(self, record=True):
+        self.mark("between")
+        self.now.pop("between", None)
+        self.now.get("sampling", {})["kv cache"] = self.kv
+        if record:
+            self.steps.append(self.now)
+        self.now, self.kv = {}, 0
 
 
 def matmul_tflops(device):
@@ -178,8 +236,11 @@ def run(args):
     flags = [*RECIPE, "--max_new_tokens", str(args.max_new_tokens), "--steps", str(args.steps),
              "--eval_every", "1000000", "--eval_n", "1", "--device", args.device, "--init", folder,
              "--out", os.path.join(args.out, "recipe-run"), *args.extra]
-    timer, steps = Timer(args.device), []
-    real_rollout = grpo.rollout
+    timer, steps, ledger = Timer(args.device), [], Ledger(args.device)
+    timer.ledger = ledger
+    real_rollout, real_adamw, real_advantages = grpo.rollout, torch.optim.AdamW, grpo.grpo_advantages
+    real_load, real_reference = plumbing.Run.load_policy, plumbing.Run.reference
+    real_cache, cache_attr = sampler.KVCache.preallocated, sampler.KVCache.__dict__["preallocated"]
 
     def rollout(run, policy, tok, a):
         batch, rounds = real_rollout(run, policy, tok, a)
@@ -187,9 +248,36 @@ def run(args):
         timer.real = int(batch.prompt_mask.sum() + batch.mask.sum())   # real tokens a forward reads
         return batch, rounds
 
+    def load_policy(self, *a, **k):                               # the policy and the reference, for the ledger
+        policy, tok = real_load(self, *a, **k)
+        ledger.models[:] = [policy]
+        return policy, tok
+
+    def reference(self, *a, **k):
+        ledger.models[1:] = [real_reference(self, *a, **k)]
+        return ledger.models[1]
+
+    def advantages(*a, **k):                                      # step 3: the update begins
+        ledger.mark("update")
+        return real_advantages(*a, **k)
+
+    class AdamW(real_adamw):                                       # grpo.py's optimizer, for the ledger
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            ledger.optimizers.append(self)
+
+    def preallocated(*a, **k):                                    # the sampler's KV cache, its GiB
+        cache = real_cache(*a, **k)
+        ledger.kv = sum(t.numel() * t.element_size() for t in cache.k + cache.v) / 2**30
+        return cache
+
     no_grad = lambda: not torch.is_grad_enabled()
+    torch.optim.AdamW = AdamW
+    sampler.KVCache.preallocated = preallocated
     grpo.rollout = timer.wrap("sampling", rollout)
     grpo.completion_hidden = timer.wrap("scoring", grpo.completion_hidden)
+    grpo.grpo_advantages = advantages
+    plumbing.Run.load_policy, plumbing.Run.reference = load_policy, reference
     grpo.kl_entropy = timer.wrap("scoring", grpo.kl_entropy)
     GPT.head_logprobs = timer.wrap("scoring", GPT.head_logprobs, when=no_grad)
     plumbing.Run.evaluate = timer.wrap("other", plumbing.Run.evaluate)
@@ -200,6 +288,7 @@ def run(args):
     def training(self):                                            # called once before each step and once after
         timer.sync()
         marks.append(time.perf_counter())
+        ledger.end_step(record=len(marks) > 1)
         if len(marks) > 1:
             total, phases = marks[-1] - marks[-2], dict(timer.now)
             steps.append({"total": total, **phases, "update": total - sum(phases.values()),
@@ -210,15 +299,22 @@ def run(args):
     plumbing.Run.training = training
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
-    grpo.main(grpo.parse_args(flags))
+    try:
+        grpo.main(grpo.parse_args(flags))
+    finally:
+        torch.optim.AdamW, sampler.KVCache.preallocated = real_adamw, cache_attr
+        grpo.grpo_advantages, plumbing.Run.load_policy = real_advantages, real_load
+        plumbing.Run.reference = real_reference
     with torch.device("meta"):                                     # the parameter count, without the weights
         params = GPT(GPTConfig(**(TINY if args.tiny else QWEN))).num_params()
-    peak = torch.cuda.max_memory_allocated() / 2**30 if args.device.startswith("cuda") else None
+    ledger.mark("between")
+    peak = ledger.peak if args.device.startswith("cuda") else None
+    ledger.models.clear(), ledger.optimizers.clear()               # the run's memory, given back
     measured = matmul_tflops(args.device) if args.device.startswith("cuda") else None
-    return summarise(steps, params, peak, args, measured, flags)
+    return summarise(steps, params, peak, args, measured, flags, ledger.steps)
 
 
-def summarise(steps, params, peak, args, measured, flags):
+def summarise(steps, params, peak, args, measured, flags, memory=()):
     """The figures, per step, and the table printed last."""
     per_token = 2 * 2 + (8 if "--grad_checkpoint" in flags else 6)   # scoring: policy + reference; then the update
     rows = []
@@ -242,8 +338,22 @@ def summarise(steps, params, peak, args, measured, flags):
     if peak is not None:
         print(f"peak allocated {peak:.2f} GiB; MFU against --peak_tflops {args.peak_tflops:g}"
               + (f"; a bf16 8192^3 matrix product runs at {measured:.0f} TFLOP/s here" if measured else ""))
+    if memory:
+        print("memory, GiB: in use when each phase began, by owner, and the phase's peak (Ledger)")
+        print(f"| step | phase | {' | '.join(Ledger.OWNERS)} | rest | in use | KV cache | peak | "
+              "peak - in use |")
+        print("| ---: | --- |" + " ---: |" * (len(Ledger.OWNERS) + 5))
+        for i, rec in enumerate(memory, 1):
+            for phase in ("sampling", "scoring", "update"):
+                m = rec.get(phase)
+                if m:
+                    rest = m["start"] - sum(m.get(o, 0.0) for o in Ledger.OWNERS)
+                    kv = f"{m['kv cache']:.2f}" if "kv cache" in m else ""
+                    print(f"| {i} | {phase} | " + " | ".join(f"{m.get(o, 0.0):.2f}" for o in Ledger.OWNERS)
+                          + f" | {rest:.2f} | {m['start']:.2f} | {kv} | {m['peak']:.2f} | "
+                          f"{m['peak'] - m['start']:.2f} |")
     result = {"steps": rows, "peak_gib": peak, "params": params, "matmul_tflops": measured,
-              "peak_tflops": args.peak_tflops, "flags": flags}
+              "peak_tflops": args.peak_tflops, "flags": flags, "memory": list(memory)}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -85,7 +85,7 @@ def ours(args, folder):
                            "--grad_accum", str(rows // args.micro_batch)])
     reset(args.device)
     result = recipe.run(a)
-    return [s["step_s"] for s in result["steps"]], peak(args.device)   # sampling, scoring, update
+    return [s["step_s"] for s in result["steps"]], result["peak_gib"]   # sampling, scoring, update
 
 
 def trl(args, folder, prompts):
