@@ -393,7 +393,6 @@ def learner(args, procs):
         advantages = grpo_advantages(rewards, G)                          # (B,)
 
         # 3. one pass of the loss over the --grad_accum micro-batches, each token weighted by pi_theta / mu
-        optimizer.zero_grad(set_to_none=True)
         loss, kl_sum, n_tokens = 0.0, 0.0, mask.sum()
         weights, log_rho = torch.zeros_like(mask), torch.zeros_like(mask)
         for rows in run.micro_batches(len(mask)):
@@ -410,6 +409,7 @@ def learner(args, procs):
             weights[rows], log_rho[rows] = w, logp.detach() - behaviour_logp[rows]        # (b, Tn) each
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
         optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         run.step += 1
         run.tokens += int(n_tokens)
         if run.step % args.sync_every == 0 and run.step < run.total_steps:

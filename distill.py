@@ -195,7 +195,6 @@ def main(args):
 
         # 3. the teacher scores the student's tokens (no gradient); the loss over the --grad_accum micro-batches,
         #    normalised by the whole step's token count
-        optimizer.zero_grad(set_to_none=True)
         loss = kl_exact = kl_forward = ent = 0.0
         for rows in run.micro_batches(len(mask), train_policy):
             with torch.no_grad(), run.autocast:
@@ -217,6 +216,7 @@ def main(args):
                 ent += torch.where(real, entropy(s, temp), 0.0).sum() / n_tokens
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
         optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         run.step += 1
         run.tokens += int(n_tokens)
 

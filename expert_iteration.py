@@ -250,7 +250,6 @@ def main(args):
             tokens, attn, loss_mask = task.completion_batch([p for p, _ in pairs], [c for _, c in pairs], tok,
                                                             run.device)
             n_tokens = run.all_sum(loss_mask.sum())                                  # the whole batch's
-            optimizer.zero_grad(set_to_none=True)
             loss = 0.0
             for rows in run.micro_batches(len(tokens), train_policy):
                 with run.autocast:                                                   # (b, T-1) log pi(y_t | x, y_<t)
@@ -261,6 +260,7 @@ def main(args):
                 loss = loss + part.detach()
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
             optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
             losses.append(run.all_sum(loss).item())
         run.step += 1
 

@@ -233,7 +233,7 @@ def rollout(run, policy, tok, args):
 def main(args):
     run = Run("grpo", args, batch_flag="prompts_per_step")  # device, seeds, lock, log, resume, torchrun: plumbing.py
     policy, tok = run.load_policy(args.init)        # the policy starts as the SFT policy ...
-    ref = run.reference(args.init, policy)          # ... which stays frozen as the reference
+    ref = run.reference(args.init, policy, bf16=True)   # ... frozen as the reference
     run.check_lengths(policy, tok, args.max_new_tokens)
     optimizer = torch.optim.AdamW(trainable(policy), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     run.resume(policy, optimizer)
@@ -277,7 +277,6 @@ def main(args):
         #    the parts add up to one batch's loss. At mu = 1 its value is about beta * KL (the advantages have mean 0
         #    in every group): watch reward_mean and eval_accuracy, not the loss.
         for epoch in range(args.mu):
-            optimizer.zero_grad(set_to_none=True)
             loss, stats = 0.0, {}
             for rows in run.micro_batches(len(mask), train_policy):
                 with run.autocast:                                           # (b, Tn) log pi_theta
@@ -294,6 +293,7 @@ def main(args):
                 stats = {k: stats.get(k, 0.0) + v for k, v in part_stats.items()}
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
             optimizer.step()
+            optimizer.zero_grad(set_to_none=True)    # the gradients' memory free until the next backward
         run.step += 1
         run.tokens += int(n_tokens)
 

@@ -268,7 +268,6 @@ def main(args):
             perm = torch.randperm(len(mask), generator=run.gen, device=run.device)
             for mb in torch.tensor_split(perm, args.minibatches):                   # every sample, once an epoch
                 n_mb = run.all_sum(mask[mb].sum())                                   # the minibatch's tokens, all ranks
-                optimizer.zero_grad(set_to_none=True)
                 mb_stats = dict.fromkeys(stats, 0.0)
                 for rows in run.micro_batches(len(mb), train_policy, train_critic):
                     i, m = mb[rows], mask[mb[rows]]                                  # (b,) sample indices, (b, Tn)
@@ -293,6 +292,7 @@ def main(args):
                 torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
                 torch.nn.utils.clip_grad_norm_(critic.parameters(), args.grad_clip)
                 optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
                 for k, v in mb_stats.items():
                     stats[k].append(run.all_sum(v).item())
                 if args.target_kl is not None and stats["approx_kl"][-1] > 1.5 * args.target_kl:

@@ -173,7 +173,6 @@ def main(args):
             moving_average = update_moving_average(moving_average, scores, args.ema_decay, all_sum=run.all_sum)
 
         # 4. one on-policy REINFORCE step, over the --grad_accum micro-batches, normalised by the whole step's counts
-        optimizer.zero_grad(set_to_none=True)
         loss, stats = 0.0, {}
         for rows in run.micro_batches(len(mask), train_policy):
             with run.autocast:                                                     # (b, Tn) log pi_theta
@@ -186,6 +185,7 @@ def main(args):
             stats = {k: stats.get(k, 0.0) + v for k, v in part_stats.items()}
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
         optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         run.step += 1
         run.tokens += int(n_tokens)
 

@@ -421,3 +421,61 @@ def test_grpo_raises_the_training_reward(tiny_sft, tmp_path):
     assert len(rewards) == 30
     first, last = sum(rewards[:8]) / 8, sum(rewards[-8:]) / 8
     assert last > first + 0.2, (first, last, rewards)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_bf16_reference_scores_as_its_float32_self_under_autocast(device):
+    """plumbing.bf16_linears (grpo.py's reference on a GPU): under bfloat16 autocast the hidden
+    states and log-probs are its float32 self's, bit for bit (autocast multiplies in bfloat16
+    anyway); casting the embedding too would change them (the control)."""
+    import copy
+    import warnings
+
+    from model import GPT, GPTConfig, completion_hidden
+    from plumbing import bf16_linears
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA here")
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=96, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+                       mlp_hidden=64, norm="rmsnorm", pos="rope", mlp="swiglu", bias=False,
+                       qkv_bias=True)
+    model = GPT(config).to(device).requires_grad_(False)
+    for p in model.parameters():                       # biases and norms away from 0 and 1
+        p.add_(0.1 * torch.randn_like(p))
+    half = bf16_linears(copy.deepcopy(model))
+    linears = [m for m in half.blocks.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(p.dtype == torch.bfloat16 for m in linears for p in m.parameters())
+    assert half.wte.weight.dtype == torch.float32
+    prompt, tokens = torch.randint(0, 96, (3, 5)), torch.randint(0, 96, (3, 7))
+    prompt_mask, mask = torch.ones(3, 5), torch.ones(3, 7)
+    prompt_mask[0, :2] = 0
+    mask[1, 4:] = 0
+    prompt, tokens, prompt_mask, mask = (x.to(device) for x in (prompt, tokens, prompt_mask, mask))
+
+    def score(m):
+        with torch.autocast(device, dtype=torch.bfloat16):
+            h = completion_hidden(m, prompt, prompt_mask, tokens, mask)
+            return h, m.head_logprobs(h, tokens)
+    (h, logp), (h_half, logp_half) = score(model), score(half)
+    assert torch.equal(h, h_half) and torch.equal(logp, logp_half)
+    half.wte.to(torch.bfloat16)                        # the control: not what autocast computes
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")                # rms_norm: bfloat16 input, float32 weight
+        assert not torch.equal(score(half)[0].float(), h)
+
+
+def test_the_gradients_hold_no_memory_while_the_next_batch_is_sampled(tiny_sft, tmp_path, monkeypatch):
+    """grpo.py frees the gradients after AdamW's step (set to None), not before the next backward:
+    no rollout after the first sees one (2 GB at Qwen2.5-0.5B, results/gpu.md); every step still
+    moves the weights."""
+    seen, weights, real = [], [], grpo.rollout
+
+    def rollout(run, policy, tok, args):
+        seen.append(sum(p.grad is not None for p in policy.parameters()))
+        weights.append([p.detach().clone() for p in policy.parameters()])
+        return real(run, policy, tok, args)
+    monkeypatch.setattr(grpo, "rollout", rollout)
+    grpo.main(grpo.parse_args(TINY + ["--steps", "3", "--init", tiny_sft, "--out", str(tmp_path),
+                                      "--device", "cpu"]))
+    assert seen == [0, 0, 0]
+    assert all(any(not torch.equal(a, b) for a, b in zip(weights[i], weights[i + 1])) for i in range(2))

@@ -155,11 +155,11 @@ def test_the_samplers_bfloat16_copy_changes_no_number_and_follows_the_model():
 def test_lora_adapters_are_merged_into_the_samplers_copy_and_draw_the_same_tokens():
     """With LoRA the fixed-shape step reads one linear layer per projection holding W + (alpha/r) B A (no adapter
     work per token): in float32 on CPU its tokens are the unmerged adapters' (the eager sampler), greedy and sampled
-    from the same generator; after the adapters change the next call's copy has them; the model keeps its adapters.
-    Under bfloat16 autocast the copy holds bf16(W + (alpha/r) B A)."""
+    from the same generator; after the adapters change the next call's copy has them; the model keeps its adapters;
+    between calls the copy holds no memory (release_copy). Under bfloat16 autocast it holds bf16(W + (alpha/r) B A)."""
     from lora import LoRALinear, add_adapters
     model, p, m = sampler_case("cpu", n_head=4, n_kv_head=2, pos="rope", norm="rmsnorm", mlp="swiglu", bias=False)
-    model = add_adapters(model, 4, 8.0)
+    model = add_adapters(model, 4, 8.0)   # the copy's storage, given back after each call, is made again
     for change in range(2):
         with torch.no_grad():
             for name, q in model.named_parameters():
@@ -169,6 +169,8 @@ def test_lora_adapters_are_merged_into_the_samplers_copy_and_draw_the_same_token
             got = [sampler.generate(model, p, m, 12, 14, 15, num_samples=3, temperature=temperature, mode=mode,
                                     generator=torch.Generator().manual_seed(change))[0] for mode in ("eager", "graph")]
             assert torch.equal(got[0], got[1]), (change, temperature)
+            copied = sampler._copies[model][2]        # between calls the copy's weights hold no memory
+            assert copied and all(t.untyped_storage().size() == 0 for t, _ in copied)
         twin = sampler.sampling_copy(model, torch.float32)
         attn = twin.blocks[0].attn.c_attn
         assert type(attn) is torch.nn.Linear and not any(isinstance(x, LoRALinear) for x in twin.modules())
