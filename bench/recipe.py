@@ -170,6 +170,7 @@ class Ledger:
 
     def __init__(self, device):
         self.on, self.phase, self.models, self.optimizers = device.startswith("cuda"), "load", [], []
+        self.device = device.split(":")[0]                          # owners() counts tensors there
         self.steps, self.now, self.kv, self.peak = [], {}, 0, 0.0
 
     def owners(self):
@@ -178,7 +179,7 @@ class Ledger:
         def add(owner, tensors):
             for t in tensors:
                 s = t.untyped_storage()
-                if t.device.type == "cuda" and s.data_ptr() not in seen and s.size():
+                if t.device.type == self.device and s.data_ptr() not in seen and s.size():
                     seen.add(s.data_ptr())
                     out[owner] = out.get(owner, 0) + s.size()
         policy = self.models[0] if self.models else None
@@ -187,7 +188,7 @@ class Ledger:
             add("weights", params)
             add("gradients", [p.grad for p in params if p.grad is not None])
         for opt in self.optimizers:
-            add("adamw", [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t)])
+            add("adamw", [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.dim()])
         for m in self.models[1:2]:
             add("reference", m.parameters())
         copied = sampler._copies.get(policy) if policy is not None else None

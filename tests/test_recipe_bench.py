@@ -32,3 +32,40 @@ def test_the_recipe_runs_grpo_on_a_folder_whose_embedding_outgrows_its_tokenizer
     with torch.no_grad():
         assert model(torch.tensor([[1, 2, 3]])).shape[-1] == 65022
     assert not (out / "recipe-run" / "grpo.pt").exists()               # the bench writes no checkpoint
+
+
+def test_the_memory_ledger_counts_each_owner_once():
+    """bench/recipe.py's Ledger.owners (here over CPU tensors): the policy's weights, its gradients,
+    AdamW's two moments, the reference's weights and the sampler's bfloat16 copy, each storage
+    once; a LoRA reference shares the policy's weights (nothing of its own); a released copy holds
+    nothing."""
+    import sys
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import recipe
+    import sampler
+    from lora import add_adapters, base_model, trainable
+    from model import GPT, GPTConfig
+    config = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, mlp_hidden=64,
+                       norm="rmsnorm", pos="rope", mlp="swiglu", bias=False)
+    gib = lambda tensors: sum(t.numel() * t.element_size() for t in tensors) / 2**30
+    for lora in (False, True):
+        policy = GPT(config)
+        ref = base_model(add_adapters(policy, 2, 4.0)) if lora else GPT(config).requires_grad_(False)
+        optimizer = torch.optim.AdamW(trainable(policy))
+        policy(torch.tensor([[1, 2, 3]]))[0].sum().backward()
+        optimizer.step()
+        ledger = recipe.Ledger("cpu")
+        ledger.models, ledger.optimizers = [policy, ref], [optimizer]
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            twin = sampler.sampling_copy(policy, torch.bfloat16)
+        got = ledger.owners()
+        params = list(policy.parameters())
+        linears = [p for m in twin.blocks.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters()]
+        want = {"weights": gib(params), "gradients": gib(p.grad for p in trainable(policy)),
+                "adamw": 2 * gib(trainable(policy)), "sampler copy": gib(linears)}
+        if not lora:
+            want["reference"] = gib(ref.parameters())
+        assert got.keys() == want.keys() and all(abs(got[k] - want[k]) < 1e-12 for k in want), (lora, got, want)
+        assert all(p.dtype == torch.bfloat16 for p in linears) and gib(linears) > 0
+        sampler.release_copy(policy)
+        assert "sampler copy" not in ledger.owners()
