@@ -267,9 +267,10 @@ def run(args):
             super().__init__(*a, **k)
             ledger.optimizers.append(self)
 
-    def preallocated(*a, **k):                                    # the sampler's KV cache, its GiB
+    def preallocated(*a, **k):                                    # the rollout's KV cache, its GiB
         cache = real_cache(*a, **k)
-        ledger.kv = sum(t.numel() * t.element_size() for t in cache.k + cache.v) / 2**30
+        if ledger.phase == "sampling":                              # not an evaluation's
+            ledger.kv = sum(t.numel() * t.element_size() for t in cache.k + cache.v) / 2**30
         return cache
 
     no_grad = lambda: not torch.is_grad_enabled()
