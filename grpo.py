@@ -233,7 +233,7 @@ def rollout(run, policy, tok, args):
 def main(args):
     run = Run("grpo", args, batch_flag="prompts_per_step")  # device, seeds, lock, log, resume, torchrun: plumbing.py
     policy, tok = run.load_policy(args.init)        # the policy starts as the SFT policy ...
-    ref = run.reference(args.init, policy, bf16=True)   # ... frozen as the reference
+    ref = run.reference(args.init, policy, bf16=True)   # ... frozen as the reference (bf16 linears on a GPU)
     run.check_lengths(policy, tok, args.max_new_tokens)
     optimizer = torch.optim.AdamW(trainable(policy), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     run.resume(policy, optimizer)

@@ -75,10 +75,10 @@ def pick_device(requested=None):
 
 def autocast(device):
     """The precision every script computes in on `device`: bfloat16 autocast on a GPU, nothing
-    elsewhere. Its cache of cast weights is off: with it, a forward under --grad_checkpoint (or
-    without gradient) holds a bfloat16 copy of every weight until the context ends (0.9 GB at
-    Qwen2.5-0.5B); without it each copy is freed after its layer. Each weight is used once a
-    forward, so the casts and the numbers are the same."""
+    elsewhere. Its cache of cast weights is off: with it, a forward without gradient (or under
+    --grad_checkpoint) holds a bfloat16 copy of every weight until the context ends (scoring's
+    peak at Qwen2.5-0.5B: 0.68 GiB more, results/gpu.md); without it each copy is freed after its
+    layer. Each weight is used once a forward, so the casts and the numbers are the same."""
     return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda"),
                           cache_enabled=False)
 
