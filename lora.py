@@ -49,10 +49,21 @@ class LoRALinear(nn.Module):
         y = self.base(x)                                                     # (..., out) W x
         if not self.adapted:
             return y
-        delta = [self.scale * ((x @ self.lora_A[n].t()) @ self.lora_B[n].t())   # (alpha/r) B A x
-                 if n in self.lora_A else y.new_zeros(*y.shape[:-1], size)
-                 for n, size in zip(self.names, self.sizes)]
-        return y + torch.cat(delta, -1)                                      # (..., out)
+        A, B = self.stacked()                                         # (k r, in), (out, k r)
+        h = x.flatten(0, -2) @ A.t()                                  # (N, k r) A x, every part
+        # W x + (alpha/r) B A x in one product: B block-diagonal, each part's rows read its own A x
+        return torch.addmm(y.flatten(0, -2), h, B.t(), alpha=self.scale).view_as(y)   # (..., out)
+
+    def stacked(self):
+        """The adapted parts' A on top of one another (k r, in) and their B as one block-diagonal
+        (out, k r) matrix, zero rows for a part without an adapter: a fused projection's parts
+        in two products, not two a part."""
+        if len(self.names) == 1:
+            return self.lora_A[self.names[0]], self.lora_B[self.names[0]]
+        A = torch.cat([self.lora_A[n] for n in self.adapted])
+        B = torch.block_diag(*(self.lora_B[n] if n in self.lora_A else A.new_zeros(size, 0)
+                               for n, size in zip(self.names, self.sizes)))
+        return A, B
 
     def delta_weight(self):
         """(alpha / r) B A of each part (zeros where none): merge's (out, in) float32 change."""
