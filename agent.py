@@ -188,6 +188,7 @@ def main(args):
     run = Run("agent", args, batch_flag="prompts_per_step")  # device, seeds, lock, log, resume, torchrun: plumbing.py
     policy, tok = run.load_policy(args.init)        # the policy starts as the SFT policy ...
     ref = run.reference(args.init, policy)          # ... which stays frozen as the reference
+    ref_weights = run.parked(ref, policy)           # ... held in host memory outside step 2 (a GPU)
     revision = len(tok.encode(toolcalc.REVISE)) + toolcalc.max_prompt_tokens(tok)   # REVISE and the problem again
     run.check_lengths(policy, tok, args.max_new_tokens, turns=args.turns,           # the longest episode: each
                       extra=(args.turns - 1) * (revision + 1))                       # attempt, REVISE, an EOS
@@ -235,16 +236,17 @@ def main(args):
         n_seqs, n_tokens = run.all_sum(len(mask)), run.all_sum(loss_mask.sum())   # the step's, over every rank
         n_policy = run.all_sum(ep.sampled.sum())
         kl_exact = ent = 0.0
-        for rows in run.micro_batches(len(mask)):
-            with torch.no_grad(), run.autocast:                               # each model's forward once
-                h = completion_hidden(policy, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
-                h_ref = completion_hidden(ref, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
-                old_logp[rows] = policy.head_logprobs(h, tokens[rows], temp)  # as step 4 computes them
-                ref_logp[rows] = ref.head_logprobs(h_ref, tokens[rows], temp)
-                if run.logging():                                             # a chunk of logits at a time
-                    kl_t, ent_t = kl_entropy(policy, ref, h, h_ref, ep.sampled[rows], temp)   # the policy's tokens
-                    kl_exact += kl_t.sum() / n_policy                         # KL(pi || ref)
-                    ent += ent_t.sum() / n_policy
+        with ref_weights:                                                     # on the device for step 2 alone
+            for rows in run.micro_batches(len(mask)):
+                with torch.no_grad(), run.autocast:                           # each model's forward once
+                    h = completion_hidden(policy, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
+                    h_ref = completion_hidden(ref, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
+                    old_logp[rows] = policy.head_logprobs(h, tokens[rows], temp)  # as step 4 computes them
+                    ref_logp[rows] = ref.head_logprobs(h_ref, tokens[rows], temp)
+                    if run.logging():                                         # a chunk of logits at a time
+                        kl_t, ent_t = kl_entropy(policy, ref, h, h_ref, ep.sampled[rows], temp)   # the policy's tokens
+                        kl_exact += kl_t.sum() / n_policy                     # KL(pi || ref)
+                        ent += ent_t.sum() / n_policy
 
         # 4. mu passes of the loss over the --grad_accum micro-batches, normalised by the whole step's counts
         for epoch in range(args.mu):

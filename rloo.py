@@ -91,6 +91,7 @@ def main(args):
     run = Run("rloo", args, batch_flag="prompts_per_step")  # device, seeds, lock, log, resume, torchrun: plumbing.py
     policy, tok = run.load_policy(args.init)        # the policy starts as the SFT policy ...
     ref = run.reference(args.init, policy)          # ... which stays frozen as the reference
+    ref_weights = run.parked(ref, policy)           # ... held in host memory outside step 2 (a GPU)
     run.check_lengths(policy, tok, args.max_new_tokens)
     optimizer = torch.optim.AdamW(trainable(policy), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     run.resume(policy, optimizer)
@@ -115,16 +116,17 @@ def main(args):
         old_logp, ref_logp = torch.zeros_like(mask), torch.zeros_like(mask)      # (B, Tn)
         n_seqs, n_tokens = run.all_sum(len(mask)), run.all_sum(mask.sum())        # the step's, over every rank
         kl_exact = ent = 0.0
-        for rows in run.micro_batches(len(mask)):
-            with torch.no_grad(), run.autocast:                                   # (b, Tp+Tn-1, C) final hidden states
-                h = completion_hidden(policy, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
-                h_ref = completion_hidden(ref, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
-                old_logp[rows] = policy.head_logprobs(h, tokens[rows], temp)
-                ref_logp[rows] = ref.head_logprobs(h_ref, tokens[rows], temp)
-                if run.logging():
-                    kl_t, ent_t = kl_entropy(policy, ref, h, h_ref, mask[rows], temp)   # (b, Tn) each
-                    kl_exact += kl_t.sum() / n_tokens                             # KL(pi || ref)
-                    ent += ent_t.sum() / n_tokens
+        with ref_weights:                                                         # on the device for step 2 alone
+            for rows in run.micro_batches(len(mask)):
+                with torch.no_grad(), run.autocast:                               # (b, Tp+Tn-1, C) final hidden states
+                    h = completion_hidden(policy, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
+                    h_ref = completion_hidden(ref, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
+                    old_logp[rows] = policy.head_logprobs(h, tokens[rows], temp)
+                    ref_logp[rows] = ref.head_logprobs(h_ref, tokens[rows], temp)
+                    if run.logging():
+                        kl_t, ent_t = kl_entropy(policy, ref, h, h_ref, mask[rows], temp)   # (b, Tn) each
+                        kl_exact += kl_t.sum() / n_tokens                         # KL(pi || ref)
+                        ent += ent_t.sum() / n_tokens
 
         # 3. advantages: KL to the reference in the reward, the other k - 1 samples are the baseline
         kl_t = kl_penalty(old_logp, ref_logp, args.kl_estimator)                     # (B, Tn)

@@ -13,8 +13,9 @@ a byte-level BPE tokenizer.json with Qwen2.5's id layout, 151643 ordinary ids an
 tokens are the 256 bytes, every pair of bytes and then triples: text encodes to about half as many tokens as bytes.
 Then it runs grpo.main on that folder with the recipe's flags (README, Real checkpoints) and times, each step:
 - sampling: grpo.rollout (the sampler and the verifier), with completion tokens per second;
-- scoring: step 2, both models' forwards and their log-probs (and the exact KL and entropy on logged steps: grpo.py
-  logs every 5th step and the last, so the last step here is one);
+- scoring: step 2, the reference's weights brought back to the GPU (plumbing.Parked), both models' forwards and their
+  log-probs (and the exact KL and entropy on logged steps: grpo.py logs every 5th step and the last, so the last
+  step here is one);
 - update: the rest of the step (step 4's forward, backward and AdamW's step), evaluation and checkpoints excluded;
 each phase between device syncs. Model FLOPs utilisation counts 2 x parameters x tokens for a forward, 6 x for a
 forward and backward, 8 x with --grad_checkpoint (the recomputed forward), over the real prompt and completion tokens
@@ -242,6 +243,7 @@ def run(args):
     real_rollout, real_adamw, real_advantages = grpo.rollout, torch.optim.AdamW, grpo.grpo_advantages
     real_load, real_reference = plumbing.Run.load_policy, plumbing.Run.reference
     real_cache, cache_attr = sampler.KVCache.preallocated, sampler.KVCache.__dict__["preallocated"]
+    real_enter = plumbing.Parked.__enter__
 
     def rollout(run, policy, tok, a):
         batch, rounds = real_rollout(run, policy, tok, a)
@@ -273,6 +275,12 @@ def run(args):
             ledger.kv = sum(t.numel() * t.element_size() for t in cache.k + cache.v) / 2**30
         return cache
 
+    def enter(self):                                              # step 2 begins: the reference comes back
+        timer.wrap("scoring", real_enter)(self)
+        if ledger.on:                                              # what scoring holds: with the reference
+            ledger.now["scoring"].update(start=torch.cuda.memory_allocated() / 2**30, **ledger.owners())
+        return self
+
     no_grad = lambda: not torch.is_grad_enabled()
     torch.optim.AdamW = AdamW
     sampler.KVCache.preallocated = preallocated
@@ -280,6 +288,7 @@ def run(args):
     grpo.completion_hidden = timer.wrap("scoring", grpo.completion_hidden)
     grpo.grpo_advantages = advantages
     plumbing.Run.load_policy, plumbing.Run.reference = load_policy, reference
+    plumbing.Parked.__enter__ = enter
     grpo.kl_entropy = timer.wrap("scoring", grpo.kl_entropy)
     GPT.head_logprobs = timer.wrap("scoring", GPT.head_logprobs, when=no_grad)
     plumbing.Run.evaluate = timer.wrap("other", plumbing.Run.evaluate)
@@ -306,7 +315,7 @@ def run(args):
     finally:
         torch.optim.AdamW, sampler.KVCache.preallocated = real_adamw, cache_attr
         grpo.grpo_advantages, plumbing.Run.load_policy = real_advantages, real_load
-        plumbing.Run.reference = real_reference
+        plumbing.Run.reference, plumbing.Parked.__enter__ = real_reference, real_enter
     with torch.device("meta"):                                     # the parameter count, without the weights
         params = GPT(GPTConfig(**(TINY if args.tiny else QWEN))).num_params()
     ledger.mark("between")

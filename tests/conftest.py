@@ -1,6 +1,7 @@
 """Shared fixtures. `tiny_sft` is the small SFT policy the algorithm scripts' tests start from: the same file on every
 machine (tests/fixtures/tiny_sft.pt), so that what a test sees does not depend on the torch build or the CPU."""
 import argparse
+import json
 import os
 import random
 import shutil
@@ -94,3 +95,53 @@ def task_args(name="arithmetic", fmt="plain", numbers=3, data=None, rule="exactl
     """The task flags as a parsed namespace, for task.use."""
     return argparse.Namespace(task=name, format=fmt, countdown_numbers=numbers, data=data, countdown_rule=rule,
                               chat=chat, tools=tools)
+
+
+def run_metrics(out, script):
+    """The run's metrics.jsonl lines, times aside (they move between runs of the same code)."""
+    with open(os.path.join(out, script, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return [{k: v for k, v in r.items() if k not in ("elapsed_s", "tokens_per_sec")} for r in rows]
+
+
+def parked_reference_run(module, argv, out, monkeypatch):
+    """module.main(argv) with the reference parked as on a GPU (plumbing.Parked, here on the CPU): asserts that its
+    weights hold no memory while the policy samples or updates and all of it while step 2 reads them. Returns the
+    number of forwards of the reference."""
+    import plumbing
+    import sampler
+    parks, seen, real = [], {"ref": 0}, plumbing.Run.parked
+
+    def parked(self, ref, policy):                      # the method itself, told the device is a GPU
+        device, self.device = self.device, "cuda"
+        try:
+            parks.append((real(self, ref, policy), ref))
+        finally:
+            self.device = device
+        assert isinstance(parks[-1][0], plumbing.Parked)
+        return parks[-1][0]
+
+    def away():
+        return all(s.size() == 0 for s in parks[0][0].storages)
+
+    def spy(fn, check):
+        def wrapped(*a, **k):
+            check(*a)
+            return fn(*a, **k)
+        return wrapped
+
+    def hidden(model, *a):
+        if model is parks[0][1]:
+            assert not away()
+            seen["ref"] += 1
+
+    def elsewhere(*a):                                   # sampling, the update
+        assert away()
+    monkeypatch.setattr(plumbing.Run, "parked", parked)
+    monkeypatch.setattr(sampler, "generate", spy(sampler.generate, elsewhere))
+    monkeypatch.setattr(sampler, "episodes", spy(sampler.episodes, elsewhere))
+    monkeypatch.setattr(module, "completion_logprobs", spy(module.completion_logprobs, elsewhere))
+    monkeypatch.setattr(module, "completion_hidden", spy(module.completion_hidden, hidden))
+    module.main(module.parse_args([*argv, "--out", str(out)]))
+    assert len(parks) == 1 and away()
+    return seen["ref"]

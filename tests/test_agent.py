@@ -385,6 +385,25 @@ def test_script_runs_end_to_end_and_resumes(tiny_tool_sft, tmp_path):
     assert [r["step"] for r in read_metrics(out)] == [0, 1, 2, 3]
 
 
+def test_the_parked_reference_is_away_while_sampling_and_updating_and_moves_no_number(tiny_tool_sft, tmp_path,
+                                                                                     monkeypatch):
+    """As grpo's (tests/test_plumbing.py): the reference parked as on a GPU is back for step 2 alone, and
+    metrics.jsonl is the unparked run's line for line (times aside)."""
+    import agent
+    from conftest import parked_reference_run, run_metrics
+    argv = TINY + ["--steps", "2", "--init", tiny_tool_sft, "--device", "cpu"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)                                  # one thread: two runs' sums in one order
+    try:
+        torch.manual_seed(0)
+        agent.main(agent.parse_args([*argv, "--out", str(tmp_path / "plain")]))
+        torch.manual_seed(0)
+        assert parked_reference_run(agent, argv, tmp_path / "parked", monkeypatch) == 2     # a forward a step
+    finally:
+        torch.set_num_threads(threads)
+    assert run_metrics(tmp_path / "parked", "agent") == run_metrics(tmp_path / "plain", "agent")
+
+
 def test_script_runs_two_attempts_and_the_pitfall(tiny_tool_sft, tmp_path):
     out = str(tmp_path)
     p = run_script("agent.py", TINY + ["--steps", "2", "--turns", "2", "--train_on_env_tokens", "--stage1_steps", "1",

@@ -375,3 +375,67 @@ def test_the_learning_rate_schedule_warms_up_linearly_then_decays_by_a_cosine_to
     assert lr(9, 2.0, 4, 14) == pytest.approx(2.0 * (0.1 + 0.9 * 0.5))              # half way: cos(pi / 2) = 0
     assert lr(20, 1.0, 4, 14) == pytest.approx(0.1)                                 # past the end: stays at 0.1
     assert lr(100, 3e-4, 0, None) == 3e-4 and lr(0, 3e-4, 0, 10) == 3e-4            # no warm-up; constant
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_parked_weights_hold_memory_only_inside_with_and_come_back_bit_for_bit(device):
+    """plumbing.Parked (the on-policy scripts' reference on a GPU): outside `with` no parameter
+    holds memory where it lives; inside, the model computes what it did before, every time; a tied
+    weight is parked once; on a GPU the host copy is pinned."""
+    from model import GPT, GPTConfig
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA here")
+    model = GPT(GPTConfig(vocab_size=40, block_size=16, n_layer=2, n_head=2, n_embd=16)).to(device)
+    assert model.lm_head.weight is model.wte.weight                        # tied: one storage, parked once
+    x = torch.randint(0, 40, (2, 9), device=device)
+    with torch.no_grad():
+        before = model(x)[0]
+    parked = plumbing.Parked(model.requires_grad_(False))
+    assert len(parked.storages) == len(list(model.parameters()))
+    assert sum(h.numel() for h in parked.host) == sum(p.nbytes for p in model.parameters())
+    assert all(h.is_pinned() == (device == "cuda") for h in parked.host)
+    for _ in range(2):
+        assert all(p.untyped_storage().size() == 0 for p in model.parameters())
+        with parked, torch.no_grad():
+            assert torch.equal(model(x)[0], before)
+    assert all(p.untyped_storage().size() == 0 for p in model.parameters())
+
+
+def test_a_reference_is_parked_only_on_a_gpu_and_never_when_it_shares_the_policys_weights(tiny_sft):
+    """Run.parked: a reference of its own on a GPU is Parked; on the CPU, or a LoRA policy's (its
+    frozen weights are the policy's), nothing moves."""
+    import contextlib
+    import types
+
+    from lora import add_adapters, base_model
+    policy, _ = load_checkpoint(tiny_sft)
+    ref, _ = load_checkpoint(tiny_sft)
+    assert isinstance(plumbing.Run.parked(types.SimpleNamespace(device="cuda"), ref, policy), plumbing.Parked)
+    assert all(p.untyped_storage().size() == 0 for p in ref.parameters())
+    cpu = plumbing.Run.parked(types.SimpleNamespace(device="cpu"), policy, ref)
+    assert isinstance(cpu, contextlib.nullcontext)
+    add_adapters(policy, 2, 4)
+    shared = plumbing.Run.parked(types.SimpleNamespace(device="cuda"), base_model(policy), policy)
+    assert isinstance(shared, contextlib.nullcontext)
+    assert all(p.untyped_storage().size() > 0 for p in policy.parameters())
+
+
+@pytest.mark.parametrize("script", ["grpo", "rloo", "reinforce"])
+def test_the_parked_reference_is_away_while_sampling_and_updating_and_moves_no_number(script, tiny_sft, tmp_path,
+                                                                                     monkeypatch):
+    """grpo, rloo and reinforce with the reference parked as on a GPU (here on the CPU): its weights are
+    back for step 2's forwards and away for sampling and the update, and metrics.jsonl is the unparked run's
+    line for line (times aside)."""
+    from conftest import parked_reference_run, run_metrics
+    module = importlib.import_module(script)
+    argv = TINY_RL + ["--steps", "2", "--init", tiny_sft, "--device", "cpu"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)                                  # one thread: two runs' sums in one order
+    try:
+        torch.manual_seed(0)
+        module.main(module.parse_args([*argv, "--out", str(tmp_path / "plain")]))
+        torch.manual_seed(0)
+        assert parked_reference_run(module, argv, tmp_path / "parked", monkeypatch) == 2     # a forward a step
+    finally:
+        torch.set_num_threads(threads)
+    assert run_metrics(tmp_path / "parked", script) == run_metrics(tmp_path / "plain", script)

@@ -37,11 +37,12 @@ def test_the_recipe_runs_grpo_on_a_folder_whose_embedding_outgrows_its_tokenizer
 def test_the_memory_ledger_counts_each_owner_once():
     """bench/recipe.py's Ledger.owners (here over CPU tensors): the policy's weights, its gradients,
     AdamW's two moments, the reference's weights and the sampler's bfloat16 copy, each storage
-    once; a LoRA reference shares the policy's weights (nothing of its own); a released copy holds
-    nothing."""
+    once; a LoRA reference shares the policy's weights (nothing of its own); a released copy and a
+    parked reference hold nothing."""
     import sys
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import recipe
+    import plumbing
     import sampler
     from lora import add_adapters, base_model, trainable
     from model import GPT, GPTConfig
@@ -69,3 +70,8 @@ def test_the_memory_ledger_counts_each_owner_once():
         assert all(p.dtype == torch.bfloat16 for p in linears) and gib(linears) > 0
         sampler.release_copy(policy)
         assert "sampler copy" not in ledger.owners()
+        if not lora:                                                   # a parked reference: only inside `with`
+            parked = plumbing.Parked(ref)
+            assert "reference" not in ledger.owners()
+            with parked:
+                assert abs(ledger.owners()["reference"] - want["reference"]) < 1e-12
