@@ -45,7 +45,7 @@ import task
 from checkpoint import (CheckpointError, fingerprint, from_pretrained, is_pretrained_folder,
                         load_checkpoint, pretrained_config, save_checkpoint)
 from flags import RM_PATH, SFT_PATH, default_path, task_flags
-from lora import add_adapters, base_model, trainable
+from lora import add_adapters, base_model, compact, trainable
 from model import GPT, GPTConfig
 from tasks import arithmetic
 from tasks.toolcalc import CHAT_BLOCK_SIZE
@@ -527,7 +527,8 @@ class Run:
 
     def adapt(self, model):
         """--lora_rank r: every weight of `model` frozen, adapters on its projections
-        (lora.add_adapters); without it the model as it is. A target the model lacks or a rank it
+        (lora.add_adapters), on a GPU the frozen ones under them in bfloat16 where that is exact
+        (lora.compact); without it the model as it is. A target the model lacks or a rank it
         cannot have is one error line."""
         r = getattr(self.args, "lora_rank", 0)
         if not r:
@@ -536,6 +537,8 @@ class Run:
             model = add_adapters(model, r, self.args.lora_alpha, self.args.lora_targets)
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
+        if self.device.startswith("cuda"):
+            compact(model)
         n = sum(p.numel() for p in trainable(model))
         self.print(f"LoRA: rank {r}, alpha {self.args.lora_alpha:g} on "
                    f"{', '.join(model.lora['targets'])}: {n / 1e6:.3f}M of "

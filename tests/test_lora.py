@@ -176,6 +176,56 @@ def test_a_lora_checkpoint_keeps_its_adapters_and_loads_merged(tmp_path):
     assert not any(isinstance(m, LoRALinear) for m in loaded.modules())
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_compact_base_holds_half_its_bytes_and_moves_no_number(device, tmp_path):
+    """lora.compact (a LoRA run on a GPU): frozen weights equal to their bfloat16 rounding (a bfloat16 checkpoint's)
+    are kept in bfloat16. Under bfloat16 autocast and without it, the logits and the adapters' gradients are the
+    float32 base's bit for bit; so are the merged weights (float32), a saved and loaded checkpoint and the sampler's
+    bfloat16 copy. A base that bfloat16 would round is left as it is (the control)."""
+    import copy
+
+    import sampler
+    from lora import compact
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA here")
+    model = tiny(LLAMA)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())                             # a bfloat16 checkpoint's numbers
+    full = randomize_b(add_adapters(model, rank=4, alpha=16.0)).to(device)
+    small = copy.deepcopy(full)
+    assert compact(small)
+    bases = [m.base.weight for m in small.modules() if isinstance(m, LoRALinear)]
+    assert len(bases) == 4 * 2 and all(w.dtype == torch.bfloat16 for w in bases)
+    nbytes = lambda m: sum(p.numel() * p.element_size() for p in m.parameters())
+    assert nbytes(small) == nbytes(full) - sum(2 * w.numel() for w in bases)
+    idx = torch.randint(0, 50, (3, 9), device=device)
+    mask = torch.ones(3, 9, device=device)
+    mask[0, :2] = 0
+    for on in (True, False):
+        outs, grads = [], []
+        for m in (full, small):
+            m.zero_grad()
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=on):
+                logits = m(idx, mask)
+            logits.float().square().mean().backward()
+            outs.append(logits)
+            grads.append([p.grad for p in adapters(m)])
+        assert outs[0].dtype == outs[1].dtype and torch.equal(outs[0], outs[1]), on
+        assert all(torch.equal(a, b) for a, b in zip(*grads)), on
+    merged = merge(small)
+    assert all(p.dtype == torch.float32 for p in merged.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(merge(full).state_dict().values(), merged.state_dict().values()))
+    save_checkpoint(str(tmp_path / "m.pt"), small, "gpt2-bytes")
+    loaded, _ = load_checkpoint(str(tmp_path / "m.pt"), device=device)
+    assert all(torch.equal(a, b) for a, b in zip(merged.state_dict().values(), loaded.state_dict().values()))
+    with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16):
+        copies = [list(sampler.sampling_copy(m, torch.bfloat16).parameters()) for m in (full, small)]
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(*copies))
+    rounded = randomize_b(add_adapters(tiny(LLAMA), rank=4, alpha=16.0))   # float32 numbers bfloat16 would round
+    assert not compact(rounded) and all(p.dtype == torch.float32 for p in rounded.parameters())
+
+
 # -----------------------------------------------------------------------------
 # The flags, through the scripts
 
