@@ -104,10 +104,11 @@ def run_metrics(out, script):
     return [{k: v for k, v in r.items() if k not in ("elapsed_s", "tokens_per_sec")} for r in rows]
 
 
-def parked_reference_run(module, argv, out, monkeypatch):
-    """module.main(argv) with the reference parked as on a GPU (plumbing.Parked, here on the CPU): asserts that its
-    weights hold no memory while the policy samples or updates and all of it while step 2 reads them. Returns the
-    number of forwards of the reference."""
+def parked_reference_runs(module, argv, out, monkeypatch):
+    """module.main(argv) twice, one torch thread (the sums in one order): as it runs on the CPU, and with the reference
+    parked as on a GPU (plumbing.Parked, here on the CPU). Asserts that the parked weights hold no memory while the
+    policy samples or updates and all of it while step 2 reads them, and that both runs log the same metrics (times
+    aside). Returns the number of forwards of the reference."""
     import plumbing
     import sampler
     parks, seen, real = [], {"ref": 0}, plumbing.Run.parked
@@ -137,11 +138,21 @@ def parked_reference_run(module, argv, out, monkeypatch):
 
     def elsewhere(*a):                                   # sampling, the update
         assert away()
-    monkeypatch.setattr(plumbing.Run, "parked", parked)
-    monkeypatch.setattr(sampler, "generate", spy(sampler.generate, elsewhere))
-    monkeypatch.setattr(sampler, "episodes", spy(sampler.episodes, elsewhere))
-    monkeypatch.setattr(module, "completion_logprobs", spy(module.completion_logprobs, elsewhere))
-    monkeypatch.setattr(module, "completion_hidden", spy(module.completion_hidden, hidden))
-    module.main(module.parse_args([*argv, "--out", str(out)]))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        module.main(module.parse_args([*argv, "--out", str(out / "plain")]))
+        monkeypatch.setattr(plumbing.Run, "parked", parked)
+        monkeypatch.setattr(sampler, "generate", spy(sampler.generate, elsewhere))
+        monkeypatch.setattr(sampler, "episodes", spy(sampler.episodes, elsewhere))
+        monkeypatch.setattr(module, "completion_logprobs", spy(module.completion_logprobs, elsewhere))
+        monkeypatch.setattr(module, "completion_hidden", spy(module.completion_hidden, hidden))
+        torch.manual_seed(0)
+        module.main(module.parse_args([*argv, "--out", str(out / "parked")]))
+    finally:
+        torch.set_num_threads(threads)
     assert len(parks) == 1 and away()
+    script = module.__name__
+    assert run_metrics(out / "parked", script) == run_metrics(out / "plain", script)
     return seen["ref"]

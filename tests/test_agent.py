@@ -390,18 +390,9 @@ def test_the_parked_reference_is_away_while_sampling_and_updating_and_moves_no_n
     """As grpo's (tests/test_plumbing.py): the reference parked as on a GPU is back for step 2 alone, and
     metrics.jsonl is the unparked run's line for line (times aside)."""
     import agent
-    from conftest import parked_reference_run, run_metrics
+    from conftest import parked_reference_runs
     argv = TINY + ["--steps", "2", "--init", tiny_tool_sft, "--device", "cpu"]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)                                  # one thread: two runs' sums in one order
-    try:
-        torch.manual_seed(0)
-        agent.main(agent.parse_args([*argv, "--out", str(tmp_path / "plain")]))
-        torch.manual_seed(0)
-        assert parked_reference_run(agent, argv, tmp_path / "parked", monkeypatch) == 2     # a forward a step
-    finally:
-        torch.set_num_threads(threads)
-    assert run_metrics(tmp_path / "parked", "agent") == run_metrics(tmp_path / "plain", "agent")
+    assert parked_reference_runs(agent, argv, tmp_path, monkeypatch) == 2             # a forward a step
 
 
 def test_script_runs_two_attempts_and_the_pitfall(tiny_tool_sft, tmp_path):
