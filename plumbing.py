@@ -96,7 +96,7 @@ def bf16_linears(model):
 
 class Parked:
     """A frozen model's weights in device memory only inside `with parked:`; outside it they wait
-    in host memory (pinned, for a CUDA device), as DeepSpeed offloads a frozen reference. The
+    in host memory (pinned, for a CUDA device), as verl's ref.fsdp_config.param_offload. The
     tensors stay: their storage shrinks to nothing and grows back (sampler.release_copy), so the
     numbers are the same bit for bit. One host-to-device copy each time (1.17 GB at
     Qwen2.5-0.5B with bf16_linears), in exchange for that memory through sampling and update."""
