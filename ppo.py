@@ -208,6 +208,7 @@ def main(args):
     if args.critic_init == "rm":
         critic.load_state_dict(rm.state_dict())
     critic.eval()                                   # every model in eval mode: no dropout
+    ref_weights = run.parked(ref, policy)           # pi_ref in host memory outside step 2 (a GPU), once copied
     if rm is not None:
         rm.requires_grad_(False)
     run.check_lengths(policy, tok, args.max_new_tokens)
@@ -244,7 +245,7 @@ def main(args):
         # 2. score without gradient, in micro-batches: pi_old, pi_ref and V_old along each completion, the exact KL
         old_logp, ref_logp, old_values = (torch.zeros_like(mask) for _ in range(3))         # (B, Tn) each
         kl_exact = torch.zeros(len(mask), device=run.device)                        # (B,) exact KL per completion
-        with torch.no_grad():
+        with torch.no_grad(), ref_weights:                                           # pi_ref on the device here alone
             for rows in run.micro_batches(len(mask)):
                 old_logits = token_logits(policy, seq[rows], seq_mask[rows], Tp, run.autocast)  # (b, Tn, V)
                 ref_logits = token_logits(ref, seq[rows], seq_mask[rows], Tp, run.autocast)

@@ -106,17 +106,19 @@ def run_metrics(out, script):
 
 def parked_reference_runs(module, argv, out, monkeypatch):
     """module.main(argv) twice, one torch thread (the sums in one order): as it runs on the CPU, and with the reference
-    parked as on a GPU (plumbing.Parked, here on the CPU). Asserts that the parked weights hold no memory while the
-    policy samples or updates and all of it while step 2 reads them, and that both runs log the same metrics (times
-    aside). Returns the number of forwards of the reference."""
+    parked as on a GPU (plumbing.Parked, here on the CPU). Asserts that the parked weights hold all their memory at
+    each of the reference's forwards and none whenever the sampler runs or a backward pass does, and that both runs log
+    the same metrics (times aside). Returns the number of the reference's forwards."""
     import plumbing
     import sampler
-    parks, seen, real = [], {"ref": 0}, plumbing.Run.parked
+    from model import GPT
+    parks, seen = [], {"ref": 0}
+    real_parked, real_hidden, real_backward = plumbing.Run.parked, GPT.hidden, torch.Tensor.backward
 
     def parked(self, ref, policy):                      # the method itself, told the device is a GPU
         device, self.device = self.device, "cuda"
         try:
-            parks.append((real(self, ref, policy), ref))
+            parks.append((real_parked(self, ref, policy), ref))
         finally:
             self.device = device
         assert isinstance(parks[-1][0], plumbing.Parked)
@@ -125,29 +127,27 @@ def parked_reference_runs(module, argv, out, monkeypatch):
     def away():
         return all(s.size() == 0 for s in parks[0][0].storages)
 
-    def spy(fn, check):
-        def wrapped(*a, **k):
-            check(*a)
-            return fn(*a, **k)
-        return wrapped
-
-    def hidden(model, *a):
-        if model is parks[0][1]:
+    def hidden(model, *a, **k):                         # every forward of a GPT goes through GPT.hidden
+        if parks and model is parks[0][1]:
             assert not away()
             seen["ref"] += 1
+        return real_hidden(model, *a, **k)
 
-    def elsewhere(*a):                                   # sampling, the update
-        assert away()
+    def spy(fn):                                         # sampling, the update's backward passes
+        def wrapped(*a, **k):
+            assert away()
+            return fn(*a, **k)
+        return wrapped
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         torch.manual_seed(0)
         module.main(module.parse_args([*argv, "--out", str(out / "plain")]))
         monkeypatch.setattr(plumbing.Run, "parked", parked)
-        monkeypatch.setattr(sampler, "generate", spy(sampler.generate, elsewhere))
-        monkeypatch.setattr(sampler, "episodes", spy(sampler.episodes, elsewhere))
-        monkeypatch.setattr(module, "completion_logprobs", spy(module.completion_logprobs, elsewhere))
-        monkeypatch.setattr(module, "completion_hidden", spy(module.completion_hidden, hidden))
+        monkeypatch.setattr(GPT, "hidden", hidden)
+        monkeypatch.setattr(torch.Tensor, "backward", spy(real_backward))
+        monkeypatch.setattr(sampler, "generate", spy(sampler.generate))
+        monkeypatch.setattr(sampler, "episodes", spy(sampler.episodes))
         torch.manual_seed(0)
         module.main(module.parse_args([*argv, "--out", str(out / "parked")]))
     finally:
