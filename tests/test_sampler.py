@@ -159,7 +159,7 @@ def test_lora_adapters_are_merged_into_the_samplers_copy_and_draw_the_same_token
     between calls the copy holds no memory (release_copy). Under bfloat16 autocast it holds bf16(W + (alpha/r) B A)."""
     from lora import LoRALinear, add_adapters
     model, p, m = sampler_case("cpu", n_head=4, n_kv_head=2, pos="rope", norm="rmsnorm", mlp="swiglu", bias=False)
-    model = add_adapters(model, 4, 8.0)   # the copy's storage, given back after each call, is made again
+    model = add_adapters(model, 4, 8.0)
     for change in range(2):
         with torch.no_grad():
             for name, q in model.named_parameters():
