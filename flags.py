@@ -125,6 +125,10 @@ def add_run_flags(parser, script, log_every, eval_every):
     add("--grad_checkpoint", action="store_true",
         help="recompute each transformer block's activations in backward (less memory, ~30%% "
              "more compute; for real checkpoints)")
+    add("--offload_optimizer", action="store_true",
+        help="a GPU: keep AdamW's two moments in host memory between optimizer steps (twice the "
+             "trainable weights' memory, 3.7 GB at Qwen2.5-0.5B; plumbing.ParkedMoments): the "
+             "same numbers, two copies over PCIe a step; nothing moves on the CPU")
     if script not in ("rm", "{orm,prm}"):                     # the scripts that train a policy
         add("--lora_rank", type=Int(ge=0), default=0,
             help="LoRA (lora.py): train rank-r adapters on the projections, every weight frozen; "

@@ -166,7 +166,8 @@ class Ledger:
     """Device memory by phase (CUDA): each phase's peak (torch.cuda.max_memory_allocated, restarted
     at every change of phase) and, when it first begins in a step, what is in use by owner: the
     policy's weights, their gradients, AdamW's moments, the reference's weights, the sampler's copy
-    (sampler.sampling_copy), the rest. Phases: sampling, scoring, update (the rest of a step)."""
+    (sampler.sampling_copy), the rest. Phases: sampling, scoring, update (the rest of a step) and
+    within it the optimizer step (with --offload_optimizer AdamW's moments come back there)."""
     OWNERS = ("weights", "gradients", "adamw", "reference", "sampler copy")
 
     def __init__(self, device):
@@ -269,6 +270,12 @@ def run(args):
             super().__init__(*a, **k)
             ledger.optimizers.append(self)
 
+        def step(self, *a, **k):                                   # a phase of its own in the ledger
+            ledger.mark("optimizer step")
+            out = super().step(*a, **k)
+            ledger.mark("update")
+            return out
+
     def preallocated(*a, **k):                                    # the rollout's KV cache, its GiB
         cache = real_cache(*a, **k)
         if ledger.phase == "sampling":                              # not an evaluation's
@@ -355,7 +362,7 @@ def summarise(steps, params, peak, args, measured, flags, memory=()):
               "peak - in use |")
         print("| ---: | --- |" + " ---: |" * (len(Ledger.OWNERS) + 5))
         for i, rec in enumerate(memory, 1):
-            for phase in ("sampling", "scoring", "update"):
+            for phase in ("sampling", "scoring", "update", "optimizer step"):
                 m = rec.get(phase)
                 if m:
                     rest = m["start"] - sum(m.get(o, 0.0) for o in Ledger.OWNERS)

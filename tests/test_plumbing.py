@@ -430,3 +430,95 @@ def test_the_parked_reference_is_away_while_sampling_and_updating_and_moves_no_n
     module = importlib.import_module(script)
     argv = TINY_RL + ["--steps", "2", "--init", tiny_sft, "--device", "cpu"]
     assert parked_reference_runs(module, argv, tmp_path, monkeypatch) == 2           # a forward a step
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_parked_moments_are_on_the_device_only_inside_the_step_and_change_no_number(device):
+    """plumbing.ParkedMoments (--offload_optimizer on a GPU): between AdamW's steps its moments hold no
+    memory where they live; inside each step (and inside `with`) they are back, and three steps leave the
+    weights and the moments bit for bit as plain AdamW's; moments loaded from a checkpoint leave at once;
+    on a GPU the host copies are pinned."""
+    from model import GPT, GPTConfig
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA here")
+    models = [GPT(GPTConfig(vocab_size=40, block_size=16, n_layer=2, n_head=2, n_embd=16)).to(device)
+              for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, betas=(0.9, 0.99)) for m in models]
+    parked = plumbing.ParkedMoments(optimizers[1])
+    moments = lambda opt: [t for st in opt.state.values() for k, t in st.items() if k != "step"]
+    inside = []
+    optimizers[1].register_step_pre_hook(    # after ParkedMoments' own hook: what the step sees
+        lambda *_: inside.append(all(t.untyped_storage().size() for t in moments(optimizers[1]))))
+    x = torch.randint(0, 40, (2, 9), device=device)
+    for _ in range(3):
+        for m, opt in zip(models, optimizers):
+            m(x, targets=x[:, 1:]).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        assert all(t.untyped_storage().size() == 0 for t in moments(optimizers[1]))
+    assert inside == [True] * 3 and len(moments(optimizers[1])) == 2 * len(list(models[0].parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
+    assert all(h.is_pinned() == (device == "cuda") for h in parked.host.values())
+    with parked:
+        state = optimizers[1].state_dict()
+        assert all(torch.equal(a, b) for a, b in zip(moments(optimizers[0]), moments(optimizers[1])))
+    assert all(t.untyped_storage().size() == 0 for t in moments(optimizers[1]))
+    optimizers[0].load_state_dict(state)                   # a resumed run's: away once parked
+    plumbing.ParkedMoments(optimizers[0])
+    assert all(t.untyped_storage().size() == 0 for t in moments(optimizers[0]))
+
+
+def test_offloaded_moments_are_away_outside_the_step_and_a_resumed_run_moves_no_number(tiny_sft, tmp_path,
+                                                                                       monkeypatch):
+    """grpo.py --offload_optimizer as on a GPU (here on the CPU): AdamW's moments are away whenever the
+    sampler or a backward pass runs; a run of 2 steps (checkpointed with its moments) resumed to 4 logs
+    what a plain run of 4 logs, line for line (times aside), and ends with its weights and moments bit for
+    bit. On the CPU the flag moves nothing (Run.parked_moments)."""
+    import contextlib
+    import types
+
+    import grpo
+    import sampler
+    from conftest import run_metrics
+    off = types.SimpleNamespace(offload_optimizer=True)
+    assert isinstance(plumbing.Run.parked_moments(types.SimpleNamespace(device="cpu", args=off), None),
+                      contextlib.nullcontext)
+    parks, real_parked, real_backward = [], plumbing.Run.parked_moments, torch.Tensor.backward
+
+    def parked_moments(self, optimizer):                 # the method itself, told the device is a GPU
+        device, self.device = self.device, "cuda"
+        try:
+            parks.append(real_parked(self, optimizer))
+        finally:
+            self.device = device
+        assert isinstance(parks[-1], plumbing.ParkedMoments)
+        return parks[-1]
+
+    def spy(fn):
+        def wrapped(*a, **k):
+            state = parks[-1].optimizer.state.values() if parks else []
+            assert all(t.untyped_storage().size() == 0 for st in state for k, t in st.items() if k != "step")
+            return fn(*a, **k)
+        return wrapped
+    argv = TINY_RL + ["--init", tiny_sft, "--device", "cpu"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        grpo.main(grpo.parse_args([*argv, "--steps", "4", "--out", str(tmp_path / "plain")]))
+        monkeypatch.setattr(plumbing.Run, "parked_moments", parked_moments)
+        monkeypatch.setattr(torch.Tensor, "backward", spy(real_backward))
+        monkeypatch.setattr(sampler, "generate", spy(sampler.generate))
+        for steps, more in (("2", []), ("4", ["--resume"])):
+            torch.manual_seed(0)
+            grpo.main(grpo.parse_args([*argv, "--steps", steps, "--offload_optimizer", *more,
+                                       "--out", str(tmp_path / "off")]))
+    finally:
+        torch.set_num_threads(threads)
+    assert len(parks) == 2 and all(len(p.host) > 0 for p in parks)
+    assert run_metrics(tmp_path / "off", "grpo") == run_metrics(tmp_path / "plain", "grpo")
+    a, b = (torch.load(tmp_path / run / "grpo.pt", weights_only=False) for run in ("plain", "off"))
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])

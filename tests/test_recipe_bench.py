@@ -37,8 +37,8 @@ def test_the_recipe_runs_grpo_on_a_folder_whose_embedding_outgrows_its_tokenizer
 def test_the_memory_ledger_counts_each_owner_once():
     """bench/recipe.py's Ledger.owners (here over CPU tensors): the policy's weights, its gradients,
     AdamW's two moments, the reference's weights and the sampler's bfloat16 copy, each storage
-    once; a LoRA reference shares the policy's weights (nothing of its own); a released copy and a
-    parked reference hold nothing."""
+    once; a LoRA reference shares the policy's weights (nothing of its own); a released copy, a
+    parked reference and parked moments hold nothing."""
     import sys
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import recipe
@@ -75,3 +75,7 @@ def test_the_memory_ledger_counts_each_owner_once():
             assert "reference" not in ledger.owners()
             with parked:
                 assert abs(ledger.owners()["reference"] - want["reference"]) < 1e-12
+        moments = plumbing.ParkedMoments(optimizer)                    # --offload_optimizer: the same
+        assert "adamw" not in ledger.owners()
+        with moments:
+            assert abs(ledger.owners()["adamw"] - want["adamw"]) < 1e-12
