@@ -182,10 +182,6 @@ def parse_args(argv=None):
     return args
 
 
-def new_optimizer(policy, args):
-    return torch.optim.AdamW(trainable(policy), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
-
-
 def main(args):
     run = Run("expert_iteration", args, batch_flag="batch_size")  # device, seeds, lock, log, resume, torchrun
     if args.prompts_per_round % run.world:
@@ -194,8 +190,9 @@ def main(args):
     policy, tok = run.load_policy(args.init)        # the policy starts as the SFT policy
     sft_weights = copy.deepcopy(policy.state_dict()) if args.restart else None    # --restart: every round starts here
     rm = run.load_reward_model(args.rm, args.init).requires_grad_(False) if args.select == "rm" else None
+    rm_weights = run.parked(rm, policy)             # in host memory outside step 2 (a GPU)
     run.check_lengths(policy, tok, args.max_new_tokens)
-    optimizer = new_optimizer(policy, args)
+    optimizer = torch.optim.AdamW(trainable(policy), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     ckpt = run.resume(policy, optimizer)
     kept_so_far = [(p, tuple(c)) for p, c in ckpt["kept_so_far"]] if ckpt else []  # --restart trains on all of it
     train_policy = run.ddp(policy)                  # DistributedDataParallel under torchrun, else the policy itself
@@ -222,7 +219,7 @@ def main(args):
         if args.select == "verifier":
             scores, threshold = rewards, 1.0
         else:
-            with run.autocast:
+            with run.autocast, rm_weights:
                 scores = reward_model_scores(rm, tok, [p for p in prompts for _ in range(N)], ids, run.device)
             scores, threshold = scores.view(-1, N), None                             # (P, N) R(x, y)
         kept = select(scores, [[tuple(c) for c in ids[i * N:(i + 1) * N]] for i in range(len(prompts))],
@@ -240,7 +237,7 @@ def main(args):
             kept_so_far += data
             data = kept_so_far
             policy.load_state_dict(sft_weights)
-            optimizer = new_optimizer(policy, args)
+            optimizer.state.clear()                                          # AdamW afresh: no moments, step 0
 
         # 4. fine-tune by teacher forcing: the mean NLL of the kept completions' tokens (sft.py's loss), --epochs
         #    passes in batches of --batch_size, each batch shared among the ranks and the --grad_accum micro-batches

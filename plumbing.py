@@ -148,9 +148,10 @@ class ParkedMoments:
         self.leave()
 
     def come_back(self):
-        for s, h in self.away:
-            s.resize_(h.numel())
-            s.copy_(h.untyped_storage(), non_blocking=True)
+        for p, k, t, h in self.away:
+            if self.optimizer.state.get(p, {}).get(k) is t:    # not replaced (a state cleared, loaded)
+                t.untyped_storage().resize_(h.numel())
+                t.untyped_storage().copy_(h.untyped_storage(), non_blocking=True)
         self.away = []
 
     def leave(self):
@@ -170,7 +171,7 @@ class ParkedMoments:
                     self.host[id(p), k] = h
                 h.untyped_storage().copy_(s, non_blocking=True)
                 s.resize_(0)
-                self.away.append((s, h))
+                self.away.append((p, k, t, h))
 
 
 def seed_everything(seed):
@@ -609,11 +610,11 @@ class Run:
         return ref.requires_grad_(False)
 
     def parked(self, ref, policy):
-        """`with run.parked(ref, policy):` around the phase that uses the reference: on a GPU its
-        weights are on the device only there (Parked); elsewhere, or where it shares the policy's
-        weights (LoRA), nothing moves."""
+        """`with run.parked(ref, policy):` around the phase that uses a frozen model (the reference,
+        a reward model): on a GPU its weights are on the device only there (Parked); elsewhere,
+        where it shares the policy's weights (LoRA), or where there is none (None), nothing moves."""
         shared = {p.untyped_storage().data_ptr() for p in policy.parameters()}
-        if not self.device.startswith("cuda") or any(
+        if ref is None or not self.device.startswith("cuda") or any(
                 p.untyped_storage().data_ptr() in shared for p in ref.parameters()):
             return contextlib.nullcontext()
         return Parked(ref)

@@ -104,38 +104,42 @@ def run_metrics(out, script):
     return [{k: v for k, v in r.items() if k not in ("elapsed_s", "tokens_per_sec")} for r in rows]
 
 
-def parked_reference_runs(module, argv, out, monkeypatch):
-    """module.main(argv) twice, one torch thread (the sums in one order): as it runs on the CPU, and with the reference
-    parked as on a GPU (plumbing.Parked, here on the CPU). Asserts that the parked weights hold all their memory at
-    each of the reference's forwards and none whenever the sampler runs or a backward pass does, and that both runs log
-    the same metrics (times aside). Returns the number of the reference's forwards."""
+def parked_runs(module, argv, out, monkeypatch):
+    """module.main(argv) twice, one torch thread (the sums in one order): as it runs on the CPU, and with its frozen
+    models (the reference; ppo's reward model) parked as on a GPU (plumbing.Parked, here on the CPU). Asserts that a
+    parked model holds all its memory at each of its forwards and every parked model none whenever the sampler runs or
+    a backward pass does, and that both runs log the same metrics (times aside). Returns the number of forwards of
+    each parked model, in the order they were parked."""
     import plumbing
     import sampler
     from model import GPT
-    parks, seen = [], {"ref": 0}
+    parks = []                                           # [Parked, the model, its forwards]
     real_parked, real_hidden, real_backward = plumbing.Run.parked, GPT.hidden, torch.Tensor.backward
 
     def parked(self, ref, policy):                      # the method itself, told the device is a GPU
         device, self.device = self.device, "cuda"
         try:
-            parks.append((real_parked(self, ref, policy), ref))
+            parking = real_parked(self, ref, policy)
         finally:
             self.device = device
-        assert isinstance(parks[-1][0], plumbing.Parked)
-        return parks[-1][0]
+        if ref is not None:
+            assert isinstance(parking, plumbing.Parked)
+            parks.append([parking, getattr(ref, "backbone", ref), 0])   # a ScalarGPT runs its backbone
+        return parking
 
-    def away():
-        return all(s.size() == 0 for s in parks[0][0].storages)
+    def away(parking):
+        return all(s.size() == 0 for s in parking.storages)
 
     def hidden(model, *a, **k):                         # every forward of a GPT goes through GPT.hidden
-        if parks and model is parks[0][1]:
-            assert not away()
-            seen["ref"] += 1
+        for park in parks:
+            if model is park[1]:
+                assert not away(park[0])
+                park[2] += 1
         return real_hidden(model, *a, **k)
 
     def spy(fn):                                         # sampling, the update's backward passes
         def wrapped(*a, **k):
-            assert away()
+            assert all(away(park[0]) for park in parks)
             return fn(*a, **k)
         return wrapped
     threads = torch.get_num_threads()
@@ -152,7 +156,7 @@ def parked_reference_runs(module, argv, out, monkeypatch):
         module.main(module.parse_args([*argv, "--out", str(out / "parked")]))
     finally:
         torch.set_num_threads(threads)
-    assert len(parks) == 1 and away()
+    assert parks and all(away(park[0]) for park in parks)
     script = module.__name__
     assert run_metrics(out / "parked", script) == run_metrics(out / "plain", script)
-    return seen["ref"]
+    return [park[2] for park in parks]

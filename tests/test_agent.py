@@ -390,9 +390,9 @@ def test_the_parked_reference_is_away_while_sampling_and_updating_and_moves_no_n
     """As grpo's (tests/test_plumbing.py): the reference parked as on a GPU is back for step 2 alone, and
     metrics.jsonl is the unparked run's line for line (times aside)."""
     import agent
-    from conftest import parked_reference_runs
+    from conftest import parked_runs
     argv = TINY + ["--steps", "2", "--init", tiny_tool_sft, "--device", "cpu"]
-    assert parked_reference_runs(agent, argv, tmp_path, monkeypatch) == 2             # a forward a step
+    assert parked_runs(agent, argv, tmp_path, monkeypatch) == [2]            # a forward a step
 
 
 def test_script_runs_two_attempts_and_the_pitfall(tiny_tool_sft, tmp_path):

@@ -426,18 +426,18 @@ def test_the_parked_reference_is_away_while_sampling_and_updating_and_moves_no_n
     """grpo, rloo and reinforce with the reference parked as on a GPU (here on the CPU): its weights are
     back for step 2's forwards and away for sampling and the update, and metrics.jsonl is the unparked run's
     line for line (times aside)."""
-    from conftest import parked_reference_runs
+    from conftest import parked_runs
     module = importlib.import_module(script)
     argv = TINY_RL + ["--steps", "2", "--init", tiny_sft, "--device", "cpu"]
-    assert parked_reference_runs(module, argv, tmp_path, monkeypatch) == 2           # a forward a step
+    assert parked_runs(module, argv, tmp_path, monkeypatch) == [2]          # a forward a step
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_parked_moments_are_on_the_device_only_inside_the_step_and_change_no_number(device):
     """plumbing.ParkedMoments (--offload_optimizer on a GPU): between AdamW's steps its moments hold no
     memory where they live; inside each step (and inside `with`) they are back, and three steps leave the
-    weights and the moments bit for bit as plain AdamW's; moments loaded from a checkpoint leave at once;
-    on a GPU the host copies are pinned."""
+    weights and the moments bit for bit as plain AdamW's, and so does a step after the state is cleared;
+    moments loaded from a checkpoint leave at once; on a GPU the host copies are pinned."""
     from model import GPT, GPTConfig
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA here")
@@ -464,6 +464,12 @@ def test_parked_moments_are_on_the_device_only_inside_the_step_and_change_no_num
         state = optimizers[1].state_dict()
         assert all(torch.equal(a, b) for a, b in zip(moments(optimizers[0]), moments(optimizers[1])))
     assert all(t.untyped_storage().size() == 0 for t in moments(optimizers[1]))
+    for opt in optimizers:                                 # a state cleared (expert_iteration --restart)
+        opt.state.clear()
+    for m, opt in zip(models, optimizers):
+        m(x, targets=x[:, 1:]).sum().backward()
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
     optimizers[0].load_state_dict(state)                   # a resumed run's: away once parked
     plumbing.ParkedMoments(optimizers[0])
     assert all(t.untyped_storage().size() == 0 for t in moments(optimizers[0]))
