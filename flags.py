@@ -127,7 +127,7 @@ def add_run_flags(parser, script, log_every, eval_every):
              "more compute; for real checkpoints)")
     add("--offload_optimizer", action="store_true",
         help="a GPU: keep AdamW's two moments in host memory between optimizer steps (twice the "
-             "trainable weights' memory, 3.7 GB at Qwen2.5-0.5B; plumbing.ParkedMoments): the "
+             "trainable weights' memory, 3.7 GiB at Qwen2.5-0.5B; plumbing.ParkedMoments): the "
              "same numbers, two copies over PCIe a step; nothing moves on the CPU")
     if script not in ("rm", "{orm,prm}"):                     # the scripts that train a policy
         add("--lora_rank", type=Int(ge=0), default=0,

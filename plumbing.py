@@ -131,7 +131,7 @@ class ParkedMoments:
     during its step (--offload_optimizer), as verl's actor.fsdp_config.optimizer_offload: after a
     step it is copied to host memory (pinned for a CUDA device) and its storage shrinks to nothing;
     before the next it grows back and is copied in; `with` brings it back too (a checkpoint). Two
-    copies a step (3.7 GB each way at Qwen2.5-0.5B), the same numbers bit for bit. On one stream
+    copies a step (3.7 GiB each way at Qwen2.5-0.5B), the same numbers bit for bit. On one stream
     the copies are ordered before any later use of the memory, so the host never waits."""
 
     def __init__(self, optimizer):
@@ -149,7 +149,7 @@ class ParkedMoments:
 
     def come_back(self):
         for p, k, t, h in self.away:
-            if self.optimizer.state.get(p, {}).get(k) is t:    # not replaced (a state cleared, loaded)
+            if self.optimizer.state.get(p, {}).get(k) is t:    # not replaced (cleared, loaded)
                 t.untyped_storage().resize_(h.numel())
                 t.untyped_storage().copy_(h.untyped_storage(), non_blocking=True)
         self.away = []
@@ -612,7 +612,8 @@ class Run:
     def parked(self, ref, policy):
         """`with run.parked(ref, policy):` around the phase that uses a frozen model (the reference,
         a reward model): on a GPU its weights are on the device only there (Parked); elsewhere,
-        where it shares the policy's weights (LoRA), or where there is none (None), nothing moves."""
+        where it shares the policy's weights (LoRA) or where there is none (None), nothing
+        moves."""
         shared = {p.untyped_storage().data_ptr() for p in policy.parameters()}
         if ref is None or not self.device.startswith("cuda") or any(
                 p.untyped_storage().data_ptr() in shared for p in ref.parameters()):
