@@ -127,18 +127,48 @@ class Parked:
 
 
 class ParkedMoments:
-    """An optimizer's state (AdamW's two moments: twice the trainable weights) in device memory only
-    during its step (--offload_optimizer), as verl's actor.fsdp_config.optimizer_offload: after a
-    step it is copied to host memory (pinned for a CUDA device) and its storage shrinks to nothing;
-    before the next it grows back and is copied in; `with` brings it back too (a checkpoint). Two
-    copies a step (3.7 GiB each way at Qwen2.5-0.5B), the same numbers bit for bit. On one stream
-    the copies are ordered before any later use of the memory, so the host never waits."""
+    """An optimizer's state (AdamW's two moments, twice the trainable weights) in host memory
+    (pinned for a CUDA device) outside its step (--offload_optimizer), as verl's actor
+    optimizer_offload: on the device its storage shrinks to nothing. The step runs a chunk of
+    parameters at a time (about chunk_bytes of them): a chunk's moments are copied in, stepped and
+    copied out before the next chunk's come in, so at most one chunk's moments and AdamW's
+    temporaries are on the device. `with` brings them all back (a checkpoint). AdamW's update is
+    elementwise: the same numbers bit for bit. Two copies a step (3.7 GiB each way at
+    Qwen2.5-0.5B); on one stream each is ordered before any later use of that memory, so the host
+    never waits."""
 
-    def __init__(self, optimizer):
-        self.optimizer, self.host, self.away = optimizer, {}, []
-        optimizer.register_step_pre_hook(lambda *_: self.come_back())
-        optimizer.register_step_post_hook(lambda *_: self.leave())
+    def __init__(self, optimizer, chunk_bytes=2**28):
+        self.optimizer, self.chunk_bytes, self.host, self.away = optimizer, chunk_bytes, {}, {}
+        self.real_step, optimizer.step = optimizer.step, self.step
         self.leave()                                      # a resumed run's moments leave now
+
+    def step(self, closure=None):
+        """The optimizer's own step (its hooks too) once a chunk, the other parameters hidden."""
+        if closure is not None:
+            raise ValueError("--offload_optimizer steps without a closure")
+        groups = self.optimizer.param_groups
+        every = [g["params"] for g in groups]
+        try:
+            for chunk in self.chunks(every):
+                for g, params in zip(groups, every):
+                    g["params"] = [p for p in params if id(p) in chunk]
+                self.come_back(chunk)
+                self.real_step()
+                self.leave(chunk)
+        finally:
+            for g, params in zip(groups, every):
+                g["params"] = params
+
+    def chunks(self, every):
+        chunk, size = set(), 0
+        for p in (p for params in every for p in params):
+            if chunk and size + p.nbytes > self.chunk_bytes:
+                yield chunk
+                chunk, size = set(), 0
+            chunk.add(id(p))
+            size += p.nbytes
+        if chunk:
+            yield chunk
 
     def __enter__(self):
         self.come_back()
@@ -147,20 +177,21 @@ class ParkedMoments:
     def __exit__(self, *exc):
         self.leave()
 
-    def come_back(self):
-        for p, k, t, h in self.away:
-            if self.optimizer.state.get(p, {}).get(k) is t:    # not replaced (cleared, loaded)
-                t.untyped_storage().resize_(h.numel())
-                t.untyped_storage().copy_(h.untyped_storage(), non_blocking=True)
-        self.away = []
+    def come_back(self, chunk=None):
+        for key, (p, t, h) in list(self.away.items()):
+            if chunk is None or id(p) in chunk:
+                del self.away[key]
+                if self.optimizer.state.get(p, {}).get(key[1]) is t:   # not replaced (cleared)
+                    t.untyped_storage().resize_(h.numel())
+                    t.untyped_storage().copy_(h.untyped_storage(), non_blocking=True)
 
-    def leave(self):
-        if self.away:                                     # already away
-            return
+    def leave(self, chunk=None):
         for p, state in self.optimizer.state.items():
+            if chunk is not None and id(p) not in chunk:
+                continue
             for k, t in state.items():                    # AdamW: exp_avg, exp_avg_sq (not step)
                 if not torch.is_tensor(t) or t.dim() == 0 or not t.untyped_storage().nbytes():
-                    continue
+                    continue                              # a step count, or away already
                 if not t.untyped_storage().resizable():  # e.g. loaded from a file on the CPU
                     state[k] = t = t.clone()
                 s = t.untyped_storage()
@@ -171,7 +202,7 @@ class ParkedMoments:
                     self.host[id(p), k] = h
                 h.untyped_storage().copy_(s, non_blocking=True)
                 s.resize_(0)
-                self.away.append((p, k, t, h))
+                self.away[id(p), k] = (p, t, h)
 
 
 def seed_everything(seed):

@@ -244,7 +244,7 @@ def run(args):
     real_rollout, real_adamw, real_advantages = grpo.rollout, torch.optim.AdamW, grpo.grpo_advantages
     real_load, real_reference = plumbing.Run.load_policy, plumbing.Run.reference
     real_cache, cache_attr = sampler.KVCache.preallocated, sampler.KVCache.__dict__["preallocated"]
-    real_enter = plumbing.Parked.__enter__
+    real_enter, real_parked_step = plumbing.Parked.__enter__, plumbing.ParkedMoments.step
 
     def rollout(run, policy, tok, a):
         batch, rounds = real_rollout(run, policy, tok, a)
@@ -265,16 +265,23 @@ def run(args):
         ledger.mark("update")
         return real_advantages(*a, **k)
 
+    def optimizer_step(fn):                                       # a phase of its own in the ledger
+        def step(*a, **k):
+            outer = ledger.phase != "optimizer step"                # ParkedMoments steps a chunk at a time
+            ledger.mark("optimizer step")
+            try:
+                return fn(*a, **k)
+            finally:
+                if outer:
+                    ledger.mark("update")
+        return step
+
     class AdamW(real_adamw):                                       # grpo.py's optimizer, for the ledger
         def __init__(self, *a, **k):
             super().__init__(*a, **k)
             ledger.optimizers.append(self)
 
-        def step(self, *a, **k):                                   # a phase of its own in the ledger
-            ledger.mark("optimizer step")
-            out = super().step(*a, **k)
-            ledger.mark("update")
-            return out
+        step = optimizer_step(real_adamw.step)
 
     def preallocated(*a, **k):                                    # the rollout's KV cache, its GiB
         cache = real_cache(*a, **k)
@@ -296,6 +303,7 @@ def run(args):
     grpo.grpo_advantages = advantages
     plumbing.Run.load_policy, plumbing.Run.reference = load_policy, reference
     plumbing.Parked.__enter__ = enter
+    plumbing.ParkedMoments.step = optimizer_step(real_parked_step)
     grpo.kl_entropy = timer.wrap("scoring", grpo.kl_entropy)
     GPT.head_logprobs = timer.wrap("scoring", GPT.head_logprobs, when=no_grad)
     plumbing.Run.evaluate = timer.wrap("other", plumbing.Run.evaluate)
@@ -323,6 +331,7 @@ def run(args):
         torch.optim.AdamW, sampler.KVCache.preallocated = real_adamw, cache_attr
         grpo.grpo_advantages, plumbing.Run.load_policy = real_advantages, real_load
         plumbing.Run.reference, plumbing.Parked.__enter__ = real_reference, real_enter
+        plumbing.ParkedMoments.step = real_parked_step
     with torch.device("meta"):                                     # the parameter count, without the weights
         params = GPT(GPTConfig(**(TINY if args.tiny else QWEN))).num_params()
     ledger.mark("between")

@@ -435,8 +435,9 @@ def test_the_parked_reference_is_away_while_sampling_and_updating_and_moves_no_n
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_parked_moments_are_on_the_device_only_inside_the_step_and_change_no_number(device):
     """plumbing.ParkedMoments (--offload_optimizer on a GPU): between AdamW's steps its moments hold no
-    memory where they live; inside each step (and inside `with`) they are back, and three steps leave the
-    weights and the moments bit for bit as plain AdamW's, and so does a step after the state is cleared;
+    memory where they live; the step runs a chunk of parameters at a time, each chunk's moments alone on
+    the device while it is stepped, every parameter once; three steps leave the weights and the moments
+    bit for bit as plain AdamW's, and so does a step after the state is cleared; `with` brings them back;
     moments loaded from a checkpoint leave at once; on a GPU the host copies are pinned."""
     from model import GPT, GPTConfig
     if device == "cuda" and not torch.cuda.is_available():
@@ -444,12 +445,19 @@ def test_parked_moments_are_on_the_device_only_inside_the_step_and_change_no_num
     models = [GPT(GPTConfig(vocab_size=40, block_size=16, n_layer=2, n_head=2, n_embd=16)).to(device)
               for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, betas=(0.9, 0.99)) for m in models]
-    parked = plumbing.ParkedMoments(optimizers[1])
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1)
+                  for m in models]
+    parked = plumbing.ParkedMoments(optimizers[1], chunk_bytes=4096)
     moments = lambda opt: [t for st in opt.state.values() for k, t in st.items() if k != "step"]
-    inside = []
-    optimizers[1].register_step_pre_hook(    # after ParkedMoments' own hook: what the step sees
-        lambda *_: inside.append(all(t.untyped_storage().size() for t in moments(optimizers[1]))))
+    chunks = []
+
+    def seen(opt, *_):                                     # what each of the optimizer's own steps sees
+        here = {id(p) for g in opt.param_groups for p in g["params"]}
+        chunks.append(here)
+        for p, st in opt.state.items():
+            assert all((t.untyped_storage().size() > 0) == (id(p) in here)
+                       for k, t in st.items() if k != "step")
+    optimizers[1].register_step_pre_hook(seen)
     x = torch.randint(0, 40, (2, 9), device=device)
     for _ in range(3):
         for m, opt in zip(models, optimizers):
@@ -457,7 +465,12 @@ def test_parked_moments_are_on_the_device_only_inside_the_step_and_change_no_num
             opt.step()
             opt.zero_grad()
         assert all(t.untyped_storage().size() == 0 for t in moments(optimizers[1]))
-    assert inside == [True] * 3 and len(moments(optimizers[1])) == 2 * len(list(models[0].parameters()))
+    every = [id(p) for p in models[1].parameters()]
+    per_step = len(chunks) // 3
+    assert per_step > 3 and len(moments(optimizers[1])) == 2 * len(every)
+    for i in range(3):                                     # each parameter in one chunk of each step
+        step = chunks[i * per_step:(i + 1) * per_step]
+        assert sorted(p for c in step for p in c) == sorted(every)
     assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
     assert all(h.is_pinned() == (device == "cuda") for h in parked.host.values())
     with parked:
@@ -478,9 +491,9 @@ def test_parked_moments_are_on_the_device_only_inside_the_step_and_change_no_num
 def test_offloaded_moments_are_away_outside_the_step_and_a_resumed_run_moves_no_number(tiny_sft, tmp_path,
                                                                                        monkeypatch):
     """grpo.py --offload_optimizer as on a GPU (here on the CPU): AdamW's moments are away whenever the
-    sampler or a backward pass runs; a run of 2 steps (checkpointed with its moments) resumed to 4 logs
-    what a plain run of 4 logs, line for line (times aside), and ends with its weights and moments bit for
-    bit. On the CPU the flag moves nothing (Run.parked_moments)."""
+    sampler or a backward pass runs; stepped 4 kB of parameters at a time, a run of 2 steps (checkpointed
+    with its moments) resumed to 4 logs what a plain run of 4 logs, line for line (times aside), and ends
+    with its weights and moments bit for bit. On the CPU the flag moves nothing (Run.parked_moments)."""
     import contextlib
     import types
 
@@ -514,6 +527,7 @@ def test_offloaded_moments_are_away_outside_the_step_and_a_resumed_run_moves_no_
         torch.manual_seed(0)
         grpo.main(grpo.parse_args([*argv, "--steps", "4", "--out", str(tmp_path / "plain")]))
         monkeypatch.setattr(plumbing.Run, "parked_moments", parked_moments)
+        monkeypatch.setattr(plumbing.ParkedMoments.__init__, "__defaults__", (4096,))   # several chunks
         monkeypatch.setattr(torch.Tensor, "backward", spy(real_backward))
         monkeypatch.setattr(sampler, "generate", spy(sampler.generate))
         for steps, more in (("2", []), ("4", ["--resume"])):
