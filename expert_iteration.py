@@ -192,7 +192,8 @@ def main(args):
     rm = run.load_reward_model(args.rm, args.init).requires_grad_(False) if args.select == "rm" else None
     rm_weights = run.parked(rm, policy)             # in host memory outside step 2 (a GPU)
     run.check_lengths(policy, tok, args.max_new_tokens)
-    optimizer = torch.optim.AdamW(trainable(policy), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
+    optimizer = torch.optim.AdamW(trainable(policy), lr=args.lr, weight_decay=args.weight_decay,
+                                  betas=(0.9, 0.99))
     ckpt = run.resume(policy, optimizer)
     kept_so_far = [(p, tuple(c)) for p, c in ckpt["kept_so_far"]] if ckpt else []  # --restart trains on all of it
     train_policy = run.ddp(policy)                  # DistributedDataParallel under torchrun, else the policy itself
@@ -237,7 +238,7 @@ def main(args):
             kept_so_far += data
             data = kept_so_far
             policy.load_state_dict(sft_weights)
-            optimizer.state.clear()                                          # AdamW afresh: no moments, step 0
+            optimizer.state.clear()                          # AdamW afresh: no moments, step 0
 
         # 4. fine-tune by teacher forcing: the mean NLL of the kept completions' tokens (sft.py's loss), --epochs
         #    passes in batches of --batch_size, each batch shared among the ranks and the --grad_accum micro-batches

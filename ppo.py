@@ -140,8 +140,8 @@ def token_values(critic, seq, seq_mask, Tp, autocast):
 
 @torch.no_grad()
 def rm_score_greedy(policy, rm, rm_weights, tok, prompts, device, autocast):
-    """The reward model's mean score of the policy's greedy completions (the proxy beside the verifier); rm_weights:
-    its weights' context (run.parked)."""
+    """The reward model's mean score of the policy's greedy completions (the proxy beside the
+    verifier); rm_weights: its weights' context (run.parked)."""
     seq, seq_mask, *_ = rollout(policy, tok, prompts, 0.0, task.default_max_new_tokens(), None, device, autocast)
     with autocast, rm_weights:
         return rm.score(seq, seq_mask).float().mean().item()
@@ -210,7 +210,7 @@ def main(args):
         critic.load_state_dict(rm.state_dict())
     critic.eval()                                   # every model in eval mode: no dropout
     ref_weights = run.parked(ref, policy)           # pi_ref in host memory outside step 2 (a GPU), once copied
-    rm_weights = run.parked(rm, policy)             # the reward model outside step 1 and evaluations (a GPU)
+    rm_weights = run.parked(rm, policy)             # the RM outside step 1 and evaluations (a GPU)
     if rm is not None:
         rm.requires_grad_(False)
     run.check_lengths(policy, tok, args.max_new_tokens)
@@ -228,7 +228,8 @@ def main(args):
     if not args.resume:                             # a fresh run: the starting policy is step 0
         e = run.evaluate(policy, tok)
         if rm is not None and run.is_main:
-            e["eval_rm_score"] = rm_score_greedy(policy, rm, rm_weights, tok, eval_set, run.device, run.autocast)
+            e["eval_rm_score"] = rm_score_greedy(policy, rm, rm_weights, tok, eval_set, run.device,
+                                                 run.autocast)
         else:
             e["eval_rm_score"] = None
         run.log_start(e)
@@ -321,8 +322,8 @@ def main(args):
             if run.eval_due():
                 metrics.update(run.evaluate(policy, tok))
                 if rm is not None and run.is_main:
-                    metrics["eval_rm_score"] = rm_score_greedy(policy, rm, rm_weights, tok, eval_set, run.device,
-                                                               run.autocast)
+                    metrics["eval_rm_score"] = rm_score_greedy(policy, rm, rm_weights, tok,
+                                                               eval_set, run.device, run.autocast)
             run.log(metrics, f"rm {metrics['rm_score'] if rm is not None else float('nan'):+.2f} | gold "
                              f"{metrics['gold_accuracy']:.3f} | kl {kl_mean:.3f} | clip {metrics['clip_frac']:.3f} | "
                              f"approx_kl {metrics['approx_kl']:.4f} | vf {metrics['vf_loss']:.3f} | ev "

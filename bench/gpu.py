@@ -24,8 +24,8 @@ Without CUDA it refuses with one line. Steps, in this order:
    in float32, where every mode must give exactly the eager sampler's tokens; then at Qwen2.5-0.5B's shapes, 128
    rows x 1024 new tokens, beside transformers' generate (`--qwen`).
    recipe: `python bench/recipe.py`: the README's one-GPU recipe, three steps, each split into sampling, scoring
-   and update, with completion tokens/s, model FLOPs utilisation and peak memory; then with `--lora_rank 16`,
-   then with `--offload_optimizer`.
+   and update, with completion tokens/s, model FLOPs utilisation and peak memory; then with
+   `--lora_rank 16`, then with `--offload_optimizer`.
    trl: `python bench/trl_grpo.py`: TRL's GRPOTrainer beside grpo.py at the recipe's shapes, one process, the
    ratio of their steps and their peaks (skipped with one line where trl is not installed).
 4. scripts: every training script's default command (sft first, then reward_model, the scripts that need
@@ -232,7 +232,7 @@ def steps(args):
             [py, "bench/recipe.py", "--steps", "3"], ROOT),
            ("recipe:lora", "recipe", "The same recipe with LoRA adapters of rank 16 on every projection",
             [py, "bench/recipe.py", "--steps", "3", "--extra", "--lora_rank", "16"], ROOT),
-           ("recipe:offload", "recipe", "The same recipe with AdamW's moments in host memory between steps",
+           ("recipe:offload", "recipe", "The same recipe, AdamW's moments in host memory",
             [py, "bench/recipe.py", "--steps", "3", "--extra", "--offload_optimizer"], ROOT),
            ("trl", "trl", "TRL's GRPOTrainer beside grpo.py at the recipe's shapes (skipped without trl)",
             [py, "bench/trl_grpo.py", "--steps", "3"], ROOT)]

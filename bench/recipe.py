@@ -267,7 +267,7 @@ def run(args):
 
     def optimizer_step(fn):                                       # a phase of its own in the ledger
         def step(*a, **k):
-            outer = ledger.phase != "optimizer step"                # ParkedMoments steps a chunk at a time
+            outer = ledger.phase != "optimizer step"    # ParkedMoments steps a chunk at a time
             ledger.mark("optimizer step")
             try:
                 return fn(*a, **k)

@@ -105,18 +105,19 @@ def run_metrics(out, script):
 
 
 def parked_runs(module, argv, out, monkeypatch):
-    """module.main(argv) twice, one torch thread (the sums in one order): as it runs on the CPU, and with its frozen
-    models (the reference; ppo's reward model) parked as on a GPU (plumbing.Parked, here on the CPU). Asserts that a
-    parked model holds all its memory at each of its forwards and every parked model none whenever the sampler runs or
-    a backward pass does, and that both runs log the same metrics (times aside). Returns the number of forwards of
-    each parked model, in the order they were parked."""
+    """module.main(argv) twice, one torch thread (the sums in one order): as it runs on the CPU, and
+    with its frozen models (the reference; ppo's reward model) parked as on a GPU (plumbing.Parked,
+    here on the CPU). Asserts that a parked model holds all its memory at each of its forwards and
+    every parked model none whenever the sampler runs or a backward pass does, and that both runs
+    log the same metrics (times aside). Returns the number of forwards of each parked model, in the
+    order they were parked."""
     import plumbing
     import sampler
     from model import GPT
     parks = []                                           # [Parked, the model, its forwards]
     real_parked, real_hidden, real_backward = plumbing.Run.parked, GPT.hidden, torch.Tensor.backward
 
-    def parked(self, ref, policy):                      # the method itself, told the device is a GPU
+    def parked(self, ref, policy):                   # the method itself, told the device is a GPU
         device, self.device = self.device, "cuda"
         try:
             parking = real_parked(self, ref, policy)
@@ -124,13 +125,13 @@ def parked_runs(module, argv, out, monkeypatch):
             self.device = device
         if ref is not None:
             assert isinstance(parking, plumbing.Parked)
-            parks.append([parking, getattr(ref, "backbone", ref), 0])   # a ScalarGPT runs its backbone
+            parks.append([parking, getattr(ref, "backbone", ref), 0])   # a ScalarGPT: its GPT
         return parking
 
     def away(parking):
         return all(s.size() == 0 for s in parking.storages)
 
-    def hidden(model, *a, **k):                         # every forward of a GPT goes through GPT.hidden
+    def hidden(model, *a, **k):                      # every forward of a GPT goes through it
         for park in parks:
             if model is park[1]:
                 assert not away(park[0])

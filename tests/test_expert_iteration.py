@@ -237,15 +237,17 @@ def test_script_rejects_bad_settings_with_a_message(tiny_sft, tmp_path):
     refuses_all("expert_iteration.py", cases, tmp_path)
 
 
-def test_the_parked_reward_model_is_away_but_in_selection_and_moves_no_number(tiny_sft, tmp_path, monkeypatch):
-    """--select rm with the reward model parked as on a GPU (tests/test_plumbing.py's check): on the device for
-    step 2's scores alone, away while the sampler and the fine-tuning run; metrics.jsonl is the unparked run's."""
+def test_the_parked_reward_model_is_away_but_in_selection_and_moves_no_number(tiny_sft, tmp_path,
+                                                                              monkeypatch):
+    """--select rm with the reward model parked as on a GPU (tests/test_plumbing.py's check): on the
+    device for step 2's scores alone, away while the sampler and the fine-tuning run; metrics.jsonl
+    is the unparked run's."""
     import expert_iteration
     from conftest import parked_runs
     policy, ckpt = load_checkpoint(tiny_sft)
     rm = ScalarGPT.from_policy(policy)
     torch.nn.init.normal_(rm.head.weight)
     save_checkpoint(str(tmp_path / "rm.pt"), rm, ckpt["tokenizer"], script="reward_model")
-    argv = TINY + ["--rounds", "2", "--select", "rm", "--rm", str(tmp_path / "rm.pt"), "--init", tiny_sft,
-                   "--device", "cpu"]
-    assert parked_runs(expert_iteration, argv, tmp_path, monkeypatch) == [2]   # one batch of scores a round
+    argv = TINY + ["--rounds", "2", "--select", "rm", "--rm", str(tmp_path / "rm.pt"),
+                   "--init", tiny_sft, "--device", "cpu"]
+    assert parked_runs(expert_iteration, argv, tmp_path, monkeypatch) == [2]   # a batch a round

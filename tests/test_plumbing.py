@@ -434,24 +434,27 @@ def test_the_parked_reference_is_away_while_sampling_and_updating_and_moves_no_n
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_parked_moments_are_on_the_device_only_inside_the_step_and_change_no_number(device):
-    """plumbing.ParkedMoments (--offload_optimizer on a GPU): between AdamW's steps its moments hold no
-    memory where they live; the step runs a chunk of parameters at a time, each chunk's moments alone on
-    the device while it is stepped, every parameter once; three steps leave the weights and the moments
-    bit for bit as plain AdamW's, and so does a step after the state is cleared; `with` brings them back;
-    moments loaded from a checkpoint leave at once; on a GPU the host copies are pinned."""
+    """plumbing.ParkedMoments (--offload_optimizer on a GPU): between AdamW's steps its moments hold
+    no memory where they live; the step runs a chunk of parameters at a time, each chunk's moments
+    alone on the device while it is stepped, every parameter once; three steps leave the weights and
+    the moments bit for bit as plain AdamW's, and so does a step after the state is cleared; `with`
+    brings them back; moments loaded from a checkpoint leave at once; on a GPU the host copies are
+    pinned."""
     from model import GPT, GPTConfig
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA here")
-    models = [GPT(GPTConfig(vocab_size=40, block_size=16, n_layer=2, n_head=2, n_embd=16)).to(device)
-              for _ in range(2)]
+    config = GPTConfig(vocab_size=40, block_size=16, n_layer=2, n_head=2, n_embd=16)
+    models = [GPT(config).to(device) for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1)
                   for m in models]
     parked = plumbing.ParkedMoments(optimizers[1], chunk_bytes=4096)
     moments = lambda opt: [t for st in opt.state.values() for k, t in st.items() if k != "step"]
+    away = lambda opt: all(t.untyped_storage().size() == 0 for t in moments(opt))
+    same = lambda a, b: all(torch.equal(x, y) for x, y in zip(a, b))
     chunks = []
 
-    def seen(opt, *_):                                     # what each of the optimizer's own steps sees
+    def seen(opt, *_):                                  # what each of the optimizer's steps sees
         here = {id(p) for g in opt.param_groups for p in g["params"]}
         chunks.append(here)
         for p, st in opt.state.items():
@@ -464,48 +467,48 @@ def test_parked_moments_are_on_the_device_only_inside_the_step_and_change_no_num
             m(x, targets=x[:, 1:]).sum().backward()
             opt.step()
             opt.zero_grad()
-        assert all(t.untyped_storage().size() == 0 for t in moments(optimizers[1]))
+        assert away(optimizers[1])
     every = [id(p) for p in models[1].parameters()]
     per_step = len(chunks) // 3
     assert per_step > 3 and len(moments(optimizers[1])) == 2 * len(every)
-    for i in range(3):                                     # each parameter in one chunk of each step
+    for i in range(3):                                  # each parameter in one chunk of each step
         step = chunks[i * per_step:(i + 1) * per_step]
         assert sorted(p for c in step for p in c) == sorted(every)
-    assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
+    assert same(models[0].parameters(), models[1].parameters())
     assert all(h.is_pinned() == (device == "cuda") for h in parked.host.values())
     with parked:
         state = optimizers[1].state_dict()
-        assert all(torch.equal(a, b) for a, b in zip(moments(optimizers[0]), moments(optimizers[1])))
-    assert all(t.untyped_storage().size() == 0 for t in moments(optimizers[1]))
-    for opt in optimizers:                                 # a state cleared (expert_iteration --restart)
+        assert same(moments(optimizers[0]), moments(optimizers[1]))
+    assert away(optimizers[1])
+    for opt in optimizers:                              # cleared (expert_iteration --restart)
         opt.state.clear()
     for m, opt in zip(models, optimizers):
         m(x, targets=x[:, 1:]).sum().backward()
         opt.step()
-    assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
-    optimizers[0].load_state_dict(state)                   # a resumed run's: away once parked
+    assert same(models[0].parameters(), models[1].parameters())
+    optimizers[0].load_state_dict(state)                # a resumed run's: away once parked
     plumbing.ParkedMoments(optimizers[0])
-    assert all(t.untyped_storage().size() == 0 for t in moments(optimizers[0]))
+    assert away(optimizers[0])
 
 
-def test_offloaded_moments_are_away_outside_the_step_and_a_resumed_run_moves_no_number(tiny_sft, tmp_path,
-                                                                                       monkeypatch):
-    """grpo.py --offload_optimizer as on a GPU (here on the CPU): AdamW's moments are away whenever the
-    sampler or a backward pass runs; stepped 4 kB of parameters at a time, a run of 2 steps (checkpointed
-    with its moments) resumed to 4 logs what a plain run of 4 logs, line for line (times aside), and ends
-    with its weights and moments bit for bit. On the CPU the flag moves nothing (Run.parked_moments)."""
+def test_offloaded_moments_are_away_outside_the_step_and_a_resumed_run_moves_no_number(
+        tiny_sft, tmp_path, monkeypatch):
+    """grpo.py --offload_optimizer as on a GPU (here on the CPU): AdamW's moments are away whenever
+    the sampler or a backward pass runs; stepped 4 kB of parameters at a time, a run of 2 steps
+    (checkpointed with its moments) resumed to 4 logs what a plain run of 4 logs, line for line
+    (times aside), and ends with its weights and moments bit for bit. On the CPU the flag moves
+    nothing (Run.parked_moments)."""
     import contextlib
     import types
 
     import grpo
     import sampler
     from conftest import run_metrics
-    off = types.SimpleNamespace(offload_optimizer=True)
-    assert isinstance(plumbing.Run.parked_moments(types.SimpleNamespace(device="cpu", args=off), None),
-                      contextlib.nullcontext)
+    cpu = types.SimpleNamespace(device="cpu", args=types.SimpleNamespace(offload_optimizer=True))
+    assert isinstance(plumbing.Run.parked_moments(cpu, None), contextlib.nullcontext)
     parks, real_parked, real_backward = [], plumbing.Run.parked_moments, torch.Tensor.backward
 
-    def parked_moments(self, optimizer):                 # the method itself, told the device is a GPU
+    def parked_moments(self, optimizer):              # the method itself, told the device is a GPU
         device, self.device = self.device, "cuda"
         try:
             parks.append(real_parked(self, optimizer))
@@ -517,7 +520,8 @@ def test_offloaded_moments_are_away_outside_the_step_and_a_resumed_run_moves_no_
     def spy(fn):
         def wrapped(*a, **k):
             state = parks[-1].optimizer.state.values() if parks else []
-            assert all(t.untyped_storage().size() == 0 for st in state for k, t in st.items() if k != "step")
+            assert all(t.untyped_storage().size() == 0
+                       for st in state for k, t in st.items() if k != "step")
             return fn(*a, **k)
         return wrapped
     argv = TINY_RL + ["--init", tiny_sft, "--device", "cpu"]
@@ -527,7 +531,7 @@ def test_offloaded_moments_are_away_outside_the_step_and_a_resumed_run_moves_no_
         torch.manual_seed(0)
         grpo.main(grpo.parse_args([*argv, "--steps", "4", "--out", str(tmp_path / "plain")]))
         monkeypatch.setattr(plumbing.Run, "parked_moments", parked_moments)
-        monkeypatch.setattr(plumbing.ParkedMoments.__init__, "__defaults__", (4096,))   # several chunks
+        monkeypatch.setattr(plumbing.ParkedMoments.__init__, "__defaults__", (4096,))  # chunks
         monkeypatch.setattr(torch.Tensor, "backward", spy(real_backward))
         monkeypatch.setattr(sampler, "generate", spy(sampler.generate))
         for steps, more in (("2", []), ("4", ["--resume"])):
@@ -541,4 +545,5 @@ def test_offloaded_moments_are_away_outside_the_step_and_a_resumed_run_moves_no_
     a, b = (torch.load(tmp_path / run / "grpo.pt", weights_only=False) for run in ("plain", "off"))
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
-    assert sa.keys() == sb.keys() and all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
+    assert sa.keys() == sb.keys()
+    assert all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])

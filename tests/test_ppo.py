@@ -266,15 +266,16 @@ def test_ppo_runs_end_to_end_and_resumes(tiny_sft, tiny_rm, tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
 
 
-def test_the_parked_reference_and_reward_model_are_away_but_where_used_and_move_no_number(tiny_sft, tiny_rm, tmp_path,
-                                                                                          monkeypatch):
-    """As grpo's (tests/test_plumbing.py): parked as on a GPU (after the critic is copied from them), pi_ref is on the
-    device for step 2's forwards alone and the reward model for step 1's and the evaluations' scores; away while the
-    sampler and the update run; metrics.jsonl is the unparked run's line for line (times aside)."""
+def test_the_parked_reference_and_reward_model_are_away_but_where_used(tiny_sft, tiny_rm, tmp_path,
+                                                                        monkeypatch):
+    """As grpo's (tests/test_plumbing.py): parked as on a GPU (after the critic is copied from
+    them), pi_ref is on the device for step 2's forwards alone and the reward model for step 1's
+    and the evaluations' scores; away while the sampler and the update run; metrics.jsonl is the
+    unparked run's line for line (times aside)."""
     import ppo
     from conftest import parked_runs
     argv = ["--init", tiny_sft, "--rm", tiny_rm, "--steps", "2", "--device", "cpu"] + TINY
-    assert parked_runs(ppo, argv, tmp_path, monkeypatch) == [2, 4]   # 2 steps; + 2 evaluations (0, 2)
+    assert parked_runs(ppo, argv, tmp_path, monkeypatch) == [2, 4]   # 2 steps; + evaluations 0, 2
 
 
 def test_a2c_and_verifier_reward_settings_run(tiny_sft, tmp_path):

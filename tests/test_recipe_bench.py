@@ -75,7 +75,7 @@ def test_the_memory_ledger_counts_each_owner_once():
             assert "reference" not in ledger.owners()
             with parked:
                 assert abs(ledger.owners()["reference"] - want["reference"]) < 1e-12
-        moments = plumbing.ParkedMoments(optimizer)                    # --offload_optimizer: the same
+        moments = plumbing.ParkedMoments(optimizer)                # --offload_optimizer: the same
         assert "adamw" not in ledger.owners()
         with moments:
             assert abs(ledger.owners()["adamw"] - want["adamw"]) < 1e-12
