@@ -126,10 +126,10 @@ def add_run_flags(parser, script, log_every, eval_every):
         help="recompute each transformer block's activations in backward (less memory, ~30%% "
              "more compute; for real checkpoints)")
     add("--offload_optimizer", action="store_true",
-        help="a GPU: keep AdamW's two moments (twice the trainable weights' memory, 3.7 GiB at "
+        help="CUDA: keep AdamW's two moments (twice the trainable weights' memory, 3.7 GiB at "
              "Qwen2.5-0.5B) in host memory, on the device only for the optimizer's step, a chunk "
              "of parameters at a time (plumbing.ParkedMoments): the same numbers, two copies over "
-             "PCIe a step; nothing moves on the CPU")
+             "PCIe a step; nothing moves on another device")
     if script not in ("rm", "{orm,prm}"):                     # the scripts that train a policy
         add("--lora_rank", type=Int(ge=0), default=0,
             help="LoRA (lora.py): train rank-r adapters on the projections, every weight frozen; "
