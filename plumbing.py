@@ -129,12 +129,12 @@ class Parked:
 class ParkedMoments:
     """An optimizer's state (AdamW's two moments, twice the trainable weights) in host memory
     (pinned for a CUDA device) outside its step (--offload_optimizer), as verl's actor
-    optimizer_offload: on the device its storage shrinks to nothing. The step runs a chunk of
-    parameters at a time (about chunk_bytes of them): a chunk's moments are copied in, stepped and
-    copied out before the next chunk's come in, so at most one chunk's moments and AdamW's
-    temporaries are on the device. `with` brings them all back (a checkpoint). AdamW's update is
-    elementwise: the same numbers bit for bit. Two copies a step (3.7 GiB each way at
-    Qwen2.5-0.5B); on one stream each is ordered before any later use of that memory, so the host
+    optimizer_offload: on the device its storage shrinks to nothing. optimizer.step, replaced by
+    self.step, runs a chunk of parameters at a time (about chunk_bytes): a chunk's moments are
+    copied in, stepped and copied out before the next chunk's come in, so at most one chunk's
+    moments and AdamW's temporaries are on the device. `with` brings them all back (a checkpoint).
+    AdamW's update is elementwise: the same numbers bit for bit. Two copies a step (3.7 GiB each way
+    at Qwen2.5-0.5B); on one stream each is ordered before any later use of that memory, so the host
     never waits."""
 
     def __init__(self, optimizer, chunk_bytes=2**28):
