@@ -104,6 +104,61 @@ def run_metrics(out, script):
     return [{k: v for k, v in r.items() if k not in ("elapsed_s", "tokens_per_sec")} for r in rows]
 
 
+def on_a_gpu(method):
+    """A Run method that decides by the device (Run.parked, Run.parked_moments), run as if the
+    device were a GPU: here on the CPU."""
+    def wrapped(self, *a):
+        device, self.device = self.device, "cuda"
+        try:
+            return method(self, *a)
+        finally:
+            self.device = device
+    return wrapped
+
+
+def offloaded_runs(module, argv, out, monkeypatch, plain=(), offloaded=((),)):
+    """module.main(argv + plain) on the CPU into out/plain, then module.main(argv + each of
+    `offloaded`) with --offload_optimizer as on a GPU, 4 kB of parameters a chunk, into out/off; one
+    torch thread (the sums in one order). Asserts that AdamW's moments hold no memory whenever the
+    sampler runs or a backward pass does, and that both folders log the same metrics (times aside).
+    Returns the ParkedMoments made, one a run."""
+    import plumbing
+    import sampler
+    parks, real_backward = [], torch.Tensor.backward
+    parked_moments = on_a_gpu(plumbing.Run.parked_moments)
+
+    def park(self, optimizer):
+        parks.append(parked_moments(self, optimizer))
+        assert isinstance(parks[-1], plumbing.ParkedMoments)
+        return parks[-1]
+
+    def spy(fn):                                         # sampling, the update's backward passes
+        def wrapped(*a, **k):
+            state = parks[-1].optimizer.state.values() if parks else []
+            assert all(t.untyped_storage().size() == 0
+                       for st in state for k, t in st.items() if k != "step")
+            return fn(*a, **k)
+        return wrapped
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        module.main(module.parse_args([*argv, *plain, "--out", str(out / "plain")]))
+        monkeypatch.setattr(plumbing.Run, "parked_moments", park)
+        monkeypatch.setattr(plumbing.ParkedMoments.__init__, "__defaults__", (4096,))  # chunks
+        monkeypatch.setattr(torch.Tensor, "backward", spy(real_backward))
+        monkeypatch.setattr(sampler, "generate", spy(sampler.generate))
+        for more in offloaded:
+            torch.manual_seed(0)
+            module.main(module.parse_args([*argv, *more, "--offload_optimizer",
+                                           "--out", str(out / "off")]))
+    finally:
+        torch.set_num_threads(threads)
+    script = module.__name__
+    assert run_metrics(out / "off", script) == run_metrics(out / "plain", script)
+    return parks
+
+
 def parked_runs(module, argv, out, monkeypatch):
     """module.main(argv) twice, one torch thread (the sums in one order): as it runs on the CPU, and
     with its frozen models (the reference; ppo's reward model) parked as on a GPU (plumbing.Parked,
@@ -115,14 +170,11 @@ def parked_runs(module, argv, out, monkeypatch):
     import sampler
     from model import GPT
     parks = []                                           # [Parked, the model, its forwards]
-    real_parked, real_hidden, real_backward = plumbing.Run.parked, GPT.hidden, torch.Tensor.backward
+    real_parked = on_a_gpu(plumbing.Run.parked)
+    real_hidden, real_backward = GPT.hidden, torch.Tensor.backward
 
-    def parked(self, ref, policy):                   # the method itself, told the device is a GPU
-        device, self.device = self.device, "cuda"
-        try:
-            parking = real_parked(self, ref, policy)
-        finally:
-            self.device = device
+    def parked(self, ref, policy):
+        parking = real_parked(self, ref, policy)
         if ref is not None:
             assert isinstance(parking, plumbing.Parked)
             parks.append([parking, getattr(ref, "backbone", ref), 0])   # a ScalarGPT: its GPT

@@ -502,46 +502,13 @@ def test_offloaded_moments_are_away_outside_the_step_and_a_resumed_run_moves_no_
     import types
 
     import grpo
-    import sampler
-    from conftest import run_metrics
+    from conftest import offloaded_runs
     cpu = types.SimpleNamespace(device="cpu", args=types.SimpleNamespace(offload_optimizer=True))
     assert isinstance(plumbing.Run.parked_moments(cpu, None), contextlib.nullcontext)
-    parks, real_parked, real_backward = [], plumbing.Run.parked_moments, torch.Tensor.backward
-
-    def parked_moments(self, optimizer):              # the method itself, told the device is a GPU
-        device, self.device = self.device, "cuda"
-        try:
-            parks.append(real_parked(self, optimizer))
-        finally:
-            self.device = device
-        assert isinstance(parks[-1], plumbing.ParkedMoments)
-        return parks[-1]
-
-    def spy(fn):
-        def wrapped(*a, **k):
-            state = parks[-1].optimizer.state.values() if parks else []
-            assert all(t.untyped_storage().size() == 0
-                       for st in state for k, t in st.items() if k != "step")
-            return fn(*a, **k)
-        return wrapped
     argv = TINY_RL + ["--init", tiny_sft, "--device", "cpu"]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        torch.manual_seed(0)
-        grpo.main(grpo.parse_args([*argv, "--steps", "4", "--out", str(tmp_path / "plain")]))
-        monkeypatch.setattr(plumbing.Run, "parked_moments", parked_moments)
-        monkeypatch.setattr(plumbing.ParkedMoments.__init__, "__defaults__", (4096,))  # chunks
-        monkeypatch.setattr(torch.Tensor, "backward", spy(real_backward))
-        monkeypatch.setattr(sampler, "generate", spy(sampler.generate))
-        for steps, more in (("2", []), ("4", ["--resume"])):
-            torch.manual_seed(0)
-            grpo.main(grpo.parse_args([*argv, "--steps", steps, "--offload_optimizer", *more,
-                                       "--out", str(tmp_path / "off")]))
-    finally:
-        torch.set_num_threads(threads)
+    parks = offloaded_runs(grpo, argv, tmp_path, monkeypatch, plain=["--steps", "4"],
+                           offloaded=(["--steps", "2"], ["--steps", "4", "--resume"]))
     assert len(parks) == 2 and all(len(p.host) > 0 for p in parks)
-    assert run_metrics(tmp_path / "off", "grpo") == run_metrics(tmp_path / "plain", "grpo")
     a, b = (torch.load(tmp_path / run / "grpo.pt", weights_only=False) for run in ("plain", "off"))
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]

@@ -280,32 +280,13 @@ def test_the_parked_reference_and_reward_model_are_away_but_where_used(tiny_sft,
 
 def test_offloaded_moments_of_two_parameter_groups_move_no_number(tiny_sft, tmp_path, monkeypatch):
     """--offload_optimizer as on a GPU (here on the CPU), 4 kB of parameters a chunk, on ppo's one
-    AdamW over two parameter groups (the policy, the critic): metrics.jsonl is the plain run's line
-    for line (times aside)."""
-    import plumbing
+    AdamW over two parameter groups (the policy, the critic): the moments away while sampling and
+    in backward passes, metrics.jsonl the plain run's line for line (conftest.offloaded_runs)."""
     import ppo
-    from conftest import run_metrics
-    real = plumbing.Run.parked_moments
-
-    def parked_moments(self, optimizer):              # the method itself, told the device is a GPU
-        device, self.device = self.device, "cuda"
-        try:
-            return real(self, optimizer)
-        finally:
-            self.device = device
+    from conftest import offloaded_runs
     argv = ["--init", tiny_sft, "--reward", "verifier", "--steps", "2", "--device", "cpu"] + TINY
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        torch.manual_seed(0)
-        ppo.main(ppo.parse_args([*argv, "--out", str(tmp_path / "plain")]))
-        monkeypatch.setattr(plumbing.Run, "parked_moments", parked_moments)
-        monkeypatch.setattr(plumbing.ParkedMoments.__init__, "__defaults__", (4096,))  # chunks
-        torch.manual_seed(0)
-        ppo.main(ppo.parse_args([*argv, "--offload_optimizer", "--out", str(tmp_path / "off")]))
-    finally:
-        torch.set_num_threads(threads)
-    assert run_metrics(tmp_path / "off", "ppo") == run_metrics(tmp_path / "plain", "ppo")
+    parks = offloaded_runs(ppo, argv, tmp_path, monkeypatch)
+    assert [len(p.optimizer.param_groups) for p in parks] == [2]
 
 
 def test_a2c_and_verifier_reward_settings_run(tiny_sft, tmp_path):
