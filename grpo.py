@@ -1,41 +1,41 @@
 """
 GRPO: Group Relative Policy Optimization, with the verifier as the reward.
 
-For each prompt, sample a group of G completions, score each with the verifier, and give every token of a
-completion the same advantage: its reward standardised within the group, how much better it did than its
-siblings. That group baseline replaces PPO's value network. The loss is PPO's clipped surrogate on those
-advantages plus a KL penalty to the SFT reference. With one optimisation pass per batch (mu = 1, the default, as
-in DeepSeek-R1) the ratio is exactly 1 and the clip never acts: the update is a group-baselined policy gradient,
-A * grad log pi. The clip matters with --mu > 1.
+For each prompt, sample a group of G completions, score each with the verifier, and give every
+token of a completion the same advantage: its reward standardised within the group, how much
+better it did than its siblings. That group baseline replaces PPO's value network. The loss is
+PPO's clipped surrogate on those advantages plus a KL penalty to the SFT reference. With one
+optimisation pass per batch (mu = 1, the default, as in DeepSeek-R1) the ratio is exactly 1 and
+the clip never acts: the update is a group-baselined policy gradient, A * grad log pi. The clip
+matters with --mu > 1.
 
-Shao et al. 2024, "DeepSeekMath", arXiv 2402.03300, eq. 3 as a loss to minimise; DeepSeek-AI 2025, "DeepSeek-R1",
-arXiv 2501.12948, for verifiable rewards. Completion i of a group, token t:
-    A_i = (r_i - mean(r_1..r_G)) / (std(r_1..r_G) + eps)                      (population std: divide by G)
+Shao et al. 2024, "DeepSeekMath", arXiv 2402.03300, eq. 3 as a loss to minimise; DeepSeek-AI
+2025, "DeepSeek-R1", arXiv 2501.12948, for verifiable rewards. Completion i of a group, token t:
+    A_i = (r_i - mean(r_1..r_G)) / (std(r_1..r_G) + eps)         (population std: divide by G)
     L = 1/G sum_i 1/|o_i| sum_t [ -min(rho_it A_i, clip(rho_it, 1-eps, 1+eps) A_i) + beta KL_it ]
-    rho_it = pi_theta(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t);   KL_it: the k3 estimate (kernels.kl_penalty)
+    rho_it = pi_theta(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t);   KL_it: k3 (kernels.kl_penalty)
 
-The family, as flags: --std sample (TRL, verl, OpenRLHF); Dr. GRPO (Liu et al. 2025, arXiv 2503.20783):
---loss_agg dr_grpo --no_std_scaling; DAPO (Yu et al. 2025, arXiv 2503.14476): --loss_agg token, --eps_high,
---dynamic_sampling, --overlong_buffer, --beta 0; GSPO (Zheng et al. 2025, arXiv 2507.18071): --ratio_level
-sequence; CISPO (MiniMax 2025, arXiv 2506.13585): --loss_type cispo. At mu = 1 GSPO's ratio and CISPO's weight are
-1, so both give GRPO's gradient; --std sample, the token and Dr. GRPO aggregations, dynamic sampling and the
-overlong penalty change it at any mu (experiments/README.md compares them at --mu 4).
+The family, as flags: --std sample (TRL, verl, OpenRLHF); Dr. GRPO (Liu et al. 2025, arXiv
+2503.20783): --loss_agg dr_grpo --no_std_scaling; DAPO (Yu et al. 2025, arXiv 2503.14476):
+--loss_agg token, --eps_high, --dynamic_sampling, --overlong_buffer, --beta 0; GSPO (Zheng et al.
+2025, arXiv 2507.18071): --ratio_level sequence; CISPO (MiniMax 2025, arXiv 2506.13585):
+--loss_type cispo. At mu = 1 GSPO's ratio and CISPO's weight are 1, so both give GRPO's gradient;
+the others change it at any mu (experiments/README.md compares them at --mu 4).
 
 Deviations and choices the papers leave open:
-- mu passes over the whole batch (no minibatches); the old log-probs are scored once per batch (step 2), with the
-  weights that sampled it, not taken from the sampler.
+- mu passes over the whole batch (no minibatches); the old log-probs are scored once per batch
+  (step 2), with the weights that sampled it, not taken from the sampler.
 - A group whose rewards are all equal gets advantage exactly 0 (never 0/0).
 - The reward is the task's verifier (1 correct, 0 otherwise; --format_weight adds a format bonus).
 - Small scale: a 0.8M-parameter policy, AdamW at a constant learning rate.
 
-Shapes: P prompts, G completions per prompt, B = P*G rows; T time (Tp prompt, Tn completion tokens); V vocabulary.
+Shapes: P prompts, G completions per prompt, B = P*G rows; T time (Tp prompt, Tn completion
+tokens); V vocabulary.
 
 Run:
-    python grpo.py                  # from out/sft.pt (built first if missing); about 1 minute on 2 CPU cores
+    python grpo.py                  # from out/sft.pt (built first if missing); ~1 min on 2 CPUs
     python grpo.py --resume         # continue from out/grpo.pt up to --steps
-    python grpo.py --mu 4 --loss_agg token --eps_high 0.28 --beta 0 --dynamic_sampling --overlong_buffer 4  # DAPO
-    python grpo.py --mu 4 --ratio_level sequence --clip_eps 3e-4 --eps_high 4e-4 --beta 0                   # GSPO
-    python grpo.py --mu 4 --loss_type cispo --loss_agg token --clip_eps 1 --eps_high 1 --beta 0             # CISPO
+    python grpo.py --mu 4 ...       # DAPO, GSPO, CISPO: experiments/README.md's flags
 Metrics: out/grpo/metrics.jsonl (docs/metrics.md says what each means); checkpoint out/grpo.pt.
 """
 import torch
@@ -52,11 +52,13 @@ from plumbing import Run
 # The algorithm: group-relative advantages and the clipped surrogate with a KL penalty
 
 def grpo_advantages(rewards, group_size, eps=1e-6, scale_by_std=True, std="population"):
-    """rewards (P*G,), G = group_size consecutive samples per prompt -> advantages (P*G,), 0 for a group whose
-    rewards are all equal. std="sample": G - 1 in the std (TRL, verl, OpenRLHF); scale_by_std=False: Dr. GRPO."""
+    """rewards (P*G,), G = group_size consecutive samples per prompt -> advantages (P*G,), 0 for a
+    group whose rewards are all equal. std="sample": G - 1 in the std (TRL, verl, OpenRLHF);
+    scale_by_std=False: Dr. GRPO."""
     if group_size < 1 or rewards.dim() != 1 or rewards.numel() % group_size:
-        raise ValueError(f"rewards of shape {tuple(rewards.shape)} cannot be split into groups of "
-                         f"group_size = {group_size}; need a flat tensor whose length is a multiple of it (>= 1)")
+        raise ValueError(f"rewards of shape {tuple(rewards.shape)} cannot be split into groups "
+                         f"of group_size = {group_size}; need a flat tensor whose length is a "
+                         f"multiple of it (>= 1)")
     if std not in ("population", "sample"):
         raise ValueError(f"std {std!r} is unknown; allowed: 'population', 'sample'")
     r = rewards.view(-1, group_size)                                   # (P, G)
@@ -66,38 +68,43 @@ def grpo_advantages(rewards, group_size, eps=1e-6, scale_by_std=True, std="popul
         if std == "population":
             sd = r.std(dim=1, keepdim=True, unbiased=False)            # sqrt(1/G sum (r - mean)^2)
         else:
-            sd = (advantages.pow(2).sum(1, keepdim=True) / max(group_size - 1, 1)).sqrt()  # 1/(G-1) in the root
+            # 1/(G-1) in the root
+            sd = (advantages.pow(2).sum(1, keepdim=True) / max(group_size - 1, 1)).sqrt()
         advantages = advantages / (sd + eps)
-    all_equal = (r == r[:, :1]).all(dim=1, keepdim=True)               # (P, 1) no signal in this group
+    all_equal = (r == r[:, :1]).all(dim=1, keepdim=True)            # (P, 1) no signal in this group
     return torch.where(all_equal, torch.zeros_like(advantages), advantages).view(-1)  # (P*G,)
 
 
-def grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps=0.2, beta=0.04, kl_estimator="k3",
-              num_seqs=None, num_tokens=None, eps_high=None, kl_clamp=None, ratio_level="token", loss_type="clip",
-              loss_agg="seq", max_tokens=None):
-    """The GRPO loss (DeepSeekMath eq. 3, negated) and its metrics (detached tensors).
-    logp (B, T) log pi_theta of the sampled tokens (with grad); old_logp (B, T) at sampling time; ref_logp (B, T)
-    under the frozen reference; advantages (B,); mask (B, T) 1.0 on completion tokens (values elsewhere are never
-    read). num_seqs, num_tokens: the whole step's counts when this batch is a part of it (a micro-batch, a rank's
-    share), so that the parts' losses add up to the step's; default: this batch's.
-    The family: eps_high, DAPO's clip-higher (default clip_eps); kl_clamp, see kernels.kl_penalty; ratio_level
-    "sequence" is GSPO; loss_type "cispo" is CISPO; loss_agg and max_tokens, see aggregate."""
+def grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps=0.2, beta=0.04,
+              kl_estimator="k3", num_seqs=None, num_tokens=None, eps_high=None, kl_clamp=None,
+              ratio_level="token", loss_type="clip", loss_agg="seq", max_tokens=None):
+    """The GRPO loss (DeepSeekMath eq. 3, negated) and its metrics (detached tensors). logp (B, T)
+    log pi_theta of the sampled tokens (with grad); old_logp (B, T) at sampling time; ref_logp
+    (B, T) under the frozen reference; advantages (B,); mask (B, T) 1.0 on completion tokens (values
+    elsewhere are never read). num_seqs, num_tokens: the whole step's counts when this batch is a
+    part of it (a micro-batch, a rank's share), so that the parts' losses add up to the step's;
+    default: this batch's. The family: eps_high, DAPO's clip-higher (default clip_eps); kl_clamp,
+    see kernels.kl_penalty; ratio_level "sequence" is GSPO; loss_type "cispo" is CISPO; loss_agg and
+    max_tokens, see aggregate."""
     eps_high = clip_eps if eps_high is None else eps_high
     real = mask > 0                                                    # (B, T) bool
-    logp, old_logp, ref_logp = (torch.where(real, x, 0.0) for x in (logp, old_logp, ref_logp))  # padding never leaks
-    A = advantages[:, None]                                            # (B, 1): A_i on every token of o_i
-    log_ratio = logp - old_logp                                        # (B, T)
-    ratio = torch.exp(log_ratio)                                       # rho_it = pi_theta / pi_old
-    if ratio_level == "sequence":                                      # GSPO: one ratio per completion
+    logp, old_logp, ref_logp = (torch.where(real, x, 0.0)
+                                for x in (logp, old_logp, ref_logp))           # padding never leaks
+    A = advantages[:, None]                                      # (B, 1): A_i on every token of o_i
+    log_ratio = logp - old_logp                                  # (B, T)
+    ratio = torch.exp(log_ratio)                                 # rho_it = pi_theta / pi_old
+    if ratio_level == "sequence":                                # GSPO: one ratio per completion
         ratio = gspo_ratio(log_ratio, mask)
     elif ratio_level != "token":
         raise ValueError(f"ratio_level {ratio_level!r} is unknown; allowed: 'token', 'sequence'")
-    if loss_type == "clip":                                            # PPO's clipped surrogate
+    if loss_type == "clip":                                      # PPO's clipped surrogate
         pg = -torch.min(ratio * A, torch.clamp(ratio, 1 - clip_eps, 1 + eps_high) * A)  # (B, T)
-        clipped = ((A > 0) & (ratio > 1 + eps_high)) | ((A < 0) & (ratio < 1 - clip_eps))  # the clip took the gradient
+        # the clip took the gradient
+        clipped = ((A > 0) & (ratio > 1 + eps_high)) | ((A < 0) & (ratio < 1 - clip_eps))
     elif loss_type == "cispo":
         if ratio_level != "token":
-            raise ValueError("loss_type 'cispo' weights token log-probs by token ratios; use ratio_level 'token'")
+            raise ValueError("loss_type 'cispo' weights token log-probs by token ratios; use "
+                             "ratio_level 'token'")
         pg, clipped = cispo_terms(logp, ratio, A, clip_eps, eps_high)
     else:
         raise ValueError(f"loss_type {loss_type!r} is unknown; allowed: 'clip', 'cispo'")
@@ -107,31 +114,37 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps=0.2, beta=0.0
     n_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
     token_mean = lambda x: torch.where(real, x.detach(), 0.0).sum() / n_tokens
     return loss, {"clip_frac": token_mean(clipped.float()),
-                  "approx_kl": token_mean((log_ratio.exp() - 1) - log_ratio),  # k3 of KL(pi_old || pi_theta)
+                  # k3 of KL(pi_old || pi_theta)
+                  "approx_kl": token_mean((log_ratio.exp() - 1) - log_ratio),
                   "kl_est": token_mean(kl_t)}
 
 
 def gspo_ratio(log_ratio, mask):
-    """GSPO's s_i = exp(1/|o_i| sum_t log(pi_theta / pi_old)), on every token of completion i: (B, T) -> (B, T)."""
-    seq_log_ratio = log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)   # (B, 1)
+    """GSPO's s_i = exp(1/|o_i| sum_t log(pi_theta / pi_old)), on every token of completion i:
+    (B, T) -> (B, T)."""
+    # (B, 1)
+    seq_log_ratio = log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
     return torch.exp(seq_log_ratio).expand_as(log_ratio)
 
 
 def cispo_terms(logp, ratio, A, clip_eps, eps_high):
-    """CISPO's -sg(clip(rho, 1-eps, 1+eps_high)) A log pi_theta per token (sg: stop-gradient): a token outside the
-    band keeps its gradient, scaled by the clipped weight. Returns the (B, T) terms and where the weight was cut."""
+    """CISPO's -sg(clip(rho, 1-eps, 1+eps_high)) A log pi_theta per token (sg: stop-gradient): a
+    token outside the band keeps its gradient, scaled by the clipped weight. Returns the (B, T)
+    terms and where the weight was cut."""
     weight = torch.clamp(ratio, 1 - clip_eps, 1 + eps_high).detach()   # sg(clip(rho))
     return -weight * A * logp, (ratio > 1 + eps_high) | (ratio < 1 - clip_eps)
 
 
 def aggregate(per_token, mask, loss_agg="seq", num_seqs=None, num_tokens=None, max_tokens=None):
-    """Token losses (B, T), zero where masked, to one number: "seq" (DeepSeekMath) the mean over completions of each
-    one's token mean; "token" (DAPO) the mean over all tokens; "dr_grpo" the token sum over completions x max_tokens
-    (default T). num_seqs, num_tokens: the step's counts when this batch is one part of it."""
+    """Token losses (B, T), zero where masked, to one number: "seq" (DeepSeekMath) the mean over
+    completions of each one's token mean; "token" (DAPO) the mean over all tokens; "dr_grpo" the
+    token sum over completions x max_tokens (default T). num_seqs, num_tokens: the step's counts
+    when this batch is one part of it."""
     n_seqs = mask.size(0) if num_seqs is None else num_seqs
     n_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
     if loss_agg == "seq":
-        return (per_token.sum(1) / mask.sum(1).clamp(min=1)).sum() / n_seqs   # 1/G sum_i 1/|o_i| sum_t
+        # 1/G sum_i 1/|o_i| sum_t
+        return (per_token.sum(1) / mask.sum(1).clamp(min=1)).sum() / n_seqs
     if loss_agg == "token":
         return per_token.sum() / n_tokens                              # 1/sum_i |o_i| sum_i sum_t
     if loss_agg == "dr_grpo":
@@ -140,19 +153,22 @@ def aggregate(per_token, mask, loss_agg="seq", num_seqs=None, num_tokens=None, m
 
 
 def overlong_penalty(lengths, max_len, buffer):
-    """DAPO's soft overlong punishment (eq. 13), added to the reward: lengths (B,) -> float (B,): 0 when
-    L <= max_len - buffer; ((max_len - buffer) - L) / buffer up to max_len; -1 beyond. A NaN length stays NaN."""
+    """DAPO's soft overlong punishment (eq. 13), added to the reward: lengths (B,) -> float (B,): 0
+    when L <= max_len - buffer; ((max_len - buffer) - L) / buffer up to max_len; -1 beyond. A NaN
+    length stays NaN."""
     L = lengths.float()
-    start = max_len - buffer                                           # the penalty starts after this length
-    ramp = (start - L) / buffer                                        # 0 at start, -1 at max_len
-    penalty = torch.where(L <= start, torch.zeros_like(L), torch.where(L <= max_len, ramp, -torch.ones_like(L)))
+    start = max_len - buffer                                  # the penalty starts after this length
+    ramp = (start - L) / buffer                               # 0 at start, -1 at max_len
+    penalty = torch.where(L <= start, torch.zeros_like(L),
+                          torch.where(L <= max_len, ramp, -torch.ones_like(L)))
     return torch.where(torch.isnan(L), L, penalty)
 
 
 def dynamic_sampling_keep(correct, G):
-    """DAPO's dynamic-sampling filter (eq. 11: 0 < #correct < G): correct (B,) the verifier's 0/1 outcomes, B = P*G
-    -> (B,) bool, True on the rows of the groups that are neither all right nor all wrong. A format bonus never
-    makes a group informative: the filter reads correctness, not the reward."""
+    """DAPO's dynamic-sampling filter (eq. 11: 0 < #correct < G): correct (B,) the verifier's 0/1
+    outcomes, B = P*G -> (B,) bool, True on the rows of the groups that are neither all right nor
+    all wrong. A format bonus never makes a group informative: the filter reads correctness, not the
+    reward."""
     n_correct = correct.view(-1, G).float().sum(1)                     # (P,) #correct per group
     return ((n_correct > 0) & (n_correct < G)).repeat_interleave(G)   # (P*G,)
 
@@ -163,16 +179,24 @@ def dynamic_sampling_keep(correct, G):
 def parse_args(argv=None):
     p = parser(__doc__)
     g = p.add_argument_group("algorithm")
-    g.add_argument("--group_size", type=Int(ge=2), default=8, help="G: completions sampled per prompt")
+    g.add_argument("--group_size", type=Int(ge=2), default=8,
+                   help="G: completions sampled per prompt")
     g.add_argument("--clip_eps", type=Float(gt=0, le=1), default=0.2,
                    help="PPO clip: the ratio kept in [1-clip_eps, 1+eps_high]")
-    g.add_argument("--eps_high", type=Float(gt=0), default=None, help="upper clip (DAPO clip-higher); default clip_eps")
-    g.add_argument("--beta", type=Float(ge=0), default=0.04, help="weight of the KL-to-reference penalty in the loss")
-    g.add_argument("--kl_estimator", default="k3", choices=["k1", "k2", "k3"], help="per-token KL estimate in the loss")
-    g.add_argument("--kl_clamp", type=Float(gt=0), default=None, help="clamp log(pi_ref/pi) to [-c, c] in the KL term")
-    g.add_argument("--mu", type=Int(ge=1), default=1, help="optimisation passes over each batch of rollouts")
-    g.add_argument("--loss_agg", default="seq", choices=["seq", "token", "dr_grpo"], help="how token losses average")
-    g.add_argument("--no_std_scaling", action="store_true", help="advantages r - mean without / std (Dr. GRPO)")
+    g.add_argument("--eps_high", type=Float(gt=0), default=None,
+                   help="upper clip (DAPO clip-higher); default clip_eps")
+    g.add_argument("--beta", type=Float(ge=0), default=0.04,
+                   help="weight of the KL-to-reference penalty in the loss")
+    g.add_argument("--kl_estimator", default="k3", choices=["k1", "k2", "k3"],
+                   help="per-token KL estimate in the loss")
+    g.add_argument("--kl_clamp", type=Float(gt=0), default=None,
+                   help="clamp log(pi_ref/pi) to [-c, c] in the KL term")
+    g.add_argument("--mu", type=Int(ge=1), default=1,
+                   help="optimisation passes over each batch of rollouts")
+    g.add_argument("--loss_agg", default="seq", choices=["seq", "token", "dr_grpo"],
+                   help="how token losses average")
+    g.add_argument("--no_std_scaling", action="store_true",
+                   help="advantages r - mean without / std (Dr. GRPO)")
     g.add_argument("--std", default="population", choices=["population", "sample"],
                    help="std over G (population) or G-1 (sample: TRL, verl, OpenRLHF)")
     g.add_argument("--ratio_level", default="token", choices=["token", "sequence"],
@@ -181,111 +205,139 @@ def parse_args(argv=None):
                    help="PPO's clipped surrogate, or CISPO's clipped weight")
     g.add_argument("--overlong_buffer", type=Int(ge=0), default=0,
                    help="DAPO's overlong penalty over the last N tokens of the budget (0: off)")
-    g.add_argument("--format_weight", type=Float(ge=0), default=0.0, help="reward bonus for a well-formed completion")
+    g.add_argument("--format_weight", type=Float(ge=0), default=0.0,
+                   help="reward bonus for a well-formed completion")
     g = p.add_argument_group("sampling")
-    g.add_argument("--steps", type=Int(ge=1), default=50, help="RL steps (one batch of rollouts each)")
-    g.add_argument("--prompts_per_step", type=Int(ge=1), default=32, help="P: prompts drawn per step")
-    g.add_argument("--temperature", type=TEMPERATURE, default=1.0, help="sampling temperature; log-probs use the same")
-    g.add_argument("--max_new_tokens", type=Int(ge=1), default=None, help="longest completion (default: the task's)")
+    g.add_argument("--steps", type=Int(ge=1), default=50,
+                   help="RL steps (one batch of rollouts each)")
+    g.add_argument("--prompts_per_step", type=Int(ge=1), default=32,
+                   help="P: prompts drawn per step")
+    g.add_argument("--temperature", type=TEMPERATURE, default=1.0,
+                   help="sampling temperature; log-probs use the same")
+    g.add_argument("--max_new_tokens", type=Int(ge=1), default=None,
+                   help="longest completion (default: the task's)")
     g.add_argument("--precedence_share", type=Float(ge=0, le=1), default=None,
-                   help="share of problems where precedence matters (default: the task's; arithmetic: 0.5)")
+                   help="share of problems where precedence matters (default: the task's; "
+                        "arithmetic: 0.5)")
     g.add_argument("--dynamic_sampling", action="store_true",
-                   help="DAPO: keep only groups with 0 < #correct < G, sample more to fill the batch")
+                   help="DAPO: keep only groups with 0 < #correct < G, sample more to fill "
+                        "the batch")
     g.add_argument("--max_sample_rounds", type=Int(ge=1), default=4,
                    help="with --dynamic_sampling: most rollout rounds per step")
     g = p.add_argument_group("optimisation")
     g.add_argument("--lr", type=Float(gt=0), default=3e-4, help="AdamW learning rate (constant)")
     g.add_argument("--weight_decay", type=Float(ge=0), default=0.0, help="AdamW weight decay")
-    g.add_argument("--grad_clip", type=Float(gt=0), default=1.0, help="clip the gradient's global norm to this")
+    g.add_argument("--grad_clip", type=Float(gt=0), default=1.0,
+                   help="clip the gradient's global norm to this")
     g = add_run_flags(p, "grpo", log_every=5, eval_every=10)
-    g.add_argument("--init", default=SFT_PATH, help="SFT checkpoint: the starting policy and the frozen reference")
+    g.add_argument("--init", default=SFT_PATH,
+                   help="SFT checkpoint: the starting policy and the frozen reference")
     args = p.parse_args(argv)
     if args.overlong_buffer > args.max_new_tokens:
-        p.error(f"--overlong_buffer {args.overlong_buffer} exceeds --max_new_tokens {args.max_new_tokens}")
+        p.error(f"--overlong_buffer {args.overlong_buffer} exceeds "
+                f"--max_new_tokens {args.max_new_tokens}")
     return args
 
 
 def rollout(run, policy, tok, args):
-    """Step 1, G completions for each of this rank's prompts, scored: (task.Rollout, rounds). --dynamic_sampling:
-    keep dynamic_sampling_keep's groups, sampling again (at most --max_sample_rounds) until every rank has its share
-    of P of them. A rank that keeps none trains on its last round, each reward set to its group's mean (A = 0)."""
+    """Step 1, G completions for each of this rank's prompts, scored: (task.Rollout, rounds).
+    --dynamic_sampling: keep dynamic_sampling_keep's groups, sampling again (at most
+    --max_sample_rounds) until every rank has its share of P of them. A rank that keeps none trains
+    on its last round, each reward set to its group's mean (A = 0)."""
     kept, rounds = [], 0
     while True:
-        prompts = run.shard(task.sample_prompts(run.rng, args.prompts_per_step, args.precedence_share))
+        prompts = run.shard(task.sample_prompts(run.rng, args.prompts_per_step,
+                                                args.precedence_share))
         with run.autocast:
-            batch = task.rollout(policy, tok, prompts, args.group_size, args.temperature, args.max_new_tokens,
-                                 args.format_weight, run.gen)
+            batch = task.rollout(policy, tok, prompts, args.group_size, args.temperature,
+                                 args.max_new_tokens, args.format_weight, run.gen)
         rounds += 1
         if not args.dynamic_sampling:
             return batch, rounds
         keep = dynamic_sampling_keep(batch.correct, args.group_size)   # (B,) bool
         kept.append(task.Rollout(*(x[keep] for x in batch)))
         rows = len(prompts) * args.group_size
-        short = run.all_sum(float(sum(len(b.rewards) for b in kept) < rows)).item() > 0   # any rank short
+        # any rank short
+        short = run.all_sum(float(sum(len(b.rewards) for b in kept) < rows)).item() > 0
         if not short or rounds == args.max_sample_rounds:
             break
-    if sum(len(b.rewards) for b in kept) == 0:                         # nothing informative: the last round, its
-        mean = batch.rewards.view(-1, args.group_size).mean(1)          # rewards set to their group's mean (A = 0)
+    if sum(len(b.rewards) for b in kept) == 0:
+        # nothing informative: the last round, its rewards set to their group's mean (A = 0)
+        mean = batch.rewards.view(-1, args.group_size).mean(1)
         return batch._replace(rewards=mean.repeat_interleave(args.group_size)), rounds
     return task.Rollout(*(x[:rows] for x in task.concat_rollouts(kept, tok.pad_id))), rounds
 
 
 def main(args):
-    run = Run("grpo", args, batch_flag="prompts_per_step")  # device, seeds, lock, log, resume, torchrun: plumbing.py
-    policy, tok = run.load_policy(args.init)        # the policy starts as the SFT policy ...
-    ref = run.reference(args.init, policy, bf16=True)   # ... frozen as the reference (bf16 linears on a GPU)
-    ref_weights = run.parked(ref, policy)               # ... held in host memory outside step 2 (a GPU)
+    # device, seeds, lock, log, resume, torchrun: plumbing.py
+    run = Run("grpo", args, batch_flag="prompts_per_step")
+    policy, tok = run.load_policy(args.init)            # the policy starts as the SFT policy ...
+    ref = run.reference(args.init, policy, bf16=True)   # ... frozen as the reference (bf16 on GPU)
+    ref_weights = run.parked(ref, policy)               # ... in host memory outside step 2 (GPU)
     run.check_lengths(policy, tok, args.max_new_tokens)
-    optimizer = torch.optim.AdamW(trainable(policy), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
+    optimizer = torch.optim.AdamW(trainable(policy), lr=args.lr, weight_decay=args.weight_decay,
+                                  betas=(0.9, 0.99))
     run.resume(policy, optimizer)
-    train_policy = run.ddp(policy)                  # DistributedDataParallel under torchrun, else the policy itself
+    train_policy = run.ddp(policy)                      # DDP under torchrun, else the policy
     P, G, temp = args.prompts_per_step, args.group_size, args.temperature
-    run.print(f"GRPO: {policy.num_params() / 1e6:.2f}M parameters on {run.device}, {args.steps} steps of {P} prompts "
-              f"x {G} samples, beta {args.beta} ({args.kl_estimator}), mu {args.mu}, {args.ratio_level} ratio, "
-              f"{args.loss_type} loss{', dynamic sampling' if args.dynamic_sampling else ''}")
-    if not args.resume:                             # a fresh run: the starting policy is step 0
+    run.print(f"GRPO: {policy.num_params() / 1e6:.2f}M parameters on {run.device}, {args.steps} "
+              f"steps of {P} prompts x {G} samples, beta {args.beta} ({args.kl_estimator}), "
+              f"mu {args.mu}, {args.ratio_level} ratio, {args.loss_type} "
+              f"loss{', dynamic sampling' if args.dynamic_sampling else ''}")
+    if not args.resume:                                 # a fresh run: the starting policy is step 0
         run.log_start(run.evaluate(policy, tok))
 
     while run.training():
-        # 1. rollout: G completions per prompt, scored by the verifier (DAPO's dynamic sampling inside, if asked)
+        # 1. rollout: G completions per prompt, scored by the verifier (DAPO's dynamic sampling
+        #    inside)
         batch, rounds = rollout(run, policy, tok, args)
-        prompt, prompt_mask, tokens, mask, truncated, rewards, _ = batch     # (B, Tp), (B, Tn), (B,); B = P*G
-        if args.overlong_buffer > 0:                                         # DAPO's overlong punishment
-            rewards = rewards + overlong_penalty(mask.sum(1), args.max_new_tokens, args.overlong_buffer)
+        # (B, Tp), (B, Tn), (B,); B = P*G
+        prompt, prompt_mask, tokens, mask, truncated, rewards, _ = batch
+        if args.overlong_buffer > 0:                                    # DAPO's overlong punishment
+            rewards = rewards + overlong_penalty(mask.sum(1), args.max_new_tokens,
+                                                 args.overlong_buffer)
         run.samples += rounds * P * G
 
-        # 2. score without gradient, each model's forward once: sampling-time and reference log-probs (through the
-        #    function step 4 calls, so that on-policy they agree bit for bit); on a logged step also the exact KL and
-        #    the entropy, the logits a chunk at a time (model.kl_entropy): the [B, T, V] logits are never formed
+        # 2. score without gradient, each model's forward once: sampling-time and reference
+        #    log-probs (through the function step 4 calls, so that on-policy they agree bit for
+        #    bit); on a logged step also the exact KL and the entropy, the logits a chunk at a time
+        #    (model.kl_entropy): the [B, T, V] logits are never formed
         old_logp, ref_logp = torch.zeros_like(mask), torch.zeros_like(mask)      # (B, Tn)
-        n_seqs, n_tokens = run.all_sum(len(mask)), run.all_sum(mask.sum())        # the step's, over every rank
+        # the step's, over every rank
+        n_seqs, n_tokens = run.all_sum(len(mask)), run.all_sum(mask.sum())
         kl_exact = ent = 0.0
-        with ref_weights:                                                         # on the device for step 2 alone
+        with ref_weights:                                           # on the device for step 2 alone
             for rows in run.micro_batches(len(mask)):
-                with torch.no_grad(), run.autocast:                               # (b, Tp+Tn-1, C) final hidden states
-                    h = completion_hidden(policy, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
-                    h_ref = completion_hidden(ref, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
+                with torch.no_grad(), run.autocast:            # (b, Tp+Tn-1, C) final hidden states
+                    h = completion_hidden(policy, prompt[rows], prompt_mask[rows], tokens[rows],
+                                          mask[rows])
+                    h_ref = completion_hidden(ref, prompt[rows], prompt_mask[rows], tokens[rows],
+                                              mask[rows])
                     old_logp[rows] = policy.head_logprobs(h, tokens[rows], temp)
                     ref_logp[rows] = ref.head_logprobs(h_ref, tokens[rows], temp)
                     if run.logging():
-                        kl_t, ent_t = kl_entropy(policy, ref, h, h_ref, mask[rows], temp)   # (b, Tn) each
+                        # (b, Tn) each
+                        kl_t, ent_t = kl_entropy(policy, ref, h, h_ref, mask[rows], temp)
                         kl_exact += kl_t.sum() / n_tokens                         # KL(pi || ref)
                         ent += ent_t.sum() / n_tokens
 
         # 3. advantages: the group is the baseline
-        advantages = grpo_advantages(rewards, G, scale_by_std=not args.no_std_scaling, std=args.std)  # (B,)
+        # (B,)
+        advantages = grpo_advantages(rewards, G, scale_by_std=not args.no_std_scaling, std=args.std)
 
-        # 4. mu passes of the loss, each over the --grad_accum micro-batches, normalised by the whole step's counts:
-        #    the parts add up to one batch's loss. At mu = 1 its value is about beta * KL (the advantages have mean 0
-        #    in every group): watch reward_mean and eval_accuracy, not the loss.
+        # 4. mu passes of the loss, each over the --grad_accum micro-batches, normalised by the
+        #    whole step's counts: the parts add up to one batch's loss. At mu = 1 its value is about
+        #    beta * KL (the advantages have mean 0 in every group): watch reward_mean and
+        #    eval_accuracy, not the loss.
         for epoch in range(args.mu):
             loss, stats = 0.0, {}
             for rows in run.micro_batches(len(mask), train_policy):
                 with run.autocast:                                           # (b, Tn) log pi_theta
-                    logp = completion_logprobs(train_policy, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows],
-                                               temp)
-                part, part_stats = grpo_loss(logp, old_logp[rows], ref_logp[rows], advantages[rows], mask[rows],
-                                             args.clip_eps, args.beta, args.kl_estimator, n_seqs, n_tokens,
+                    logp = completion_logprobs(train_policy, prompt[rows], prompt_mask[rows],
+                                               tokens[rows], mask[rows], temp)
+                part, part_stats = grpo_loss(logp, old_logp[rows], ref_logp[rows], advantages[rows],
+                                             mask[rows], args.clip_eps, args.beta,
+                                             args.kl_estimator, n_seqs, n_tokens,
                                              eps_high=args.eps_high, kl_clamp=args.kl_clamp,
                                              ratio_level=args.ratio_level, loss_type=args.loss_type,
                                              loss_agg=args.loss_agg, max_tokens=args.max_new_tokens)
@@ -295,27 +347,34 @@ def main(args):
                 stats = {k: stats.get(k, 0.0) + v for k, v in part_stats.items()}
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)    # the gradients' memory free until the next backward
+            optimizer.zero_grad(set_to_none=True)     # the gradients freed until the next backward
         run.step += 1
         run.tokens += int(n_tokens)
 
         # 5. log, evaluate, checkpoint (every number over all ranks)
         if run.log_due():
             groups, kept = rewards.view(-1, G), run.all_sum(len(rewards)).item() // G
-            stats = {k.replace("kl_est", f"kl_{args.kl_estimator}"): run.all_sum(v).item() for k, v in stats.items()}
+            stats = {k.replace("kl_est", f"kl_{args.kl_estimator}"): run.all_sum(v).item()
+                     for k, v in stats.items()}
             metrics = {"loss": run.all_sum(loss).item(), "reward_mean": run.mean(rewards),
                        "reward_std": run.std(rewards),
                        "zero_var_groups": run.mean((groups == groups[:, :1]).all(1).float()),
-                       "reward_groups": run.mean((groups != 0).any(1).float()),     # groups with any reward at all
-                       "kl_exact": run.all_sum(kl_exact).item(), "entropy": run.all_sum(ent).item(), **stats,
-                       "completion_len": run.mean(mask.sum(1)), "truncated": run.mean(truncated.float()),
-                       "grad_norm": grad_norm.item(), "groups_sampled": rounds * P, "groups_kept": kept}
+                       # groups with any reward at all
+                       "reward_groups": run.mean((groups != 0).any(1).float()),
+                       "kl_exact": run.all_sum(kl_exact).item(), "entropy": run.all_sum(ent).item(),
+                       **stats,
+                       "completion_len": run.mean(mask.sum(1)),
+                       "truncated": run.mean(truncated.float()),
+                       "grad_norm": grad_norm.item(), "groups_sampled": rounds * P,
+                       "groups_kept": kept}
             if run.eval_due():
                 metrics.update(run.evaluate(policy, tok))
-            run.log(metrics, f"reward {metrics['reward_mean']:.3f} | zero-var {metrics['zero_var_groups']:.2f} | kl "
-                             f"{metrics['kl_exact']:.4f} | ent {metrics['entropy']:.3f} | len "
-                             f"{metrics['completion_len']:.1f} | gnorm {metrics['grad_norm']:.3f} | clip "
-                             f"{metrics['clip_frac']:.3f}", tokens=True)
+            run.log(metrics, f"reward {metrics['reward_mean']:.3f} | "
+                             f"zero-var {metrics['zero_var_groups']:.2f} | "
+                             f"kl {metrics['kl_exact']:.4f} | ent {metrics['entropy']:.3f} | "
+                             f"len {metrics['completion_len']:.1f} | "
+                             f"gnorm {metrics['grad_norm']:.3f} | "
+                             f"clip {metrics['clip_frac']:.3f}", tokens=True)
         if run.eval_due():
             run.save(policy, optimizer)
     run.finish(policy, tok, optimizer)

@@ -1,34 +1,40 @@
 """
 REINFORCE with a choice of baselines, and REINFORCE++, with the verifier as the reward.
 
-The policy-gradient theorem with the whole completion y_i as one action: raise the log-probability of each sample
-in proportion to its reward minus a baseline b that does not depend on it. No value network, no ratio.
+The policy-gradient theorem with the whole completion y_i as one action: raise the log-probability
+of each sample in proportion to its reward minus a baseline b that does not depend on it. No value
+network, no ratio.
 
-Williams 1992, "Simple Statistical Gradient-Following Algorithms for Connectionist Reinforcement Learning" (Machine
-Learning 8); REINFORCE++: Hu 2025, arXiv 2501.03262.
-    R_i = r_i - beta * sum_t KL_it                                   (KL to the reference in the reward; k1 default)
-    A_i = R_i - b,    L = -1/B sum_i sum_t A_it log pi_theta(y_it | .)    (A_it = A_i for sequence-level baselines)
---baseline picks b:
+Williams 1992, "Simple Statistical Gradient-Following Algorithms for Connectionist Reinforcement
+Learning" (Machine Learning 8); REINFORCE++: Hu 2025, arXiv 2501.03262.
+    R_i = r_i - beta * sum_t KL_it                  (KL to the reference in the reward; k1 default)
+    A_i = R_i - b,    L = -1/B sum_i sum_t A_it log pi_theta(y_it | .)
+    (A_it = A_i for sequence-level baselines). --baseline picks b:
     none            b = 0: vanilla REINFORCE, unbiased, with the variance problem the baselines fix
     moving_average  b = an exponential moving average of the mean R of earlier batches (--ema_decay)
-    batch_mean      b = this batch's mean R; it includes sample i itself, so the estimate is biased by a factor
-                    (1 - 1/B) (rloo.py's leave-one-out baseline removes it)
-    reinforce_pp    REINFORCE++: r_t = -beta KL_t + r_i [t = last], returns-to-go G_t = sum_{s >= t} r_s (gamma 1),
+    batch_mean      b = this batch's mean R; it includes sample i itself, so the estimate is biased
+                    by a factor (1 - 1/B) (rloo.py's leave-one-out baseline removes it)
+    reinforce_pp    REINFORCE++: r_t = -beta KL_t + r_i [t = last], returns-to-go
+                    G_t = sum_{s >= t} r_s (gamma 1),
                     A_t = (G_t - mean) / (std + eps) over every completion token of the batch
 
 Deviations and choices the papers leave open:
-- One on-policy step per batch: REINFORCE++'s clipped ratio is 1 there, the clip never binds: left out.
-- The loss sums a completion's tokens and averages over completions, REINFORCE++ included (its code averages tokens).
-- Several samples per prompt (--group_size, so the sibling scripts' runs compare); no baseline here uses the groups.
+- One on-policy step per batch: REINFORCE++'s clipped ratio is 1 there, the clip never binds:
+  left out.
+- The loss sums a completion's tokens and averages over completions, REINFORCE++ included (its
+  code averages tokens).
+- Several samples per prompt (--group_size, so the sibling scripts' runs compare); no baseline
+  here uses the groups.
 - The reward is the task's verifier (1 correct, 0 otherwise; --format_weight adds a format bonus).
 - Small scale: a 0.8M-parameter policy, AdamW at a constant learning rate.
 
 Shapes: P prompts, G completions per prompt, B = P*G rows; T time (Tp prompt, Tn completion tokens).
 Run:
-    python reinforce.py                      # REINFORCE++ from out/sft.pt (built first if missing); about 1 minute
-    python reinforce.py --baseline none      # vanilla REINFORCE: watch grad_norm
-    python reinforce.py --resume             # continue from out/reinforce.pt up to --steps
-Metrics: out/reinforce/metrics.jsonl (docs/metrics.md says what each means); checkpoint out/reinforce.pt.
+    python reinforce.py                  # REINFORCE++ from out/sft.pt (built if missing), ~1 min
+    python reinforce.py --baseline none  # vanilla REINFORCE: watch grad_norm
+    python reinforce.py --resume         # continue from out/reinforce.pt up to --steps
+Metrics: out/reinforce/metrics.jsonl (docs/metrics.md says what each means); checkpoint
+out/reinforce.pt.
 """
 import torch
 
@@ -47,47 +53,50 @@ BASELINES = ("none", "moving_average", "batch_mean", "reinforce_pp")
 
 
 def batch_mean(x, all_sum=None):
-    """x's mean over the whole batch; all_sum sums a tensor over processes (Run.all_sum) when it is split over them."""
+    """x's mean over the whole batch; all_sum (Run.all_sum) sums over the processes it spans."""
     all_sum = all_sum or (lambda v: v)
     return all_sum(x.sum()) / all_sum(torch.tensor(float(x.numel()), device=x.device))
 
 
 def baseline_advantages(rewards, baseline, moving_average=None, all_sum=None):
-    """A_i = R_i - b, rewards (B,) -> (B,); b: 0 ("none"), moving_average (a float; None before any batch: 0), or
-    the batch's mean ("batch_mean"; all_sum: see batch_mean)."""
+    """A_i = R_i - b, rewards (B,) -> (B,); b: 0 ("none"), moving_average (a float; None before any
+    batch: 0), or the batch's mean ("batch_mean"; all_sum: see batch_mean)."""
     if baseline == "none":
         return rewards.clone()
     if baseline == "moving_average":
         return rewards - (0.0 if moving_average is None else moving_average)
     if baseline == "batch_mean":
         return rewards - batch_mean(rewards, all_sum)
-    raise ValueError(f"baseline {baseline!r} is unknown here; allowed: 'none', 'moving_average', 'batch_mean'")
+    raise ValueError(f"baseline {baseline!r} is unknown here; allowed: 'none', "
+                     f"'moving_average', 'batch_mean'")
 
 
 def update_moving_average(moving_average, rewards, decay, all_sum=None):
-    """b <- decay * b + (1 - decay) * mean(R); the first batch sets b = mean(R) (all_sum: see batch_mean)."""
+    """b <- decay * b + (1 - decay) * mean(R); the first sets b = mean(R) (all_sum: batch_mean)."""
     mean = batch_mean(rewards, all_sum).item()
     return mean if moving_average is None else decay * moving_average + (1 - decay) * mean
 
 
 def reinforce_pp_advantages(rewards, kl_t, mask, beta, eps=1e-8, all_sum=None):
-    """REINFORCE++ token advantages (B, T): rewards (B,); kl_t, mask (B, T), mask a prefix of each row."""
+    """REINFORCE++ token advantages (B, T): rewards (B,); kl_t, mask (B, T) (a prefix per row)."""
     all_sum = all_sum or (lambda v: v)
-    real = mask > 0                                                     # (B, T) bool
-    r = torch.where(real, -beta * kl_t, 0.0)                            # (B, T) per-token KL penalty
-    last = (mask.cumsum(1) == mask.sum(1, keepdim=True)) & real         # (B, T) each row's last completion token
-    r = r + rewards[:, None] * last                                     # outcome reward on the last token
-    returns = torch.where(real, r.flip(1).cumsum(1).flip(1), 0.0)       # G_t = sum_{s >= t} r_s   (gamma = 1)
-    n = all_sum(mask.sum()).clamp(min=1)                                # the batch's completion tokens
-    mean = all_sum(torch.where(real, returns, 0.0).sum()) / n           # global mean over the batch's tokens
-    std = (all_sum(torch.where(real, (returns - mean) ** 2, 0.0).sum()) / n).sqrt()   # global (population) std
-    return torch.where(real, (returns - mean) / (std + eps), 0.0)       # (B, T)
+    real = mask > 0                                                    # (B, T) bool
+    r = torch.where(real, -beta * kl_t, 0.0)                           # (B, T) per-token KL penalty
+    last = (mask.cumsum(1) == mask.sum(1, keepdim=True)) & real        # (B, T) last of each row
+    r = r + rewards[:, None] * last                                    # outcome reward, last token
+    returns = torch.where(real, r.flip(1).cumsum(1).flip(1), 0.0)      # G_t = sum_{s >= t} r_s
+    n = all_sum(mask.sum()).clamp(min=1)                               # the batch's tokens
+    mean = all_sum(torch.where(real, returns, 0.0).sum()) / n          # global mean over the tokens
+    # global (population) std
+    std = (all_sum(torch.where(real, (returns - mean) ** 2, 0.0).sum()) / n).sqrt()
+    return torch.where(real, (returns - mean) / (std + eps), 0.0)      # (B, T)
 
 
 def reinforce_loss(logp, advantages, mask, num_seqs=None):
-    """-1/B sum_i sum_t A_it log pi_theta(y_it | .) and its metrics (detached tensors). logp, mask (B, T); advantages
-    (B,) per completion or (B, T) per token. num_seqs: the step's count when this batch is a part of it."""
-    real = mask > 0                                                    # values at masked positions are never read
+    """-1/B sum_i sum_t A_it log pi_theta(y_it | .) and its metrics (detached tensors). logp, mask
+    (B, T); advantages (B,) per completion or (B, T) per token. num_seqs: the step's count when this
+    batch is a part of it."""
+    real = mask > 0                                                    # masked values never read
     A = advantages[:, None] if advantages.dim() == 1 else advantages   # (B, 1) or (B, T)
     A, logp = torch.where(real, A, 0.0), torch.where(real, logp, 0.0)  # (B, T) each
     n_seqs = mask.size(0) if num_seqs is None else num_seqs
@@ -101,85 +110,115 @@ def reinforce_loss(logp, advantages, mask, num_seqs=None):
 def parse_args(argv=None):
     p = parser(__doc__)
     g = p.add_argument_group("algorithm")
-    g.add_argument("--baseline", default="reinforce_pp", choices=BASELINES, help="b in A = R - b (see the docstring)")
-    g.add_argument("--ema_decay", type=Float(ge=0, lt=1), default=0.9, help="decay of the moving-average baseline")
-    g.add_argument("--group_size", type=Int(ge=1), default=8, help="G: completions sampled per prompt")
-    g.add_argument("--beta", type=Float(ge=0), default=0.04, help="weight of the KL-to-reference penalty in the reward")
-    g.add_argument("--kl_estimator", default="k1", choices=["k1", "k2", "k3"], help="per-token KL estimate (reward)")
-    g.add_argument("--format_weight", type=Float(ge=0), default=0.0, help="reward bonus for a well-formed completion")
+    g.add_argument("--baseline", default="reinforce_pp", choices=BASELINES,
+                   help="b in A = R - b (see the docstring)")
+    g.add_argument("--ema_decay", type=Float(ge=0, lt=1), default=0.9,
+                   help="decay of the moving-average baseline")
+    g.add_argument("--group_size", type=Int(ge=1), default=8,
+                   help="G: completions sampled per prompt")
+    g.add_argument("--beta", type=Float(ge=0), default=0.04,
+                   help="weight of the KL-to-reference penalty in the reward")
+    g.add_argument("--kl_estimator", default="k1", choices=["k1", "k2", "k3"],
+                   help="per-token KL estimate (reward)")
+    g.add_argument("--format_weight", type=Float(ge=0), default=0.0,
+                   help="reward bonus for a well-formed completion")
     g = p.add_argument_group("sampling")
-    g.add_argument("--steps", type=Int(ge=1), default=50, help="RL steps (one batch of rollouts each)")
-    g.add_argument("--prompts_per_step", type=Int(ge=1), default=32, help="P: prompts drawn per step")
-    g.add_argument("--temperature", type=TEMPERATURE, default=1.0, help="sampling temperature; log-probs use the same")
-    g.add_argument("--max_new_tokens", type=Int(ge=1), default=None, help="longest completion (default: the task's)")
+    g.add_argument("--steps", type=Int(ge=1), default=50,
+                   help="RL steps (one batch of rollouts each)")
+    g.add_argument("--prompts_per_step", type=Int(ge=1), default=32,
+                   help="P: prompts drawn per step")
+    g.add_argument("--temperature", type=TEMPERATURE, default=1.0,
+                   help="sampling temperature; log-probs use the same")
+    g.add_argument("--max_new_tokens", type=Int(ge=1), default=None,
+                   help="longest completion (default: the task's)")
     g.add_argument("--precedence_share", type=Float(ge=0, le=1), default=None,
-                   help="share of problems where precedence matters (default: the task's; arithmetic: 0.5)")
+                   help="share of problems where precedence matters (default: the task's; "
+                        "arithmetic: 0.5)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--lr", type=Float(gt=0), default=3e-4, help="AdamW learning rate (constant)")
     g.add_argument("--weight_decay", type=Float(ge=0), default=0.0, help="AdamW weight decay")
-    g.add_argument("--grad_clip", type=Float(gt=0), default=1.0, help="clip the gradient's global norm to this")
+    g.add_argument("--grad_clip", type=Float(gt=0), default=1.0,
+                   help="clip the gradient's global norm to this")
     g = add_run_flags(p, "reinforce", log_every=5, eval_every=10)
-    g.add_argument("--init", default=SFT_PATH, help="SFT checkpoint: the starting policy and the frozen reference")
+    g.add_argument("--init", default=SFT_PATH,
+                   help="SFT checkpoint: the starting policy and the frozen reference")
     return p.parse_args(argv)
 
 
 def main(args):
-    run = Run("reinforce", args, batch_flag="prompts_per_step")  # device, seeds, lock, log, resume, torchrun
-    policy, tok = run.load_policy(args.init)        # the policy starts as the SFT policy ...
-    ref = run.reference(args.init, policy)          # ... which stays frozen as the reference
-    ref_weights = run.parked(ref, policy)           # ... held in host memory outside step 2 (a GPU)
+    # device, seeds, lock, log, resume, torchrun
+    run = Run("reinforce", args, batch_flag="prompts_per_step")
+    policy, tok = run.load_policy(args.init)            # the policy starts as the SFT policy ...
+    ref = run.reference(args.init, policy)              # ... which stays frozen as the reference
+    ref_weights = run.parked(ref, policy)               # ... in host memory outside step 2 (GPU)
     run.check_lengths(policy, tok, args.max_new_tokens)
-    optimizer = torch.optim.AdamW(trainable(policy), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
+    optimizer = torch.optim.AdamW(trainable(policy), lr=args.lr, weight_decay=args.weight_decay,
+                                  betas=(0.9, 0.99))
     ckpt = run.resume(policy, optimizer)
-    moving_average = ckpt["moving_average"] if ckpt else None          # the moving_average baseline's state
-    train_policy = run.ddp(policy)                  # DistributedDataParallel under torchrun, else the policy itself
+    moving_average = ckpt["moving_average"] if ckpt else None   # the moving-average baseline's b
+    train_policy = run.ddp(policy)                      # DDP under torchrun, else the policy
     P, G, temp = args.prompts_per_step, args.group_size, args.temperature
-    run.print(f"REINFORCE (baseline {args.baseline}): {policy.num_params() / 1e6:.2f}M parameters on {run.device}, "
-              f"{args.steps} steps of {P} prompts x {G} samples, beta {args.beta} ({args.kl_estimator})")
-    if not args.resume:                             # a fresh run: the starting policy is step 0
+    run.print(f"REINFORCE (baseline {args.baseline}): {policy.num_params() / 1e6:.2f}M "
+              f"parameters on {run.device}, {args.steps} steps of {P} prompts x {G} samples, "
+              f"beta {args.beta} ({args.kl_estimator})")
+    if not args.resume:                                 # a fresh run: the starting policy is step 0
         run.log_start(run.evaluate(policy, tok))
 
     while run.training():
         # 1. rollout: G completions per prompt at the sampling temperature, scored by the verifier
-        prompts = run.shard(task.sample_prompts(run.rng, P, args.precedence_share))   # this rank's share
+        # this rank's share
+        prompts = run.shard(task.sample_prompts(run.rng, P, args.precedence_share))
         with run.autocast:
-            batch = task.rollout(policy, tok, prompts, G, temp, args.max_new_tokens, args.format_weight, run.gen)
-        prompt, prompt_mask, tokens, mask, truncated, rewards, _ = batch     # (B, Tp), (B, Tn), (B,); B = P*G
+            batch = task.rollout(policy, tok, prompts, G, temp, args.max_new_tokens,
+                                 args.format_weight, run.gen)
+        # (B, Tp), (B, Tn), (B,); B = P*G
+        prompt, prompt_mask, tokens, mask, truncated, rewards, _ = batch
         run.samples += P * G
 
-        # 2. score without gradient, each model's forward once: sampling-time and reference log-probs (through the
-        #    function step 4 calls, so that on-policy they agree bit for bit); on a logged step also the exact KL and
-        #    the entropy, the logits a chunk at a time (model.kl_entropy): the [B, T, V] logits are never formed
+        # 2. score without gradient, each model's forward once: sampling-time and reference
+        #    log-probs (through the function step 4 calls, so that on-policy they agree bit for
+        #    bit); on a logged step also the exact KL and the entropy, the logits a chunk at a time
+        #    (model.kl_entropy): the [B, T, V] logits are never formed
         old_logp, ref_logp = torch.zeros_like(mask), torch.zeros_like(mask)      # (B, Tn)
-        n_seqs, n_tokens = run.all_sum(len(mask)), run.all_sum(mask.sum())        # the step's, over every rank
+        # the step's, over every rank
+        n_seqs, n_tokens = run.all_sum(len(mask)), run.all_sum(mask.sum())
         kl_exact = ent = 0.0
-        with ref_weights:                                                         # on the device for step 2 alone
+        with ref_weights:                                           # on the device for step 2 alone
             for rows in run.micro_batches(len(mask)):
-                with torch.no_grad(), run.autocast:                               # (b, Tp+Tn-1, C) final hidden states
-                    h = completion_hidden(policy, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
-                    h_ref = completion_hidden(ref, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
+                with torch.no_grad(), run.autocast:            # (b, Tp+Tn-1, C) final hidden states
+                    h = completion_hidden(policy, prompt[rows], prompt_mask[rows], tokens[rows],
+                                          mask[rows])
+                    h_ref = completion_hidden(ref, prompt[rows], prompt_mask[rows], tokens[rows],
+                                              mask[rows])
                     old_logp[rows] = policy.head_logprobs(h, tokens[rows], temp)
                     ref_logp[rows] = ref.head_logprobs(h_ref, tokens[rows], temp)
                     if run.logging():
-                        kl_t, ent_t = kl_entropy(policy, ref, h, h_ref, mask[rows], temp)   # (b, Tn) each
+                        # (b, Tn) each
+                        kl_t, ent_t = kl_entropy(policy, ref, h, h_ref, mask[rows], temp)
                         kl_exact += kl_t.sum() / n_tokens                         # KL(pi || ref)
                         ent += ent_t.sum() / n_tokens
 
-        # 3. advantages: KL to the reference in the reward, minus the baseline (statistics over every rank's batch)
+        # 3. advantages: KL to the reference in the reward, minus the baseline (statistics over
+        #    all ranks)
         kl_t = kl_penalty(old_logp, ref_logp, args.kl_estimator)                     # (B, Tn)
         if args.baseline == "reinforce_pp":
-            advantages = reinforce_pp_advantages(rewards, kl_t, mask, args.beta, all_sum=run.all_sum)  # (B, Tn)
+            advantages = reinforce_pp_advantages(rewards, kl_t, mask, args.beta,
+                                                 all_sum=run.all_sum)                      # (B, Tn)
         else:
-            scores = rewards - args.beta * torch.where(mask > 0, kl_t, 0.0).sum(1)   # R_i = r_i - beta * sum_t KL_it
-            advantages = baseline_advantages(scores, args.baseline, moving_average, run.all_sum)     # (B,)
-            moving_average = update_moving_average(moving_average, scores, args.ema_decay, all_sum=run.all_sum)
+            # R_i = r_i - beta * sum_t KL_it
+            scores = rewards - args.beta * torch.where(mask > 0, kl_t, 0.0).sum(1)
+            # (B,)
+            advantages = baseline_advantages(scores, args.baseline, moving_average, run.all_sum)
+            moving_average = update_moving_average(moving_average, scores, args.ema_decay,
+                                                   all_sum=run.all_sum)
 
-        # 4. one on-policy REINFORCE step, over the --grad_accum micro-batches, normalised by the whole step's counts
+        # 4. one on-policy REINFORCE step over the --grad_accum micro-batches, normalised by the
+        #    whole step's counts
         loss, stats = 0.0, {}
         for rows in run.micro_batches(len(mask), train_policy):
-            with run.autocast:                                                     # (b, Tn) log pi_theta
-                logp = completion_logprobs(train_policy, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows],
-                                           temp)
+            with run.autocast:                                                # (b, Tn) log pi_theta
+                logp = completion_logprobs(train_policy, prompt[rows], prompt_mask[rows],
+                                           tokens[rows], mask[rows], temp)
             part, part_stats = reinforce_loss(logp, advantages[rows], mask[rows], num_seqs=n_seqs)
             run.check_finite(part, f"lower --lr (now {args.lr})")
             part.backward()
@@ -197,15 +236,18 @@ def main(args):
             metrics = {"loss": run.all_sum(loss).item(), "reward_mean": run.mean(rewards),
                        "reward_std": run.std(rewards),
                        "zero_var_groups": run.mean((groups == groups[:, :1]).all(1).float()),
-                       "kl_exact": run.all_sum(kl_exact).item(), f"kl_{args.kl_estimator}": run.mean(kl_t, mask),
+                       "kl_exact": run.all_sum(kl_exact).item(),
+                       f"kl_{args.kl_estimator}": run.mean(kl_t, mask),
                        "entropy": run.all_sum(ent).item(), "completion_len": run.mean(mask.sum(1)),
                        "truncated": run.mean(truncated.float()), "grad_norm": grad_norm.item(),
                        "seq_logp": run.all_sum(stats["seq_logp"]).item()}
             if run.eval_due():
                 metrics.update(run.evaluate(policy, tok))
-            run.log(metrics, f"reward {metrics['reward_mean']:.3f} | zero-var {metrics['zero_var_groups']:.2f} | kl "
-                             f"{metrics['kl_exact']:.4f} | ent {metrics['entropy']:.3f} | len "
-                             f"{metrics['completion_len']:.1f} | gnorm {metrics['grad_norm']:.3f}", tokens=True)
+            run.log(metrics, f"reward {metrics['reward_mean']:.3f} | "
+                             f"zero-var {metrics['zero_var_groups']:.2f} | "
+                             f"kl {metrics['kl_exact']:.4f} | ent {metrics['entropy']:.3f} | "
+                             f"len {metrics['completion_len']:.1f} | "
+                             f"gnorm {metrics['grad_norm']:.3f}", tokens=True)
         if run.eval_due():
             run.save(policy, optimizer, moving_average=moving_average)
     run.finish(policy, tok, optimizer, moving_average=moving_average)
