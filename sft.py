@@ -36,45 +36,54 @@ def parse_args(argv=None):
     g.add_argument("--mistake_rate", type=Float(ge=0, le=1), default=0.6,
                    help="share of demonstrations evaluated left to right")
     g.add_argument("--precedence_share", type=Float(ge=0, le=1), default=None,
-                   help="share of problems where precedence matters (default: the task's; arithmetic: 0.5)")
+                   help="share of problems where precedence matters (default: the task's; "
+                        "arithmetic: 0.5)")
     g = p.add_argument_group("model")
     g.add_argument("--n_layer", type=Int(ge=1), default=4, help="transformer blocks")
-    g.add_argument("--block_size", type=Int(ge=8), default=64, help="longest sequence (prompt + completion)")
+    g.add_argument("--block_size", type=Int(ge=8), default=64,
+                   help="longest sequence (prompt + completion)")
     g.add_argument("--n_head", type=Int(ge=1), default=4, help="attention heads")
-    g.add_argument("--n_embd", type=Int(ge=1), default=128, help="model width (a multiple of --n_head)")
+    g.add_argument("--n_embd", type=Int(ge=1), default=128,
+                   help="model width (a multiple of --n_head)")
     g.add_argument("--pos", default=None, choices=["learned", "rope"],
-                   help="positions: learned absolute (GPT-2) or rotary (default: rotary for --task toolcalc, else "
-                        "learned)")
+                   help="positions: learned absolute (GPT-2) or rotary (default: rotary for "
+                        "--task toolcalc, else learned)")
     g.add_argument("--tokenizer", default="bytes",
-                   help="'bytes' (built in, offline; 'bytes-chat' under --chat, with a chat template) or a "
-                        "tiktoken encoding name")
+                   help="'bytes' (built in, offline; 'bytes-chat' under --chat, with a chat "
+                        "template) or a tiktoken encoding name")
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=Int(ge=1), default=None,
-                   help="optimisation steps (default 1500; 4000 for --task countdown, slower to fit)")
+                   help="optimisation steps (default 1500; 4000 for --task countdown, slower "
+                        "to fit)")
     g.add_argument("--batch_size", type=Int(ge=1), default=64, help="demonstrations per step")
     g.add_argument("--lr", type=Float(gt=0), default=2e-3, help="peak AdamW learning rate")
-    g.add_argument("--warmup", type=Int(ge=0), default=50, help="linear warm-up steps, then cosine decay to lr/10")
+    g.add_argument("--warmup", type=Int(ge=0), default=50,
+                   help="linear warm-up steps, then cosine decay to lr/10")
     g.add_argument("--weight_decay", type=Float(ge=0), default=0.01, help="AdamW weight decay")
-    g.add_argument("--grad_clip", type=Float(gt=0), default=1.0, help="clip the gradient's global norm to this")
+    g.add_argument("--grad_clip", type=Float(gt=0), default=1.0,
+                   help="clip the gradient's global norm to this")
     g = add_run_flags(p, "sft", log_every=50, eval_every=500)
-    g.add_argument("--init", default=None, help="fine-tune this checkpoint or Hugging Face folder (GPT-2, Llama, "
-                   "Qwen2, Qwen3) instead of a new model (the model flags are then the checkpoint's)")
+    g.add_argument("--init", default=None,
+                   help="fine-tune this checkpoint or Hugging Face folder (GPT-2, Llama, Qwen2, "
+                        "Qwen3) instead of a new model (the model flags are then the "
+                        "checkpoint's)")
     args = p.parse_args(argv)
     if args.lora_rank and args.init is None:
-        p.error(f"--lora_rank {args.lora_rank} adapts a trained model's weights: it needs --init (a new model trains "
-                f"every weight)")
+        p.error(f"--lora_rank {args.lora_rank} adapts a trained model's weights: it needs "
+                f"--init (a new model trains every weight)")
     if args.n_embd % args.n_head:
         p.error(f"--n_embd {args.n_embd} must be a multiple of --n_head {args.n_head}")
     return args
 
 
 def main(args):
-    run = Run("sft", args, batch_flag="batch_size")  # device, seeds, lock, log, resume, torchrun: plumbing.py
-    if args.init is not None:                       # a checkpoint or a Hugging Face folder, fine-tuned
+    # device, seeds, lock, log, resume, torchrun: plumbing.py
+    run = Run("sft", args, batch_flag="batch_size")
+    if args.init is not None:                    # a checkpoint or a Hugging Face folder, fine-tuned
         model, tok = run.load(args.init)
-        model = run.adapt(model)                    # --lora_rank: adapters, every weight frozen
+        model = run.adapt(model)                 # --lora_rank: adapters, every weight frozen
         run.check_lengths(model, tok, task.default_max_new_tokens())
-    else:                                           # a new model
+    else:                                        # a new model
         try:
             tok = Tokenizer(args.tokenizer)
             tok = tok.use_chat(run.chat_date) if task.chat() else tok   # bytes-chat's template
@@ -82,20 +91,25 @@ def main(args):
             raise SystemExit(f"error: --tokenizer: {e}") from None
         run.tokenizer_name = tok.name
         longest, budget = task.max_prompt_tokens(tok), task.default_max_new_tokens()
-        if longest + budget > args.block_size:      # the task's longest prompt and completion budget must fit
-            raise SystemExit(f"error: --block_size {args.block_size} is too short for --task {task.name()}: its "
-                             f"longest prompt is {longest} tokens and its completions up to {budget}; allowed: "
-                             f"--block_size >= {longest + budget}")
-        model = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
-                              n_head=args.n_head, n_embd=args.n_embd, pos=args.pos)).to(run.device)
+        # the task's longest prompt and completion budget must fit
+        if longest + budget > args.block_size:
+            raise SystemExit(f"error: --block_size {args.block_size} is too short for "
+                             f"--task {task.name()}: its longest prompt is {longest} tokens and "
+                             f"its completions up to {budget}; allowed: --block_size "
+                             f">= {longest + budget}")
+        model = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=args.block_size,
+                              n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+                              pos=args.pos)).to(run.device)
     model.grad_checkpoint = args.grad_checkpoint
-    optimizer = torch.optim.AdamW(trainable(model), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
+    optimizer = torch.optim.AdamW(trainable(model), lr=args.lr, weight_decay=args.weight_decay,
+                                  betas=(0.9, 0.99))
     run.resume(model, optimizer)
-    train_model = run.ddp(model)                    # DistributedDataParallel under torchrun, else the model itself
-    run.print(f"SFT: {model.num_params() / 1e6:.2f}M parameters on {run.device}, {args.steps} steps of "
-              f"{args.batch_size}")
+    train_model = run.ddp(model)     # DistributedDataParallel under torchrun, else the model itself
+    run.print(f"SFT: {model.num_params() / 1e6:.2f}M parameters on {run.device}, {args.steps} "
+              f"steps of {args.batch_size}")
     if not args.resume:                             # a fresh run: random init (or --init) is step 0
-        run.log_start(run.evaluate(model, tok), "random init" if args.init is None else "the --init model")
+        run.log_start(run.evaluate(model, tok),
+                      "random init" if args.init is None else "the --init model")
 
     model.train()
     while run.training():
@@ -104,17 +118,20 @@ def main(args):
             group["lr"] = lr_schedule(run.step, args.lr, args.warmup, args.steps)
         demos = run.shard(task.sample_demonstrations(run.rng, args.batch_size, args.mistake_rate,
                                                      args.precedence_share))
-        tokens, attn, loss_mask = task.completion_batch([p for p, _ in demos], [c for _, c in demos], tok, run.device)
+        tokens, attn, loss_mask = task.completion_batch([p for p, _ in demos],
+                                                        [c for _, c in demos], tok, run.device)
 
-        # 2. teacher forcing: the mean negative log-likelihood of the completion tokens of the whole batch (every
-        #    rank's), over the --grad_accum micro-batches
+        # 2. teacher forcing: the mean negative log-likelihood of the completion tokens of the whole
+        #    batch (every rank's), over the --grad_accum micro-batches
         n_tokens = run.all_sum(loss_mask.sum())
         optimizer.zero_grad(set_to_none=True)
         loss = 0.0
         for rows in run.micro_batches(len(tokens), train_model):
-            with run.autocast:                                               # (b, T-1) float32: log pi(y_t | .)
-                logp = token_logprobs(train_model, tokens[rows, :-1], attn[rows, :-1], tokens[rows, 1:])
-            part = -masked_mean(logp, loss_mask[rows], n_tokens)             # this part's share of the mean NLL
+            with run.autocast:                                   # (b, T-1) float32: log pi(y_t | .)
+                logp = token_logprobs(train_model, tokens[rows, :-1], attn[rows, :-1],
+                                      tokens[rows, 1:])
+            # this part's share of the mean NLL
+            part = -masked_mean(logp, loss_mask[rows], n_tokens)
             run.check_finite(part, f"lower --lr (now {args.lr})")
             part.backward()
             loss += part.item()
