@@ -56,9 +56,9 @@ from tasks import toolcalc
 # policy's tokens only
 
 def episode_rewards(correct, calls, call_cost, shaping):
-    """correct, calls (B, K): each attempt's 0/1 answer and its calls -> rewards (B, K): r_k =
-    right_k - c calls_k, and with a second attempt SCoRe's bonus alpha (right_2 - right_1) added to
-    r_2."""
+    """correct, calls (B, K): each attempt's 0/1 answer and its calls -> rewards (B, K):
+    r_k = right_k - c calls_k, and with a second attempt SCoRe's bonus alpha (right_2 - right_1)
+    added to r_2."""
     rewards = correct - call_cost * calls                              # (B, K)
     if correct.size(1) == 2:
         rewards[:, 1] += shaping * (correct[:, 1] - correct[:, 0])     # alpha (right_2 - right_1)
@@ -66,11 +66,11 @@ def episode_rewards(correct, calls, call_cost, shaping):
 
 
 def grpo_advantages(rewards, group_size, eps=1e-6, present=None, scale=None):
-    """rewards (P*G,), G = group_size consecutive episodes per prompt -> (r - mean_g) / (std_g +
-    eps) (P*G,), population std; 0 for a group whose rewards are all equal. present (P*G,) bool: the
-    episodes that reached this attempt (one that ran out of tokens before it has no reward there):
-    the group's mean and std over those alone, 0 for the rest. scale: a number to divide by in place
-    of each group's own std (the batch's std, or 1 for none)."""
+    """rewards (P*G,), G = group_size consecutive episodes per prompt ->
+    (r - mean_g) / (std_g + eps) (P*G,), population std; 0 for a group whose rewards are all equal.
+    present (P*G,) bool: the episodes that reached this attempt (one that ran out of tokens before
+    it has no reward there): the group's mean and std over those alone, 0 for the rest. scale: a
+    number to divide by in place of each group's own std (the batch's std, or 1 for none)."""
     r = rewards.view(-1, group_size)                                   # (P, G)
     # (P, G)
     m = torch.ones_like(r, dtype=torch.bool) if present is None else present.view(-1, group_size)

@@ -71,7 +71,7 @@ def grpo_advantages(rewards, group_size, eps=1e-6, scale_by_std=True, std="popul
             # 1/(G-1) in the root
             sd = (advantages.pow(2).sum(1, keepdim=True) / max(group_size - 1, 1)).sqrt()
         advantages = advantages / (sd + eps)
-    all_equal = (r == r[:, :1]).all(dim=1, keepdim=True)            # (P, 1) no signal in this group
+    all_equal = (r == r[:, :1]).all(dim=1, keepdim=True)               # (P, 1) no signal
     return torch.where(all_equal, torch.zeros_like(advantages), advantages).view(-1)  # (P*G,)
 
 
@@ -87,9 +87,9 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps=0.2, beta=0.0
     see kernels.kl_penalty; ratio_level "sequence" is GSPO; loss_type "cispo" is CISPO; loss_agg and
     max_tokens, see aggregate."""
     eps_high = clip_eps if eps_high is None else eps_high
-    real = mask > 0                                                    # (B, T) bool
-    logp, old_logp, ref_logp = (torch.where(real, x, 0.0)
-                                for x in (logp, old_logp, ref_logp))           # padding never leaks
+    real = mask > 0                                              # (B, T) bool
+    logp, old_logp, ref_logp = (torch.where(real, x, 0.0)        # padding never leaks
+                                for x in (logp, old_logp, ref_logp))
     A = advantages[:, None]                                      # (B, 1): A_i on every token of o_i
     log_ratio = logp - old_logp                                  # (B, T)
     ratio = torch.exp(log_ratio)                                 # rho_it = pi_theta / pi_old

@@ -59,8 +59,8 @@ def sequence_logprobs(token_logp, mask, average=False):
 
 def ipo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, tau=0.1):
     """IPO loss per pair (section 5) and the implicit rewards; inputs (B,) sequence log-probs.
-    Returns (losses (B,), chosen_rewards (B,), rejected_rewards (B,)), r = tau * (log pi - log
-    pi_ref)."""
+    Returns (losses (B,), chosen_rewards (B,), rejected_rewards (B,)),
+    r = tau * (log pi - log pi_ref)."""
     chosen_logratio = policy_chosen - ref_chosen                           # log pi(y_w)/pi_ref(y_w)
     rejected_logratio = policy_rejected - ref_rejected                     # log pi(y_l)/pi_ref(y_l)
     h = chosen_logratio - rejected_logratio                                # (B,)

@@ -16,8 +16,8 @@ Ethayarajh et al. 2024, "KTO: Model Alignment as Prospect Theoretic Optimization
     L_KTO = mean over examples of lambda_y - v(x, y)
 z0 is detached (no gradient flows through it). The data are imbalanced: the SFT policy is right on
 about 70 % of its samples (1,436 of 2,048 at seed 0, 2.35 desirable per undesirable); the paper
-asks for lambda_D n_D / (lambda_U n_U) in [1, 4/3]: lambda_D = 1 and, by default, lambda_U = n_D /
-n_U (the ratio 1), set from the sampled labels and printed at start-up.
+asks for lambda_D n_D / (lambda_U n_U) in [1, 4/3]: lambda_D = 1 and, by default,
+lambda_U = n_D / n_U (the ratio 1), set from the sampled labels and printed at start-up.
 
 Deviations and choices the paper leaves open:
 - The mismatched pairs: the step's batch rotated by one (prompt k with completion k+1), over every

@@ -60,9 +60,9 @@ def log_odds(avg_logp, max_avg_logp=-1e-6):
 
 
 def orpo_loss(chosen_avg_logp, rejected_avg_logp, lam=0.1):
-    """ORPO loss per pair (eq. 6) and the log odds; inputs (B,) average token log-probs 1/|y| log
-    pi(y|x). Returns (losses (B,), chosen_log_odds (B,), rejected_log_odds (B,)); the NLL of the
-    chosen plus lam times the odds term."""
+    """ORPO loss per pair (eq. 6) and the log odds; inputs (B,) average token log-probs
+    1/|y| log pi(y|x). Returns (losses (B,), chosen_log_odds (B,), rejected_log_odds (B,)); the
+    NLL of the chosen plus lam times the odds term."""
     chosen_log_odds = log_odds(chosen_avg_logp)                              # log odds(y_w|x)
     rejected_log_odds = log_odds(rejected_avg_logp)                          # log odds(y_l|x)
     # L_SFT + lambda L_OR

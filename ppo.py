@@ -116,8 +116,8 @@ def ppo_value_loss(values, old_values, returns, clip_value):
 
 
 def adaptive_kl_beta(beta, kl_value, kl_target, horizon, n_steps):
-    """Ziegler et al. 2019, section 2.2: e = clip(KL / KL_target - 1, -0.2, 0.2); beta <- beta (1 +
-    e n / horizon)."""
+    """Ziegler et al. 2019, section 2.2: e = clip(KL / KL_target - 1, -0.2, 0.2);
+    beta <- beta (1 + e n / horizon)."""
     error = min(max(kl_value / kl_target - 1.0, -0.2), 0.2)
     return beta * (1.0 + error * n_steps / horizon)
 

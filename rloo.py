@@ -58,10 +58,10 @@ def rloo_advantages(rewards, k):
 
 
 def rloo_loss(logp, advantages, mask, num_seqs=None):
-    """The REINFORCE loss with sequence-level advantages, -1/B sum_i A_i sum_t log pi_theta(y_it |
-    .), and its metrics (detached tensors). logp (B, T) log-probs of the sampled tokens (with grad);
-    advantages (B,); mask (B, T) 1.0 on completion tokens (values elsewhere never read). num_seqs:
-    the step's count when this batch is a part of it."""
+    """The REINFORCE loss with sequence-level advantages and its metrics (detached tensors):
+    -1/B sum_i A_i sum_t log pi_theta(y_it | .). logp (B, T) log-probs of the sampled tokens (with
+    grad); advantages (B,); mask (B, T) 1.0 on completion tokens (values elsewhere never read).
+    num_seqs: the step's count when this batch is a part of it."""
     seq_logp = torch.where(mask > 0, logp, 0.0).sum(dim=1)             # (B,) log pi(y_i | x)
     n_seqs = mask.size(0) if num_seqs is None else num_seqs
     loss = -(advantages * seq_logp).sum() / n_seqs

@@ -54,9 +54,9 @@ def sequence_logprobs(token_logp, mask, average=False):
 
 
 def simpo_loss(chosen_avg_logp, rejected_avg_logp, beta=2.0, gamma=1.0):
-    """SimPO loss per pair (eq. 6) and the rewards; inputs (B,) average token log-probs 1/|y| log
-    pi(y|x). Returns (losses (B,), chosen_rewards (B,), rejected_rewards (B,)), r = beta/|y| log
-    pi(y|x); gamma in reward units."""
+    """SimPO loss per pair (eq. 6) and the rewards; inputs (B,) average token log-probs
+    1/|y| log pi(y|x). Returns (losses (B,), chosen_rewards (B,), rejected_rewards (B,)),
+    r = beta/|y| log pi(y|x); gamma in reward units."""
     chosen_rewards = beta * chosen_avg_logp                   # r(x, y_w) = beta/|y_w| log pi(y_w|x)
     rejected_rewards = beta * rejected_avg_logp                              # r(x, y_l)
     # -log sigmoid(r_w - r_l - gamma)

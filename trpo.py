@@ -142,10 +142,10 @@ def conjugate_gradient(fvp, b, iters=10, residual_tol=1e-10):
 
 
 def natural_gradient_step(g, fvp, max_kl, cg_iters=10, stats=None, residual_tol=1e-10):
-    """TRPO's full step (appendix C): x = F^-1 g by conjugate_gradient, s = sqrt(2 max_kl / x^T F x)
-    x, whose quadratic KL model 1/2 s^T F s is max_kl. Returns (s (D,), g . s, the first-order
-    gain); a zero gradient gives a zero step. stats: a dict to fill with "cg_residual" (|g - F x| /
-    |g|) and "xFx"."""
+    """TRPO's full step (appendix C): x = F^-1 g by conjugate_gradient,
+    s = sqrt(2 max_kl / x^T F x) x, whose quadratic KL model 1/2 s^T F s is max_kl. Returns (s (D,),
+    g . s, the first-order gain); a zero gradient gives a zero step. stats: a dict to fill with
+    "cg_residual" (|g - F x| / |g|) and "xFx"."""
     # (D,) approximately F^-1 g
     x = conjugate_gradient(fvp, g, iters=cg_iters, residual_tol=residual_tol)
     Fx = fvp(x)
