@@ -212,8 +212,8 @@ def main(args):
     # N, (N,)
     ids, desirable = sample_examples(reference, tok, prompts, args.temperature, gen, run.autocast)
     eval_pairs = task.preference_pairs(task.eval_prompts(), reference, tok, seed=args.seed + 1,
-                                       cache=os.path.join(args.out,
-                                                          "pairs_eval.json"))[:args.eval_n]
+                                       cache=os.path.join(args.out, "pairs_eval.json")
+                                       )[:args.eval_n]
     run.samples = len(prompts)        # the examples' cost: 1 completion sampled per training prompt
     average = args.seq_logp == "mean"
     # (N,)
