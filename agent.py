@@ -26,8 +26,8 @@ Deviations and choices (alpha = --shaping):
   scale_rewards="batch", Bessel's std). --scale_rewards group is GRPO's; none divides by 1.
 - Each attempt trains on its own reward. The paper's gradient credits attempt 1 with r_2 (stage I)
   or r_1 + r_2 (stage II); here it never earns credit for setting up a good revision.
-- Any stop id ends an attempt, trained as sampled; then the revision prompt ("\nrevise:", the
-  problem, no verdict). A malformed call costs a call and is answered with an error (tools.py).
+- Any stop id ends an attempt, trained as sampled; then the revision prompt (a new line, "revise:",
+  the problem, no verdict). A malformed call costs a call and is answered with an error (tools.py).
 - mu passes over the whole batch; old log-probs scored once (step 3); equal rewards give A = 0.
 
 Shapes: P prompts, G episodes each, B = P*G rows; Tp prompt, Tn episode tokens; K attempts.
