@@ -2,22 +2,23 @@
 
     from kernels import logprobs, kl, entropy, linear_logprobs, kl_penalty
 
-    logprobs(logits, targets, temp=1.0) -> float32 [...]   log softmax(logits / temp)[targets]
-    kl(logits_p, logits_q, temp=1.0)    -> float32 [...]   exact KL(softmax(p/temp) || softmax(q/temp)) over V
-    entropy(logits, temp=1.0)           -> float32 [...]   H(softmax(logits / temp)) = -sum p log p
+    logprobs(logits, targets, temp=1.0)    log softmax(logits / temp)[targets]
+    kl(logits_p, logits_q, temp=1.0)       exact KL(softmax(p/temp) || softmax(q/temp)) over V
+    entropy(logits, temp=1.0)              H(softmax(logits / temp)) = -sum p log p
     linear_logprobs(hidden, weight, targets, temp=1.0)
-                                        -> float32 [...]   log softmax((hidden @ weight.T) / temp)[targets]
-    kl_penalty(logp, ref_logp, estimator) -> [...]         one-sample k1/k2/k3 estimates of KL from sampled
-                                                           tokens' log-probs (plain PyTorch; kl_penalty.py)
+                                           log softmax((hidden @ weight.T) / temp)[targets]
+    kl_penalty(logp, ref_logp, estimator)  one-sample k1/k2/k3 estimates of KL from sampled tokens'
+                                           log-probs (plain PyTorch; kl_penalty.py)
 
-Shapes use the scripts' letters: B batch, T time, V vocabulary, C channels (hidden width),
-N = B * T token positions; the temperature is `temp`. logits are [..., V] in float32, bfloat16
-or float16, with any strides (a slice such as `model(idx)[:, :-1]` is read in place, not
-copied: the kernels see it as N rows through a [B, T, V] view). All four accumulate in float32,
-are differentiable w.r.t. their (first) inputs, return gradients in the inputs' dtype, and never
-keep an [N, V] tensor for backward: each keeps its inputs by reference and O(N) floats per row
-(the row's max and log_sum), and recomputes the softmax in backward. `kl` gives no gradient to
-logits_q, the frozen reference, and refuses a logits_q that requires grad.
+Shapes use the scripts' letters: B batch, T time, V vocabulary, C channels (hidden width), N = B * T
+token positions; the temperature is `temp`. logits are [..., V] in float32, bfloat16 or float16,
+with any strides (a slice such as `model(idx)[:, :-1]` is read in place, not copied: the kernels see
+it as N rows through a [B, T, V] view). All four accumulate in float32, return float32 [...] (the
+inputs' shape less its last dim), are differentiable w.r.t. their (first) inputs, return gradients
+in the inputs' dtype, and never keep an [N, V] tensor for backward: each keeps its inputs by
+reference and O(N) floats per row (the row's max and log_sum), and recomputes the softmax in
+backward. `kl` gives no gradient to logits_q, the frozen reference, and refuses a logits_q that
+requires grad.
 
 linear_logprobs goes one step further and never stores the logits at all: it takes the final
 hidden states and the LM head's weight (Cut Cross-Entropy, Wijmans et al. 2024, arXiv:2411.09009).
@@ -58,7 +59,8 @@ from .common import HAS_TRITON, MAX_TEMPERATURE, MIN_TEMPERATURE, TRITON_INTERPR
 from .entropy import entropy, entropy_reference, entropy_torch, entropy_triton
 from .kl import kl, kl_reference, kl_torch, kl_triton
 from .kl_penalty import kl_penalty
-from .linear_logprobs import linear_logprobs, linear_logprobs_reference, linear_logprobs_torch, linear_logprobs_triton
+from .linear_logprobs import (linear_logprobs, linear_logprobs_reference, linear_logprobs_torch,
+                              linear_logprobs_triton)
 from .logprobs import logprobs, logprobs_reference, logprobs_torch, logprobs_triton
 
 __all__ = [

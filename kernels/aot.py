@@ -4,8 +4,8 @@ each kernel compiles (Triton -> PTX -> cubin, with the ptxas that ships inside t
 for sm_80 (A100) and sm_90 (H100) at the block sizes the launchers pick, and
 bench/kernel_registers.py to report each compiled kernel's registers and spills.
 
-    compiled = compile_kernel(job, arch=80)      # a triton CompiledKernel: .asm["ptx"], .asm["cubin"], .metadata
-    ptxas_usage(compiled, arch=80)               # {"registers": 40, "spill_stores": 0, "spill_loads": 0}
+    compiled = compile_kernel(job, arch=80)  # a CompiledKernel: .asm["ptx"], .asm["cubin"]
+    ptxas_usage(compiled, arch=80)           # {"registers": 40, "spill_stores": 0, ...}
 
 A job is one kernel at one input dtype and one set of compile-time constants (block sizes and
 warps), as chosen by the kernel file's own `launch_config`; jobs() lists every distinct one for
@@ -79,21 +79,25 @@ def jobs(vocab_sizes=(258, 50257, 151936), dtypes=tuple(TRITON_DTYPES), N=4096, 
     def add(kernel, dtype, dtype_ptrs, config, V, ints):
         config = dict(config)
         warps = config.pop("num_warps")
-        multiples = tuple(name for name in kernel.arg_names if name in ints and ints[name] % 16 == 0)
+        multiples = tuple(name for name in kernel.arg_names
+                          if name in ints and ints[name] % 16 == 0)
         job = Job(kernel, dtype, dtype_ptrs, tuple(sorted(config.items())), warps, V, multiples)
         found.setdefault((kernel.__name__, dtype, job.constants, warps), job)
 
     for dtype in dtypes:
         for V in sorted(vocab_sizes, reverse=True):  # largest first: its alignment is kept
-            rows = {"T": T, "V": V, "stride_b": T * V, "stride_t": V, "p_stride_b": T * V, "p_stride_t": V,
-                    "q_stride_b": T * V, "q_stride_t": V}  # the launchers' integers for logits [N // T, T, V]
+            # the launchers' integers for logits [N // T, T, V]
+            rows = {"T": T, "V": V, "stride_b": T * V, "stride_t": V, "p_stride_b": T * V,
+                    "p_stride_t": V, "q_stride_b": T * V, "q_stride_t": V}
             for kernel, launch_config, dtype_ptrs in ROW_KERNELS:
                 add(kernel, dtype, dtype_ptrs, launch_config(V), V, rows)
-            linear = {"N": N, "V": V, "C": C, "stride_hn": C, "stride_wv": C, "stride_dn": V}  # hidden, weight, dlogits
+            # hidden, weight, dlogits
+            linear = {"N": N, "V": V, "C": C, "stride_hn": C, "stride_wv": C, "stride_dn": V}
             for kernel, launch_config, dtype_ptrs in LINEAR_KERNELS:
                 config = {**launch_config(N, V, C, dtype), "stride_hc": 1, "stride_wc": 1}
                 add(kernel, dtype, dtype_ptrs, config, V, linear)
-    return sorted(found.values(), key=lambda job: (TRITON_DTYPES[job.dtype], job.kernel.__name__, job.constants))
+    return sorted(found.values(),
+                  key=lambda job: (TRITON_DTYPES[job.dtype], job.kernel.__name__, job.constants))
 
 
 def signature(job):
@@ -122,7 +126,8 @@ def compile_kernel(job, arch):
     sig = signature(job)
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(job.kernel.arg_names)
                if sig[name].startswith("*") or name in job.multiples_of_16}
-    source = triton.compiler.ASTSource(fn=job.kernel, signature=sig, constexprs=dict(job.constants), attrs=aligned)
+    source = triton.compiler.ASTSource(fn=job.kernel, signature=sig, constexprs=dict(job.constants),
+                                       attrs=aligned)
     target = triton.backends.compiler.GPUTarget("cuda", arch, 32)
     return triton.compile(source, target=target, options={"num_warps": job.num_warps})
 
@@ -136,10 +141,11 @@ def ptxas_usage(compiled, arch):
         with open(ptx, "w") as f:
             f.write(compiled.asm["ptx"])
         # the flags Triton's own ptxas call uses (triton/backends/nvidia/compiler.py), plus -v
-        ptxas = triton.backends.nvidia.compiler.get_ptxas(arch).path  # Triton's choice: a newer ptxas for sm_90+
+        ptxas = triton.backends.nvidia.compiler.get_ptxas(arch).path  # Triton's: newer for sm_90+
         cmd = [ptxas, "-lineinfo", "-v", "--regAllocOptLevel=2", f"--gpu-name={gpu}",
                ptx, "-o", os.path.join(tmp, "kernel.cubin")]
         log = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
     registers = int(re.search(r"Used (\d+) registers", log).group(1))
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    return {"registers": registers, "spill_stores": int(spills.group(1)), "spill_loads": int(spills.group(2))}
+    return {"registers": registers, "spill_stores": int(spills.group(1)),
+            "spill_loads": int(spills.group(2))}

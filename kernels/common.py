@@ -50,7 +50,8 @@ def use_triton(x: torch.Tensor) -> bool:
 
 def require_triton(x: torch.Tensor) -> None:
     if not HAS_TRITON:
-        raise RuntimeError("Triton is not installed: use the PyTorch path (the `*_torch` functions)")
+        raise RuntimeError(
+            "Triton is not installed: use the PyTorch path (the `*_torch` functions)")
     if not (x.is_cuda or TRITON_INTERPRET):
         raise RuntimeError(
             "the Triton path needs CUDA tensors, or TRITON_INTERPRET=1 set before `kernels` is "
@@ -69,9 +70,9 @@ def require_triton(x: torch.Tensor) -> None:
 #   - large temp: the gradient ~ 1 / temp falls below float16's smallest normal number (6.1e-5)
 #     above temp = 1.6e4, and softmax(logits / temp) is uniform to float32 precision.
 # [1e-3, 1e3] stays well inside both limits, and reaches 50 times past the temperatures a sampler
-# uses (0.05 to 20) on either side. Outside it, check_temperature raises instead of returning numbers
-# that float32 cannot stand behind. The training scripts accept a narrower range for sampling
-# (plumbing.MIN_TEMPERATURE, MAX_TEMPERATURE = 0.05, 20), inside this one.
+# uses (0.05 to 20) on either side. Outside it, check_temperature raises instead of returning
+# numbers that float32 cannot stand behind. The training scripts accept a narrower range for
+# sampling (plumbing.MIN_TEMPERATURE, MAX_TEMPERATURE = 0.05, 20), inside this one.
 # ---------------------------------------------------------------------------------------------
 MIN_TEMPERATURE = 1e-3
 MAX_TEMPERATURE = 1e3
@@ -83,9 +84,9 @@ def check_temperature(temperature) -> float:
     temperature = float(temperature)
     if not MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE:  # also False for NaN
         raise ValueError(
-            f"temperature must lie in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}] (kernels.MIN_TEMPERATURE, "
-            f"kernels.MAX_TEMPERATURE; outside it float32 cannot represent logits / temperature or its "
-            f"gradient faithfully), got {temperature!r}"
+            f"temperature must lie in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}] "
+            f"(kernels.MIN_TEMPERATURE, kernels.MAX_TEMPERATURE; outside it float32 cannot "
+            f"represent logits / temperature or its gradient faithfully), got {temperature!r}"
         )
     return temperature
 
@@ -94,13 +95,15 @@ def check_logits(logits: torch.Tensor, name: str = "logits") -> None:
     if not logits.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got {logits.dtype}")
     if logits.dim() == 0 or logits.shape[-1] == 0:
-        raise ValueError(f"{name} must have a non-empty last (vocabulary) dim, got shape {tuple(logits.shape)}")
+        raise ValueError(f"{name} must have a non-empty last (vocabulary) dim, "
+                         f"got shape {tuple(logits.shape)}")
 
 
 def check_targets(targets: torch.Tensor, shape, device) -> None:
     """targets must be integers of the given shape (the inputs' shape less their last dim)."""
     if tuple(targets.shape) != tuple(shape):
-        raise ValueError(f"targets shape {tuple(targets.shape)} must be the inputs' leading shape {tuple(shape)}")
+        raise ValueError(f"targets shape {tuple(targets.shape)} "
+                         f"must be the inputs' leading shape {tuple(shape)}")
     if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
         raise TypeError(f"targets must be an integer tensor, got {targets.dtype}")
     if targets.device != device:
@@ -113,7 +116,8 @@ def check_targets_in_range(targets: torch.Tensor, V: int) -> None:
     if targets.numel() > 0:
         lo, hi = int(targets.min()), int(targets.max())
         if lo < 0 or hi >= V:
-            raise ValueError(f"target {lo if lo < 0 else hi} is out of range: targets must lie in [0, {V})")
+            raise ValueError(f"target {lo if lo < 0 else hi} is out of range: "
+                             f"targets must lie in [0, {V})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,7 +151,8 @@ def chunk_ranges(x3: torch.Tensor, chunk_rows: int):
     if T == 0:
         return []
     if T >= chunk_rows or B == 1:
-        return [(b * T + t, b * T + min(t + chunk_rows, T)) for b in range(B) for t in range(0, T, chunk_rows)]
+        return [(b * T + t, b * T + min(t + chunk_rows, T)) for b in range(B)
+                for t in range(0, T, chunk_rows)]
     step = (chunk_rows // T) * T
     return [(start, min(start + step, B * T)) for start in range(0, B * T, step)]
 
@@ -178,8 +183,9 @@ def num_warps(block: int) -> int:
 
 
 def report(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) -> bool:
-    """For the files' `__main__` self-checks: print the max error of got against want and OK/FAIL."""
+    """For the files' `__main__` self-checks: print got's max error against want, and OK/FAIL."""
     err = (got.double() - want.double()).abs().max().item() if got.numel() else 0.0
-    ok = got.shape == want.shape and torch.allclose(got.double(), want.double(), rtol=rtol, atol=atol)
+    ok = (got.shape == want.shape
+          and torch.allclose(got.double(), want.double(), rtol=rtol, atol=atol))
     print(f"  {name:<28} max |error| {err:.2e}  {'OK' if ok else 'FAIL'}")
     return ok

@@ -102,7 +102,8 @@ class _EntropyTorch(torch.autograd.Function):
             logp = take_rows(x3, start, stop).float() * ctx.inv_temp
             logp = logp.sub_(row_max[rows, None]).sub_(log_sum[rows, None])  # [n, V] log p
             p = logp.exp()
-            d = torch.where(p == 0, 0.0, p * logp.add_(entropy[rows, None])).neg_()  # -p (log p + H); NaN stays NaN
+            # -p (log p + H); NaN stays NaN
+            d = torch.where(p == 0, 0.0, p * logp.add_(entropy[rows, None])).neg_()
             grad[rows] = d.mul_(g[rows, None])
         return grad.view(logits.shape), None, None
 
@@ -136,9 +137,10 @@ def _entropy_fwd_kernel(
     u = 0.0  # sum exp(x - m) (x - m)
     for start in range(0, V, BLOCK_V):
         offs = start + cols
-        x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * inv_temperature
+        x = (tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+             * inv_temperature)
         m_new = tl.maximum(m, tl.max(x, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: shift by 0, not -inf
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: shift by 0
         w = tl.exp(x - m_safe)  # [BLOCK_V] unnormalised p
         alpha = tl.exp(m - m_safe)
         u = alpha * (u + tl.where(s > 0, (m - m_safe) * s, 0.0))  # u onto the new max
@@ -211,7 +213,8 @@ def _entropy_bwd(logits, entropy, row_max, log_sum, grad_out, inv_temp, config):
     if B * T == 0:
         return grad
     _entropy_bwd_kernel[(B * T,)](
-        x3, x3.stride(0), x3.stride(1), T, entropy, row_max, log_sum, grad_out, grad, V, inv_temp, **config,
+        x3, x3.stride(0), x3.stride(1), T, entropy, row_max, log_sum, grad_out, grad, V, inv_temp,
+        **config,
     )
     return grad
 
@@ -251,7 +254,7 @@ def entropy_triton(logits, temperature=1.0, *, block_size=None):
 # (6) Dispatch: the public function.
 # =============================================================================================
 def entropy(logits, temperature=1.0):
-    """H(softmax(logits / temp)) = -sum_v p_v log p_v over the last dim -> float32 logits.shape[:-1].
+    """H(softmax(logits / temp)) = -sum_v p_v log p_v over the last dim -> float32 [...].
 
     logits [..., V], any float dtype and strides; differentiable; float32 accumulation. Triton
     on CUDA (or under TRITON_INTERPRET=1), PyTorch elsewhere."""
@@ -273,7 +276,8 @@ if __name__ == "__main__":
     path = "Triton" if use_triton(torch.empty(0, device=device)) else "PyTorch"
     print(f"entropy vs entropy_reference, {path} path on {device}")
     ok = True
-    cases = [((3, 9, 1000), torch.float32, 1.0), ((2, 6, 37), torch.bfloat16, 0.7), ((4, 1), torch.float16, 2.0)]
+    cases = [((3, 9, 1000), torch.float32, 1.0), ((2, 6, 37), torch.bfloat16, 0.7),
+             ((4, 1), torch.float16, 2.0)]
     for shape, dtype, temp in cases:
         base = (3 * torch.randn(shape, device=device)).to(dtype).requires_grad_()
         logits = base[:, :-1] if base.dim() == 3 else base  # [B, T-1, V]: a slice, read in place
@@ -284,6 +288,7 @@ if __name__ == "__main__":
         (grad_want,) = torch.autograd.grad(want, base, grad_out)
         name = f"{tuple(logits.shape)} {str(dtype)[6:]} temp={temp}"
         ok &= report(name + " value", got, want, rtol=1e-4, atol=1e-5)
-        ok &= report(name + " grad", grad_got, grad_want, rtol=1e-2 if dtype != torch.float32 else 1e-4, atol=1e-6)
+        ok &= report(name + " grad", grad_got, grad_want,
+                     rtol=1e-2 if dtype != torch.float32 else 1e-4, atol=1e-6)
     print("OK" if ok else "FAIL")
     sys.exit(0 if ok else 1)

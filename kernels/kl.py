@@ -80,8 +80,8 @@ def _check_pair(logits_p, logits_q):
     check_logits(logits_p, "logits_p")
     check_logits(logits_q, "logits_q")
     if logits_p.shape != logits_q.shape:
-        raise ValueError(f"logits_p {tuple(logits_p.shape)} and logits_q {tuple(logits_q.shape)} must have the "
-                         f"same shape")
+        raise ValueError(f"logits_p {tuple(logits_p.shape)} and "
+                         f"logits_q {tuple(logits_q.shape)} must have the same shape")
     if logits_p.device != logits_q.device:
         raise ValueError(f"logits_p is on {logits_p.device} but logits_q is on {logits_q.device}")
     if logits_q.requires_grad:
@@ -118,8 +118,10 @@ class _KLTorch(torch.autograd.Function):
                                                                  device=logits_p.device)
         for start, stop in chunk_ranges(p3, chunk_rows):
             rows = slice(start, stop)
-            logp, row_max_p[rows], log_sum_p[rows] = _log_softmax_rows(take_rows(p3, start, stop).float() * inv_temp)
-            logq, row_max_q[rows], log_sum_q[rows] = _log_softmax_rows(take_rows(q3, start, stop).float() * inv_temp)
+            logp, row_max_p[rows], log_sum_p[rows] = _log_softmax_rows(
+                take_rows(p3, start, stop).float() * inv_temp)
+            logq, row_max_q[rows], log_sum_q[rows] = _log_softmax_rows(
+                take_rows(q3, start, stop).float() * inv_temp)
             p = logp.exp()  # [n, V]
             terms = logq.neg_().add_(logp).mul_(p)  # [n, V] p (log p - log q), in logq's buffer
             out[rows] = torch.where(p == 0, 0.0, terms).sum(-1)  # 0 log 0 = 0; NaN stays NaN
@@ -146,17 +148,20 @@ class _KLTorch(torch.autograd.Function):
             logq = logq.sub_(row_max_q[rows, None]).sub_(log_sum_q[rows, None])  # [n, V] log q
             p = logp.exp()
             d = p * logp.sub_(logq).sub_(kl[rows, None])  # p (log p - log q - KL)
-            grad[rows] = torch.where(p == 0, 0.0, d).mul_(g[rows, None])  # 0 where p = 0; NaN stays NaN
+            # 0 where p = 0; NaN stays NaN
+            grad[rows] = torch.where(p == 0, 0.0, d).mul_(g[rows, None])
         return grad.view(logits_p.shape), None, None, None
 
 
 def kl_torch(logits_p, logits_q, temperature=1.0, *, chunk_rows=None):
-    """KL(softmax(p/temp) || softmax(q/temp)) per position -> float32 [...], PyTorch path (any device).
+    """KL(softmax(p/temp) || softmax(q/temp)) per position -> float32 [...], PyTorch path, any
+    device.
 
     chunk_rows: rows per chunk (default: one float32 [chunk_rows, V] temporary is ~32 MB)."""
     _check_pair(logits_p, logits_q)
     temperature = check_temperature(temperature)
-    return _KLTorch.apply(logits_p, logits_q, temperature, chunk_rows or rows_per_chunk(logits_p.shape[-1]))
+    return _KLTorch.apply(logits_p, logits_q, temperature,
+                          chunk_rows or rows_per_chunk(logits_p.shape[-1]))
 
 
 # =============================================================================================
@@ -275,7 +280,8 @@ def _kl_fwd(logits_p, logits_q, inv_temp, config):
     if B * T == 0:
         return out, stats
     _kl_fwd_kernel[(B * T,)](
-        p3, p3.stride(0), p3.stride(1), q3, q3.stride(0), q3.stride(1), T, out, *stats, V, inv_temp, **config,
+        p3, p3.stride(0), p3.stride(1), q3, q3.stride(0), q3.stride(1), T, out, *stats, V, inv_temp,
+        **config,
     )
     return out, stats
 
@@ -317,18 +323,20 @@ def kl_triton(logits_p, logits_q, temperature=1.0, *, block_size=None):
     """KL(softmax(p/temp) || softmax(q/temp)) per position -> float32 [...], Triton path (CUDA,
     or any device under TRITON_INTERPRET=1).
 
-    block_size: elements of a row per loop step (default: the row, up to 2048; two rows are live)."""
+    block_size: elements of a row per loop step (default: the row, up to 2048); two rows live."""
     _check_pair(logits_p, logits_q)
     temperature = check_temperature(temperature)
     require_triton(logits_p)
-    return _KLTriton.apply(logits_p, logits_q, temperature, launch_config(logits_p.shape[-1], block_size))
+    return _KLTriton.apply(logits_p, logits_q, temperature,
+                           launch_config(logits_p.shape[-1], block_size))
 
 
 # =============================================================================================
 # (6) Dispatch: the public function.
 # =============================================================================================
 def kl(logits_p, logits_q, temperature=1.0):
-    """Exact KL(softmax(logits_p / temp) || softmax(logits_q / temp)) over the last dim -> float32 [...].
+    """Exact KL(softmax(logits_p / temp) || softmax(logits_q / temp)) over the last dim
+    -> float32 [...].
 
     logits_p, logits_q [..., V], same shape, any float dtypes and strides. Differentiable w.r.t.
     logits_p only: logits_q is the frozen reference and must not require grad (ValueError).
@@ -351,11 +359,13 @@ if __name__ == "__main__":
     path = "Triton" if use_triton(torch.empty(0, device=device)) else "PyTorch"
     print(f"kl vs kl_reference, {path} path on {device}")
     ok = True
-    cases = [((3, 9, 1000), torch.float32, 1.0), ((2, 6, 37), torch.bfloat16, 0.7), ((4, 1), torch.float16, 2.0)]
+    cases = [((3, 9, 1000), torch.float32, 1.0), ((2, 6, 37), torch.bfloat16, 0.7),
+             ((4, 1), torch.float16, 2.0)]
     for shape, dtype, temp in cases:
         base = (3 * torch.randn(shape, device=device)).to(dtype).requires_grad_()
         logits_p = base[:, :-1] if base.dim() == 3 else base  # [B, T-1, V]: a slice, read in place
-        logits_q = (logits_p.detach().float() + torch.randn(logits_p.shape, device=device)).to(dtype)
+        logits_q = (logits_p.detach().float()
+                    + torch.randn(logits_p.shape, device=device)).to(dtype)
         grad_out = torch.randn(logits_p.shape[:-1], device=device)
         got = kl(logits_p, logits_q, temp)
         (grad_got,) = torch.autograd.grad(got, base, grad_out)
@@ -363,6 +373,7 @@ if __name__ == "__main__":
         (grad_want,) = torch.autograd.grad(want, base, grad_out)
         name = f"{tuple(logits_p.shape)} {str(dtype)[6:]} temp={temp}"
         ok &= report(name + " value", got, want, rtol=1e-4, atol=1e-5)
-        ok &= report(name + " grad", grad_got, grad_want, rtol=1e-2 if dtype != torch.float32 else 1e-4, atol=1e-6)
+        ok &= report(name + " grad", grad_got, grad_want,
+                     rtol=1e-2 if dtype != torch.float32 else 1e-4, atol=1e-6)
     print("OK" if ok else "FAIL")
     sys.exit(0 if ok else 1)

@@ -25,7 +25,7 @@ def kl_penalty(logp, ref_logp, estimator, clamp=None):
     """Per-token estimate of KL(pi_theta || pi_ref) on tokens sampled from pi_theta.
     logp, ref_logp (B, T) log pi_theta and log pi_ref of the sampled tokens -> (B, T).
     estimator: "k1", "k2" or "k3"; clamp: None, or clamp log r to [-clamp, clamp] first."""
-    log_r = ref_logp - logp                                            # log r = log pi_ref - log pi_theta
+    log_r = ref_logp - logp                                      # log r = log pi_ref - log pi_theta
     if clamp is not None:
         log_r = log_r.clamp(-clamp, clamp)
     if estimator == "k1":
@@ -33,5 +33,5 @@ def kl_penalty(logp, ref_logp, estimator, clamp=None):
     if estimator == "k2":
         return 0.5 * log_r ** 2
     if estimator == "k3":
-        return torch.exp(log_r) - log_r - 1                            # (r - 1) - log r
+        return torch.exp(log_r) - log_r - 1                      # (r - 1) - log r
     raise ValueError(f"kl estimator {estimator!r} is unknown; allowed: 'k1', 'k2', 'k3'")

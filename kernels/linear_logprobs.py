@@ -1,9 +1,9 @@
 """Token log-probabilities straight from hidden states: the LM head and the log-softmax gather,
 fused, so that the [N, V] logits are never stored.
 
-    x_n = (hidden_n @ weight.T) / temp          hidden [N, C], weight [V, C] (the LM head / tied embedding)
+    x_n = (hidden_n @ weight.T) / temp         hidden [N, C], weight [V, C] (LM head, tied or not)
     logprob_n = x_n[t_n] - logsumexp_v(x_n[v])
-    dx_n[v] = grad_n (1[v == t_n] - softmax(x_n)[v]) / temp      the gradient w.r.t. the logits, [N, V]
+    dx_n[v] = grad_n (1[v == t_n] - softmax(x_n)[v]) / temp    the gradient w.r.t. the logits [N, V]
     d hidden_n = sum_v dx_n[v] weight_v,   d weight_v = sum_n dx_n[v] hidden_n
 
 `logprobs(model(idx), targets)` still needs the logits: a float32 [N, V] tensor that the LM head
@@ -39,7 +39,8 @@ Edge cases, the same on both paths (tests/test_kernels.py, EDGE_CASES, checks ea
   - out-of-range targets: the PyTorch path raises ValueError; the Triton path returns NaN there.
 
 Layout, as in the other kernel files: (1) reference, (2) PyTorch path, (3) Triton kernels,
-(4) launchers, (5) autograd wrapper, (6) dispatch, (7) self-check: `python -m kernels.linear_logprobs`.
+(4) launchers, (5) autograd wrapper, (6) dispatch, (7) self-check:
+`python -m kernels.linear_logprobs`.
 """
 
 import torch
@@ -70,15 +71,17 @@ def linear_logprobs_reference(hidden, weight, targets, temperature=1.0):
 
 def _check_args(hidden, weight, targets):
     if not (hidden.is_floating_point() and weight.is_floating_point()):
-        raise TypeError(f"hidden and weight must be floating-point, got {hidden.dtype} and {weight.dtype}")
+        raise TypeError("hidden and weight must be floating-point, "
+                        f"got {hidden.dtype} and {weight.dtype}")
     if hidden.dtype != weight.dtype:
         raise TypeError(
             f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must have the same dtype: "
             "pass weight.to(hidden.dtype) (autograd casts its gradient back)"
         )
-    if weight.dim() != 2 or weight.shape[0] == 0 or hidden.dim() == 0 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(f"need hidden [..., C] and weight [V, C] with V >= 1, got {tuple(hidden.shape)} and "
-                         f"{tuple(weight.shape)}")
+    if (weight.dim() != 2 or weight.shape[0] == 0 or hidden.dim() == 0
+            or hidden.shape[-1] != weight.shape[1]):
+        raise ValueError(f"need hidden [..., C] and weight [V, C] with V >= 1, "
+                         f"got {tuple(hidden.shape)} and {tuple(weight.shape)}")
     if hidden.device != weight.device:
         raise ValueError(f"hidden is on {hidden.device} but weight is on {weight.device}")
     check_targets(targets, hidden.shape[:-1], hidden.device)
@@ -107,15 +110,17 @@ class _LinearLogprobsTorch(torch.autograd.Function):
         row_max = torch.full((N,), float("-inf"), device=hidden.device)  # [N] running max of x
         row_sum = torch.zeros(N, device=hidden.device)  # [N] running sum of exp(x - row_max)
         x_t = torch.zeros(N, device=hidden.device)  # [N] the target's x, filled in by its chunk
-        buf = torch.empty((min(chunk_rows, N), min(chunk_vocab, V)), device=hidden.device)  # [n, v] the one block
+        buf = torch.empty((min(chunk_rows, N), min(chunk_vocab, V)), device=hidden.device)  # [n, v]
         for v0 in range(0, V, chunk_vocab):
             w = weight[v0 : v0 + chunk_vocab].float()  # [v, C]
             for n0 in range(0, N, chunk_rows):
                 rows = slice(n0, n0 + chunk_rows)
                 n = h_scaled[rows].shape[0]
-                x = torch.mm(h_scaled[rows], w.T, out=buf[:n, : w.shape[0]])  # [n, v] x = logits / temp
+                # [n, v] x = logits / temp
+                x = torch.mm(h_scaled[rows], w.T, out=buf[:n, : w.shape[0]])
                 # targets in this chunk
-                hit = ((targets[rows] >= v0) & (targets[rows] < v0 + w.shape[0])).nonzero().squeeze(1)
+                hit = ((targets[rows] >= v0)
+                       & (targets[rows] < v0 + w.shape[0])).nonzero().squeeze(1)
                 x_t[n0 + hit] = x[hit, targets[n0 + hit] - v0]  # their x[t]
                 # Online logsumexp (Milakov & Gimelshein 2018) across vocabulary chunks.
                 m_new = torch.maximum(row_max[rows], x.amax(dim=1))  # [n]
@@ -139,7 +144,7 @@ class _LinearLogprobsTorch(torch.autograd.Function):
         N = h.shape[0]
         g = grad_out.reshape(-1).float() * ctx.inv_temp  # [N] grad / temp
         neg_g_over_s = -g * torch.exp(-log_sum)  # [N] -(grad / temp) / s, s = exp(log_sum)
-        grad_h = torch.zeros((N, C), device=h.device) if want_hidden else None  # float32 accumulators
+        grad_h = torch.zeros((N, C), device=h.device) if want_hidden else None  # float32 sums
         grad_w = torch.zeros((V, C), device=h.device) if want_weight else None
         buf = torch.empty((min(ctx.chunk_rows, N), min(ctx.chunk_vocab, V)), device=h.device)
         for v0 in range(0, V, ctx.chunk_vocab):
@@ -147,12 +152,16 @@ class _LinearLogprobsTorch(torch.autograd.Function):
             for n0 in range(0, N, ctx.chunk_rows):
                 rows = slice(n0, n0 + ctx.chunk_rows)
                 n = h[rows].shape[0]
-                x = torch.mm(h_scaled[rows], w.T, out=buf[:n, : w.shape[0]])  # [n, v] x, recomputed as in forward
+                # [n, v] x, recomputed as in forward
+                x = torch.mm(h_scaled[rows], w.T, out=buf[:n, : w.shape[0]])
                 # dx = (grad / temp) (onehot - p), p = exp(x - m) / s: the division by s is folded
                 # into the per-row factor, one pass fewer over the block (as in logprobs.py).
-                dx = x.sub_(row_max[rows, None]).exp_().mul_(neg_g_over_s[rows, None])  # [n, v] -(grad / temp) p
-                hit = ((targets[rows] >= v0) & (targets[rows] < v0 + w.shape[0])).nonzero().squeeze(1)
-                dx[hit, targets[n0 + hit] - v0] += g[n0 + hit]  # + grad / temp at the targets in this chunk
+                # [n, v] -(grad / temp) p
+                dx = x.sub_(row_max[rows, None]).exp_().mul_(neg_g_over_s[rows, None])
+                hit = ((targets[rows] >= v0)
+                       & (targets[rows] < v0 + w.shape[0])).nonzero().squeeze(1)
+                # + grad / temp at the targets in this chunk
+                dx[hit, targets[n0 + hit] - v0] += g[n0 + hit]
                 if want_hidden:
                     grad_h[rows].addmm_(dx, w)  # [n, C] += [n, v] @ [v, C]
                 if want_weight:
@@ -162,7 +171,8 @@ class _LinearLogprobsTorch(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None
 
 
-def linear_logprobs_torch(hidden, weight, targets, temperature=1.0, *, chunk_rows=4096, chunk_vocab=2048):
+def linear_logprobs_torch(hidden, weight, targets, temperature=1.0, *,
+                          chunk_rows=4096, chunk_vocab=2048):
     """log softmax((hidden @ weight.T) / temp)[targets] -> float32 hidden.shape[:-1], PyTorch path
     (any device). Differentiable w.r.t. hidden and weight.
 
@@ -185,7 +195,8 @@ def _logits_block(
     rows, cols, N, V, C, inv_temperature,  # rows [BLOCK_N], cols [BLOCK_V]: int64 indices
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """x = (hidden[rows] @ weight[cols].T) / temp: float32 [BLOCK_N, BLOCK_V]; -inf in columns past V."""
+    """x = (hidden[rows] @ weight[cols].T) / temp: float32 [BLOCK_N, BLOCK_V]; -inf in the
+    columns past V."""
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     for c0 in range(0, C, BLOCK_C):
         cs = c0 + tl.arange(0, BLOCK_C)
@@ -225,11 +236,12 @@ def _linear_logprobs_fwd_kernel(
     targets = tl.load(targets_ptr + rows, mask=row_ok, other=0)
     m = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)  # running max of x
     s = tl.zeros((BLOCK_N,), dtype=tl.float32)  # running sum of exp(x - m)
-    x_t = tl.where((targets >= 0) & (targets < V), 0.0, float("nan"))  # x[t], added when its block passes
+    x_t = tl.where((targets >= 0) & (targets < V), 0.0, float("nan"))  # x[t]: added as blocks pass
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
         x = _logits_block(hidden_ptr, stride_hn, stride_hc, weight_ptr, stride_wv, stride_wc,
-                          rows, cols, N, V, C, inv_temperature, BLOCK_N, BLOCK_V, BLOCK_C, UPCAST)  # [BLOCK_N, BLOCK_V]
+                          rows, cols, N, V, C, inv_temperature, BLOCK_N, BLOCK_V, BLOCK_C,
+                          UPCAST)  # [BLOCK_N, BLOCK_V]
         m_new = tl.maximum(m, tl.max(x, axis=1))  # finite: every block has a column < V
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), axis=1)
         m = m_new
@@ -244,13 +256,14 @@ def _linear_logprobs_fwd_kernel(
 def _linear_logprobs_dlogits_kernel(
     hidden_ptr, stride_hn, stride_hc, weight_ptr, stride_wv, stride_wc,
     targets_ptr, row_max_ptr, log_sum_ptr, grad_out_ptr,  # [N] each
-    dlogits_ptr, stride_dn,  # [n, V] the gradient w.r.t. a chunk of rows' logits, in the operand dtype
+    dlogits_ptr, stride_dn,  # [n, V] d logits of a chunk of rows, in the operand dtype
     n0, N, V, C, inv_temperature,  # the chunk is tokens n0 .. N-1
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    # One program per [BLOCK_N, BLOCK_V] block of the chunk's logits: recompute x, write dx = (grad / temp)
-    # (onehot - p). Token blocks run along axis 0, the faster one, so that consecutive programs read the same
-    # BLOCK_V rows of weight and find them in L2: weight is read from memory about once per chunk.
+    # One program per [BLOCK_N, BLOCK_V] block of the chunk's logits: recompute x, write
+    # dx = (grad / temp) (onehot - p). Token blocks run along axis 0, the faster one, so that
+    # consecutive programs read the same BLOCK_V rows of weight and find them in L2: weight is read
+    # from memory about once per chunk.
     rows = n0 + tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
     row_ok = rows < N
@@ -260,7 +273,8 @@ def _linear_logprobs_dlogits_kernel(
     g = tl.load(grad_out_ptr + rows, mask=row_ok, other=0.0) * inv_temperature  # grad / temp
     x = _logits_block(hidden_ptr, stride_hn, stride_hc, weight_ptr, stride_wv, stride_wc,
                       rows, cols, N, V, C, inv_temperature, BLOCK_N, BLOCK_V, BLOCK_C, UPCAST)
-    dx = _grad_logits_block(x, rows, cols, targets, row_max, log_sum, g, N, V)  # [BLOCK_N, BLOCK_V] float32
+    # [BLOCK_N, BLOCK_V] float32
+    dx = _grad_logits_block(x, rows, cols, targets, row_max, log_sum, g, N, V)
     tl.store(dlogits_ptr + (rows - n0)[:, None] * stride_dn + cols[None, :],
              dx.to(dlogits_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols[None, :] < V))
 
@@ -276,8 +290,8 @@ def launch_config(N, V, C, dtype):
       - float32: tl.dot in full float32 ("ieee", as PyTorch's float32 matmul) runs on the CUDA
         cores with its operands in registers, so 16 x 64, 32 channels per step, 4 warps.
     Chosen among a few candidates as blocks that compile without register spills for sm_80 and
-    sm_90 (bench/kernel_registers.py prints the table), not by timing: no GPU was at hand. Used by the
-    launchers below, and by tests/test_kernel_compile.py and bench/kernel_registers.py.
+    sm_90 (bench/kernel_registers.py prints the table), not by timing: no GPU was at hand. Used by
+    the launchers below, and by tests/test_kernel_compile.py and bench/kernel_registers.py.
 
     UPCAST is a workaround for a test-only limitation: Triton 3.9's interpreter multiplies
     bfloat16 blocks in tl.dot as their raw uint16 bit patterns, so under TRITON_INTERPRET=1
@@ -291,8 +305,8 @@ def launch_config(N, V, C, dtype):
         most_n, most_v, most_c, warps = 16, 64, 32, 4
     else:
         most_n, most_v, most_c, warps = 64, 128, 64, 8
-    return {"BLOCK_N": fit(N, most_n), "BLOCK_V": fit(V, most_v), "BLOCK_C": fit(C, most_c), "num_warps": warps,
-            "UPCAST": TRITON_INTERPRET and dtype == torch.bfloat16}
+    return {"BLOCK_N": fit(N, most_n), "BLOCK_V": fit(V, most_v), "BLOCK_C": fit(C, most_c),
+            "num_warps": warps, "UPCAST": TRITON_INTERPRET and dtype == torch.bfloat16}
 
 
 def _flat(hidden, C):
@@ -319,19 +333,19 @@ DLOGITS_BYTES = 512 * 2**20  # backward: the most memory one chunk's dlogits may
 
 
 def chunk_rows(N, V, dtype):
-    """Tokens per backward chunk: as many as keep its [n, V] dlogits within DLOGITS_BYTES (at least 128), all N
-    when they fit. V = 151936 in bfloat16: 1664 rows, 483 MiB."""
+    """Tokens per backward chunk: as many as keep its [n, V] dlogits within DLOGITS_BYTES (at least
+    128), all N when they fit. V = 151936 in bfloat16: 1664 rows, 483 MiB."""
     most = max(128, DLOGITS_BYTES // (V * torch.finfo(dtype).bits // 8) // 128 * 128)
     return min(max(N, 1), most)
 
 
-_ADDMM_FLOAT32_OUT = {}  # device type -> whether addmm adds a bfloat16 product into a float32 matrix in one call
+_ADDMM_FLOAT32_OUT = {}  # device type -> can addmm add a bfloat16 product to float32 in one call
 
 
 def _add_product(acc, a, b):
-    """acc += a @ b, acc float32 and a, b in the operands' dtype: one matrix product that reads and writes acc in
-    float32 (cuBLAS's beta = 1; torch's addmm with out_dtype, CUDA) where torch has it, else the product in the
-    operands' dtype, then added."""
+    """acc += a @ b, acc float32 and a, b in the operands' dtype: one matrix product that reads and
+    writes acc in float32 (cuBLAS's beta = 1; torch's addmm with out_dtype, CUDA) where torch has
+    it, else the product in the operands' dtype, then added."""
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
         return
@@ -346,10 +360,12 @@ def _add_product(acc, a, b):
     acc += (a @ b).float()
 
 
-def _linear_logprobs_bwd(hidden, weight, targets, row_max, log_sum, grad_out, inv_temp, want_hidden, want_weight):
-    """The gradients, a chunk of tokens at a time: the Triton kernel writes the chunk's dlogits [n, V] (recomputing
-    the logits once), then two matrix products (cuBLAS on a GPU) give d hidden = dlogits @ weight and add
-    dlogits.T @ hidden to d weight. Returns grad_hidden [N, C] and grad_weight [V, C] in the inputs' dtype."""
+def _linear_logprobs_bwd(hidden, weight, targets, row_max, log_sum, grad_out, inv_temp,
+                         want_hidden, want_weight):
+    """The gradients, a chunk of tokens at a time: the Triton kernel writes the chunk's dlogits
+    [n, V] (recomputing the logits once), then two matrix products (cuBLAS on a GPU) give
+    d hidden = dlogits @ weight and add dlogits.T @ hidden to d weight. Returns grad_hidden [N, C]
+    and grad_weight [V, C] in the inputs' dtype."""
     C, V = hidden.shape[-1], weight.shape[0]
     h = _flat(hidden, C)
     N = h.shape[0]
@@ -359,9 +375,10 @@ def _linear_logprobs_bwd(hidden, weight, targets, row_max, log_sum, grad_out, in
         return grad_h, torch.zeros_like(weight) if want_weight else None
     n = chunk_rows(N, V, h.dtype)
     config = launch_config(n, V, C, h.dtype)
-    # [n, Vp] reused by every chunk, Vp = V rounded up to a multiple of 64, the columns past V zeros (never written),
-    # and weight with as many zero rows: the products are unchanged, and the matrix library gets the aligned sizes
-    # its fast kernels need (an odd V, as Qwen2.5's 151665 ids, would send it to slow ones)
+    # [n, Vp] reused by every chunk, Vp = V rounded up to a multiple of 64, the columns past V zeros
+    # (never written), and weight with as many zero rows: the products are unchanged, and the matrix
+    # library gets the aligned sizes its fast kernels need (an odd V, as Qwen2.5's 151665 ids, would
+    # send it to slow ones)
     Vp = V + (-V % 64)
     dlogits = torch.zeros((n, Vp), dtype=h.dtype, device=h.device)
     w = weight if Vp == V else torch.nn.functional.pad(weight, (0, 0, 0, Vp - V))  # [Vp, C]
@@ -370,8 +387,8 @@ def _linear_logprobs_bwd(hidden, weight, targets, row_max, log_sum, grad_out, in
         d = dlogits[: rows.stop - n0]  # [n, Vp]
         grid = (triton.cdiv(d.shape[0], config["BLOCK_N"]), triton.cdiv(V, config["BLOCK_V"]))
         _linear_logprobs_dlogits_kernel[grid](
-            h, h.stride(0), h.stride(1), weight, weight.stride(0), weight.stride(1), targets, row_max, log_sum,
-            grad_out, d, d.stride(0), n0, rows.stop, V, C, inv_temp, **config,
+            h, h.stride(0), h.stride(1), weight, weight.stride(0), weight.stride(1), targets,
+            row_max, log_sum, grad_out, d, d.stride(0), n0, rows.stop, V, C, inv_temp, **config,
         )  # writes d[:, :V]
         if want_hidden:
             torch.mm(d, w, out=grad_h[rows])  # [n, C] = [n, Vp] @ [Vp, C]
@@ -379,7 +396,8 @@ def _linear_logprobs_bwd(hidden, weight, targets, row_max, log_sum, grad_out, in
             if n >= N:  # one chunk: the product is the gradient, summed in float32 and rounded once
                 grad_w = d.T @ h  # [Vp, C] = [Vp, n] @ [n, C]
             else:  # several: summed over chunks in float32
-                grad_w = torch.zeros((Vp, C), dtype=torch.float32, device=h.device) if grad_w is None else grad_w
+                grad_w = (torch.zeros((Vp, C), dtype=torch.float32, device=h.device)
+                          if grad_w is None else grad_w)
                 _add_product(grad_w, d.T, h[rows])
     return grad_h, grad_w[:V].to(weight.dtype) if want_weight else None
 
@@ -404,8 +422,8 @@ class _LinearLogprobsTriton(torch.autograd.Function):
         hidden, weight, targets, row_max, log_sum = ctx.saved_tensors
         grad_out = grad_out.reshape(-1).float().contiguous()  # [N]; may arrive expanded (stride 0)
         want_hidden, want_weight = ctx.needs_input_grad[:2]
-        grad_h, grad_w = _linear_logprobs_bwd(hidden, weight, targets, row_max, log_sum, grad_out, ctx.inv_temp,
-                                              want_hidden, want_weight)
+        grad_h, grad_w = _linear_logprobs_bwd(hidden, weight, targets, row_max, log_sum, grad_out,
+                                              ctx.inv_temp, want_hidden, want_weight)
         return grad_h.view(hidden.shape) if want_hidden else None, grad_w, None, None
 
 
@@ -446,7 +464,8 @@ if __name__ == "__main__":
     path = "Triton" if use_triton(torch.empty(0, device=device)) else "PyTorch"
     print(f"linear_logprobs vs linear_logprobs_reference, {path} path on {device}")
     ok = True
-    for (B, T, C, V), dtype, temp in [((2, 9, 40, 300), torch.float32, 1.0), ((3, 5, 24, 37), torch.bfloat16, 0.7)]:
+    for (B, T, C, V), dtype, temp in [((2, 9, 40, 300), torch.float32, 1.0),
+                                      ((3, 5, 24, 37), torch.bfloat16, 0.7)]:
         hidden = torch.randn(B, T, C, device=device).to(dtype).requires_grad_()
         weight = (torch.randn(V, C, device=device) / C**0.5).to(dtype).requires_grad_()
         h = hidden[:, :-1]  # [B, T-1, C]: the RL slice
@@ -460,7 +479,9 @@ if __name__ == "__main__":
         name = f"{tuple(h.shape)} x {tuple(weight.shape)} {str(dtype)[6:]} temp={temp}"
         rtol = 1e-2 if dtype != torch.float32 else 1e-4
         ok &= report(name + " value", got, want, rtol=1e-4, atol=1e-4)
-        ok &= report(name + " grad hidden", grads_got[0], grads_want[0].to(dtype), rtol=rtol, atol=1e-3)
-        ok &= report(name + " grad weight", grads_got[1], grads_want[1].to(dtype), rtol=rtol, atol=1e-3)
+        ok &= report(name + " grad hidden", grads_got[0], grads_want[0].to(dtype),
+                     rtol=rtol, atol=1e-3)
+        ok &= report(name + " grad weight", grads_got[1], grads_want[1].to(dtype),
+                     rtol=rtol, atol=1e-3)
     print("OK" if ok else "FAIL")
     sys.exit(0 if ok else 1)

@@ -66,7 +66,8 @@ from .common import (
 # =============================================================================================
 def logprobs_reference(logits, targets, temperature=1.0):
     """Naive log softmax(logits / temp)[target]: writes and keeps a float32 [..., V] tensor."""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # [..., V] float32: 4*N*V bytes, saved for backward
+    # [..., V] float32: 4*N*V bytes, saved for backward
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     return logp.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)  # [...]
 
 
@@ -87,15 +88,18 @@ class _LogprobsTorch(torch.autograd.Function):
         out = torch.empty(B * T, dtype=torch.float32, device=logits.device)  # [N] log-probs
         row_max = torch.empty_like(out)  # [N] m = max_v x[v],  x = logits / temp
         log_sum = torch.empty_like(out)  # [N] log sum_v exp(x[v] - m)
-        buf = torch.empty((min(chunk_rows, B * T), V), dtype=torch.float32, device=logits.device)  # the one temporary
+        # the one temporary
+        buf = torch.empty((min(chunk_rows, B * T), V), dtype=torch.float32, device=logits.device)
         for start, stop in chunk_ranges(x3, chunk_rows):
             chunk = take_rows(x3, start, stop)  # [n, V] logits (a view), any dtype
             m = chunk.amax(dim=-1).float() * inv_temp  # [n] max of x (x / temp is monotonic in x)
             m = m.masked_fill(m == float("-inf"), 0.0)  # all -inf row: shift by 0, not by -inf
-            z = torch.add(-m[:, None], chunk, alpha=inv_temp, out=buf[: stop - start])  # [n, V] float32 x - m, one pass
+            # [n, V] float32 x - m, one pass
+            z = torch.add(-m[:, None], chunk, alpha=inv_temp, out=buf[: stop - start])
             log_sum[start:stop] = z.exp_().sum(dim=-1).log_()  # [n]
-            x_t = chunk.gather(1, targets[start:stop, None]).squeeze(1).float() * inv_temp  # [n] x[t]
-            out[start:stop] = (x_t - m) - log_sum[start:stop]  # logprob = x[t] - lse, as (x[t] - m) - log_sum
+            x_t = chunk.gather(1, targets[start:stop, None]).squeeze(1).float() * inv_temp  # [n]
+            # logprob = x[t] - lse, as (x[t] - m) - log_sum
+            out[start:stop] = (x_t - m) - log_sum[start:stop]
             row_max[start:stop] = m
         ctx.save_for_backward(logits, targets, row_max, log_sum)
         ctx.inv_temp, ctx.chunk_rows = inv_temp, chunk_rows
@@ -115,11 +119,13 @@ class _LogprobsTorch(torch.autograd.Function):
         # element in a register, where the extra subtraction is free.
         neg_g_over_s = -g * torch.exp(-log_sum)  # [N] -(grad / temp) / s
         grad = torch.empty((B * T, V), dtype=logits.dtype, device=logits.device)  # d logits
-        buf = torch.empty((min(ctx.chunk_rows, B * T), V), dtype=torch.float32, device=logits.device)
+        buf = torch.empty((min(ctx.chunk_rows, B * T), V), dtype=torch.float32,
+                          device=logits.device)
         for start, stop in chunk_ranges(x3, ctx.chunk_rows):
             chunk = take_rows(x3, start, stop)
             # [n, V] s * softmax
-            d = torch.add(-row_max[start:stop, None], chunk, alpha=ctx.inv_temp, out=buf[: stop - start]).exp_()
+            d = torch.add(-row_max[start:stop, None], chunk, alpha=ctx.inv_temp,
+                          out=buf[: stop - start]).exp_()
             d.mul_(neg_g_over_s[start:stop, None])  # -(grad / temp) softmax
             # + grad / temp at the target, float32
             d[torch.arange(stop - start, device=d.device), targets[start:stop]] += g[start:stop]
@@ -135,7 +141,8 @@ def logprobs_torch(logits, targets, temperature=1.0, *, chunk_rows=None):
     check_targets(targets, logits.shape[:-1], logits.device)
     temperature = check_temperature(temperature)
     check_targets_in_range(targets, logits.shape[-1])
-    return _LogprobsTorch.apply(logits, targets, temperature, chunk_rows or rows_per_chunk(logits.shape[-1]))
+    return _LogprobsTorch.apply(logits, targets, temperature,
+                                chunk_rows or rows_per_chunk(logits.shape[-1]))
 
 
 # =============================================================================================
@@ -162,9 +169,10 @@ def _logprobs_fwd_kernel(
     s = 0.0
     for start in range(0, V, BLOCK_V):
         offs = start + cols
-        x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * inv_temperature
+        x = (tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+             * inv_temperature)
         m_new = tl.maximum(m, tl.max(x, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: shift by 0, not -inf
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: shift by 0
         s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), axis=0)
         m = m_new
     m = tl.where(m == float("-inf"), 0.0, m)
@@ -172,7 +180,8 @@ def _logprobs_fwd_kernel(
 
     target = tl.load(targets_ptr + row)
     in_range = (target >= 0) & (target < V)  # out of range: NaN, documented (no host sync to raise)
-    x_t = tl.load(row_ptr + target, mask=in_range, other=float("nan")).to(tl.float32) * inv_temperature
+    x_t = (tl.load(row_ptr + target, mask=in_range, other=float("nan")).to(tl.float32)
+           * inv_temperature)
     tl.store(out_ptr + row, (x_t - m) - log_sum)  # logprob = x[t] - lse, as (x[t] - m) - log_sum
     tl.store(row_max_ptr + row, m)
     tl.store(log_sum_ptr + row, log_sum)
@@ -238,7 +247,8 @@ def _logprobs_bwd(logits, targets, row_max, log_sum, grad_out, inv_temp, config)
     if B * T == 0:
         return grad
     _logprobs_bwd_kernel[(B * T,)](
-        x3, x3.stride(0), x3.stride(1), T, targets, row_max, log_sum, grad_out, grad, V, inv_temp, **config,
+        x3, x3.stride(0), x3.stride(1), T, targets, row_max, log_sum, grad_out, grad, V, inv_temp,
+        **config,
     )
     return grad
 
@@ -274,7 +284,8 @@ def logprobs_triton(logits, targets, temperature=1.0, *, block_size=None):
     check_targets(targets, logits.shape[:-1], logits.device)
     temperature = check_temperature(temperature)
     require_triton(logits)
-    return _LogprobsTriton.apply(logits, targets, temperature, launch_config(logits.shape[-1], block_size))
+    return _LogprobsTriton.apply(logits, targets, temperature,
+                                 launch_config(logits.shape[-1], block_size))
 
 
 # =============================================================================================
@@ -293,7 +304,7 @@ def logprobs(logits, targets, temperature=1.0):
 
 
 # =============================================================================================
-# (7) Self-check: python -m kernels.logprobs  (TRITON_INTERPRET=1 python -m kernels.logprobs on a CPU)
+# (7) Self-check: python -m kernels.logprobs  (on a CPU: TRITON_INTERPRET=1 python -m ...)
 # =============================================================================================
 if __name__ == "__main__":
     import sys
@@ -305,7 +316,8 @@ if __name__ == "__main__":
     path = "Triton" if use_triton(torch.empty(0, device=device)) else "PyTorch"
     print(f"logprobs vs logprobs_reference, {path} path on {device}")
     ok = True
-    cases = [((3, 9, 1000), torch.float32, 1.0), ((2, 6, 37), torch.bfloat16, 0.7), ((4, 1), torch.float16, 2.0)]
+    cases = [((3, 9, 1000), torch.float32, 1.0), ((2, 6, 37), torch.bfloat16, 0.7),
+             ((4, 1), torch.float16, 2.0)]
     for shape, dtype, temp in cases:
         base = (3 * torch.randn(shape, device=device)).to(dtype).requires_grad_()
         logits = base[:, :-1] if base.dim() == 3 else base  # [B, T-1, V]: a slice, read in place
@@ -317,6 +329,7 @@ if __name__ == "__main__":
         (grad_want,) = torch.autograd.grad(want, base, grad_out)
         name = f"{tuple(logits.shape)} {str(dtype)[6:]} temp={temp}"
         ok &= report(name + " value", got, want, rtol=1e-5, atol=1e-5)
-        ok &= report(name + " grad", grad_got, grad_want, rtol=1e-2 if dtype != torch.float32 else 1e-5, atol=1e-6)
+        ok &= report(name + " grad", grad_got, grad_want,
+                     rtol=1e-2 if dtype != torch.float32 else 1e-5, atol=1e-6)
     print("OK" if ok else "FAIL")
     sys.exit(0 if ok else 1)
