@@ -22,17 +22,21 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
-os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels, not interpreted ones (before kernels is imported)
+# the repository root
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# compiled kernels, not interpreted ones (before kernels is imported)
+os.environ.pop("TRITON_INTERPRET", None)
 
 import torch  # noqa: E402
 
 from kernels import aot  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-parser.add_argument("--archs", default="80,90", help="compute capabilities, comma-separated (80: A100, 90: H100)")
+parser.add_argument("--archs", default="80,90",
+                    help="compute capabilities, comma-separated (80: A100, 90: H100)")
 parser.add_argument("--dtypes", default="fp32,bf16,fp16", help="input dtypes, comma-separated")
-parser.add_argument("--vocab_sizes", default="258,50257,151936", help="vocabulary sizes whose blocks are compiled")
+parser.add_argument("--vocab_sizes", default="258,50257,151936",
+                    help="vocabulary sizes whose blocks are compiled")
 
 if __name__ == "__main__":
     args = parser.parse_args()
@@ -42,8 +46,8 @@ if __name__ == "__main__":
     print("command: python " + " ".join(sys.argv))
     print(f"triton {aot.triton.__version__}, torch {torch.__version__}; {len(jobs)} kernels x "
           f"{len(args.archs.split(','))} targets")
-    print(f"{'kernel':<36} {'dtype':<5} {'blocks':<26} {'warps':>5} {'arch':>6} {'regs':>5} {'spill st/ld B':>14} "
-          f"{'smem B':>7}")
+    print(f"{'kernel':<36} {'dtype':<5} {'blocks':<26} {'warps':>5} {'arch':>6} {'regs':>5} "
+          f"{'spill st/ld B':>14} {'smem B':>7}")
     start = time.perf_counter()
     for job in jobs:
         blocks = " ".join(f"{k[6:]}={v}" for k, v in job.constants if k.startswith("BLOCK"))
@@ -51,7 +55,7 @@ if __name__ == "__main__":
             compiled = aot.compile_kernel(job, arch)
             use = aot.ptxas_usage(compiled, arch)
             spills = f"{use['spill_stores']}/{use['spill_loads']}"
-            print(f"{job.kernel.__name__:<36} {aot.TRITON_DTYPES[job.dtype]:<5} {blocks:<26} {job.num_warps:>5} "
-                  f"{'sm_' + str(arch):>6} {use['registers']:>5} {spills:>14} {compiled.metadata.shared:>7}",
-                  flush=True)
+            print(f"{job.kernel.__name__:<36} {aot.TRITON_DTYPES[job.dtype]:<5} {blocks:<26} "
+                  f"{job.num_warps:>5} {'sm_' + str(arch):>6} {use['registers']:>5} "
+                  f"{spills:>14} {compiled.metadata.shared:>7}", flush=True)
     print(f"done in {time.perf_counter() - start:.0f} s")

@@ -1,22 +1,25 @@
 """
-Peak memory of one GRPO update at a real checkpoint's shapes (Qwen2.5-0.5B by default, random weights), with and
-without the fused log-prob path and gradient checkpointing: what --grad_checkpoint and model.token_logprobs buy.
+Peak memory of one GRPO update at a real checkpoint's shapes (Qwen2.5-0.5B by default, random
+weights), with and without the fused log-prob path and gradient checkpointing: what
+--grad_checkpoint and model.token_logprobs buy.
 
-    python bench/memory.py                          # CPU: 5 processes (~20 min on 2 cores)
-    python bench/memory.py --device cuda --rows 32 --completion_len 1024 --grad_accum 4    # a GPU (bench/gpu.py)
-    python bench/memory.py --lora_rank 16           # full fine-tuning against LoRA (fused path, checkpointing)
+    python bench/memory.py                  # CPU: 5 processes (~20 min on 2 cores)
+    python bench/memory.py --device cuda --rows 32 --completion_len 1024 --grad_accum 4  # gpu.py's
+    python bench/memory.py --lora_rank 16   # full fine-tuning against LoRA (fused, checkpointing)
 
-One update is grpo.py's steps 2 and 4 on one batch of random tokens (sampling is not measured). Step 2 scores
-without gradient, per micro-batch, as grpo.py does: each model's forward once, the old and reference log-probs, the
-exact KL and the entropy a chunk of positions at a time; and, for contrast, through both models' [B, T, V] logits.
-Step 4, per micro-batch: the policy's log-probs with gradient (model.completion_logprobs, through the logits or
-fused), grpo_loss, backward; then AdamW's step. Each phase runs in a fresh process of its own (an allocator keeps
-what an earlier phase freed), and its peak is on CUDA torch.cuda.max_memory_allocated, on the CPU the peak resident
-memory (VmHWM, restarted through /proc/self/clear_refs once the models are built). "State" is the memory in use
-before the update: both models' weights and AdamW's two moments, which no path changes. With --lora_rank the table
-compares full fine-tuning with LoRA (lora.py, every projection): the reference is the policy's own weights with the
-adapters off, AdamW's moments are the adapters'. The README recipe's own peak, by owner and phase, with the sampler
-and the reference as grpo.py keeps them: bench/recipe.py (its ledger; results/gpu.md, issue 49).
+One update is grpo.py's steps 2 and 4 on one batch of random tokens (sampling is not measured).
+Step 2 scores without gradient, per micro-batch, as grpo.py does: each model's forward once, the old
+and reference log-probs, the exact KL and the entropy a chunk of positions at a time; and, for
+contrast, through both models' [B, T, V] logits. Step 4, per micro-batch: the policy's log-probs
+with gradient (model.completion_logprobs, through the logits or fused), grpo_loss, backward; then
+AdamW's step. Each phase runs in a fresh process of its own (an allocator keeps what an earlier
+phase freed), and its peak is on CUDA torch.cuda.max_memory_allocated, on the CPU the peak resident
+memory (VmHWM, restarted through /proc/self/clear_refs once the models are built). "State" is the
+memory in use before the update: both models' weights and AdamW's two moments, which no path
+changes. With --lora_rank the table compares full fine-tuning with LoRA (lora.py, every projection):
+the reference is the policy's own weights with the adapters off, AdamW's moments are the adapters'.
+The README recipe's own peak, by owner and phase, with the sampler and the reference as grpo.py
+keeps them: bench/recipe.py (its ledger; results/gpu.md, issue 49).
 """
 import argparse
 import json
@@ -32,15 +35,19 @@ sys.path.insert(0, ROOT)
 from grpo import grpo_advantages, grpo_loss  # noqa: E402
 from kernels import entropy, kl, logprobs  # noqa: E402
 from lora import add_adapters, base_model, trainable  # noqa: E402
-from model import GPT, GPTConfig, completion_hidden, completion_logits, completion_logprobs, kl_entropy  # noqa: E402
+from model import (GPT, GPTConfig, completion_hidden, completion_logits,  # noqa: E402
+                   completion_logprobs, kl_entropy)
 
 SHAPES = {   # config.json of each family's checkpoint, as model.pretrained_config reads it
-    "qwen2.5-0.5b": dict(vocab_size=151936, block_size=32768, n_layer=24, n_head=14, n_kv_head=2, n_embd=896,
-                         mlp_hidden=4864, norm="rmsnorm", norm_eps=1e-6, pos="rope", rope_theta=1e6, mlp="swiglu",
-                         bias=False, qkv_bias=True, tie_embeddings=True),
-    "gpt2": dict(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768, gelu="tanh"),
+    "qwen2.5-0.5b": dict(vocab_size=151936, block_size=32768, n_layer=24, n_head=14, n_kv_head=2,
+                         n_embd=896, mlp_hidden=4864, norm="rmsnorm", norm_eps=1e-6, pos="rope",
+                         rope_theta=1e6, mlp="swiglu", bias=False, qkv_bias=True,
+                         tie_embeddings=True),
+    "gpt2": dict(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768,
+                 gelu="tanh"),
 }
-CONFIGS = [("logits", False), ("logits", True), ("fused", False), ("fused", True)]   # (log-prob path, checkpointing)
+# (log-prob path, checkpointing)
+CONFIGS = [("logits", False), ("logits", True), ("fused", False), ("fused", True)]
 
 
 def peak_reset(device):
@@ -48,7 +55,7 @@ def peak_reset(device):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     else:
-        with open("/proc/self/clear_refs", "w") as f:   # Linux: VmHWM restarts from the current resident memory
+        with open("/proc/self/clear_refs", "w") as f:   # Linux: VmHWM restarts from resident now
             f.write("5")
 
 
@@ -58,50 +65,55 @@ def peak_gib(device, now=False):
         torch.cuda.synchronize()
         return (torch.cuda.memory_allocated() if now else torch.cuda.max_memory_allocated()) / 2**30
     with open("/proc/self/status") as f:
-        kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS" if now else "VmHWM"))
+        kib = next(int(line.split()[1]) for line in f
+                   if line.startswith("VmRSS" if now else "VmHWM"))
     return kib / 2**20
 
 
 def one_phase(args, phase, path, checkpointing, lora=0):
-    """Step 2 ("score") or step 4 ("update") of grpo.py on one batch, alone in this process (an allocator keeps what
-    an earlier phase freed): {"state": GiB in use before it, phase: its peak GiB, phase + "_s": its seconds}. lora:
-    a rank (0: full fine-tuning)."""
+    """Step 2 ("score") or step 4 ("update") of grpo.py on one batch, alone in this process (an
+    allocator keeps what an earlier phase freed): {"state": GiB in use before it, phase: its peak
+    GiB, phase + "_s": its seconds}. lora: a rank (0: full fine-tuning)."""
     torch.manual_seed(0)
     config = GPTConfig(**SHAPES[args.shape])
     policy = GPT(config).to(args.device)
     if lora:
-        ref = base_model(add_adapters(policy, lora, 2.0 * lora))        # the same weights, no second copy
+        ref = base_model(add_adapters(policy, lora, 2.0 * lora))  # the same weights, no second copy
     else:
         ref = GPT(config).to(args.device).requires_grad_(False)
     policy.grad_checkpoint = checkpointing
     optimizer = torch.optim.AdamW(trainable(policy), lr=1e-6)
-    for p in trainable(policy):                        # AdamW's moments exist before the first step in a long run
+    for p in trainable(policy):          # AdamW's moments exist before the first step in a long run
         optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
                               "exp_avg_sq": torch.zeros_like(p)}
     B, Tp, Tn, V = args.rows, args.prompt_len, args.completion_len, config.vocab_size
-    prompt, tokens = torch.randint(0, V, (B, Tp), device=args.device), torch.randint(0, V, (B, Tn), device=args.device)
+    prompt, tokens = (torch.randint(0, V, (B, Tp), device=args.device),
+                      torch.randint(0, V, (B, Tn), device=args.device))
     prompt_mask, mask = torch.ones(B, Tp, device=args.device), torch.ones(B, Tn, device=args.device)
     rewards = torch.randint(0, 2, (B,), device=args.device).float()
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.device == "cuda", cache_enabled=False)
-    micro = [torch.arange(i, min(i + -(-B // args.grad_accum), B)) for i in range(0, B, -(-B // args.grad_accum))]
-    old_logp, ref_logp = -torch.rand(B, Tn, device=args.device), -torch.rand(B, Tn, device=args.device)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.device == "cuda",
+                              cache_enabled=False)
+    micro = [torch.arange(i, min(i + -(-B // args.grad_accum), B))
+             for i in range(0, B, -(-B // args.grad_accum))]
+    old_logp, ref_logp = (-torch.rand(B, Tn, device=args.device),
+                          -torch.rand(B, Tn, device=args.device))
     out = {"state": peak_gib(args.device, now=True)}
     peak_reset(args.device)
     start = time.time()
     if phase == "score":
         score(policy, ref, prompt, prompt_mask, tokens, mask, micro, autocast, path)
     else:
-        update(policy, optimizer, prompt, prompt_mask, tokens, mask, old_logp, ref_logp, rewards, micro, autocast,
-               path == "fused", args.group_size)
+        update(policy, optimizer, prompt, prompt_mask, tokens, mask, old_logp, ref_logp, rewards,
+               micro, autocast, path == "fused", args.group_size)
     out[phase], out[phase + "_s"] = peak_gib(args.device), time.time() - start
     return out
 
 
 def score(policy, ref, prompt, prompt_mask, tokens, mask, micro, autocast, path):
-    """grpo.py's step 2: without gradient, per micro-batch, both models' log-probs, the exact KL and the entropy.
-    path "fused" is grpo.py's: one forward of each model, the log-probs through model.head_logprobs, the KL and the
-    entropy a chunk of positions at a time (model.kl_entropy); "logits" forms both models' [b, Tn, V] logits, as
-    grpo.py did before (for contrast)."""
+    """grpo.py's step 2: without gradient, per micro-batch, both models' log-probs, the exact KL and
+    the entropy. path "fused" is grpo.py's: one forward of each model, the log-probs through
+    model.head_logprobs, the KL and the entropy a chunk of positions at a time (model.kl_entropy);
+    "logits" forms both models' [b, Tn, V] logits, as grpo.py did before (for contrast)."""
     for rows in micro:
         a = (prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
         with torch.no_grad(), autocast:
@@ -111,23 +123,24 @@ def score(policy, ref, prompt, prompt_mask, tokens, mask, micro, autocast, path)
                 kl_t, ent_t = kl_entropy(policy, ref, h, h_ref, mask[rows])
                 del h, h_ref
             else:
-                logits, ref_logits = completion_logits(policy, *a), completion_logits(ref, *a)  # (b, Tn, V) each
+                logits, ref_logits = completion_logits(policy, *a), completion_logits(ref, *a)
                 logprobs(logits, tokens[rows]), logprobs(ref_logits, tokens[rows])
                 kl(logits, ref_logits).sum(), entropy(logits).sum()
                 del logits, ref_logits
 
 
-def update(policy, optimizer, prompt, prompt_mask, tokens, mask, old_logp, ref_logp, rewards, micro, autocast, fused,
-           group_size):
-    """grpo.py's step 4: per micro-batch the policy's log-probs with gradient, grpo_loss, backward; AdamW's step."""
+def update(policy, optimizer, prompt, prompt_mask, tokens, mask, old_logp, ref_logp, rewards, micro,
+           autocast, fused, group_size):
+    """grpo.py's step 4: per micro-batch the policy's log-probs with gradient, grpo_loss,
+    backward; then AdamW's step."""
     advantages = grpo_advantages(rewards, group_size)
     B = len(rewards)
     for rows in micro:
         with autocast:
-            logp = completion_logprobs(policy, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows],
-                                       fused=fused)                                             # (b, Tn)
-        loss, _ = grpo_loss(logp, old_logp[rows], ref_logp[rows], advantages[rows], mask[rows], num_seqs=B,
-                            num_tokens=mask.sum())
+            logp = completion_logprobs(policy, prompt[rows], prompt_mask[rows], tokens[rows],
+                                       mask[rows], fused=fused)                            # (b, Tn)
+        loss, _ = grpo_loss(logp, old_logp[rows], ref_logp[rows], advantages[rows], mask[rows],
+                            num_seqs=B, num_tokens=mask.sum())
         loss.backward()
         del logp, loss
     optimizer.step()
@@ -142,8 +155,10 @@ def parse_args(argv=None):
     p.add_argument("--prompt_len", type=int, default=64)
     p.add_argument("--completion_len", type=int, default=192)
     p.add_argument("--grad_accum", type=int, default=1, help="micro-batches of each phase")
-    p.add_argument("--lora_rank", type=int, default=0, help="compare full fine-tuning with LoRA of this rank")
-    p.add_argument("--config", default=None, help="internal: one phase, 'phase,path,checkpointing,lora'")
+    p.add_argument("--lora_rank", type=int, default=0,
+                   help="compare full fine-tuning with LoRA of this rank")
+    p.add_argument("--config", default=None,
+                   help="internal: one phase, 'phase,path,checkpointing,lora'")
     args = p.parse_args(argv)
     if args.lora_rank < 0:
         p.error(f"--lora_rank {args.lora_rank}; allowed: 0 (the log-prob paths' table) or a rank")
@@ -155,16 +170,18 @@ def parse_args(argv=None):
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: CUDA is not available here")
     if args.device == "cpu" and not os.path.exists("/proc/self/clear_refs"):
-        p.error("--device cpu measures peak resident memory through /proc (Linux); use a Linux machine or CUDA")
+        p.error("--device cpu measures peak resident memory through /proc (Linux); "
+                "use a Linux machine or CUDA")
     return args
 
 
 def child(flags, phase, path, checkpointing, lora=0):
-    p = subprocess.run([sys.executable, __file__, *flags, "--config", f"{phase},{path},{int(checkpointing)},{lora}"],
+    p = subprocess.run([sys.executable, __file__, *flags,
+                        "--config", f"{phase},{path},{int(checkpointing)},{lora}"],
                        capture_output=True, text=True)
     if p.returncode != 0:
-        raise SystemExit(f"error: the {phase} phase ({path}, checkpointing {checkpointing}) failed: "
-                         f"{(p.stderr.strip().splitlines() or ['?'])[-1]}")
+        raise SystemExit(f"error: the {phase} phase ({path}, checkpointing {checkpointing}) "
+                         f"failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
@@ -174,27 +191,34 @@ def main(args):
         print(json.dumps(one_phase(args, phase, path, checkpointing == "1", int(lora))))
         return
     flags = sys.argv[1:]
-    print(f"one GRPO update at {args.shape}'s shapes, {args.rows} rows x ({args.prompt_len} + {args.completion_len}) "
-          f"tokens, {args.grad_accum} micro-batch(es), {args.device}, torch {torch.__version__}")
+    print(f"one GRPO update at {args.shape}'s shapes, "
+          f"{args.rows} rows x ({args.prompt_len} + {args.completion_len}) tokens, "
+          f"{args.grad_accum} micro-batch(es), {args.device}, torch {torch.__version__}")
     if args.lora_rank:
-        print("| fine-tuning | state GiB | scoring (step 2) peak GiB | update (step 4) peak GiB | update seconds |")
+        print("| fine-tuning | state GiB | scoring (step 2) peak GiB | "
+              "update (step 4) peak GiB | update seconds |")
         print("| --- | ---: | ---: | ---: | ---: |")
         for lora in (0, args.lora_rank):
-            s, r = child(flags, "score", "fused", True, lora), child(flags, "update", "fused", True, lora)
-            print(f"| {f'LoRA rank {lora}, every projection' if lora else 'full'} | {r['state']:.2f} | "
-                  f"{s['score']:.2f} | {r['update']:.2f} | {r['update_s']:.0f} |", flush=True)
+            s, r = (child(flags, "score", "fused", True, lora),
+                    child(flags, "update", "fused", True, lora))
+            print(f"| {f'LoRA rank {lora}, every projection' if lora else 'full'} "
+                  f"| {r['state']:.2f} | {s['score']:.2f} | {r['update']:.2f} | "
+                  f"{r['update_s']:.0f} |", flush=True)
         return
-    for path in ("logits", "fused"):                    # step 2: no gradient, so checkpointing changes nothing
+    for path in ("logits", "fused"):         # step 2: no gradient, so checkpointing changes nothing
         s = child(flags, "score", path, False)
-        print(f"state (weights of both models, AdamW's moments) {s['state']:.2f} GiB; scoring (step 2) through the "
-              f"{'[B, T, V] logits' if path == 'logits' else 'fused path, a chunk of logits at a time'}: peak "
-              f"{s['score']:.2f} GiB, {s['score'] - s['state']:.2f} above the state, {s['score_s']:.0f} s", flush=True)
-    print("| log-prob path | --grad_checkpoint | update (step 4) peak GiB | above the state GiB | seconds |")
+        through = ("[B, T, V] logits" if path == "logits"
+                   else "fused path, a chunk of logits at a time")
+        print(f"state (weights of both models, AdamW's moments) {s['state']:.2f} GiB; "
+              f"scoring (step 2) through the {through}: peak {s['score']:.2f} GiB, "
+              f"{s['score'] - s['state']:.2f} above the state, {s['score_s']:.0f} s", flush=True)
+    print("| log-prob path | --grad_checkpoint | update (step 4) peak GiB | "
+          "above the state GiB | seconds |")
     print("| --- | --- | ---: | ---: | ---: |")
     for path, checkpointing in CONFIGS:
         r = child(flags, "update", path, checkpointing)
-        print(f"| {path} | {'on' if checkpointing else 'off'} | {r['update']:.2f} | {r['update'] - r['state']:.2f} | "
-              f"{r['update_s']:.0f} |", flush=True)
+        print(f"| {path} | {'on' if checkpointing else 'off'} | {r['update']:.2f} | "
+              f"{r['update'] - r['state']:.2f} | {r['update_s']:.0f} |", flush=True)
 
 
 if __name__ == "__main__":
