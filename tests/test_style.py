@@ -1,7 +1,9 @@
-"""The shape the files keep, checked so that it stays: ruff (lines <= 120 characters, no unused imports, pyflakes);
-each top-level file at most 100 columns, its module docstring at most 40 lines and its docstrings at most 0.3 lines
-per line of code; the shared modules importing downwards only, at their top; model.py a model (at most 560 lines,
-kernels/ its only project import); README.md at most 200 lines, every file it links to present."""
+"""The shape the files keep, checked so that it stays: ruff (lines <= 120 characters, no unused
+imports, pyflakes); every top-level, tasks/, kernels/ and bench/ file at most 100 columns; a
+top-level file's module docstring at most 40 lines and its docstrings at most 0.3 lines per line of
+code; the shared modules importing downwards only, at their top; model.py a model (at most 560
+lines, kernels/ its only project import); README.md at most 200 lines, every file it links to
+present."""
 import ast
 import os
 import re
@@ -14,6 +16,9 @@ from conftest import ROOT
 
 # Every top-level file: the algorithms, and the shared modules they are read beside
 ALGORITHMS = sorted(f[:-3] for f in os.listdir(ROOT) if f.endswith(".py"))
+# and the files read beside them: the tasks' graders, the kernels and the benchmarks
+PRODUCT = ALGORITHMS + sorted(f"{d}/{f[:-3]}" for d in ("tasks", "kernels", "bench")
+                              for f in os.listdir(os.path.join(ROOT, d)) if f.endswith(".py"))
 
 
 def docstring_measure(path):
@@ -86,8 +91,8 @@ def test_the_shared_modules_import_downwards_and_at_their_top(name):
             f"{name}.py imports {module}, which is not below it ({' < '.join(LAYERS)})"
 
 
-@pytest.mark.parametrize("name", ALGORITHMS)
-def test_the_top_level_files_keep_to_100_columns(name):
+@pytest.mark.parametrize("name", PRODUCT)
+def test_the_files_keep_to_100_columns(name):
     long = [i for i, line in enumerate(open(os.path.join(ROOT, f"{name}.py")), 1)
             if len(line.rstrip("\n")) > 100]
     assert not long, f"{name}.py: lines {long[:10]} run past 100 columns"
