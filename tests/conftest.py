@@ -1,5 +1,6 @@
-"""Shared fixtures. `tiny_sft` is the small SFT policy the algorithm scripts' tests start from: the same file on every
-machine (tests/fixtures/tiny_sft.pt), so that what a test sees does not depend on the torch build or the CPU."""
+"""Shared fixtures. `tiny_sft` is the small SFT policy the algorithm scripts' tests start from: the
+same file on every machine (tests/fixtures/tiny_sft.pt), so that what a test sees does not depend on
+the torch build or the CPU."""
 import argparse
 import json
 import os
@@ -18,20 +19,23 @@ import task  # noqa: E402
 
 
 def run_script(script, args, timeout=600, env=None):
-    """Run a project script in a subprocess from the repository root; returns the CompletedProcess. env: variables to
-    set for it (OMP_NUM_THREADS="1" where runs are compared bit for bit: more threads than one may split a sum
-    differently when the machine is busy)."""
-    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, **(env or {})}  # the PyTorch kernels
+    """Run a project script in a subprocess from the repository root; returns the CompletedProcess.
+    env: variables to set for it (OMP_NUM_THREADS="1" where runs are compared bit for bit: more
+    threads than one may split a sum differently when the machine is busy)."""
+    # the PyTorch kernels
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, **(env or {})}
     return subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env=env)
 
 
 def run_scripts(calls, cwd=ROOT, timeout=600):
-    """run_script on every (script, args) of `calls` at once, from `cwd`: their CompletedProcesses, in order. For
-    independent refusals, which are mostly torch's import on one core (each call its own --out)."""
+    """run_script on every (script, args) of `calls` at once, from `cwd`: their CompletedProcesses,
+    in order. For independent refusals, which are mostly torch's import on one core (each call its
+    own --out)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, script), *args], cwd=cwd, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for script, args in calls]
+    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, script), *args], cwd=cwd,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for script, args in calls]
     done = []
     for p in procs:
         try:
@@ -45,8 +49,9 @@ def run_scripts(calls, cwd=ROOT, timeout=600):
 
 
 def refuses_all(script, cases, tmp_path, cwd=ROOT):
-    """Each (args, words) of `cases` is refused by `script` (refused(p, *words)), the runs at once, each with its own
-    --out under tmp_path unless its args name one. Returns the CompletedProcesses."""
+    """Each (args, words) of `cases` is refused by `script` (refused(p, *words)), the runs at once,
+    each with its own --out under tmp_path unless its args name one. Returns the
+    CompletedProcesses."""
     calls = [(script, args if "--out" in args else [*args, "--out", str(tmp_path / f"out{i}")])
              for i, (args, _) in enumerate(cases)]
     done = run_scripts(calls, cwd)
@@ -56,26 +61,27 @@ def refuses_all(script, cases, tmp_path, cwd=ROOT):
 
 
 def refused(p, *words):
-    """A run refused bad input the way every script must: a non-zero exit, one error line naming each of
-    `words` (the flag and its value), and no traceback."""
+    """A run refused bad input the way every script must: a non-zero exit, one error line naming
+    each of `words` (the flag and its value), and no traceback."""
     assert p.returncode != 0, p.stdout
     assert "Traceback" not in p.stderr, p.stderr
     for w in words:
         assert w in p.stderr, (w, p.stderr)
 
 
-TINY_SFT = ["--steps", "1200", "--batch_size", "32", "--n_layer", "2", "--n_head", "2", "--n_embd", "64",
-            "--lr", "3e-3", "--log_every", "400", "--eval_every", "1200", "--eval_n", "128"]   # tiny_sft's recipe
+TINY_SFT = ["--steps", "1200", "--batch_size", "32", "--n_layer", "2",
+            "--n_head", "2", "--n_embd", "64", "--lr", "3e-3", "--log_every",
+            "400", "--eval_every", "1200", "--eval_n", "128"]                    # tiny_sft's recipe
 
 
 @pytest.fixture(scope="session")
 def tiny_sft(tmp_path_factory):
-    """Path to a small SFT policy (2 layers, width 64, 1200 steps): held-out greedy accuracy 0.31, so it has learned
-    the format and some arithmetic, and RL on it has rewards to work with. It was trained once, by sft.py with
-    TINY_SFT's flags (torch 2.13, 2 CPU threads; its optimiser state dropped), and is kept in the repository
-    (tests/fixtures/tiny_sft.pt): trained here, it would have other weights on another torch or CPU (1200 steps
-    amplify a difference in the last bit of a sum to 1e-2, even in float64), and every number a test reads from a
-    run would move with them."""
+    """Path to a small SFT policy (2 layers, width 64, 1200 steps): held-out greedy accuracy 0.31,
+    so it has learned the format and some arithmetic, and RL on it has rewards to work with. It was
+    trained once, by sft.py with TINY_SFT's flags (torch 2.13, 2 CPU threads; its optimiser state
+    dropped), and is kept in the repository (tests/fixtures/tiny_sft.pt): trained here, it would
+    have other weights on another torch or CPU (1200 steps amplify a difference in the last bit of a
+    sum to 1e-2, even in float64), and every number a test reads from a run would move with them."""
     out = tmp_path_factory.mktemp("tiny_sft")
     shutil.copy(os.path.join(ROOT, "tests", "fixtures", "tiny_sft.pt"), out / "sft.pt")
     return str(out / "sft.pt")
@@ -83,18 +89,20 @@ def tiny_sft(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def seeded():
-    """Every test starts from the same random state, so that none passes or fails by the luck of its draw; and with
-    the default task (arithmetic, plain format) in use, whatever task an earlier test chose."""
+    """Every test starts from the same random state, so that none passes or fails by the luck of its
+    draw; and with the default task (arithmetic, plain format) in use, whatever task an earlier test
+    chose."""
     random.seed(0)
     np.random.seed(0)
     torch.manual_seed(0)
     task.use(task_args())
 
 
-def task_args(name="arithmetic", fmt="plain", numbers=3, data=None, rule="exactly", chat=False, tools=None):
+def task_args(name="arithmetic", fmt="plain", numbers=3, data=None, rule="exactly", chat=False,
+              tools=None):
     """The task flags as a parsed namespace, for task.use."""
-    return argparse.Namespace(task=name, format=fmt, countdown_numbers=numbers, data=data, countdown_rule=rule,
-                              chat=chat, tools=tools)
+    return argparse.Namespace(task=name, format=fmt, countdown_numbers=numbers, data=data,
+                              countdown_rule=rule, chat=chat, tools=tools)
 
 
 def run_metrics(out, script):

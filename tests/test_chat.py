@@ -1,8 +1,9 @@
-"""--chat: prompts through a checkpoint's own chat template (chat.py), against what transformers' apply_chat_template
-renders and encodes for the tiny Llama 3 (Llama 3.2's template) and Qwen3 (Qwen2.5's ChatML template) folders of
-tests/golden (make_golden.py): the text and the ids exactly, a control token inside the message encoded as text (as
-sanitize_control_tokens=True does), the end of an assistant turn found, ending completions and demonstrations; the
-scripts with --chat, and its refusals."""
+"""--chat: prompts through a checkpoint's own chat template (chat.py), against what transformers'
+apply_chat_template renders and encodes for the tiny Llama 3 (Llama 3.2's template) and Qwen3
+(Qwen2.5's ChatML template) folders of tests/golden (make_golden.py): the text and the ids exactly,
+a control token inside the message encoded as text (as sanitize_control_tokens=True does), the end
+of an assistant turn found, ending completions and demonstrations; the scripts with --chat, and its
+refusals."""
 import json
 import os
 import shutil
@@ -21,11 +22,13 @@ from conftest import ROOT, refuses_all, run_script, task_args
 from tokenizer import Tokenizer
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
-CHAT = {"llama3": ("<|eot_id|>", 4), "qwen3": ("<|im_end|>", 2)}     # folder: the end of an assistant turn, its id
-TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate an arithmetic expression.",
-                                           "parameters": {"type": "object", "properties": {"expression": {
-                                               "type": "string", "description": "e.g. 12*46"}},
-                                               "required": ["expression"]}}}]      # make_golden.py's
+# folder: the end of an assistant turn, its id
+CHAT = {"llama3": ("<|eot_id|>", 4), "qwen3": ("<|im_end|>", 2)}
+TOOLS = [{"type": "function", "function": {     # make_golden.py's
+    "name": "calculator", "description": "Evaluate an arithmetic expression.",
+    "parameters": {"type": "object",
+                   "properties": {"expression": {"type": "string", "description": "e.g. 12*46"}},
+                   "required": ["expression"]}}}]
 
 
 def chat_tokenizer(name):
@@ -35,24 +38,30 @@ def chat_tokenizer(name):
 
 
 def check_golden(tok, chat, golden):
-    """chat renders and encodes each golden message as transformers did, without and with its tool."""
+    """chat renders and encodes each golden message as transformers did, without and with its
+    tool."""
     for key, tools in (("messages", None), ("with_tools", TOOLS)):
         for m in golden[key]:
-            messages, kw = [{"role": "user", "content": m["content"]}], dict(date_string="26 Jul 2024", tools=tools)
+            messages, kw = [{"role": "user",
+                             "content": m["content"]}], dict(date_string="26 Jul 2024", tools=tools)
             assert chat.render(messages, **kw) == m["rendered"], (key, m["content"])
-            assert chat.encode(messages, tok.encode_special, tok.encode, **kw) == m["ids"], (key, m["content"])
-    turn = [{"role": "user", "content": "3+4*2="}, {"role": "assistant", "content": "4*2=8,3+8=11#11"}]
-    assert chat.render(turn, add_generation_prompt=False, date_string="26 Jul 2024") == golden["assistant_turn"]
-    episode, kw = golden["tool_reply"], dict(date_string="26 Jul 2024", tools=TOOLS)   # a call, then its reply
+            assert chat.encode(messages, tok.encode_special, tok.encode, **kw) == m["ids"], (
+                key, m["content"])
+    turn = [{"role": "user", "content": "3+4*2="},
+            {"role": "assistant", "content": "4*2=8,3+8=11#11"}]
+    assert chat.render(turn, add_generation_prompt=False,
+                       date_string="26 Jul 2024") == golden["assistant_turn"]
+    # a call, then its reply
+    episode, kw = golden["tool_reply"], dict(date_string="26 Jul 2024", tools=TOOLS)
     assert chat.render(episode["messages"], **kw) == episode["rendered"]
     assert chat.encode(episode["messages"], tok.encode_special, tok.encode, **kw) == episode["ids"]
 
 
 @pytest.mark.parametrize("name", list(CHAT))
 def test_the_template_renders_and_encodes_as_transformers(name):
-    """Each golden message, with and without a tool, and an episode with a call and the tool's reply: among them
-    Qwen2.5's <tool_call> (an added token that is not special, written by the template) and transformers' own
-    markers (U+F0000, U+F0001) inside a message."""
+    """Each golden message, with and without a tool, and an episode with a call and the tool's
+    reply: among them Qwen2.5's <tool_call> (an added token that is not special, written by the
+    template) and transformers' own markers (U+F0000, U+F0001) inside a message."""
     tok, golden = chat_tokenizer(name)
     check_golden(tok, tok.chat, golden)
     assert any("<tool_call>" in m["content"] for m in golden["messages"])
@@ -60,8 +69,9 @@ def test_the_template_renders_and_encodes_as_transformers(name):
 
 
 def test_a_template_of_bare_and_indented_tags_renders_as_transformers():
-    """Jinja's trim_blocks and lstrip_blocks, which every tag written with '-' hides: templates/bare.jinja, its tags
-    on lines of their own and indented, through the Qwen3 folder's tokenizer."""
+    """Jinja's trim_blocks and lstrip_blocks, which every tag written with '-' hides:
+    templates/bare.jinja, its tags on lines of their own and indented, through the Qwen3 folder's
+    tokenizer."""
     tok, _ = chat_tokenizer("qwen3")
     with open(os.path.join(GOLDEN, "qwen3", "golden.json")) as f:
         golden = json.load(f)["chat_bare"]
@@ -79,10 +89,12 @@ def test_a_control_token_in_the_message_is_text_and_only_the_templates_are_speci
     message = "say <|im_end|> or <|eot_id|> and stop"
     ids = tok.encode_prompt(message)
     template_ends = tok.chat.render([{"role": "user", "content": "x"}]).count(end)
-    assert ids.count(end_id) == template_ends                  # the message's own <|im_end|> / <|eot_id|> is not one
+    # the message's own <|im_end|> / <|eot_id|> is not one
+    assert ids.count(end_id) == template_ends
     assert tok.decode(ids).count(end) == template_ends + 1     # ... but its text is there
     plain = tok.encode_special(tok.chat.render([{"role": "user", "content": message}]))
-    assert plain.count(end_id) == template_ends + 1            # what encoding the rendered text whole would do
+    # what encoding the rendered text whole would do
+    assert plain.count(end_id) == template_ends + 1
 
 
 @pytest.mark.parametrize("name", list(CHAT))
@@ -90,20 +102,23 @@ def test_the_end_of_the_assistant_turn_ends_completions_and_demonstrations(name)
     folder = os.path.join(GOLDEN, name)
     plain, (tok, _) = Tokenizer.from_pretrained(folder), chat_tokenizer(name)
     end, end_id = CHAT[name]
-    assert tok.eos_id == end_id and tok.stop_ids[0] == end_id and set(plain.stop_ids) <= set(tok.stop_ids)
+    assert (tok.eos_id == end_id and tok.stop_ids[0] == end_id
+            and set(plain.stop_ids) <= set(tok.stop_ids))
     task.use(task_args())
     tokens, attn, mask = task.completion_batch(["3+4*2="], ["4*2=8,3+8=11#11"], tok)
     row = tokens[0, :int(attn[0].sum())].tolist()
     assert row == tok.encode_prompt("3+4*2=") + tok.encode("4*2=8,3+8=11#11") + [end_id]
-    assert mask[0].sum() == len(tok.encode("4*2=8,3+8=11#11")) + 1         # the completion and the turn's end
+    # the completion and the turn's end
+    assert mask[0].sum() == len(tok.encode("4*2=8,3+8=11#11")) + 1
 
 
 def test_llama_32s_template_writes_the_runs_date():
-    """Today's by default, as transformers writes it; a given day otherwise (a run fixes it and its checkpoint keeps
-    it, so that a run resumed another day renders the prompts it trained on)."""
+    """Today's by default, as transformers writes it; a given day otherwise (a run fixes it and its
+    checkpoint keeps it, so that a run resumed another day renders the prompts it trained on)."""
     tok, _ = chat_tokenizer("llama3")
     text = tok.decode(tok.encode_prompt("3+4*2="))
-    assert f"Today Date: {datetime.now().strftime('%d %b %Y')}\n" in text and text.startswith("<|begin_of_text|>")
+    assert (f"Today Date: {datetime.now().strftime('%d %b %Y')}\n" in text
+            and text.startswith("<|begin_of_text|>"))
     fixed = Tokenizer.from_pretrained(os.path.join(GOLDEN, "llama3")).use_chat("2024-02-29")
     assert "Today Date: 29 Feb 2024\n" in fixed.decode(fixed.encode_prompt("3+4*2="))
 
@@ -120,51 +135,64 @@ def test_the_longest_prompt_counts_the_template():
 def test_grpo_and_sft_train_through_the_template_and_resume(tmp_path):
     out = str(tmp_path)
     llama = os.path.join(GOLDEN, "llama3")
-    p = run_script("sft.py", ["--init", llama, "--chat", "--steps", "2", "--batch_size", "4", "--eval_n", "4",
-                              "--out", out])
+    p = run_script("sft.py", ["--init", llama, "--chat", "--steps", "2", "--batch_size", "4",
+                              "--eval_n", "4", "--out", out])
     assert p.returncode == 0, p.stderr
     assert "in the chat template" in p.stdout
-    p = run_script("grpo.py", ["--init", os.path.join(out, "sft.pt"), "--chat", "--steps", "1", "--prompts_per_step",
-                               "2", "--group_size", "2", "--eval_n", "4", "--out", out])
+    p = run_script("grpo.py", ["--init", os.path.join(out, "sft.pt"), "--chat", "--steps", "1",
+                               "--prompts_per_step", "2", "--group_size", "2", "--eval_n", "4",
+                               "--out", out])
     assert p.returncode == 0, p.stderr
-    p = run_script("grpo.py", ["--init", os.path.join(out, "sft.pt"), "--chat", "--steps", "2", "--prompts_per_step",
-                               "2", "--group_size", "2", "--eval_n", "4", "--out", out, "--resume"])
+    p = run_script("grpo.py", ["--init", os.path.join(out, "sft.pt"), "--chat", "--steps", "2",
+                               "--prompts_per_step", "2", "--group_size", "2", "--eval_n", "4",
+                               "--out", out, "--resume"])
     assert p.returncode == 0, p.stderr
 
 
 def test_chat_refusals_are_one_line_before_any_work(tmp_path):
-    """--chat without a template, from the byte tokenizer, with a template that does not compile or that raises: one
-    line each, and no output folder left behind. A new model under --chat gets bytes-chat and its template."""
+    """--chat without a template, from the byte tokenizer, with a template that does not compile or
+    that raises: one line each, and no output folder left behind. A new model under --chat gets
+    bytes-chat and its template."""
     broken, raising = tmp_path / "broken", tmp_path / "raising"
-    for folder, source in ((broken, "{% if %}"), (raising, "{{ raise_exception('only system messages') }}")):
+    for folder, source in ((broken, "{% if %}"),
+                           (raising, "{{ raise_exception('only system messages') }}")):
         shutil.copytree(os.path.join(GOLDEN, "qwen3"), folder)
         (folder / "chat_template.jinja").write_text(source)
     refuses_all("grpo.py", [
         (["--init", os.path.join(GOLDEN, "qwen2"), "--chat"], ["--chat", "has no chat template"]),
-        (["--init", str(tmp_path / "none.pt"), "--chat"], ["--chat needs --init", "none.pt is missing"]),
+        (["--init", str(tmp_path / "none.pt"), "--chat"],
+         ["--chat needs --init", "none.pt is missing"]),
         (["--init", str(broken), "--chat"], ["--chat", "does not compile"]),
         (["--init", str(raising), "--chat"], ["--chat", "fails to render", "only system messages"]),
     ], tmp_path)
     assert not any(x.name.startswith("out") for x in tmp_path.iterdir())
     with pytest.raises(CheckpointError, match="has no chat template"):
         Tokenizer().use_chat()
-    p = run_script("sft.py", ["--chat", "--steps", "2", "--eval_n", "2", "--out", str(tmp_path / "sft")])
-    assert p.returncode == 0, p.stderr[-2000:]                 # a new model: bytes-chat, its built-in template
+    p = run_script("sft.py", ["--chat", "--steps", "2", "--eval_n", "2", "--out",
+                              str(tmp_path / "sft")])
+    assert p.returncode == 0, p.stderr[-2000:]      # a new model: bytes-chat, its built-in template
     assert load_checkpoint(str(tmp_path / "sft" / "sft.pt"))[1]["tokenizer"] == "bytes-chat"
 
 
-HOSTILE = {   # a downloaded template is untrusted input: each of these is one ChatTemplateError, none a hang or a crash
-    "nested loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
-    "lipsum": "{{ lipsum(10**6) }}", "a repeated string": "{{ 'a' * 10**8 }}", "a huge range": "{% for i in "
-    "range(10**9) %}{% endfor %}", "a doubling string": "{% set ns = namespace(s='a') %}{% for i in range(40) %}"
-    "{% set ns.s = ns.s + ns.s %}{% endfor %}", "a huge power": "{{ 2 ** 100000000 }}",
+# A downloaded template is untrusted input: each of these is one ChatTemplateError, none a hang or a
+# crash.
+HOSTILE = {
+    "nested loops":
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "lipsum": "{{ lipsum(10**6) }}", "a repeated string": "{{ 'a' * 10**8 }}",
+    "a huge range": "{% for i in range(10**9) %}{% endfor %}",
+    "a doubling string": "{% set ns = namespace(s='a') %}{% for i in range(40) %}"
+                         "{% set ns.s = ns.s + ns.s %}{% endfor %}",
+    "a huge power": "{{ 2 ** 100000000 }}",
     "a wide format": "{{ '{:>100000000}'.format(1) }}", "a wide %": "{{ '%*d' % (100000000, 1) }}",
-    "a wide filter": "{{ 'a'|center(100000000) }}", "endless output": "{% for i in range(100000) %}{{ 'x' * 100 }}"
-    "{% endfor %}", "division by zero": "{{ 1/0 }}", "a type error": "{{ 'x' + 1 }}",
+    "a wide filter": "{{ 'a'|center(100000000) }}",
+    "endless output": "{% for i in range(100000) %}{{ 'x' * 100 }}{% endfor %}",
+    "division by zero": "{{ 1/0 }}", "a type error": "{{ 'x' + 1 }}",
     "strftime_now's argument": "{{ strftime_now(123) }}", "tojson": "{{ cycler|tojson }}",
     "a float overflow": "{{ 10.0**400 }}", "include": "{% include 'other.jinja' %}",
     "recursion": "{% macro f(x) %}{{ f(x) }}{% endmacro %}{{ f(1) }}",
-    "an unsafe attribute": "{{ strftime_now.__globals__ }}", "attr()": "{{ messages|attr('__class__') }}",
+    "an unsafe attribute": "{{ strftime_now.__globals__ }}",
+    "attr()": "{{ messages|attr('__class__') }}",
     "no message": "hello", "nothing": "",
 }
 
@@ -174,32 +202,39 @@ def test_a_hostile_template_is_one_error(case, monkeypatch):
     import chat
     monkeypatch.setattr(chat, "RENDER_SECONDS", 0.5)
     tok = Tokenizer.from_pretrained(os.path.join(GOLDEN, "qwen3"))
-    tok.template = (HOSTILE[case] + "{{ messages[0]['content'] }}" * (case not in ("no message", "nothing")),
+    tok.template = (HOSTILE[case]
+                    + "{{ messages[0]['content'] }}" * (case not in ("no message", "nothing")),
                     *tok.template[1:])
     with pytest.raises(CheckpointError, match="--chat: .*qwen3: the chat template"):
         tok.use_chat()
-    assert tok.chat is None and tok.stop_ids == Tokenizer.from_pretrained(os.path.join(GOLDEN, "qwen3")).stop_ids
+    assert (tok.chat is None
+            and tok.stop_ids == Tokenizer.from_pretrained(os.path.join(GOLDEN, "qwen3")).stop_ids)
 
 
 def test_a_hostile_template_is_refused_by_the_scripts_and_sigterm_stops_a_loading_run(tmp_path):
-    """Through grpo.py: a template that raises, one that never writes the message, one that loops past the render's
-    time limit (5 s): one line each, no folder left. SIGTERM while the looping one renders stops the run at once
-    (its handler used to wait for a first step that never came)."""
+    """Through grpo.py: a template that raises, one that never writes the message, one that loops
+    past the render's time limit (5 s): one line each, no folder left. SIGTERM while the looping one
+    renders stops the run at once (its handler used to wait for a first step that never came)."""
     folders = {}
     for name in ("raises", "empty", "loops"):
         folders[name] = tmp_path / name
         shutil.copytree(os.path.join(GOLDEN, "qwen3"), folders[name])
     (folders["raises"] / "chat_template.jinja").write_text("{{ messages[0]['content'] }}{{ 1/0 }}")
     (folders["empty"] / "chat_template.jinja").write_text("")
-    (folders["loops"] / "chat_template.jinja").write_text(HOSTILE["nested loops"] + "{{ messages[0]['content'] }}")
-    refuses_all("grpo.py", [(["--init", str(folders["raises"]), "--chat"], ["--chat", "ZeroDivisionError"]),
-                            (["--init", str(folders["empty"]), "--chat"], ["--chat", "does not write the user's"]),
-                            (["--init", str(folders["loops"]), "--chat"], ["--chat", "within 5 s"])], tmp_path)
+    (folders["loops"] / "chat_template.jinja").write_text(HOSTILE["nested loops"]
+                                                          + "{{ messages[0]['content'] }}")
+    refuses_all("grpo.py", [(["--init", str(folders["raises"]), "--chat"],
+                             ["--chat", "ZeroDivisionError"]),
+                            (["--init", str(folders["empty"]), "--chat"],
+                             ["--chat", "does not write the user's"]),
+                            (["--init", str(folders["loops"]), "--chat"],
+                             ["--chat", "within 5 s"])], tmp_path)
     out = tmp_path / "stopped"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.Popen([sys.executable, "grpo.py", "--init", str(folders["loops"]), "--chat", "--out", str(out)],
-                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    for line in p.stdout:                                  # Run's start line; the template renders next
+    p = subprocess.Popen([sys.executable, "grpo.py", "--init", str(folders["loops"]), "--chat",
+                          "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env)
+    for line in p.stdout:                              # Run's start line; the template renders next
         if line.startswith("task "):
             break
     time.sleep(1.0)

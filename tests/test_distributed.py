@@ -1,7 +1,8 @@
-"""More than one process (torchrun, gloo on CPU): for fixed rollouts, one process with a batch of P prompts and two
-processes with P/2 each in --grad_accum 2 micro-batches must make the same update: the same weights after it,
-and the same loss and pre-clip gradient norm (both scale with the normalisers, which AdamW's first step does not:
-a wrong token count would still give nearly the same weights). Then a real torchrun run of grpo.py, and its resume."""
+"""More than one process (torchrun, gloo on CPU): for fixed rollouts, one process with a batch of P
+prompts and two processes with P/2 each in --grad_accum 2 micro-batches must make the same update:
+the same weights after it, and the same loss and pre-clip gradient norm (both scale with the
+normalisers, which AdamW's first step does not: a wrong token count would still give nearly the same
+weights). Then a real torchrun run of grpo.py, and its resume."""
 import json
 import os
 import socket
@@ -30,9 +31,10 @@ def launch(args, nproc, env=None):
     if nproc == 1:
         cmd = [sys.executable, *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *args]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node",
+               str(nproc), "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *args]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
 
 
 def finished(p, timeout=300):
@@ -46,16 +48,19 @@ def finished(p, timeout=300):
 
 
 def start_update(script, flags, out, nproc=1, grad_accum=1):
-    """Start one update step of `script` (or the case's own --steps, which comes after) on fixed rollouts, SGD in
-    place of AdamW; update() reads it. Several run at once (a process importing torch leaves a core idle)."""
+    """Start one update step of `script` (or the case's own --steps, which comes after) on fixed
+    rollouts, SGD in place of AdamW; update() reads it. Several run at once (a process importing
+    torch leaves a core idle)."""
     os.makedirs(out)
     start = os.path.join(out, "start.pt")            # the starting weights, recorded by the worker
-    one_step = ["--epochs", "1"] if script == "reward_model" else ["--steps", "1"]   # reward_model: --n_train = batch
-    # clipping out of the way (TRPO has none): a gradient wrong by a constant factor moves the weights, not only
-    # the logged loss and norm
+    # reward_model: --n_train = batch
+    one_step = ["--epochs", "1"] if script == "reward_model" else ["--steps", "1"]
+    # clipping out of the way (TRPO has none): a gradient wrong by a constant factor moves the
+    # weights, not only the logged loss and norm
     no_clip = [] if script == "trpo" else ["--grad_clip", "1e9"]
-    p = launch([WORKER, script, *one_step, *no_clip, *flags, "--log_every", "1", "--eval_every", "1", "--eval_n", "1",
-                "--grad_accum", str(grad_accum), "--out", out], nproc, env={"DDP_WORKER_INIT": start})
+    p = launch([WORKER, script, *one_step, *no_clip, *flags, "--log_every", "1", "--eval_every",
+                "1", "--eval_n", "1", "--grad_accum", str(grad_accum), "--out", out], nproc,
+               env={"DDP_WORKER_INIT": start})
     return p, script, out
 
 
@@ -74,73 +79,94 @@ def update(started):
 def assert_same_update(a, b, keys):
     (da, ma), (db, mb) = a, b
     scale = max(d.abs().max().item() for d in da.values())
-    assert scale > 0                                                   # the step did update the weights
+    assert scale > 0                                               # the step did update the weights
     for k in da:
         # atol: float32 rounding of w - w0
         worst = ((db[k] - da[k]).abs() / (1e-4 * da[k].abs() + 1e-4 * scale)).max().item()
         torch.testing.assert_close(db[k], da[k], rtol=1e-4, atol=1e-4 * scale,
-                                   msg=f"{k}: off by {worst:.2f} x the tolerance (scale {scale:.3g})")
+                                   msg=f"{k}: off by {worst:.2f} x the tolerance "
+                                       f"(scale {scale:.3g})")
     for k in keys:
         assert mb[k] == pytest.approx(ma[k], rel=1e-5, abs=1e-7), (k, ma[k], mb[k])
 
 
-# Every micro-batch of every rank carries gradient: all prompts are precedence problems (--precedence_share 1), on
-# which the fixed rollouts' left-to-right completions are wrong, so every group has a reward spread (no group with
-# all advantages 0, which would hide a micro-batch whose gradient is counted twice).
+# Every micro-batch of every rank carries gradient: all prompts are precedence problems
+# (--precedence_share 1), on which the fixed rollouts' left-to-right completions are wrong, so every
+# group has a reward spread (no group with all advantages 0, which would hide a micro-batch whose
+# gradient is counted twice).
 RL = ["--prompts_per_step", "4", "--group_size", "4", "--precedence_share", "1"]
 CASES = {
     "sft": ("sft", ["--batch_size", "8", "--n_layer", "1", "--n_head", "2", "--n_embd", "32"],
             ["loss", "grad_norm"]),
-    "grpo seq": ("grpo", RL + ["--loss_agg", "seq", "--mu", "2"], ["loss", "grad_norm", "kl_exact", "reward_mean"]),
-    "grpo token": ("grpo", RL + ["--loss_agg", "token", "--mu", "2"], ["loss", "grad_norm", "kl_exact"]),
-    "grpo dr_grpo": ("grpo", RL + ["--loss_agg", "dr_grpo", "--mu", "2"], ["loss", "grad_norm", "kl_exact"]),
-    "reinforce++": ("reinforce", RL + ["--baseline", "reinforce_pp"], ["loss", "grad_norm", "kl_exact"]),
-    "ppo": ("ppo", ["--reward", "verifier", "--minibatches", "1", "--ppo_epochs", "2", "--batch_size", "8"],
-            ["pg_loss", "vf_loss", "approx_kl", "gold_accuracy", "kl"]),      # the value loss: every row has gradient
-    # DPO, IPO, ORPO, online DPO, SimPO: at their default lr, warmed up, the first update is below what float32
-    # resolves in the weights (1e-7 of weights near 0.1); SGD's lr 0.1 at once
+    "grpo seq": ("grpo", RL + ["--loss_agg", "seq", "--mu", "2"],
+                 ["loss", "grad_norm", "kl_exact", "reward_mean"]),
+    "grpo token": ("grpo", RL + ["--loss_agg", "token", "--mu", "2"],
+                   ["loss", "grad_norm", "kl_exact"]),
+    "grpo dr_grpo": ("grpo", RL + ["--loss_agg", "dr_grpo", "--mu", "2"],
+                     ["loss", "grad_norm", "kl_exact"]),
+    "reinforce++": ("reinforce", RL + ["--baseline", "reinforce_pp"],
+                    ["loss", "grad_norm", "kl_exact"]),
+    "ppo": ("ppo", ["--reward", "verifier", "--minibatches", "1", "--ppo_epochs", "2",
+                    "--batch_size", "8"],
+            # the value loss: every row has gradient
+            ["pg_loss", "vf_loss", "approx_kl", "gold_accuracy", "kl"]),
+    # DPO, IPO, ORPO, online DPO, SimPO: at their default lr, warmed up, the first update is below
+    # what float32 resolves in the weights (1e-7 of weights near 0.1); SGD's lr 0.1 at once
     "dpo": ("dpo", ["--batch_size", "8", "--n_pairs", "64", "--lr", "0.1", "--warmup", "0"],
             ["loss", "grad_norm", "reward_margin"]),
     "ipo": ("ipo", ["--batch_size", "8", "--n_pairs", "64", "--lr", "0.1", "--warmup", "0"],
             ["loss", "grad_norm", "reward_margin"]),
     "rloo": ("rloo", RL, ["loss", "grad_norm", "kl_exact", "reward_mean"]),
-    "reward_model": ("reward_model", ["--batch_size", "8", "--n_train", "8"], ["loss", "grad_norm", "train_margin"]),
+    "reward_model": ("reward_model", ["--batch_size", "8", "--n_train", "8"],
+                     ["loss", "grad_norm", "train_margin"]),
     "simpo": ("simpo", ["--batch_size", "8", "--n_pairs", "64", "--lr", "0.1", "--warmup", "0"],
               ["loss", "grad_norm", "reward_margin"]),
     "orpo": ("orpo", ["--batch_size", "8", "--n_pairs", "64", "--lr", "0.1", "--warmup", "0"],
              ["loss", "grad_norm", "reward_margin", "nll"]),
-    # KTO: two steps, the second from weights that have moved (lr 0.3), where the KL estimate behind z0, the mean
-    # log-ratio of the mismatched pairs (prompt k, completion k+1 of the whole step's batch), is not 0
-    "kto": ("kto", ["--batch_size", "8", "--n_examples", "64", "--steps", "2", "--lr", "0.3", "--warmup", "0"],
+    # KTO: two steps, the second from weights that have moved (lr 0.3), where the KL estimate behind
+    # z0, the mean log-ratio of the mismatched pairs (prompt k, completion k+1 of the whole step's
+    # batch), is not 0
+    "kto": ("kto", ["--batch_size", "8", "--n_examples", "64", "--steps", "2", "--lr", "0.3",
+                    "--warmup", "0"],
             ["loss", "grad_norm", "kl_estimate", "z0", "desirable_reward"]),
-    # online DPO: three fixed samples per precedence prompt, one of them the left-to-right path (wrong, mostly)
-    "online_dpo": ("online_dpo", ["--batch_size", "8", "--group_size", "3", "--precedence_share", "1", "--lr", "0.1",
-                                  "--warmup", "0"], ["loss", "grad_norm", "reward_margin", "informative"]),
-    # distill: the teacher is tiny_sft with its weights moved (moved_teacher), so that every token's KL has a gradient
+    # online DPO: three fixed samples per precedence prompt, one of them the left-to-right path
+    # (wrong, mostly)
+    "online_dpo": ("online_dpo", ["--batch_size", "8", "--group_size", "3",
+                                  "--precedence_share", "1", "--lr", "0.1", "--warmup", "0"],
+                   ["loss", "grad_norm", "reward_margin", "informative"]),
+    # distill: the teacher is tiny_sft with its weights moved (moved_teacher), so that every token's
+    # KL has a gradient
     "distill exact": ("distill", RL + ["--teacher", "TEACHER", "--reward_weight", "1"],
-                      ["loss", "grad_norm", "kl_exact", "kl_forward", "reward_mean", "teacher_reward"]),
+                      ["loss", "grad_norm", "kl_exact", "kl_forward", "reward_mean",
+                       "teacher_reward"]),
     "distill topk": ("distill", RL + ["--teacher", "TEACHER", "--estimator", "topk", "--topk", "4"],
                      ["loss", "grad_norm", "kl_exact", "kl_forward"]),
-    # TRPO: the gradient, every Fisher-vector product and the line search's KL and gain are sums of the ranks' shares
+    # TRPO: the gradient, every Fisher-vector product and the line search's KL and gain are sums of
+    # the ranks' shares
     "trpo": ("trpo", RL + ["--cg_iters", "4", "--beta", "0.3"],
              ["grad_norm", "step_norm", "kl_step", "kl_full_step", "improvement", "kl_exact"]),
-    # expert iteration (--steps 1 is --rounds 1): 8 prompts, each with an accepted sample (the fixed completions), two
-    # fine-tuning steps of 4; every rank fine-tunes on its share of the same gathered data
-    "expert_iteration": ("expert_iteration", ["--prompts_per_round", "8", "--samples_per_prompt", "4", "--batch_size",
-                                              "4", "--epochs", "1", "--precedence_share", "1"],
+    # expert iteration (--steps 1 is --rounds 1): 8 prompts, each with an accepted sample (the fixed
+    # completions), two fine-tuning steps of 4; every rank fine-tunes on its share of the same
+    # gathered data
+    "expert_iteration": ("expert_iteration",
+                         ["--prompts_per_round", "8", "--samples_per_prompt", "4",
+                          "--batch_size", "4", "--epochs", "1", "--precedence_share", "1"],
                          ["loss", "grad_norm", "data_size", "reward_mean"]),
-    # ORM and PRM (ddp_worker: "orm" is prm.py --train orm; --steps is dropped): two steps of 8 completions, each with
-    # at least one read position and label
-    "orm": ("orm", ["--n_prompts", "8", "--samples_per_prompt", "2", "--batch_size", "8", "--epochs", "1"],
+    # ORM and PRM (ddp_worker: "orm" is prm.py --train orm; --steps is dropped): two steps of 8
+    # completions, each with at least one read position and label
+    "orm": ("orm", ["--n_prompts", "8", "--samples_per_prompt", "2", "--batch_size", "8",
+                    "--epochs", "1"],
             ["loss", "grad_norm", "train_accuracy"]),
-    "prm": ("prm", ["--train", "prm", "--n_prompts", "8", "--samples_per_prompt", "2", "--batch_size", "8",
-                    "--epochs", "1"], ["loss", "grad_norm", "train_accuracy"]),
+    "prm": ("prm", ["--train", "prm", "--n_prompts", "8", "--samples_per_prompt", "2",
+                    "--batch_size", "8", "--epochs", "1"],
+            ["loss", "grad_norm", "train_accuracy"]),
 }
 
 
 @pytest.fixture(scope="module")
 def moved_teacher(tiny_sft, tmp_path_factory):
-    """tiny_sft with noise added to every weight: a teacher the student (tiny_sft itself) differs from."""
+    """tiny_sft with noise added to every weight: a teacher the student (tiny_sft itself) differs
+    from."""
     model, ckpt = load_checkpoint(tiny_sft)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -152,11 +178,13 @@ def moved_teacher(tiny_sft, tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_two_processes_and_grad_accum_make_the_same_update_as_one_process(case, tiny_sft, tmp_path, request):
-    """1 process, and 2 processes x 2 micro-batches: the same update (a normaliser per micro-batch or per process,
-    or an all-reduce before the last micro-batch, which counts the first twice, would differ). For sft and grpo also
-    1 process x 2 micro-batches, so that a difference there points at the micro-batches rather than the processes
-    (each script's normalisers go through the same run.all_sum and run.micro_batches)."""
+def test_two_processes_and_grad_accum_make_the_same_update_as_one_process(case, tiny_sft, tmp_path,
+                                                                          request):
+    """1 process, and 2 processes x 2 micro-batches: the same update (a normaliser per micro-batch
+    or per process, or an all-reduce before the last micro-batch, which counts the first twice,
+    would differ). For sft and grpo also 1 process x 2 micro-batches, so that a difference there
+    points at the micro-batches rather than the processes (each script's normalisers go through the
+    same run.all_sum and run.micro_batches)."""
     script, flags, keys = CASES[case]
     if "TEACHER" in flags:
         flags = [request.getfixturevalue("moved_teacher") if f == "TEACHER" else f for f in flags]
@@ -168,42 +196,49 @@ def test_two_processes_and_grad_accum_make_the_same_update_as_one_process(case, 
     one, *others = [update(r) for r in runs]
     for other in others:
         assert_same_update(one, other, keys)
-    if script == "kto":                                                # the mismatched pairs' estimate is compared
+    if script == "kto":                                 # the mismatched pairs' estimate is compared
         assert abs(one[1]["kl_estimate"]) > 1e-3 and one[1]["z0"] == max(0.0, one[1]["kl_estimate"])
     if script == "online_dpo":
-        # 6 of 8 informative: 9-9*1 and 5-3*1 tie (left to right gives the right answer too); 3 on each rank, so
-        # every micro-batch of every rank carries gradient, and the dropped ties leave the normaliser global
+        # 6 of 8 informative: 9-9*1 and 5-3*1 tie (left to right gives the right answer too); 3 on
+        # each rank, so every micro-batch of every rank carries gradient, and the dropped ties leave
+        # the normaliser global
         assert one[1]["informative"] == 0.75 and one[1]["ties"] == 2
 
 
 def test_a_nan_loss_on_one_rank_stops_every_rank(tiny_sft, tmp_path):
-    """Rank 1 alone sees a NaN loss: both ranks stop at once with one message (a rank that left alone would leave
-    the other waiting in the next all-reduce until the backend's timeout, here the test's)."""
-    p = finished(launch([WORKER, "grpo", *RL, "--steps", "2", "--init", tiny_sft, "--out", str(tmp_path)], nproc=2,
-                        env={"DDP_WORKER_NAN_RANK": "1"}), timeout=120)
+    """Rank 1 alone sees a NaN loss: both ranks stop at once with one message (a rank that left
+    alone would leave the other waiting in the next all-reduce until the backend's timeout, here the
+    test's)."""
+    p = finished(launch([WORKER, "grpo", *RL, "--steps", "2", "--init", tiny_sft, "--out",
+                         str(tmp_path)], nproc=2, env={"DDP_WORKER_NAN_RANK": "1"}), timeout=120)
     assert p.returncode != 0
-    assert p.stderr.count("the loss is not finite on rank 1 of 2 at step 1") == 1, p.stderr[-3000:]  # rank 0 says it
+    assert p.stderr.count("the loss is not finite on rank 1 of 2 at "
+                          "step 1") == 1, p.stderr[-3000:]                          # rank 0 says it
 
 
 def test_torchrun_grpo_writes_from_rank_0_and_resumes(tiny_sft, tmp_path):
     out = str(tmp_path)
-    flags = ["grpo.py", "--prompts_per_step", "4", "--group_size", "2", "--log_every", "1", "--eval_every", "2",
-             "--eval_n", "8", "--init", tiny_sft, "--out", out]
+    flags = ["grpo.py", "--prompts_per_step", "4", "--group_size", "2", "--log_every", "1",
+             "--eval_every", "2", "--eval_n", "8", "--init", tiny_sft, "--out", out]
     p = finished(launch(flags + ["--steps", "2"], nproc=2))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert p.stdout.count("done: 2 steps") == 1                       # rank 0 alone reports
     rows = [json.loads(line) for line in open(os.path.join(out, "grpo", "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [0, 1, 2] and rows[-1]["samples"] == 2 * 4 * 2
     _, ckpt = load_checkpoint(os.path.join(out, "grpo.pt"))
-    assert ckpt["step"] == 2 and len(ckpt["generators"]) == 2           # every rank's sampling stream is kept
+    # every rank's sampling stream is kept
+    assert (ckpt["step"] == 2 and len(ckpt["generators"]) == 2)
     assert not torch.equal(ckpt["generators"][0], ckpt["generators"][1])
     p = finished(launch(flags + ["--steps", "3", "--resume"], nproc=2))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "resuming from" in p.stdout
-    assert [json.loads(line)["step"] for line in open(os.path.join(out, "grpo", "metrics.jsonl"))] == [0, 1, 2, 3]
+    assert [json.loads(line)["step"]
+            for line in open(os.path.join(out, "grpo", "metrics.jsonl"))] == [0, 1, 2, 3]
     assert load_checkpoint(os.path.join(out, "grpo.pt"))[1]["step"] == 3
 
 
 def test_a_batch_that_does_not_split_over_the_processes_is_refused(tiny_sft, tmp_path):
-    p = finished(launch(["grpo.py", "--prompts_per_step", "3", "--init", tiny_sft, "--out", str(tmp_path)], nproc=2))
-    assert p.returncode != 0 and "--prompts_per_step 3 must split evenly over 2 processes" in p.stdout + p.stderr
+    p = finished(launch(["grpo.py", "--prompts_per_step", "3", "--init", tiny_sft, "--out",
+                         str(tmp_path)], nproc=2))
+    assert (p.returncode != 0
+            and "--prompts_per_step 3 must split evenly over 2 processes" in p.stdout + p.stderr)

@@ -1,5 +1,5 @@
-"""tasks/gsm8k.py: the loader on a handful of problems written for the test (and on broken files), the answer
-extraction and its normalisation, hand-worked."""
+"""tasks/gsm8k.py: the loader on a handful of problems written for the test (and on broken files),
+the answer extraction and its normalisation, hand-worked."""
 import json
 from decimal import Decimal
 
@@ -12,8 +12,10 @@ PROBLEMS = [
      "answer": "Tom has 3 + 4 = <<3+4=7>>7 apples.\n#### 7"},
     {"question": "A shop sells 1,200 pens a day. How many in 3 days?",
      "answer": "1,200 * 3 = <<1200*3=3600>>3,600 pens.\n#### 3,600"},
-    {"question": "A ticket costs $12.50. What do 2 cost?", "answer": "2 * 12.50 = 25.00\n#### 25.00"},
-    {"question": "It is 5 degrees and falls by 8. What is it now?", "answer": "5 - 8 = -3\n#### -3"},
+    {"question": "A ticket costs $12.50. What do 2 cost?",
+     "answer": "2 * 12.50 = 25.00\n#### 25.00"},
+    {"question": "It is 5 degrees and falls by 8. What is it now?",
+     "answer": "5 - 8 = -3\n#### -3"},
 ]
 
 
@@ -32,7 +34,8 @@ def test_load_reads_questions_solutions_and_the_number_after_the_marks(tmp_path)
 
 
 def test_an_answer_without_a_number_is_skipped_and_counted(tmp_path):
-    rows = PROBLEMS + [{"question": "q", "answer": "no marks here"}, {"question": "q", "answer": "#### many"}]
+    rows = PROBLEMS + [{"question": "q", "answer": "no marks here"},
+                       {"question": "q", "answer": "#### many"}]
     problems, skipped = gsm8k.load(write(tmp_path, rows))
     assert (len(problems), skipped) == (4, 2)
 
@@ -60,7 +63,8 @@ def test_a_missing_or_unreadable_file_is_one_error(tmp_path):
 
 
 @pytest.mark.parametrize("text, want", [
-    ("7", Decimal(7)), ("1,234", Decimal(1234)), ("$1,234", Decimal(1234)), ("1234.00", Decimal(1234)),
+    ("7", Decimal(7)), ("1,234", Decimal(1234)), ("$1,234", Decimal(1234)),
+    ("1234.00", Decimal(1234)),
     ("1234.50", Decimal("1234.5")), ("-3", Decimal(-3)), ("7.", Decimal(7)), (" 42 ", Decimal(42)),
     ("seven", None), ("", None), ("1.2.3", None), (None, None), ("1" * 50, None),
 ])
@@ -71,16 +75,17 @@ def test_normalise(text, want):
 @pytest.mark.parametrize("completion, truth, want", [
     ("so 3 + 4 = 7 apples. #### 7", 7, True),
     ("#### 3,600", "3600", True),
-    ("#### 25", "25.00", True),                                 # normalised (GSM8K compares the strings)
+    ("#### 25", "25.00", True),                      # normalised (GSM8K compares the strings)
     ("#### 25.5", 25, False),
-    (" #### 7 apples, 2 of them red", 7, True),                 # the number right after the marks ...
-    (" #### 7 apples, 2 of them red", 2, False),                # ... not the last one after them
-    ("#### 7 #### 8", 7, True),                                 # the first marks, as GSM8K's search finds them
+    (" #### 7 apples, 2 of them red", 7, True),      # the number right after the marks ...
+    (" #### 7 apples, 2 of them red", 2, False),     # ... not the last one after them
+    ("#### 7 #### 8", 7, True),                      # the first marks, as GSM8K's search finds them
     ("#### 7 #### 8", 8, False),
-    ("####7", 7, False), ("#### $7", 7, False),                 # GSM8K's rule: '#### ' then the number itself
-    ("#### many, #### 12", 12, True),                           # the first '#### ' followed by a number
-    ("it is 5 - 8 = -3", -3, False),                            # no marks: no answer (GSM8K's [invalid])
-    ("<think>3 + 4 = 7, wait, 8</think> <answer>7</answer>", 7, True),   # the tag wins over the last number
+    ("####7", 7, False), ("#### $7", 7, False),      # GSM8K's rule: '#### ' then the number itself
+    ("#### many, #### 12", 12, True),                # the first '#### ' followed by a number
+    ("it is 5 - 8 = -3", -3, False),                 # no marks: no answer (GSM8K's [invalid])
+    # the tag wins over the last number
+    ("<think>3 + 4 = 7, wait, 8</think> <answer>7</answer>", 7, True),
     ("<answer>The answer is $1,200.</answer>", 1200, True),
     ("<answer>7 apples, 2 of them red</answer>", 7, True),      # the first number in the tag
     ("<answer>7 apples, 2 of them red</answer>", 2, False),
@@ -94,8 +99,9 @@ def test_score_gsm8k_hand_worked(completion, truth, want):
 
 
 def test_the_verifier_stays_fast_on_hostile_completions():
-    """400 kB of unclosed '<answer>' tags (quadratic for the tag regex) and of '#### ' marks without a number: each
-    scored 0 at once (past MAX_CHARS nothing is read); at MAX_CHARS, well under a second."""
+    """400 kB of unclosed '<answer>' tags (quadratic for the tag regex) and of '#### ' marks without
+    a number: each scored 0 at once (past MAX_CHARS nothing is read); at MAX_CHARS, well under a
+    second."""
     import time
     for text in ("<answer>1" * 50_000, "#### x" * 80_000, ("<answer>1" * 3000)[:gsm8k.MAX_CHARS]):
         t = time.time()

@@ -27,8 +27,8 @@ import pytest
 from kernels import HAS_TRITON, TRITON_INTERPRET
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON or TRITON_INTERPRET,
-                                reason="needs Triton, with compiled (not interpreted) kernels: run without "
-                                       "TRITON_INTERPRET")
+                                reason="needs Triton, with compiled (not interpreted) kernels: "
+                                       "run without TRITON_INTERPRET")
 
 if HAS_TRITON and not TRITON_INTERPRET:
     from kernels import aot
@@ -46,11 +46,13 @@ def test_kernel_compiles(job, arch):
     assert len(compiled.asm["cubin"]) > 0 and f".target sm_{arch}" in compiled.asm["ptx"]
     assert compiled.metadata.num_warps == job.num_warps
     assert compiled.metadata.shared <= aot.SHARED_MEMORY[arch], (
-        f"{job.name} needs {compiled.metadata.shared} bytes of shared memory; sm_{arch} has {aot.SHARED_MEMORY[arch]}")
+        f"{job.name} needs {compiled.metadata.shared} bytes of shared memory; "
+        f"sm_{arch} has {aot.SHARED_MEMORY[arch]}")
 
 
 def test_every_kernel_is_listed():
-    """A kernel added to a kernel file but not to kernels/aot.py's lists would go uncompiled here."""
+    """A kernel added to a kernel file but not to kernels/aot.py's lists would go uncompiled
+    here."""
     import triton
 
     defined = set()
@@ -65,9 +67,10 @@ def test_every_kernel_is_listed():
 
 def test_jobs_use_the_launchers_blocks():
     """The blocks compiled are the ones the launchers pick, for each vocabulary size."""
-    logprobs, kl = importlib.import_module("kernels.logprobs"), importlib.import_module("kernels.kl")
-    blocks = {(job.kernel.__name__,
-               dict(job.constants)["BLOCK_V"]) for job in JOBS if "BLOCK_N" not in dict(job.constants)}
+    logprobs, kl = importlib.import_module("kernels.logprobs"), importlib.import_module(
+        "kernels.kl")
+    blocks = {(job.kernel.__name__, dict(job.constants)["BLOCK_V"])
+              for job in JOBS if "BLOCK_N" not in dict(job.constants)}
     for V in (258, 50257, 151936):
         assert ("_logprobs_fwd_kernel", logprobs.launch_config(V)["BLOCK_V"]) in blocks
         assert ("_kl_bwd_kernel", kl.launch_config(V)["BLOCK_V"]) in blocks

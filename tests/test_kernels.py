@@ -45,7 +45,8 @@ from kernels import HAS_TRITON, TRITON_INTERPRET
 from kernels.common import as_rows, chunk_ranges, take_rows
 
 HAS_CUDA = torch.cuda.is_available()
-TRITON_HERE = HAS_TRITON and (HAS_CUDA or TRITON_INTERPRET)  # can the Triton path run in this process?
+# can the Triton path run in this process?
+TRITON_HERE = HAS_TRITON and (HAS_CUDA or TRITON_INTERPRET)
 IMPLS = ["torch_path"] + (["triton_path"] if TRITON_HERE else [])
 NEG_INF = float("-inf")
 
@@ -114,9 +115,9 @@ def grad_tolerance(name, logits, other, temperature, grad_out):
       entropy   -p_v (log p_v + H)              -> size p_v (|log p_v| + H)
     Any float32 evaluation is off by a few float32 epsilons of that size (at the argmax of a
     peaked p, log p - log q - KL cancels two numbers of size KL), so 16 eps32 of it is allowed.
-    The float64 reference has its own floor: its log p = x/temp - lse is off by ~eps64 |x/temp|, which
-    log_softmax's backward turns into ~eps64 |x/temp| |g| / temp in every entry; 1e-13 of that is
-    allowed. A wrong formula or an unwritten entry is off by far more than either."""
+    The float64 reference has its own floor: its log p = x/temp - lse is off by ~eps64 |x/temp|,
+    which log_softmax's backward turns into ~eps64 |x/temp| |g| / temp in every entry; 1e-13 of that
+    is allowed. A wrong formula or an unwritten entry is off by far more than either."""
     logp = ref_log_softmax(logits, temperature)
     p = logp.exp()
     if name == "logprobs":
@@ -129,8 +130,10 @@ def grad_tolerance(name, logits, other, temperature, grad_out):
         h = -_plogp_terms(logp, torch.zeros_like(logp)).sum(-1, keepdim=True)
         size = torch.where(p > 0, p * (logp.abs() + h), 0.0)
     xs = [logits] + ([other] if name == "kl" else [])
-    x_max = max(x.detach().cpu().double().nan_to_num(neginf=0.0).abs().max().item() for x in xs) / temperature
-    g_t = (grad_out.detach().cpu().double().abs() / temperature).unsqueeze(-1)  # [..., 1] |g| / temp
+    x_max = max(x.detach().cpu().double().nan_to_num(neginf=0.0).abs().max().item()
+                for x in xs) / temperature
+    # [..., 1] |g| / temp
+    g_t = (grad_out.detach().cpu().double().abs() / temperature).unsqueeze(-1)
     return (16 * EPS32 * size + 1e-13 * (1 + x_max)) * g_t
 
 
@@ -157,8 +160,10 @@ def call(impl, name, *args, temperature=1.0, small_steps=False):
     """Call kernels.<name>_torch or kernels.<name>_triton; small_steps makes the PyTorch path use
     5-row chunks and the Triton path 128-wide blocks (several steps, a ragged last one)."""
     if impl == "torch_path":
-        return getattr(kernels, f"{name}_torch")(*args, temperature, chunk_rows=5 if small_steps else None)
-    return getattr(kernels, f"{name}_triton")(*args, temperature, block_size=128 if small_steps else None)
+        return getattr(kernels, f"{name}_torch")(*args, temperature,
+                                                 chunk_rows=5 if small_steps else None)
+    return getattr(kernels, f"{name}_triton")(*args, temperature,
+                                              block_size=128 if small_steps else None)
 
 
 def check_forward(got, ref, atol):
@@ -181,7 +186,8 @@ def check_grad(got, ref, tol):
     err = (got - ref).abs()
     worst = (err / bound).nan_to_num(nan=math.inf).argmax()
     assert (err <= bound).all(), (
-        f"{int((err > bound).sum())} / {err.numel()} entries off; worst at flat index {worst.item()}: "
+        f"{int((err > bound).sum())} / {err.numel()} entries off; "
+        f"worst at flat index {worst.item()}: "
         f"got {got.flatten()[worst].item():.6g}, ref {ref.flatten()[worst].item():.6g}, "
         f"bound {bound.flatten()[worst].item():.3g}"
     )
@@ -230,7 +236,8 @@ case_param = pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CAS
 def test_logprobs_matches_float64_reference(impl, case):
     lead, V, dtype, T, scale, ninf, small = case
     logits = make_logits(lead + (V,), scale, dtype, ninf, device_for(impl)).requires_grad_()
-    targets = torch.randint(0, V, lead, device=logits.device)  # may land on a -inf logit: log-prob -inf
+    # may land on a -inf logit: log-prob -inf
+    targets = torch.randint(0, V, lead, device=logits.device)
     grad_out = torch.randn(lead, device=logits.device)
 
     out = call(impl, "logprobs", logits, targets, temperature=T, small_steps=small)
@@ -249,8 +256,10 @@ def test_logprobs_hand_worked(impl):
     t = torch.tensor([2], device=dev)
     assert call(impl, "logprobs", logits, t).item() == pytest.approx(math.log(3 / 6), rel=1e-6)
     # temp = 0.5 squares the probabilities: p = [1, 4, 9] / 14
-    assert call(impl, "logprobs", logits, t, temperature=0.5).item() == pytest.approx(math.log(9 / 14), rel=1e-6)
-    # d logp_t / d logits = (onehot - p) / temp; uniform p = 1/4, temp = 2, .sum() backward (grad 1, stride 0)
+    assert call(impl, "logprobs", logits, t,
+                temperature=0.5).item() == pytest.approx(math.log(9 / 14), rel=1e-6)
+    # d logp_t / d logits = (onehot - p) / temp; uniform p = 1/4, temp = 2, .sum() backward (grad 1,
+    # stride 0)
     x = torch.zeros(1, 4, device=dev, requires_grad=True)
     call(impl, "logprobs", x, torch.tensor([1], device=dev), temperature=2.0).sum().backward()
     assert x.grad.tolist()[0] == pytest.approx([-1 / 8, 3 / 8, -1 / 8, -1 / 8], rel=1e-6)
@@ -264,7 +273,8 @@ def test_logprobs_int_dtypes_and_empty(impl):
     _, ref = ref_logprobs(logits, t64, 1.0)
     for dtype in (torch.int32, torch.int16, torch.uint8):
         check_forward(call(impl, "logprobs", logits, t64.to(dtype)), ref, atol=1e-6)
-    empty = call(impl, "logprobs", torch.zeros(0, 5, device=dev), torch.zeros(0, dtype=torch.long, device=dev))
+    empty = call(impl, "logprobs", torch.zeros(0, 5, device=dev),
+                 torch.zeros(0, dtype=torch.long, device=dev))
     assert empty.shape == (0,) and empty.dtype == torch.float32
 
 
@@ -366,11 +376,13 @@ def test_entropy_matches_float64_reference(impl, case):
 def test_entropy_properties_and_hand_worked(impl):
     dev = device_for(impl)
     V = 1000
-    assert call(impl, "entropy", torch.zeros(3, V, device=dev)).tolist() == pytest.approx([math.log(V)] * 3, rel=1e-6)
+    assert call(impl, "entropy", torch.zeros(3, V, device=dev)).tolist() == pytest.approx(
+        [math.log(V)] * 3, rel=1e-6)
     one_hot = torch.full((2, V), NEG_INF, device=dev)
     one_hot[:, 17] = 5.0
     assert call(impl, "entropy", one_hot).tolist() == pytest.approx([0.0, 0.0], abs=1e-7)
-    assert call(impl, "entropy", torch.zeros(1, 2, device=dev)).item() == pytest.approx(math.log(2), rel=1e-6)
+    assert call(impl, "entropy", torch.zeros(1, 2, device=dev)).item() == pytest.approx(math.log(2),
+                                                                                        rel=1e-6)
     for scale in (1e-3, 1.0, 1e4):
         h = call(impl, "entropy", make_logits((64, V), scale, torch.float32, device=dev))
         assert (h >= 0).all() and (h <= math.log(V) * (1 + 1e-6)).all()
@@ -430,7 +442,8 @@ def test_rows_are_views_for_slices():
     x3 = as_rows(torch.randn(6, 4, 5))
     for chunk_rows in (1, 3, 4, 10, 100):
         ranges = chunk_ranges(x3, chunk_rows)
-        assert [r for a, b in ranges for r in range(a, b)] == list(range(24))  # every row once, in order
+        assert [r for a, b in ranges
+                for r in range(a, b)] == list(range(24))                  # every row once, in order
         assert all(b - a <= chunk_rows for a, b in ranges)
         for a, b in ranges:
             assert torch.equal(take_rows(x3, a, b), x3.reshape(24, 5)[a:b])
@@ -466,7 +479,8 @@ def formula_kl(a, b, temp=1.0):
     """KL = sum_v p_v (log p_v - log q_v) over p_v > 0, d/d a = p (log p - log q - KL) / temp."""
     logp, logq = _log_softmax(a, temp), _log_softmax(b, temp)
     kl = sum(math.exp(lp) * (lp - lq) for lp, lq in zip(logp, logq) if lp > -INF)
-    return kl, [math.exp(lp) * (lp - lq - kl) / temp if lp > -INF else 0.0 for lp, lq in zip(logp, logq)]
+    return kl, [math.exp(lp) * (lp - lq - kl) / temp if lp > -INF else 0.0
+                for lp, lq in zip(logp, logq)]
 
 
 def formula_entropy(logits, temp=1.0):
@@ -484,9 +498,10 @@ def formula_linear(hidden, weight, targets, temp=1.0):
         value, d = formula_logprobs([sum(hc * wc for hc, wc in zip(h, w)) for w in weight], t, temp)
         values.append(value)
         dx.append(d)
-    grad_h = [[sum(d[v] * weight[v][c] for v in range(len(weight))) for c in range(len(weight[0]))] for d in dx]
-    grad_w = [[sum(dx[n][v] * hidden[n][c] for n in range(len(hidden))) for c in range(len(weight[0]))]
-              for v in range(len(weight))]
+    grad_h = [[sum(d[v] * weight[v][c] for v in range(len(weight))) for c in range(len(weight[0]))]
+              for d in dx]
+    grad_w = [[sum(dx[n][v] * hidden[n][c] for n in range(len(hidden)))
+               for c in range(len(weight[0]))] for v in range(len(weight))]
     return values, grad_h, grad_w
 
 
@@ -507,16 +522,19 @@ def row_case(case_id, fn, edge, value, grad, temp=1.0, atol=(1e-6, 1e-6)):
         ok_value, ok_grad = formula_entropy(healthy[0], temp)
     # logits [2, V] (and q [2, V] or targets [2])
     inputs = [torch.tensor([r[i] for r in rows]) for i in range(len(edge))]
-    return pytest.param(fn, inputs, temp, [[value, ok_value]], [[grad, ok_grad]], atol, id=f"{fn}-{case_id}")
+    return pytest.param(fn, inputs, temp, [[value, ok_value]], [[grad, ok_grad]], atol,
+                        id=f"{fn}-{case_id}")
 
 
-def linear_case(case_id, hidden, weight, targets, value=None, grad_h=None, grad_w=None, temp=1.0, atol=(1e-6, 1e-6)):
+def linear_case(case_id, hidden, weight, targets, value=None, grad_h=None, grad_w=None, temp=1.0,
+                atol=(1e-6, 1e-6)):
     """A case for linear_logprobs(hidden [N, C], weight [V, C], targets [N]); what is not given
     comes from formula_linear."""
     if value is None:
         value, grad_h, grad_w = formula_linear(hidden, weight, targets, temp)
     C = len(weight[0])
-    inputs = [torch.tensor(hidden).reshape(-1, C), torch.tensor(weight), torch.tensor(targets, dtype=torch.long)]
+    inputs = [torch.tensor(hidden).reshape(-1, C), torch.tensor(weight),
+              torch.tensor(targets, dtype=torch.long)]
     return pytest.param("linear_logprobs", inputs, temp, [value], [grad_h, grad_w], atol,
                         id=f"linear_logprobs-{case_id}")
 
@@ -524,7 +542,8 @@ def linear_case(case_id, hidden, weight, targets, value=None, grad_h=None, grad_
 NAN3 = [NAN] * 3
 W3 = [[1.0, 0.0], [-1.0, 1.0], [2.0, -1.0]]  # linear_logprobs: weight [V = 3, C = 2]
 H_OK = [0.5, 1.0]  # a healthy hidden row: logits [0.5, 0.5, 0]
-OK_VALUE, OK_GRAD_H, _ = formula_linear([H_OK], W3, [1])  # its log-prob at target 1, its hidden gradient
+# its log-prob at target 1, its hidden gradient
+OK_VALUE, OK_GRAD_H, _ = formula_linear([H_OK], W3, [1])
 EDGE_CASES = [
     # --- logprobs: (logits row, target) -> log p_t, gradient row -----------------------------
     row_case("nan_logit", "logprobs", ([0.0, NAN, 1.0], 0), NAN, NAN3),
@@ -533,10 +552,13 @@ EDGE_CASES = [
     row_case("neg_inf_logit", "logprobs", ([0.0, -INF, 0.0], 0), math.log(0.5), [0.5, 0.0, -0.5]),
     row_case("target_at_neg_inf", "logprobs", ([0.0, -INF, 0.0], 1), -INF, [-0.5, 1.0, -0.5]),
     row_case("all_neg_inf", "logprobs", ([-INF] * 3, 0), NAN, NAN3),
-    row_case("tiny_temp_argmax", "logprobs", ([0.0, 1.0, 2.0], 0), -2000.0, [1000.0, 0.0, -1000.0], temp=MIN_T),
-    row_case("tiny_temp", "logprobs", ([0.0, 1e-3, 2e-3], 1), *formula_logprobs([0.0, 1e-3, 2e-3], 1, MIN_T),
+    row_case("tiny_temp_argmax", "logprobs", ([0.0, 1.0, 2.0], 0), -2000.0, [1000.0, 0.0, -1000.0],
+             temp=MIN_T),
+    row_case("tiny_temp", "logprobs", ([0.0, 1e-3, 2e-3], 1),
+             *formula_logprobs([0.0, 1e-3, 2e-3], 1, MIN_T),
              temp=MIN_T, atol=(1e-6, 1e-3)),
-    row_case("huge_temp", "logprobs", ([0.0, 1.0, 2.0], 2), *formula_logprobs([0.0, 1.0, 2.0], 2, MAX_T), temp=MAX_T,
+    row_case("huge_temp", "logprobs", ([0.0, 1.0, 2.0], 2),
+             *formula_logprobs([0.0, 1.0, 2.0], 2, MAX_T), temp=MAX_T,
              atol=(1e-6, 1e-9)),
     row_case("V1", "logprobs", ([5.0], 0), 0.0, [0.0]),
     row_case("V1_neg_inf", "logprobs", ([-INF], 0), NAN, [NAN]),
@@ -546,16 +568,20 @@ EDGE_CASES = [
     row_case("pos_inf_in_p", "kl", ([0.0, INF, 1.0], [0.0, 0.0, 0.0]), NAN, NAN3),
     row_case("pos_inf_in_q", "kl", ([0.0, 0.0, 1.0], [0.0, INF, 1.0]), NAN, NAN3),
     # p = [1/2, 0, 1/2], q = [1/4, 1/4, 1/2]: KL = 1/2 log 2; gradient p (log p - log q - KL)
-    row_case("neg_inf_in_p", "kl", ([0.0, -INF, 0.0], [0.0, 0.0, LOG2]), LOG2 / 2, [LOG2 / 4, 0.0, -LOG2 / 4]),
-    row_case("zero_in_both", "kl", ([0.0, -INF, 0.0], [0.0, -INF, 0.0]), 0.0, [0.0, 0.0, 0.0]),  # 0 log 0/0 = 0
+    row_case("neg_inf_in_p", "kl", ([0.0, -INF, 0.0], [0.0, 0.0, LOG2]), LOG2 / 2,
+             [LOG2 / 4, 0.0, -LOG2 / 4]),
+    # 0 log 0/0 = 0
+    row_case("zero_in_both", "kl", ([0.0, -INF, 0.0], [0.0, -INF, 0.0]), 0.0, [0.0, 0.0, 0.0]),
     # q = 0 < p: KL = +inf; its gradient p (log p - log q - inf) is NaN there and -inf elsewhere
     row_case("q_zero_under_p", "kl", ([0.0, 0.0, 0.0], [0.0, -INF, 0.0]), INF, [-INF, NAN, -INF]),
     row_case("all_neg_inf_p", "kl", ([-INF] * 3, [0.0, 0.0, 0.0]), NAN, NAN3),
     row_case("all_neg_inf_q", "kl", ([0.0, 0.0, 0.0], [-INF] * 3), NAN, NAN3),
     # temp 1e-3: p = one-hot at 2, q = one-hot at 0 (up to e^-1000): KL = 2000, gradient 0
-    row_case("tiny_temp_argmax", "kl", ([0.0, 1.0, 2.0], [2.0, 1.0, 0.0]), 2000.0, [0.0, 0.0, 0.0], temp=MIN_T),
+    row_case("tiny_temp_argmax", "kl", ([0.0, 1.0, 2.0], [2.0, 1.0, 0.0]), 2000.0, [0.0, 0.0, 0.0],
+             temp=MIN_T),
     row_case("tiny_temp", "kl", ([0.0, 1e-3, 2e-3], [2e-3, 0.0, 1e-3]),
-             *formula_kl([0.0, 1e-3, 2e-3], [2e-3, 0.0, 1e-3], MIN_T), temp=MIN_T, atol=(1e-6, 1e-3)),
+             *formula_kl([0.0, 1e-3, 2e-3], [2e-3, 0.0, 1e-3], MIN_T), temp=MIN_T,
+             atol=(1e-6, 1e-3)),
     row_case("huge_temp", "kl", ([0.0, 1.0, 2.0], [2.0, 1.0, 0.0]),
              *formula_kl([0.0, 1.0, 2.0], [2.0, 1.0, 0.0], MAX_T), temp=MAX_T, atol=(3e-7, 1e-9)),
     row_case("V1", "kl", ([5.0], [-3.0]), 0.0, [0.0]),
@@ -566,24 +592,30 @@ EDGE_CASES = [
     row_case("neg_inf_logit", "entropy", ([0.0, -INF, LOG3],), *formula_entropy([0.0, -INF, LOG3])),
     row_case("all_neg_inf", "entropy", ([-INF] * 3,), NAN, NAN3),
     row_case("tiny_temp_argmax", "entropy", ([0.0, 1.0, 2.0],), 0.0, [0.0, 0.0, 0.0], temp=MIN_T),
-    row_case("tiny_temp", "entropy", ([0.0, 1e-3, 2e-3],), *formula_entropy([0.0, 1e-3, 2e-3], MIN_T), temp=MIN_T,
+    row_case("tiny_temp", "entropy", ([0.0, 1e-3, 2e-3],),
+             *formula_entropy([0.0, 1e-3, 2e-3], MIN_T), temp=MIN_T,
              atol=(1e-6, 1e-3)),
-    row_case("huge_temp", "entropy", ([0.0, 1.0, 2.0],), *formula_entropy([0.0, 1.0, 2.0], MAX_T), temp=MAX_T,
+    row_case("huge_temp", "entropy", ([0.0, 1.0, 2.0],), *formula_entropy([0.0, 1.0, 2.0], MAX_T),
+             temp=MAX_T,
              atol=(1e-6, 1e-9)),
     row_case("V1", "entropy", ([5.0],), 0.0, [0.0]),
-    # --- linear_logprobs: (hidden [2, C], weight [V, C], targets [2]) -> log-probs, d hidden, d weight
-    # a NaN or inf in hidden_0: token 0 NaN (and its hidden gradient), token 1 intact, all of d weight NaN
+    # --- linear_logprobs: (hidden [2, C], weight [V, C], targets [2]) -> log-probs, d hidden, d
+    # weight a NaN or inf in hidden_0: token 0 NaN (and its hidden gradient), token 1 intact, all of
+    # d weight NaN
     linear_case("nan_hidden", [[NAN, 1.0], H_OK], W3, [0, 1], [NAN, OK_VALUE[0]],
                 [[NAN, NAN], OK_GRAD_H[0]], [[NAN, NAN]] * 3),
     linear_case("inf_hidden", [[INF, 1.0], H_OK], W3, [0, 1], [NAN, OK_VALUE[0]],
                 [[NAN, NAN], OK_GRAD_H[0]], [[NAN, NAN]] * 3),
-    linear_case("nan_weight", [[0.0, 1.0], H_OK], [[1.0, 0.0], [NAN, 1.0], [2.0, -1.0]], [0, 1], [NAN, NAN],
+    linear_case("nan_weight", [[0.0, 1.0], H_OK], [[1.0, 0.0], [NAN, 1.0], [2.0, -1.0]], [0, 1],
+                [NAN, NAN],
                 [[NAN, NAN]] * 2, [[NAN, NAN]] * 3),
-    # temp 1e-3, C = 1: logits [0, 1, 2] -> dx = [1000, 0, -1000]; logits [0, .5, 1] at its argmax -> dx = 0
+    # temp 1e-3, C = 1: logits [0, 1, 2] -> dx = [1000, 0, -1000]; logits [0, .5, 1] at its argmax
+    # -> dx = 0
     linear_case("tiny_temp_argmax", [[1.0], [0.5]], [[0.0], [1.0], [2.0]], [0, 2], [-2000.0, 0.0],
                 [[-2000.0], [0.0]], [[1000.0], [0.0], [-1000.0]], temp=MIN_T),
     linear_case("huge_temp", [[1.0, 2.0], H_OK], W3, [0, 2], temp=MAX_T, atol=(1e-6, 1e-9)),
-    linear_case("V1", [[1.0, 2.0], H_OK], [[0.3, -0.2]], [0, 0], [0.0, 0.0], [[0.0, 0.0]] * 2, [[0.0, 0.0]]),
+    linear_case("V1", [[1.0, 2.0], H_OK], [[0.3, -0.2]], [0, 0], [0.0, 0.0], [[0.0, 0.0]] * 2,
+                [[0.0, 0.0]]),
 ]
 EMPTY_CASES = ["logprobs", "kl", "entropy", "linear_logprobs"]
 
@@ -621,7 +653,8 @@ def test_edge_case_empty(impl, fn):
         inputs = [torch.zeros(0, 4), torch.randn(5, 4), torch.zeros(0, dtype=torch.long)]
     else:
         x = torch.zeros(2, 0, 3)
-        inputs = {"logprobs": [x, torch.zeros(2, 0, dtype=torch.long)], "kl": [x, x.clone()], "entropy": [x]}[fn]
+        inputs = {"logprobs": [x, torch.zeros(2, 0, dtype=torch.long)], "kl": [x, x.clone()],
+                  "entropy": [x]}[fn]
     value, grads = _run_case(impl, fn, inputs, 1.0)
     assert value.shape == inputs[0].shape[:-1] and value.dtype == torch.float32
     assert grads[0].shape == inputs[0].shape
@@ -635,11 +668,13 @@ def test_temperature_range(bad):
     naming the value and the range; the bounds themselves are accepted."""
     x = torch.randn(2, 5)
     t = torch.zeros(2, dtype=torch.long)
-    calls = [("logprobs", (x, t)), ("kl", (x, x)), ("entropy", (x,)), ("linear_logprobs", (x, torch.randn(3, 5), t))]
+    calls = [("logprobs", (x, t)), ("kl", (x, x)), ("entropy", (x,)),
+             ("linear_logprobs", (x, torch.randn(3, 5), t))]
     for name, args in calls:
         for suffix in ("", "_torch", "_triton"):
             with pytest.raises(ValueError,
-                               match=rf"temperature must lie in \[0.001, 1000\].*got {re.escape(repr(float(bad)))}"):
+                               match=rf"temperature must lie in \[0.001, 1000\]"
+                                     rf".*got {re.escape(repr(float(bad)))}"):
                 getattr(kernels, name + suffix)(*args, temperature=bad)
         for ok in (MIN_T, MAX_T):
             assert getattr(kernels, name + "_torch")(*args, temperature=ok).isfinite().all()
@@ -663,7 +698,8 @@ def test_dispatch():
     interpreted = os.environ.get("TRITON_INTERPRET") == "1" and HAS_TRITON
     expect = "Triton" if interpreted else "Torch"
     x = torch.randn(2, 5, requires_grad=True)
-    assert type(kernels.logprobs(x, torch.zeros(2, dtype=torch.long)).grad_fn).__name__ == f"_Logprobs{expect}Backward"
+    grad_fn = kernels.logprobs(x, torch.zeros(2, dtype=torch.long)).grad_fn
+    assert type(grad_fn).__name__ == f"_Logprobs{expect}Backward"
     assert type(kernels.kl(x, x.detach()).grad_fn).__name__ == f"_KL{expect}Backward"
     assert type(kernels.entropy(x).grad_fn).__name__ == f"_Entropy{expect}Backward"
     w = torch.randn(3, 5, requires_grad=True)
@@ -692,25 +728,28 @@ def test_pytorch_path_works_without_triton():
         "x = torch.randn(3, 11, requires_grad=True)\n"
         "w = torch.randn(5, 11, requires_grad=True)\n"
         "(kernels.logprobs(x, torch.tensor([1, 2, 3])).sum() + kernels.kl(x, x.detach() + 1).sum()"
-        " + kernels.entropy(x).sum() + kernels.linear_logprobs(x, w, torch.tensor([0, 4, 2])).sum()).backward()\n"
+        " + kernels.entropy(x).sum()"
+        " + kernels.linear_logprobs(x, w, torch.tensor([0, 4, 2])).sum()).backward()\n"
         "assert w.grad.isfinite().all()\n"
         "assert x.grad.isfinite().all()\n"
-        "try:\n    kernels.entropy_triton(x)\nexcept RuntimeError as e:\n    assert 'not installed' in str(e)\n"
+        "try:\n    kernels.entropy_triton(x)\n"
+        "except RuntimeError as e:\n    assert 'not installed' in str(e)\n"
         "else:\n    raise AssertionError('entropy_triton ran without triton')\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], env=_child_env(), cwd=REPO, capture_output=True, text=True,
-                         timeout=300)
+    run = subprocess.run([sys.executable, "-c", code], env=_child_env(), cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
 
 
 @pytest.mark.skipif(not HAS_TRITON or HAS_CUDA or TRITON_INTERPRET,
-                    reason="Triton cases run in this process (CUDA or TRITON_INTERPRET=1), or Triton is missing")
+                    reason="Triton cases run in this process (CUDA or TRITON_INTERPRET=1), or "
+                           "Triton is missing")
 def test_interpreted_kernels_subprocess():
     """Run this file's `triton_path` and `dispatch` tests under TRITON_INTERPRET=1 in a child."""
-    cmd = [sys.executable, "-m", "pytest", os.path.abspath(__file__), "-q", "-p", "no:cacheprovider", "-k",
-           "triton_path or dispatch"]
-    run = subprocess.run(cmd, env=_child_env(TRITON_INTERPRET="1"), cwd=REPO, capture_output=True, text=True,
-                         timeout=900)
+    cmd = [sys.executable, "-m", "pytest", os.path.abspath(__file__), "-q", "-p",
+           "no:cacheprovider", "-k", "triton_path or dispatch"]
+    run = subprocess.run(cmd, env=_child_env(TRITON_INTERPRET="1"), cwd=REPO, capture_output=True,
+                         text=True, timeout=900)
     tail = (run.stdout + run.stderr)[-6000:]
     assert run.returncode == 0, tail
     assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1], tail

@@ -37,7 +37,8 @@ HAS_CUDA = torch.cuda.is_available()
 TRITON_HERE = HAS_TRITON and (HAS_CUDA or TRITON_INTERPRET)
 IMPLS = ["torch_path"] + (["triton_path"] if TRITON_HERE else [])
 EPS32 = torch.finfo(torch.float32).eps
-EPS = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}  # unit roundoff of each dtype
+# unit roundoff of each dtype
+EPS = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
 
 def device_for(impl):
@@ -85,28 +86,34 @@ def check(impl, hidden, weight, targets, temperature, grad_out, base=None, small
     onehot = torch.nn.functional.one_hot(targets.cpu().long(), weight.shape[0]).double()
     g = grad_out.cpu().double().abs().unsqueeze(-1) / temperature  # [..., 1]
     tiny = torch.finfo(torch.float32).tiny  # p below it underflows to 0 in float32
-    # dx is stored in the inputs' dtype, and an entry below its smallest normal number loses more than EPS: float16
-    # keeps subnormals, rounded to half their spacing (EPS * tiny, 3e-8); bfloat16's are flushed to zero (the
-    # interpreter's conversion), an error up to tiny (1.2e-38). Absolute, not relative to dx
-    dx_sub = {torch.float16: EPS[dtype] * torch.finfo(dtype).tiny, torch.bfloat16: torch.finfo(dtype).tiny}.get(
-        dtype, 0.0)
-    dx_err = g * ((4 * EPS[dtype] + 16 * EPS32) * (onehot + p) + 4 * x_err * p + 2 * tiny) + dx_sub  # [..., V]
+    # dx is stored in the inputs' dtype, and an entry below its smallest normal number loses more
+    # than EPS: float16 keeps subnormals, rounded to half their spacing (EPS * tiny, 3e-8);
+    # bfloat16's are flushed to zero (the interpreter's conversion), an error up to tiny (1.2e-38).
+    # Absolute, not relative to dx
+    dx_sub = {torch.float16: EPS[dtype] * torch.finfo(dtype).tiny,
+              torch.bfloat16: torch.finfo(dtype).tiny}.get(dtype, 0.0)
+    # [..., V]
+    dx_err = g * ((4 * EPS[dtype] + 16 * EPS32) * (onehot + p) + 4 * x_err * p + 2 * tiny) + dx_sub
     tol_h = dx_err @ wd.abs()  # [..., C]
     tol_w = dx_err.reshape(-1, dx_err.shape[-1]).T @ hd.reshape(-1, hd.shape[-1]).abs()  # [V, C]
-    for name, got, ref, tol in [("hidden", base.grad, h.grad, tol_h), ("weight", weight.grad, w.grad, tol_w)]:
-        if name == "hidden" and base is not hidden:  # the gradient of the slice, placed in the base's shape
+    for name, got, ref, tol in [("hidden", base.grad, h.grad, tol_h),
+                                ("weight", weight.grad, w.grad, tol_w)]:
+        # the gradient of the slice, placed in the base's shape
+        if name == "hidden" and base is not hidden:
             ref_full = torch.zeros(base.shape, dtype=torch.float64)
             tol_full = torch.zeros(base.shape, dtype=torch.float64)
             ref_full[:, :-1], tol_full[:, :-1] = ref, tol
             ref, tol = ref_full, tol_full
         assert got.dtype == dtype and got.shape == ref.shape, name
         err = (got.cpu().double() - ref).abs()
-        subnormal = 2 * EPS[dtype] * torch.finfo(dtype).tiny  # spacing of the dtype's subnormals (fp16: 6e-8)
+        # spacing of the dtype's subnormals (fp16: 6e-8)
+        subnormal = 2 * EPS[dtype] * torch.finfo(dtype).tiny
         bound = 2 * EPS[dtype] * ref.abs() + tol + subnormal
         worst = (err / bound).argmax()
-        assert (err <= bound).all(), (f"d {name}: {int((err > bound).sum())} / {err.numel()} entries off; worst: got "
-                                      f"{got.flatten()[worst].item():.6g}, ref {ref.flatten()[worst].item():.6g}, "
-                                      f"bound {bound.flatten()[worst].item():.3g}")
+        assert (err <= bound).all(), (
+            f"d {name}: {int((err > bound).sum())} / {err.numel()} entries off; worst: "
+            f"got {got.flatten()[worst].item():.6g}, ref {ref.flatten()[worst].item():.6g}, "
+            f"bound {bound.flatten()[worst].item():.3g}")
 
 
 # (leading shape of hidden, C, V, dtype, temperature, scale of hidden): odd C and V (none a
@@ -140,7 +147,8 @@ def test_matches_float64_reference(impl, case):
     grad_out = torch.randn(lead, device=dev)
     check(impl, hidden, weight, targets, temp, grad_out)
     if scale > 1:
-        assert torch.isfinite(call(impl, hidden, weight, targets, temp)).all()  # no -inf from large logits
+        # no -inf from large logits
+        assert torch.isfinite(call(impl, hidden, weight, targets, temp)).all()
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -151,22 +159,26 @@ def test_sliced_hidden_and_chunking(impl):
     base = torch.randn(3, 6, 20, device=dev).requires_grad_()
     weight = (torch.randn(45, 20, device=dev) / 20**0.5).requires_grad_()
     targets = torch.randint(0, 45, (3, 5), device=dev)
-    check(impl, base[:, :-1], weight, targets, 0.8, torch.randn(3, 5, device=dev), base=base, small_chunks=True)
+    check(impl, base[:, :-1], weight, targets, 0.8, torch.randn(3, 5, device=dev), base=base,
+          small_chunks=True)
 
 
 @pytest.mark.skipif(not TRITON_HERE, reason="runs in test_interpreted_linear_logprobs_subprocess")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_path_backward_in_chunks(dtype, monkeypatch):
-    """The Triton backward with its dlogits in chunks of 128 tokens (the least it takes; 300 tokens: 128, 128 and a
-    ragged 44), d weight summed over the chunks in float32, against the float64 reference: as at a real vocabulary,
-    where a chunk is 1664 tokens. The same gradients as one chunk, within the rounding of each chunk's product."""
-    module = importlib.import_module("kernels.linear_logprobs")   # (kernels.linear_logprobs is the function)
+    """The Triton backward with its dlogits in chunks of 128 tokens (the least it takes; 300 tokens:
+    128, 128 and a ragged 44), d weight summed over the chunks in float32, against the float64
+    reference: as at a real vocabulary, where a chunk is 1664 tokens. The same gradients as one
+    chunk, within the rounding of each chunk's product."""
+    # (kernels.linear_logprobs is the function)
+    module = importlib.import_module("kernels.linear_logprobs")
     monkeypatch.setattr(module, "DLOGITS_BYTES", 1)
     assert module.chunk_rows(300, 40, dtype) == 128
     dev = device_for("triton_path")
     hidden = torch.randn(300, 24).to(dtype).to(dev).requires_grad_()
     weight = (torch.randn(40, 24) / 24**0.5).to(dtype).to(dev).requires_grad_()
-    check("triton_path", hidden, weight, torch.randint(0, 40, (300,), device=dev), 0.9, torch.randn(300, device=dev))
+    check("triton_path", hidden, weight, torch.randint(0, 40, (300,), device=dev), 0.9,
+          torch.randn(300, device=dev))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -180,8 +192,8 @@ def test_hand_worked(impl):
     assert out.item() == pytest.approx(math.log(0.5), rel=1e-6)
     out.sum().backward()
     dx = [-1 / 6, -2 / 6, 1 - 3 / 6]  # onehot - p
-    assert h.grad.item() == pytest.approx(sum(d * wv for d, wv in zip(dx, [0.0, 1.0, math.log(3) / math.log(2)])),
-                                          rel=1e-5)
+    assert h.grad.item() == pytest.approx(
+        sum(d * wv for d, wv in zip(dx, [0.0, 1.0, math.log(3) / math.log(2)])), rel=1e-5)
     assert w.grad.flatten().tolist() == pytest.approx([d * math.log(2) for d in dx], rel=1e-5)
 
 
@@ -216,7 +228,8 @@ def test_argument_checks():
 @pytest.mark.skipif(not TRITON_HERE, reason="runs in test_interpreted_linear_logprobs_subprocess")
 def test_triton_path_out_of_range_is_nan():
     dev = device_for("triton_path")
-    out = kernels.linear_logprobs_triton(torch.randn(3, 8, device=dev), torch.randn(10, 8, device=dev),
+    out = kernels.linear_logprobs_triton(torch.randn(3, 8, device=dev),
+                                         torch.randn(10, 8, device=dev),
                                          torch.tensor([0, 10, -1], device=dev))
     assert out[0].isfinite() and out[1].isnan() and out[2].isnan()
 
@@ -230,8 +243,8 @@ def test_interpreted_linear_logprobs_subprocess():
     """Run this file's `triton_path` tests under TRITON_INTERPRET=1 in a child pytest."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "pytest", os.path.abspath(__file__), "-q", "-p", "no:cacheprovider", "-k",
-           "triton_path"]
+    cmd = [sys.executable, "-m", "pytest", os.path.abspath(__file__), "-q", "-p",
+           "no:cacheprovider", "-k", "triton_path"]
     run = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
     tail = (run.stdout + run.stderr)[-6000:]
     assert run.returncode == 0, tail

@@ -1,5 +1,6 @@
-"""model.py: tokenizer, KV-cache sampling against full recomputation, padding, EOS handling,
-float32 logits under autocast, the compiled sampler against the eager one, the scalar head and checkpoints."""
+"""model.py: tokenizer, KV-cache sampling against full recomputation, padding, EOS handling, float32
+logits under autocast, the compiled sampler against the eager one, the scalar head and
+checkpoints."""
 import os
 import random
 
@@ -73,10 +74,10 @@ def test_kv_cache_logits_match_full_recomputation_with_mixed_prompt_lengths():
     full = torch.cat([prompts, cont], 1)
     full_mask = torch.cat([pmask, torch.ones(B, 7)], 1)
     with torch.no_grad():
-        want = model(full, full_mask)                                   # (B, T, V) one pass, no cache
+        want = model(full, full_mask)                                 # (B, T, V) one pass, no cache
         cache = KVCache(model.config.n_layer, B, full.size(1), "cpu")
-        got = [model(prompts, pmask, cache)]                            # prefill
-        for t in range(7):                                              # then one token at a time
+        got = [model(prompts, pmask, cache)]                          # prefill
+        for t in range(7):                                            # then one token at a time
             got.append(model(cont[:, t:t + 1], torch.ones(B, 1), cache))
         got = torch.cat(got, 1)
     real = full_mask.bool()
@@ -98,30 +99,32 @@ def test_bad_config_is_a_clear_error():
 # Precision: the logits are float32 sums, never rounded to bfloat16
 
 def test_under_autocast_the_head_sums_bfloat16_operands_in_float32():
-    """Under bfloat16 autocast the LM head rounds its operands (the hidden state and the weight) to bfloat16 and
-    sums the products in float32: the logits are float32, within float32 summation of the exact products of the
-    rounded operands, and are not the bfloat16 rounding of the result (which moves a logit of 20 by up to 0.06).
-    The sampler's fast form (fast=True) is the same numbers. CPU autocast stands in for the GPU's here."""
+    """Under bfloat16 autocast the LM head rounds its operands (the hidden state and the weight) to
+    bfloat16 and sums the products in float32: the logits are float32, within float32 summation of
+    the exact products of the rounded operands, and are not the bfloat16 rounding of the result
+    (which moves a logit of 20 by up to 0.06). The sampler's fast form (fast=True) is the same
+    numbers. CPU autocast stands in for the GPU's here."""
     model = peaked_model(13)
     x = torch.randint(0, 256, (3, 9))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         h = model.hidden(x)
         logits, fast = model(x), model.logits(h.detach(), fast=True)
-        bf16_result = model.lm_head(h)                                  # the head left to autocast: bfloat16 out
+        bf16_result = model.lm_head(h)                    # the head left to autocast: bfloat16 out
     assert logits.dtype == fast.dtype == torch.float32 and bf16_result.dtype == torch.bfloat16
     hb, wb = h.detach().bfloat16().double(), model.lm_head.weight.detach().bfloat16().double()
-    want = hb @ wb.T                                                    # float64 products of the rounded operands
-    bound = 64 * 2**-24 * (hb.abs() @ wb.abs().T)                       # float32 summation over 32 channels
+    want = hb @ wb.T                                      # float64 products of the rounded operands
+    bound = 64 * 2**-24 * (hb.abs() @ wb.abs().T)         # float32 summation over 32 channels
     assert ((logits.detach().double() - want).abs() <= bound).all()
     assert ((fast.double() - want).abs() <= bound).all()
-    assert (bf16_result.detach().double() - want).abs().max() > 1e-3 * want.abs().max()   # bf16 would be far off
-    logits.sum().backward()                                             # and it trains: the gradient goes through
+    # bf16 would be far off
+    assert (bf16_result.detach().double() - want).abs().max() > 1e-3 * want.abs().max()
+    logits.sum().backward()                               # and it trains: the gradient goes through
     assert model.wte.weight.grad is not None and torch.isfinite(model.wte.weight.grad).all()
 
 
 def test_logits_without_autocast_are_exactly_the_plain_projection():
-    """On the CPU (no autocast) the float32 head changes nothing, bit for bit: the results that were measured
-    before it stay what they were."""
+    """On the CPU (no autocast) the float32 head changes nothing, bit for bit: the results that were
+    measured before it stay what they were."""
     model = peaked_model(14)
     tok = Tokenizer()
     p, m = tok.encode_batch(["3+4*2=", "1=", "9-8*7+6="])
@@ -146,7 +149,8 @@ def test_scalar_score_ignores_padding_on_either_side():
     torch.nn.init.normal_(model.head.weight)
     seq = torch.randint(0, 256, (1, 6))
     alone = model.score(seq, torch.ones(1, 6))
-    padded = torch.cat([torch.full((1, 3), 257), seq, torch.full((1, 2), 257)], 1)  # left and right padding
+    padded = torch.cat([torch.full((1, 3), 257), seq,
+                        torch.full((1, 2), 257)], 1)                        # left and right padding
     pmask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0]]).float()
     torch.testing.assert_close(model.score(padded, pmask), alone, rtol=1e-5, atol=1e-6)
     # and the score is the value at the last real token, not at a later or earlier one
@@ -236,14 +240,17 @@ def test_vocabulary_mismatch_is_a_clear_error(tmp_path):
 # The fused log-prob path (a large vocabulary) and gradient checkpointing
 
 def test_the_fused_path_gives_the_log_probs_and_gradients_of_the_logits_path():
-    """completion_logprobs with fused=True (LM head and log-softmax in kernels.linear_logprobs) against the float64
-    log-softmax of the model's own logits, on a left-padded batch at temperature 0.7: the values, and the gradient
-    of every parameter through a loss that weights each token differently."""
+    """completion_logprobs with fused=True (LM head and log-softmax in kernels.linear_logprobs)
+    against the float64 log-softmax of the model's own logits, on a left-padded batch at temperature
+    0.7: the values, and the gradient of every parameter through a loss that weights each token
+    differently."""
     from model import completion_logprobs
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=9001, n_layer=2, n_head=2, n_embd=32))   # an odd V above FUSED_VOCAB
+    # an odd V above FUSED_VOCAB
+    model = GPT(GPTConfig(vocab_size=9001, n_layer=2, n_head=2, n_embd=32))
     prompt = torch.randint(0, 9001, (3, 5))
-    prompt_mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1]], dtype=torch.float)
+    prompt_mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1]],
+                               dtype=torch.float)
     tokens = torch.randint(0, 9001, (3, 4))
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.float)
     weights = torch.randn(3, 4)
@@ -254,33 +261,35 @@ def test_the_fused_path_gives_the_log_probs_and_gradients_of_the_logits_path():
         return {k: p.grad.clone() for k, p in model.named_parameters()}
 
     logits = completion_logits(model, prompt, prompt_mask, tokens, mask).double() / 0.7
-    reference = torch.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0]        # (B, Tn) float64
+    # (B, Tn) float64
+    reference = torch.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0]
     expected = grads(reference)
     fused = completion_logprobs(model, prompt, prompt_mask, tokens, mask, 0.7, fused=True)
     assert fused.dtype == torch.float32
     torch.testing.assert_close(fused.double()[mask > 0], reference[mask > 0], rtol=0, atol=2e-5)
     for k, g in grads(fused).items():
-        scale = expected[k].abs().max().item()                  # float32 rounding of sums over 9001 logits
-        torch.testing.assert_close(g, expected[k], rtol=1e-4, atol=2e-6 * scale, msg=lambda m: f"{k}: {m}")
+        scale = expected[k].abs().max().item()           # float32 rounding of sums over 9001 logits
+        torch.testing.assert_close(g, expected[k], rtol=1e-4, atol=2e-6 * scale,
+                                   msg=lambda m: f"{k}: {m}")
     unfused = completion_logprobs(model, prompt, prompt_mask, tokens, mask, 0.7, fused=False)
     torch.testing.assert_close(unfused, fused, rtol=0, atol=2e-5)
 
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_log_probs_are_over_the_tokenizers_ids_when_the_embedding_is_larger(fused):
-    """Every Qwen2.5: the embedding has more rows than the tokenizer has ids (tokenizer_vocab). The trainer's log-probs,
-    fused or not, are the float64 log-softmax over the first tokenizer_vocab rows of the head written here, from the
-    hidden states: the rows past them (made large, so that a softmax over all rows would differ) take no part, and
-    get no gradient."""
+    """Every Qwen2.5: the embedding has more rows than the tokenizer has ids (tokenizer_vocab). The
+    trainer's log-probs, fused or not, are the float64 log-softmax over the first tokenizer_vocab
+    rows of the head written here, from the hidden states: the rows past them (made large, so that a
+    softmax over all rows would differ) take no part, and get no gradient."""
     from model import completion_hidden, completion_logprobs
     torch.manual_seed(0)
-    V, rows = 9001, 9001 + 71                                   # above FUSED_VOCAB: the fused kernel's support
+    V, rows = 9001, 9001 + 71                        # above FUSED_VOCAB: the fused kernel's support
     model = GPT(GPTConfig(vocab_size=rows, tokenizer_vocab=V, n_layer=1, n_head=2, n_embd=32))
     with torch.no_grad():
         model.lm_head.weight[V:] = 2.0 * torch.randn(71, 32)    # logits far above the real ones
     prompt, prompt_mask = torch.randint(0, V, (2, 4)), torch.ones(2, 4)
     tokens, mask = torch.randint(0, V, (2, 3)), torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
-    h = completion_hidden(model, prompt, prompt_mask, tokens, mask)[:, -3:].double()      # (B, Tn, C)
+    h = completion_hidden(model, prompt, prompt_mask, tokens, mask)[:, -3:].double()    # (B, Tn, C)
     W = model.lm_head.weight.double()
     reference = torch.log_softmax(h @ W[:V].T / 0.7, -1).gather(-1, tokens[..., None])[..., 0]
     everything = torch.log_softmax(h @ W.T / 0.7, -1).gather(-1, tokens[..., None])[..., 0]
@@ -289,15 +298,18 @@ def test_log_probs_are_over_the_tokenizers_ids_when_the_embedding_is_larger(fuse
     torch.testing.assert_close(logp.double()[mask > 0], reference[mask > 0], rtol=0, atol=2e-5)
     model.zero_grad()
     torch.where(mask > 0, logp, 0.0).sum().backward()
-    assert model.lm_head.weight.grad[V:].abs().max() == 0 and model.lm_head.weight.grad[:V].abs().max() > 0
+    assert (model.lm_head.weight.grad[V:].abs().max() == 0
+            and model.lm_head.weight.grad[:V].abs().max() > 0)
 
 
 def test_the_fused_path_is_the_default_above_fused_vocab_only(monkeypatch):
-    """Below FUSED_VOCAB the scripts' log-probs come from the logits (every default run bit-identical); above it,
-    from the fused kernel: which one ran is seen by making the other raise."""
+    """Below FUSED_VOCAB the scripts' log-probs come from the logits (every default run
+    bit-identical); above it, from the fused kernel: which one ran is seen by making the other
+    raise."""
     import model as model_module
     calls = []
-    monkeypatch.setattr(model_module, "linear_logprobs", lambda *a: calls.append("fused") or torch.zeros(1, 2))
+    monkeypatch.setattr(model_module, "linear_logprobs", lambda *a: calls.append("fused")
+                        or torch.zeros(1, 2))
     small = GPT(GPTConfig(vocab_size=258, n_layer=1, n_head=2, n_embd=16))
     large = GPT(GPTConfig(vocab_size=model_module.FUSED_VOCAB + 1, n_layer=1, n_head=2, n_embd=16))
     idx, mask = torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 3)
@@ -308,10 +320,11 @@ def test_the_fused_path_is_the_default_above_fused_vocab_only(monkeypatch):
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():
-    """grad_checkpoint recomputes each block in backward: the same loss and gradients (rotary positions, grouped
-    heads and dropout included: the recomputation replays the dropout masks), within float32 rounding."""
-    config = GPTConfig(vocab_size=101, n_layer=3, n_head=4, n_kv_head=2, n_embd=32, pos="rope", norm="rmsnorm",
-                       mlp="swiglu", dropout=0.1)
+    """grad_checkpoint recomputes each block in backward: the same loss and gradients (rotary
+    positions, grouped heads and dropout included: the recomputation replays the dropout masks),
+    within float32 rounding."""
+    config = GPTConfig(vocab_size=101, n_layer=3, n_head=4, n_kv_head=2, n_embd=32, pos="rope",
+                       norm="rmsnorm", mlp="swiglu", dropout=0.1)
     idx = torch.randint(0, 101, (2, 9))
     mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1], [1] * 9], dtype=torch.float)
     results = []
@@ -334,13 +347,14 @@ def test_gradient_checkpointing_gives_the_same_gradients():
 # The packed layout (training and scoring on a GPU), scoring a chunk at a time, and the support
 
 def test_the_packed_layout_gives_the_masked_layouts_hidden_states_and_gradients(monkeypatch):
-    """On a GPU, a forward without a cache moves each row's real tokens to its front and runs plain causal
-    attention (flash attention, no mask). Forced here on the CPU, in float64: the same hidden states at every real
-    position and the same gradients as the explicit mask, for left padding, right padding, both, and a hole in the
-    middle of a row, with grouped-query attention, rotary positions and gradient checkpointing."""
+    """On a GPU, a forward without a cache moves each row's real tokens to its front and runs plain
+    causal attention (flash attention, no mask). Forced here on the CPU, in float64: the same hidden
+    states at every real position and the same gradients as the explicit mask, for left padding,
+    right padding, both, and a hole in the middle of a row, with grouped-query attention, rotary
+    positions and gradient checkpointing."""
     import model as model_module
-    config = GPTConfig(vocab_size=50, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, pos="rope", norm="rmsnorm",
-                       mlp="swiglu", bias=False)
+    config = GPTConfig(vocab_size=50, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, pos="rope",
+                       norm="rmsnorm", mlp="swiglu", bias=False)
     idx = torch.randint(0, 50, (5, 12))
     mask = torch.ones(5, 12, dtype=torch.float64)
     mask[0, :3] = mask[1, -4:] = mask[2, :2] = mask[2, -3:] = mask[3, 5:7] = 0
@@ -361,10 +375,11 @@ def test_the_packed_layout_gives_the_masked_layouts_hidden_states_and_gradients(
 
 
 def test_scoring_reads_the_log_probs_training_reads_and_the_kl_and_entropy_a_chunk_at_a_time():
-    """grpo.py's step 2 (completion_hidden, head_logprobs, kl_entropy): the old and reference log-probs are
-    completion_logprobs', bit for bit, on both the logits path and the fused one (a support above FUSED_VOCAB,
-    tokenizer_vocab below the embedding); the exact KL and the entropy, taken 7 positions at a time, are the float64
-    KL(pi || ref) and entropy of the whole [B, Tn, V] logits over the support, 0 on padding."""
+    """grpo.py's step 2 (completion_hidden, head_logprobs, kl_entropy): the old and reference
+    log-probs are completion_logprobs', bit for bit, on both the logits path and the fused one (a
+    support above FUSED_VOCAB, tokenizer_vocab below the embedding); the exact KL and the entropy,
+    taken 7 positions at a time, are the float64 KL(pi || ref) and entropy of the whole [B, Tn, V]
+    logits over the support, 0 on padding."""
     from model import FUSED_VOCAB, completion_hidden, completion_logprobs, kl_entropy
     for V, support in ((300, 0), (FUSED_VOCAB + 300, FUSED_VOCAB + 100)):
         torch.manual_seed(V)
@@ -385,21 +400,25 @@ def test_scoring_reads_the_log_probs_training_reads_and_the_kl_and_entropy_a_chu
         assert lp.size(-1) == config.support
         p, logp, logq = lp.softmax(-1), lp.log_softmax(-1), lq.log_softmax(-1)
         real = mask > 0
-        torch.testing.assert_close(kl_t.double()[real], (p * (logp - logq)).sum(-1)[real], rtol=1e-4, atol=1e-6)
-        torch.testing.assert_close(ent_t.double()[real], -(p * logp).sum(-1)[real], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(kl_t.double()[real], (p * (logp - logq)).sum(-1)[real],
+                                   rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(ent_t.double()[real], -(p * logp).sum(-1)[real], rtol=1e-5,
+                                   atol=1e-6)
         assert (kl_t[~real] == 0).all() and (ent_t[~real] == 0).all()
 
 
-def test_a_pretrained_folder_with_fewer_tokenizer_ids_than_embedding_rows_has_that_support(tmp_path):
-    """Qwen2.5's layout: config.json's vocab_size above the ids of tokenizer.json. The config carries the
-    tokenizer's count (tokenizer_vocab), the logits cover those ids only, and every id the model emits decodes."""
+def test_a_pretrained_folder_with_fewer_tokenizer_ids_than_embedding_rows_has_that_support(
+    tmp_path):
+    """Qwen2.5's layout: config.json's vocab_size above the ids of tokenizer.json. The config
+    carries the tokenizer's count (tokenizer_vocab), the logits cover those ids only, and every id
+    the model emits decodes."""
     import json
     import shutil
     from checkpoint import pretrained_config
     folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "qwen2")
     padded = tmp_path / "padded"
     shutil.copytree(folder, padded)
-    data = json.load(open(padded / "tokenizer.json"))                  # 320 ids; keep 300 ordinary ones and EOS
+    data = json.load(open(padded / "tokenizer.json"))      # 320 ids; keep 300 ordinary ones and EOS
     data["model"]["vocab"] = {t: i for t, i in data["model"]["vocab"].items() if i < 300}
     data["added_tokens"][0]["id"] = 300
     json.dump(data, open(padded / "tokenizer.json", "w"))

@@ -1,8 +1,8 @@
-"""plumbing.py and the scripts' run behaviour, one test per class of bad input or inconsistency: every numeric
-flag of every script refused at parse time when non-finite or out of range; limits known at start checked at
-start; device errors that say device; any working directory; the metrics log consistent with the checkpoint
-across kills and Ctrl-C; one run per output folder; --eval_every on its own; resume refusing what it should not
-resume."""
+"""plumbing.py and the scripts' run behaviour, one test per class of bad input or inconsistency:
+every numeric flag of every script refused at parse time when non-finite or out of range; limits
+known at start checked at start; device errors that say device; any working directory; the metrics
+log consistent with the checkpoint across kills and Ctrl-C; one run per output folder;
+--eval_every on its own; resume refusing what it should not resume."""
 import glob
 import importlib
 import json
@@ -70,10 +70,11 @@ def test_every_numeric_flag_is_range_checked_at_parse_time(name, monkeypatch, ca
         flag = action.option_strings[0]
         assert isinstance(action.type, flags._Number), f"{name}.py {flag} has no range-checked type"
         if action.default is not None:
-            action.type(str(action.default))                          # the default itself is allowed
+            action.type(str(action.default))                         # the default itself is allowed
         for value in bad_values(action):
             with pytest.raises(SystemExit) as e:
-                module.parse_args([f"{flag}={value}"])              # "=": argparse reads "-inf" as an option otherwise
+                # "=": argparse reads "-inf" as an option otherwise
+                module.parse_args([f"{flag}={value}"])
             assert e.value.code == 2
             err = capsys.readouterr().err
             assert flag in err and value in err and "allowed" in err, (flag, value, err)
@@ -90,25 +91,31 @@ def test_number_types_accept_the_boundary_they_include():
 # -----------------------------------------------------------------------------
 # Limits and devices, checked before any work
 
-TINY_RL = ["--prompts_per_step", "4", "--group_size", "2", "--log_every", "1", "--eval_every", "2", "--eval_n", "8"]
+TINY_RL = ["--prompts_per_step", "4", "--group_size", "2", "--log_every", "1", "--eval_every", "2",
+           "--eval_n", "8"]
 
 
 @pytest.mark.parametrize("script", ["grpo", "rloo", "reinforce"])
 def test_max_new_tokens_past_the_context_is_refused_before_any_work(script, tiny_sft, tmp_path):
-    p = run_script(f"{script}.py", TINY_RL + ["--max_new_tokens", "60", "--init", tiny_sft, "--out", str(tmp_path)])
+    p = run_script(f"{script}.py", TINY_RL
+                   + ["--max_new_tokens", "60", "--init", tiny_sft, "--out", str(tmp_path)])
     refused(p, "--max_new_tokens 60", "block_size", "<= 58")
-    assert not os.path.exists(tmp_path / script / "metrics.jsonl")    # not even the step-0 evaluation ran
+    # not even the step-0 evaluation ran
+    assert not os.path.exists(tmp_path / script / "metrics.jsonl")
 
 
 def test_what_can_be_refused_at_start_is_refused_before_building_a_prerequisite(tmp_path):
-    """out/sft.pt is the missing default here: each of these is refused without building it first."""
+    """out/sft.pt is the missing default here: each of these is refused without building it
+    first."""
     junk = tmp_path / "junk.pt"
     junk.write_bytes(os.urandom(2000))
     cases = [("trpo.py", ["--max_new_tokens", "100000"], ["--max_new_tokens 100000", "<= "]),
              ("trpo.py", ["--resume"], ["--resume", "no checkpoint at"]),
-             ("grpo.py", ["--resume", "--out", str(tmp_path / "x")], ["--resume", "no checkpoint at"]),
+             ("grpo.py", ["--resume", "--out", str(tmp_path / "x")],
+              ["--resume", "no checkpoint at"]),
              ("expert_iteration.py", ["--select", "rm", "--rm", str(junk)], ["--rm", "junk.pt"]),
-             ("ppo.py", ["--rm", str(tmp_path / "missing.pt")], ["--rm", "no checkpoint at", "missing.pt"])]
+             ("ppo.py", ["--rm", str(tmp_path / "missing.pt")],
+              ["--rm", "no checkpoint at", "missing.pt"])]
     done = run_scripts([(script, args) for script, args, _ in cases], cwd=tmp_path, timeout=120)
     for p, (script, args, words) in zip(done, cases):
         refused(p, *words)
@@ -117,31 +124,40 @@ def test_what_can_be_refused_at_start_is_refused_before_building_a_prerequisite(
 
 
 def write_run(out, steps, tiny_sft):
-    assert run_script("grpo.py", TINY_RL + ["--steps", str(steps), "--init", tiny_sft, "--out", out]).returncode == 0
-    return {f: open(os.path.join(out, f), "rb").read() for f in ("grpo.pt", os.path.join("grpo", "metrics.jsonl"))}
+    assert run_script("grpo.py", TINY_RL
+                      + ["--steps", str(steps), "--init", tiny_sft, "--out", out]).returncode == 0
+    return {f: open(os.path.join(out, f), "rb").read()
+            for f in ("grpo.pt", os.path.join("grpo", "metrics.jsonl"))}
 
 
 def test_a_refused_run_leaves_the_folders_earlier_run_untouched(tiny_sft, tmp_path):
     out = str(tmp_path)
     earlier = write_run(out, 2, tiny_sft)
-    for args in (["--init", str(tmp_path / "missing.pt")], ["--init", tiny_sft, "--max_new_tokens", "60"],
-                 ["--init", tiny_sft, "--device", "tpu"], ["--init", tiny_sft, "--resume", "--steps", "1"]):
+    for args in (["--init", str(tmp_path / "missing.pt")],
+                 ["--init", tiny_sft, "--max_new_tokens", "60"],
+                 ["--init", tiny_sft, "--device", "tpu"],
+                 ["--init", tiny_sft, "--resume", "--steps", "1"]):
         p = run_script("grpo.py", TINY_RL + args + ["--out", out])
         assert p.returncode != 0, args
         assert {f: open(os.path.join(out, f), "rb").read() for f in earlier} == earlier, args
-    p = run_script("grpo.py", TINY_RL + ["--init", tiny_sft, "--resume", "--steps", "3", "--out", out])
-    assert p.returncode == 0 and steps_logged(out) == [0, 1, 2, 3], p.stderr     # the earlier run resumes
+    p = run_script("grpo.py",
+                   TINY_RL + ["--init", tiny_sft, "--resume", "--steps", "3", "--out", out])
+    # the earlier run resumes
+    assert (p.returncode == 0 and steps_logged(out) == [0, 1, 2, 3]), p.stderr
 
 
-def test_a_fresh_run_killed_before_its_first_checkpoint_leaves_no_older_checkpoint_beside_its_log(tiny_sft, tmp_path):
-    """A fresh run replaces the folder's earlier run once its checks pass: killed before it saves, its log is never
-    paired with the earlier run's checkpoint (a --resume then says there is nothing to resume)."""
+def test_a_fresh_run_killed_before_its_first_checkpoint_leaves_no_older_checkpoint_beside_its_log(
+    tiny_sft, tmp_path):
+    """A fresh run replaces the folder's earlier run once its checks pass: killed before it saves,
+    its log is never paired with the earlier run's checkpoint (a --resume then says there is nothing
+    to resume)."""
     out = str(tmp_path)
     write_run(out, 3, tiny_sft)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.Popen([sys.executable, "grpo.py", "--prompts_per_step", "4", "--group_size", "2", "--log_every", "2",
-                          "--eval_every", "1000", "--eval_n", "8", "--steps", "1000", "--init", tiny_sft, "--out", out],
-                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    p = subprocess.Popen([sys.executable, "grpo.py", "--prompts_per_step", "4", "--group_size", "2",
+                          "--log_every", "2", "--eval_every", "1000", "--eval_n", "8",
+                          "--steps", "1000", "--init", tiny_sft, "--out", out], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     for line in p.stdout:
         if line.startswith("step     2"):
             break
@@ -152,17 +168,18 @@ def test_a_fresh_run_killed_before_its_first_checkpoint_leaves_no_older_checkpoi
     logged = steps_logged(out)
     # even steps only (the kill may beat step 2's row): the earlier run's log, every step, is gone
     assert logged[:1] == [0] and all(s % 2 == 0 for s in logged), logged
-    refused(run_script("grpo.py", TINY_RL + ["--init", tiny_sft, "--resume", "--steps", "5", "--out", out]),
+    refused(run_script("grpo.py", TINY_RL
+                       + ["--init", tiny_sft, "--resume", "--steps", "5", "--out", out]),
             "no checkpoint at")
 
 
 def test_ctrl_c_during_the_starting_evaluation_then_resume_logs_step_0_once(tiny_sft, tmp_path):
     out = str(tmp_path)
-    flags = ["--prompts_per_step", "2", "--group_size", "2", "--log_every", "1", "--eval_every", "1000",
-             "--init", tiny_sft, "--out", out]
+    flags = ["--prompts_per_step", "2", "--group_size", "2", "--log_every", "1",
+             "--eval_every", "1000", "--init", tiny_sft, "--out", out]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.Popen([sys.executable, "grpo.py", *flags, "--steps", "1000"], cwd=ROOT, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=env)
+    p = subprocess.Popen([sys.executable, "grpo.py", *flags, "--steps", "1000"], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     # the start line; the evaluation of all 512 follows
     for line in p.stdout:
         if line.startswith("GRPO:"):
@@ -185,8 +202,8 @@ def test_the_resume_command_is_torchruns_under_torchrun(monkeypatch):
 
 
 def test_a_prerequisite_is_built_as_one_process_under_torchrun(monkeypatch, tmp_path):
-    """build_missing's child must not inherit torchrun's variables: it would wait for a process group that never
-    forms."""
+    """build_missing's child must not inherit torchrun's variables: it would wait for a process
+    group that never forms."""
     seen = {}
 
     def fake_run(cmd, env=None):
@@ -194,14 +211,16 @@ def test_a_prerequisite_is_built_as_one_process_under_torchrun(monkeypatch, tmp_
         open(tmp_path / "sft.pt", "w").close()
         return subprocess.CompletedProcess(cmd, 0)
 
-    for k, v in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "x",
-                 "MASTER_PORT": "1", "TORCHELASTIC_RUN_ID": "r", "GROUP_RANK": "0", "ROLE_WORLD_SIZE": "2"}.items():
+    for k, v in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+                 "MASTER_ADDR": "x", "MASTER_PORT": "1", "TORCHELASTIC_RUN_ID": "r",
+                 "GROUP_RANK": "0", "ROLE_WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(plumbing.subprocess, "run", fake_run)
     path = str(tmp_path / "sft.pt")
     plumbing.build_missing(path, path, ["sft.py"])
     assert seen["env"] is not None and "PATH" in seen["env"]
-    assert not [k for k in seen["env"] if k in plumbing.TORCHRUN_VARIABLES or k.startswith("TORCHELASTIC_")]
+    assert not [k for k in seen["env"] if k in plumbing.TORCHRUN_VARIABLES
+                or k.startswith("TORCHELASTIC_")]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -209,8 +228,10 @@ def test_a_prerequisite_is_built_as_one_process_under_torchrun(monkeypatch, tmp_
 def test_an_unavailable_device_is_one_line_about_the_device(script, tiny_sft, tmp_path):
     p = run_script(f"{script}.py", ["--device", "cuda", "--init", tiny_sft, "--out", str(tmp_path)])
     refused(p, "cuda is not available here")
-    assert "corrupt" not in p.stderr and "truncated" not in p.stderr   # a good checkpoint is never blamed
-    refused(run_script(f"{script}.py", ["--device", "tpu", "--out", str(tmp_path)]), "'tpu'", "allowed: cuda, mps, cpu")
+    # a good checkpoint is never blamed
+    assert ("corrupt" not in p.stderr and "truncated" not in p.stderr)
+    refused(run_script(f"{script}.py", ["--device", "tpu", "--out", str(tmp_path)]), "'tpu'",
+            "allowed: cuda, mps, cpu")
 
 
 def test_out_pointing_at_a_file_is_one_line(tmp_path):
@@ -219,19 +240,22 @@ def test_out_pointing_at_a_file_is_one_line(tmp_path):
     refused(run_script("grpo.py", ["--out", str(f)]), f"--out {f} is a file")
 
 
-def test_a_script_run_from_another_directory_builds_its_prerequisite_where_it_loads_it(tiny_sft, tmp_path):
-    """ppo.py run from elsewhere, with out/sft.pt there and no out/rm.pt: the reward model is built into that
-    directory's out/ (from that out/sft.pt), then loaded from there."""
+def test_a_script_run_from_another_directory_builds_its_prerequisite_where_it_loads_it(tiny_sft,
+                                                                                       tmp_path):
+    """ppo.py run from elsewhere, with out/sft.pt there and no out/rm.pt: the reward model is built
+    into that directory's out/ (from that out/sft.pt), then loaded from there."""
     os.makedirs(tmp_path / "out")
     shutil.copy(tiny_sft, tmp_path / "out" / "sft.pt")
     repo_rm = os.path.join(ROOT, "out", "rm.pt")
     before = os.path.getmtime(repo_rm) if os.path.exists(repo_rm) else None
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "ppo.py"), "--steps", "1", "--batch_size", "8",
-                        "--eval_n", "8"], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "ppo.py"), "--steps", "1",
+                        "--batch_size", "8", "--eval_n", "8"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=600,
                        env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     assert p.returncode == 0, p.stderr[-2000:]
     assert "building it first" in p.stdout and "done: 1 steps" in p.stdout
-    assert os.path.exists(tmp_path / "out" / "rm.pt") and os.path.exists(tmp_path / "out" / "ppo.pt")
+    assert (os.path.exists(tmp_path / "out" / "rm.pt")
+            and os.path.exists(tmp_path / "out" / "ppo.pt"))
     # the repository's out/ untouched
     assert (os.path.getmtime(repo_rm) if os.path.exists(repo_rm) else None) == before
 
@@ -245,8 +269,9 @@ def steps_logged(out, name="grpo"):
 
 def test_eval_every_is_honoured_on_its_own(tiny_sft, tmp_path):
     out = str(tmp_path)
-    p = run_script("grpo.py", ["--prompts_per_step", "2", "--group_size", "2", "--eval_n", "4", "--log_every", "2",
-                               "--eval_every", "3", "--steps", "8", "--init", tiny_sft, "--out", out])
+    p = run_script("grpo.py", ["--prompts_per_step", "2", "--group_size", "2", "--eval_n", "4",
+                               "--log_every", "2", "--eval_every", "3", "--steps", "8", "--init",
+                               tiny_sft, "--out", out])
     assert p.returncode == 0, p.stderr
     rows = [json.loads(line) for line in open(os.path.join(out, "grpo", "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [0, 2, 3, 4, 6, 8]
@@ -254,14 +279,15 @@ def test_eval_every_is_honoured_on_its_own(tiny_sft, tmp_path):
 
 
 def test_ctrl_c_stops_cleanly_and_resume_logs_each_step_once(tiny_sft, tmp_path):
-    out = str(tmp_path / "sp ace")                                    # the resume command quotes it
+    out = str(tmp_path / "sp ace")                                  # the resume command quotes it
     flags = ["--prompts_per_step", "2", "--group_size", "2", "--eval_n", "4", "--log_every", "1",
              "--eval_every", "1000",
              "--init", tiny_sft, "--out", out]
     args = [sys.executable, "grpo.py", *flags, "--steps", "1000"]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    for line in p.stdout:                                             # wait for the third logged step
+    p = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=env)
+    for line in p.stdout:                                           # wait for the third logged step
         if line.startswith("step     3"):
             break
     p.send_signal(signal.SIGINT)
@@ -272,22 +298,24 @@ def test_ctrl_c_stops_cleanly_and_resume_logs_each_step_once(tiny_sft, tmp_path)
     stopped = int(last.split()[3])
     command = shlex.split(last.split("continue with: ")[1])
     assert command[:2] == ["python", "grpo.py"] and command[command.index("--out") + 1] == out, last
-    assert f"SIGINT: stopping after step {stopped} and" in stdout, stdout    # the message named the step it stopped at
+    # the message named the step it stopped at
+    assert f"SIGINT: stopping after step {stopped} and" in stdout, stdout
     assert load_checkpoint(os.path.join(out, "grpo.pt"))[1]["step"] == stopped
     assert steps_logged(out) == list(range(stopped + 1))
-    # a kill between logging a step and checkpointing it: the log runs ahead of the checkpoint, a line cut short
+    # a kill between logging a step and checkpointing it: the log runs ahead of the checkpoint, a
+    # line cut short
     with open(os.path.join(out, "grpo", "metrics.jsonl"), "a") as f:
         f.write(json.dumps({"step": stopped + 1, "orphan": True}) + "\n" + '{"step": 99')
     p = run_script("grpo.py", flags + ["--steps", str(stopped + 2), "--resume"])
     assert p.returncode == 0, p.stderr
-    assert steps_logged(out) == list(range(stopped + 3))               # each step once, the orphan line gone
+    assert steps_logged(out) == list(range(stopped + 3))      # each step once, the orphan line gone
     assert not any("orphan" in line for line in open(os.path.join(out, "grpo", "metrics.jsonl")))
 
 
 def test_resume_with_the_log_missing_still_finishes(tiny_sft, tmp_path):
     out = str(tmp_path)
-    tiny = ["--batch_size", "8", "--n_pairs", "64", "--log_every", "1", "--eval_every", "2", "--eval_n", "8",
-            "--init", tiny_sft, "--out", out]
+    tiny = ["--batch_size", "8", "--n_pairs", "64", "--log_every", "1", "--eval_every", "2",
+            "--eval_n", "8", "--init", tiny_sft, "--out", out]
     assert run_script("dpo.py", tiny + ["--steps", "2"]).returncode == 0
     os.remove(os.path.join(out, "dpo", "metrics.jsonl"))
     p = run_script("dpo.py", tiny + ["--steps", "3", "--resume"])
@@ -303,28 +331,33 @@ def test_resume_with_the_log_missing_still_finishes(tiny_sft, tmp_path):
 def test_a_second_run_on_the_same_folder_is_refused_and_a_dead_lock_taken_over(tiny_sft, tmp_path):
     out = str(tmp_path)
     lock = os.path.join(out, "grpo.lock")
-    me = {"pid": os.getpid(), "host": socket.gethostname(), "command": "pytest (a live run)", "started": "now"}
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "command": "pytest (a live run)",
+          "started": "now"}
     with open(lock, "w") as f:
         json.dump(me, f)
     p = run_script("grpo.py", TINY_RL + ["--steps", "1", "--init", tiny_sft, "--out", out])
     refused(p, "another run is using this output folder", str(os.getpid()), "pytest (a live run)")
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True)
     with open(lock, "w") as f:
         json.dump({**me, "pid": int(dead.stdout)}, f)                   # that process has exited
     open(os.path.join(out, "grpo.pt.tmp12345"), "w").close()            # an orphan of a killed save
     p = run_script("grpo.py", TINY_RL + ["--steps", "1", "--init", tiny_sft, "--out", out])
     assert p.returncode == 0, p.stderr
-    assert sorted(os.listdir(out)) == ["grpo", "grpo.pt"]                # lock released, orphan removed
+    assert sorted(os.listdir(out)) == ["grpo", "grpo.pt"]            # lock released, orphan removed
 
 
 def test_a_second_run_on_a_busy_output_folder_is_refused(tiny_sft, tmp_path):
-    """A run holds its output folder's lock while it trains: a second one started on the same folder then is refused
-    in one line and touches nothing; the first, stopped with Ctrl-C afterwards, has logged every step it took once.
-    (The second starts once the lock exists, so that the two overlap whatever the machine's load.)"""
+    """A run holds its output folder's lock while it trains: a second one started on the same folder
+    then is refused in one line and touches nothing; the first, stopped with Ctrl-C afterwards, has
+    logged every step it took once. (The second starts once the lock exists, so that the two overlap
+    whatever the machine's load.)"""
     out = str(tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "grpo.py", *TINY_RL, "--steps", "100000", "--init", tiny_sft, "--out", out]
-    first = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    cmd = [sys.executable, "grpo.py", *TINY_RL, "--steps", "100000", "--init", tiny_sft, "--out",
+           out]
+    first = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=env)
     t = time.time()
     while not os.path.exists(os.path.join(out, "grpo.lock")):
         assert first.poll() is None and time.time() - t < 120, first.communicate()
@@ -342,14 +375,16 @@ def test_a_second_run_on_a_busy_output_folder_is_refused(tiny_sft, tmp_path):
 # -----------------------------------------------------------------------------
 # Resume checks what it resumes
 
-def test_resume_refuses_another_init_another_scripts_checkpoint_and_a_lower_step_limit(tiny_sft, tmp_path):
+def test_resume_refuses_another_init_another_scripts_checkpoint_and_a_lower_step_limit(tiny_sft,
+                                                                                       tmp_path):
     out = str(tmp_path / "run")
     common = TINY_RL + ["--out", out]
     assert run_script("grpo.py", common + ["--steps", "2", "--init", tiny_sft]).returncode == 0
-    other = str(tmp_path / "other_sft.pt")                               # the same weights under another path
+    other = str(tmp_path / "other_sft.pt")                     # the same weights under another path
     shutil.copy(tiny_sft, other)
-    refused(run_script("grpo.py", common + ["--steps", "3", "--init", other, "--resume"]), "was trained from", tiny_sft)
-    retrained = str(tmp_path / "retrained" / "sft.pt")                   # the same path, other weights
+    refused(run_script("grpo.py", common + ["--steps", "3", "--init", other, "--resume"]),
+            "was trained from", tiny_sft)
+    retrained = str(tmp_path / "retrained" / "sft.pt")         # the same path, other weights
     model, ckpt = load_checkpoint(tiny_sft)
     with torch.no_grad():
         model.wte.weight.add_(0.01)
@@ -357,24 +392,29 @@ def test_resume_refuses_another_init_another_scripts_checkpoint_and_a_lower_step
     assert run_script("grpo.py", TINY_RL + ["--out", str(tmp_path / "r2"), "--steps", "1", "--init",
                                             retrained]).returncode == 0
     save_checkpoint(retrained, load_checkpoint(tiny_sft)[0], ckpt["tokenizer"], step=ckpt["step"])
-    refused(run_script("grpo.py", TINY_RL + ["--out", str(tmp_path / "r2"), "--steps", "2", "--init", retrained,
-                                             "--resume"]),
-            "holds other weights now")
-    refused(run_script("grpo.py", common + ["--steps", "1", "--init", tiny_sft, "--resume"]), "step 2", "limit of 1")
-    shutil.copy(os.path.join(out, "grpo.pt"), os.path.join(out, "rloo.pt"))   # another script's checkpoint
-    refused(run_script("rloo.py", common + ["--steps", "3", "--init", tiny_sft, "--resume"]), "written by grpo.py",
-            "rloo.py")
-    refused(run_script("rloo.py", common[:-2] + ["--out", str(tmp_path / "none"), "--init", tiny_sft, "--resume"]),
+    refused(run_script("grpo.py", TINY_RL
+                       + ["--out", str(tmp_path / "r2"), "--steps", "2", "--init", retrained,
+                          "--resume"]), "holds other weights now")
+    refused(run_script("grpo.py", common + ["--steps", "1", "--init", tiny_sft, "--resume"]),
+            "step 2", "limit of 1")
+    shutil.copy(os.path.join(out, "grpo.pt"),
+                os.path.join(out, "rloo.pt"))                          # another script's checkpoint
+    refused(run_script("rloo.py", common + ["--steps", "3", "--init", tiny_sft, "--resume"]),
+            "written by grpo.py", "rloo.py")
+    refused(run_script("rloo.py", common[:-2]
+                       + ["--out", str(tmp_path / "none"), "--init", tiny_sft, "--resume"]),
             "no checkpoint at")
 
 
 def test_the_learning_rate_schedule_warms_up_linearly_then_decays_by_a_cosine_to_a_tenth():
     lr = plumbing.lr_schedule
-    assert [lr(s, 1.0, 4, 14) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]         # warm-up: (step + 1) / warmup
-    assert lr(4, 1.0, 4, 14) == 1.0 and lr(14, 1.0, 4, 14) == pytest.approx(0.1)    # decay starts at 1, ends at 0.1
-    assert lr(9, 2.0, 4, 14) == pytest.approx(2.0 * (0.1 + 0.9 * 0.5))              # half way: cos(pi / 2) = 0
-    assert lr(20, 1.0, 4, 14) == pytest.approx(0.1)                                 # past the end: stays at 0.1
-    assert lr(100, 3e-4, 0, None) == 3e-4 and lr(0, 3e-4, 0, 10) == 3e-4            # no warm-up; constant
+    # warm-up: (step + 1) / warmup
+    assert [lr(s, 1.0, 4, 14) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert (lr(4, 1.0, 4, 14) == 1.0
+            and lr(14, 1.0, 4, 14) == pytest.approx(0.1))           # decay starts at 1, ends at 0.1
+    assert lr(9, 2.0, 4, 14) == pytest.approx(2.0 * (0.1 + 0.9 * 0.5))   # half way: cos(pi / 2) = 0
+    assert lr(20, 1.0, 4, 14) == pytest.approx(0.1)                     # past the end: stays at 0.1
+    assert (lr(100, 3e-4, 0, None) == 3e-4 and lr(0, 3e-4, 0, 10) == 3e-4)  # no warm-up; constant
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -386,7 +426,7 @@ def test_parked_weights_hold_memory_only_inside_with_and_come_back_bit_for_bit(d
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA here")
     model = GPT(GPTConfig(vocab_size=40, block_size=16, n_layer=2, n_head=2, n_embd=16)).to(device)
-    assert model.lm_head.weight is model.wte.weight                        # tied: one storage, parked once
+    assert model.lm_head.weight is model.wte.weight                 # tied: one storage, parked once
     x = torch.randint(0, 40, (2, 9), device=device)
     with torch.no_grad():
         before = model(x)[0]
@@ -410,7 +450,8 @@ def test_a_reference_is_parked_only_on_a_gpu_and_never_when_it_shares_the_policy
     from lora import add_adapters, base_model
     policy, _ = load_checkpoint(tiny_sft)
     ref, _ = load_checkpoint(tiny_sft)
-    assert isinstance(plumbing.Run.parked(types.SimpleNamespace(device="cuda"), ref, policy), plumbing.Parked)
+    assert isinstance(plumbing.Run.parked(types.SimpleNamespace(device="cuda"), ref, policy),
+                      plumbing.Parked)
     assert all(p.untyped_storage().size() == 0 for p in ref.parameters())
     cpu = plumbing.Run.parked(types.SimpleNamespace(device="cpu"), policy, ref)
     assert isinstance(cpu, contextlib.nullcontext)
@@ -421,11 +462,11 @@ def test_a_reference_is_parked_only_on_a_gpu_and_never_when_it_shares_the_policy
 
 
 @pytest.mark.parametrize("script", ["grpo", "rloo", "reinforce"])
-def test_the_parked_reference_is_away_while_sampling_and_updating_and_moves_no_number(script, tiny_sft, tmp_path,
-                                                                                     monkeypatch):
-    """grpo, rloo and reinforce with the reference parked as on a GPU (here on the CPU): its weights are
-    back for step 2's forwards and away for sampling and the update, and metrics.jsonl is the unparked run's
-    line for line (times aside)."""
+def test_the_parked_reference_is_away_while_sampling_and_updating_and_moves_no_number(
+    script, tiny_sft, tmp_path, monkeypatch):
+    """grpo, rloo and reinforce with the reference parked as on a GPU (here on the CPU): its weights
+    are back for step 2's forwards and away for sampling and the update, and metrics.jsonl is the
+    unparked run's line for line (times aside)."""
     from conftest import parked_runs
     module = importlib.import_module(script)
     argv = TINY_RL + ["--steps", "2", "--init", tiny_sft, "--device", "cpu"]

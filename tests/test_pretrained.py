@@ -1,9 +1,10 @@
-"""Real checkpoints: tiny random GPT-2, Llama, Qwen2, Llama 3 (Llama 3.1's rope scaling, a BOS before every text,
-several EOS ids) and Qwen3 (query/key norms, a head width apart from the model's) folders in the Hugging Face layout,
-written with their logits, greedy continuations and tokenizer encodings by transformers itself
-(tests/golden/make_golden.py), load into model.py and agree: logits within 1e-4 in float32 (over the tokenizer's ids:
-Qwen3's embedding is padded past them, and its q/k norm weights are not 1), greedy generation token for token,
-encodings exactly. Their chat templates: tests/test_chat.py."""
+"""Real checkpoints: tiny random GPT-2, Llama, Qwen2, Llama 3 (Llama 3.1's rope scaling, a BOS
+before every text, several EOS ids) and Qwen3 (query/key norms, a head width apart from the model's)
+folders in the Hugging Face layout, written with their logits, greedy continuations and tokenizer
+encodings by transformers itself (tests/golden/make_golden.py), load into model.py and agree: logits
+within 1e-4 in float32 (over the tokenizer's ids: Qwen3's embedding is padded past them, and its q/k
+norm weights are not 1), greedy generation token for token, encodings exactly. Their chat templates:
+tests/test_chat.py."""
 import json
 import os
 import re
@@ -34,10 +35,11 @@ def test_logits_match_transformers(name):
     model = from_pretrained(folder)
     with torch.no_grad():
         logits = model(g["ids"])
-    V = model.config.support                        # Qwen3's embedding is padded past its tokenizer's 324 ids
-    assert logits.shape == (*g["logits"].shape[:2], V) and (V < g["logits"].size(-1)) == (name == "qwen3")
+    V = model.config.support              # Qwen3's embedding is padded past its tokenizer's 324 ids
+    assert (logits.shape == (*g["logits"].shape[:2], V)
+            and (V < g["logits"].size(-1)) == (name == "qwen3"))
     torch.testing.assert_close(logits, g["logits"][..., :V], rtol=0, atol=1e-4)
-    assert logits.std() > 0.5                       # weights large enough that a wrong layer could not hide
+    assert logits.std() > 0.5             # weights large enough that a wrong layer could not hide
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -46,8 +48,9 @@ def test_greedy_generation_matches_transformers_on_a_left_padded_batch(name):
     model = from_pretrained(folder)
     eos = meta["eos_id"]
     for mode in ("eager", "graph"):
-        tokens, mask, _ = sampler.generate(model, g["prompt"], g["prompt_mask"], g["greedy"].size(1), eos, eos,
-                                           temperature=0.0, mode=mode)
+        tokens, mask, _ = sampler.generate(model, g["prompt"], g["prompt_mask"],
+                                           g["greedy"].size(1), eos, eos, temperature=0.0,
+                                           mode=mode)
         for row, want in zip(tokens.tolist(), g["greedy"].tolist()):
             cut = lambda xs: xs[:xs.index(eos) + 1] if eos in xs else xs
             assert cut(row) == cut(want)
@@ -62,13 +65,15 @@ def test_the_tokenizer_encodes_and_decodes_as_transformers(name):
         assert tok.encode(text) == ids, text
         if text.isascii():
             assert tok.decode(ids) == text
-    for text, ids in meta.get("with_special_tokens", {}).items():     # a prompt as the tokenizer encodes a text
+    # a prompt as the tokenizer encodes a text
+    for text, ids in meta.get("with_special_tokens", {}).items():
         assert tok.encode_prompt(text) == ids, text
 
 
 def test_every_eos_id_of_the_folder_stops_a_completion_and_the_bos_comes_first():
-    """Llama 3 lists two EOS ids (generation_config.json and config.json): each ends a row, the verifier's text has
-    neither; the tokenizer's post-processor puts <|begin_of_text|> before a prompt (transformers' tokenizer(text))."""
+    """Llama 3 lists two EOS ids (generation_config.json and config.json): each ends a row, the
+    verifier's text has neither; the tokenizer's post-processor puts <|begin_of_text|> before a
+    prompt (transformers' tokenizer(text))."""
     folder, _, meta = golden("llama3")
     tok, model = Tokenizer.from_pretrained(folder), from_pretrained(folder)
     assert tok.stop_ids == (1, 4) and tok.eos_id == 1 and tok.bos_prefix == [0]
@@ -86,16 +91,16 @@ def test_every_eos_id_of_the_folder_stops_a_completion_and_the_bos_comes_first()
         says.load_state_dict(model.state_dict())
         says.next = three
         prompt, mask = tok.encode_batch(["3+4*2="])
-        tokens, keep, truncated = sampler.generate(says.eval(), prompt, mask, 6, tok.stop_ids, tok.pad_id,
-                                                   temperature=0, mode="eager")
+        tokens, keep, truncated = sampler.generate(says.eval(), prompt, mask, 6, tok.stop_ids,
+                                                   tok.pad_id, temperature=0, mode="eager")
         assert tokens[0, :2].tolist() == [three, stop] and keep.sum() == 2 and not truncated.any()
         assert tok.decode_completions(tokens, keep) == ["3"]
 
 
 def test_llama3_rope_scaling_is_what_moves_the_logits_and_reads_either_config_key(tmp_path):
-    """The "llama3" scaling changes 4 frequencies of 4 here (one interpolated, three stretched): without it the logits
-    are far off; transformers 4's rope_scaling key loads the same model as transformers 5's rope_parameters; another
-    scaling is refused in one line."""
+    """The "llama3" scaling changes 4 frequencies of 4 here (one interpolated, three stretched):
+    without it the logits are far off; transformers 4's rope_scaling key loads the same model as
+    transformers 5's rope_parameters; another scaling is refused in one line."""
     folder, g, _ = golden("llama3")
     model = from_pretrained(folder)
     assert model.config.rope_scaling == "llama3" and model.config.rope_original_max == 16
@@ -110,14 +115,15 @@ def test_llama3_rope_scaling_is_what_moves_the_logits_and_reads_either_config_ke
     old = copy_folder(tmp_path, "llama3", edit_config=legacy)
     with torch.no_grad():
         torch.testing.assert_close(from_pretrained(old)(g["ids"]), g["logits"], rtol=0, atol=1e-4)
-    yarn = copy_folder(tmp_path / "y", "llama3", edit_config=lambda c: c["rope_parameters"].update(rope_type="yarn"))
+    yarn = copy_folder(tmp_path / "y", "llama3",
+                       edit_config=lambda c: c["rope_parameters"].update(rope_type="yarn"))
     with pytest.raises(CheckpointError, match="rope scaling 'yarn' is not supported"):
         from_pretrained(yarn)
 
 
 def test_qwen3_norms_queries_and_keys_per_head_at_its_own_head_width():
-    """Qwen3: head_dim 16 at width 32 with 4 heads (the projections are 64 wide, not 32), an RMSNorm over each head's
-    queries and keys: both are in the model and both move its logits."""
+    """Qwen3: head_dim 16 at width 32 with 4 heads (the projections are 64 wide, not 32), an RMSNorm
+    over each head's queries and keys: both are in the model and both move its logits."""
     folder, g, _ = golden("qwen3")
     model = from_pretrained(folder)
     attn = model.blocks[0].attn
@@ -133,15 +139,17 @@ def test_qwen3_norms_queries_and_keys_per_head_at_its_own_head_width():
 
 
 def test_qwen3_norms_queries_and_keys_before_the_rotation(monkeypatch):
-    """The golden's q/k norm weights are not 1 (a uniform weight commutes with the rotation and would hide the order):
-    the same norms applied after the rotation give other logits."""
+    """The golden's q/k norm weights are not 1 (a uniform weight commutes with the rotation and
+    would hide the order): the same norms applied after the rotation give other logits."""
     import model as model_module
     folder, g, _ = golden("qwen3")
     model = from_pretrained(folder)
-    norms = [n for b in model.blocks for n in (b.attn.q_norm, b.attn.k_norm)]   # the order forward rotates q, k in
+    norms = [n for b in model.blocks
+             for n in (b.attn.q_norm, b.attn.k_norm)]            # the order forward rotates q, k in
     assert all(n.weight.std() > 0.1 for n in norms)
     calls, rotate = iter(norms), model_module.rotate
-    monkeypatch.setattr(model_module, "rotate", lambda x, cos, sin: next(calls)(rotate(x, cos, sin)))
+    monkeypatch.setattr(model_module, "rotate", lambda x, cos,
+                        sin: next(calls)(rotate(x, cos, sin)))
     for b in model.blocks:
         b.attn.q_norm = b.attn.k_norm = torch.nn.Identity()
     with torch.no_grad():
@@ -165,8 +173,9 @@ def test_the_default_config_builds_the_same_model_as_before():
     model = GPT(GPTConfig())
     names = [n for n, _ in model.named_parameters()]
     assert names[:2] == ["wte.weight", "wpe.weight"] and "blocks.0.mlp.0.weight" in names
-    assert model.lm_head.weight is model.wte.weight and isinstance(model.blocks[0].ln_1, torch.nn.LayerNorm)
-    V, T, C, L = 258, 64, 128, 4                  # GPT-2's parameter count, by hand: embeddings, blocks, final norm
+    assert (model.lm_head.weight is model.wte.weight
+            and isinstance(model.blocks[0].ln_1, torch.nn.LayerNorm))
+    V, T, C, L = 258, 64, 128, 4  # GPT-2's parameter count, by hand: embeddings, blocks, final norm
     block = 2 * 2 * C + (C * 3 * C + 3 * C) + (C * C + C) + (C * 4 * C + 4 * C) + (4 * C * C + C)
     assert model.num_params() == V * C + T * C + L * block + 2 * C
 
@@ -190,8 +199,10 @@ def copy_folder(tmp_path, name, edit_config=None, edit_tensors=None):
 @pytest.mark.parametrize("edit, words", [
     (dict(edit_config=lambda c: c.update(model_type="mistral")), "model_type 'mistral'"),
     (dict(edit_config=lambda c: c.update(hidden_act="gelu")), "hidden_act"),
-    (dict(edit_tensors=lambda t: t.pop("model.layers.1.mlp.up_proj.weight")), "model.layers.1.mlp.up_proj.weight"),
-    (dict(edit_tensors=lambda t: t.update({"model.extra.weight": torch.zeros(2)})), "model.extra.weight"),
+    (dict(edit_tensors=lambda t: t.pop("model.layers.1.mlp.up_proj.weight")),
+     "model.layers.1.mlp.up_proj.weight"),
+    (dict(edit_tensors=lambda t: t.update({"model.extra.weight": torch.zeros(2)})),
+     "model.extra.weight"),
     (dict(edit_tensors=lambda t: t.update({"model.norm.weight": torch.ones(31)})), "ln_f.weight"),
 ])
 def test_a_checkpoint_that_does_not_fit_is_one_error_naming_what(tmp_path, edit, words):
@@ -204,7 +215,8 @@ def test_scripts_take_a_hugging_face_folder_as_init_and_resume_from_what_they_wr
     from conftest import run_script
     from plumbing import load_model
     out, qwen = str(tmp_path), os.path.join(GOLDEN, "qwen2")
-    small = ["--prompts_per_step", "4", "--group_size", "4", "--eval_n", "16", "--init", qwen, "--out", out]
+    small = ["--prompts_per_step", "4", "--group_size", "4", "--eval_n", "16", "--init", qwen,
+             "--out", out]
     p = run_script("grpo.py", ["--steps", "1"] + small)
     assert p.returncode == 0, p.stderr
     p = run_script("grpo.py", ["--steps", "2", "--resume"] + small)
@@ -223,9 +235,11 @@ def test_a_bad_folder_is_refused_before_any_work(tmp_path):
     assert not os.path.exists(tmp_path / "o" / "grpo")
 
 
-def test_an_eos_outside_the_tokenizer_is_refused_and_a_tokenizer_only_folder_names_its_own(tmp_path):
-    """An eos_token_id the tokenizer does not have would leave every completion running to its limit: one error line.
-    A folder holding a tokenizer only (no config.json) takes its EOS from tokenizer_config.json's eos_token."""
+def test_an_eos_outside_the_tokenizer_is_refused_and_a_tokenizer_only_folder_names_its_own(
+    tmp_path):
+    """An eos_token_id the tokenizer does not have would leave every completion running to its
+    limit: one error line. A folder holding a tokenizer only (no config.json) takes its EOS from
+    tokenizer_config.json's eos_token."""
     folder = copy_folder(tmp_path, "qwen2", edit_config=lambda c: c.update(eos_token_id=10**6))
     for name in ("generation_config.json",):
         if os.path.exists(os.path.join(folder, name)):
@@ -244,11 +258,14 @@ def test_an_eos_outside_the_tokenizer_is_refused_and_a_tokenizer_only_folder_nam
 
 
 def test_a_refusal_after_the_output_folder_is_made_leaves_nothing_on_disk(tmp_path):
-    """A folder whose config is fine but whose weights are not is refused when the weights load, after the run has
-    made its output folder and lock: the folder goes again (nothing on disk from a refused run)."""
+    """A folder whose config is fine but whose weights are not is refused when the weights load,
+    after the run has made its output folder and lock: the folder goes again (nothing on disk from a
+    refused run)."""
     from conftest import refused, run_script
-    folder = copy_folder(tmp_path, "qwen2", edit_tensors=lambda t: t.pop("model.layers.0.mlp.up_proj.weight"))
-    refused(run_script("grpo.py", ["--init", folder, "--out", str(tmp_path / "o" / "deeper")]), "up_proj")
+    folder = copy_folder(tmp_path, "qwen2",
+                         edit_tensors=lambda t: t.pop("model.layers.0.mlp.up_proj.weight"))
+    refused(run_script("grpo.py", ["--init", folder, "--out", str(tmp_path / "o" / "deeper")]),
+            "up_proj")
     assert not os.path.exists(tmp_path / "o")
 
 
@@ -262,21 +279,25 @@ def edit_json(folder, name, edit):
 
 @pytest.mark.parametrize("name, edit, words", [
     ("config.json", lambda c: c.pop("vocab_size"), "config.json has no vocab_size"),
-    ("config.json", lambda c: c.update(vocab_size="320"), "vocab_size = '320'; it must be a positive integer"),
+    ("config.json", lambda c: c.update(vocab_size="320"),
+     "vocab_size = '320'; it must be a positive integer"),
     ("config.json", lambda c: [c], "config.json is not a JSON object"),
     ("config.json", lambda c: c.update(num_attention_heads=0), "num_attention_heads = 0"),
     ("config.json", lambda c: c.update(num_attention_heads=3), "must be divisible by n_head = 3"),
     ("config.json", lambda c: c.update(rms_norm_eps=float("nan")), "rms_norm_eps = nan"),
     ("model.safetensors.index.json", lambda c: {"metadata": {}}, "no weight_map"),
-    ("model.safetensors.index.json", lambda c: ["model.safetensors"], "index.json is not a JSON object"),
+    ("model.safetensors.index.json", lambda c: ["model.safetensors"],
+     "index.json is not a JSON object"),
     ("model.safetensors.index.json", lambda c: {"weight_map": {"lm_head.weight": "/etc/passwd"}},
      "no weight_map of tensor names to .safetensors files in the folder"),
-    ("tokenizer.json", lambda c: c["model"]["vocab"].update({"Ġx": "7"}), "not a non-negative integer"),
+    ("tokenizer.json", lambda c: c["model"]["vocab"].update({"Ġx": "7"}),
+     "not a non-negative integer"),
     ("tokenizer.json", lambda c: c.update(added_tokens=[{"id": 319}]), "without its content"),
 ])
-def test_malformed_folder_contents_are_one_error_naming_the_file_and_key(tmp_path, name, edit, words):
-    """Each of these used to be a traceback (a KeyError, a TypeError, a ZeroDivisionError): now one line naming the
-    file and what in it, from the loader, and from a script before any work."""
+def test_malformed_folder_contents_are_one_error_naming_the_file_and_key(tmp_path, name, edit,
+                                                                         words):
+    """Each of these used to be a traceback (a KeyError, a TypeError, a ZeroDivisionError): now one
+    line naming the file and what in it, from the loader, and from a script before any work."""
     from conftest import refused, run_script
     folder = copy_folder(tmp_path, "qwen2")
     if name == "model.safetensors.index.json":
@@ -290,20 +311,23 @@ def test_malformed_folder_contents_are_one_error_naming_the_file_and_key(tmp_pat
 
 
 def test_a_llama_folder_with_attention_biases_and_no_mlp_biases_loads(tmp_path):
-    """Llama's attention_bias covers q, k, v and o_proj, mlp_bias the MLP (transformers' LlamaAttention, LlamaMLP):
-    a folder with biases on the attention only loads, its o_proj.bias in our c_proj, none in the MLP, and the bias
-    moves the logits (it is used)."""
+    """Llama's attention_bias covers q, k, v and o_proj, mlp_bias the MLP (transformers'
+    LlamaAttention, LlamaMLP): a folder with biases on the attention only loads, its o_proj.bias in
+    our c_proj, none in the MLP, and the bias moves the logits (it is used)."""
     def add_biases(tensors):
         g = torch.Generator().manual_seed(0)
         for i in range(2):
             for x, n in (("q", 32), ("k", 32), ("v", 32), ("o", 32)):
                 rows = tensors[f"model.layers.{i}.self_attn.{x}_proj.weight"].shape[0]
-                tensors[f"model.layers.{i}.self_attn.{x}_proj.bias"] = torch.randn(rows, generator=g)
-    folder = copy_folder(tmp_path, "llama", edit_config=lambda c: c.update(attention_bias=True, mlp_bias=False),
+                tensors[f"model.layers.{i}.self_attn.{x}_proj.bias"] = torch.randn(rows,
+                                                                                   generator=g)
+    folder = copy_folder(tmp_path, "llama",
+                         edit_config=lambda c: c.update(attention_bias=True, mlp_bias=False),
                          edit_tensors=add_biases)
     model = from_pretrained(folder)
     block = model.blocks[0]
-    assert block.attn.c_proj.bias is not None and block.mlp.c_fc.bias is None and block.attn.c_attn.bias is not None
+    assert (block.attn.c_proj.bias is not None and block.mlp.c_fc.bias is None
+            and block.attn.c_attn.bias is not None)
     tensors = load_file(os.path.join(folder, "model.safetensors"))
     assert torch.equal(block.attn.c_proj.bias, tensors["model.layers.0.self_attn.o_proj.bias"])
     x = torch.tensor([[1, 2, 3, 4]])
@@ -323,50 +347,64 @@ def pre_split(c):
 
 
 HOSTILE_FOLDERS = {   # (what the case does to a copy of the qwen2 folder, what the one line says)
-    "an absurd hidden_size": (lambda f: edit_json(f, "config.json", lambda c: c.update(hidden_size=10**9)),
-                              "the config needs"),
-    "an absurd vocab_size": (lambda f: edit_json(f, "config.json", lambda c: c.update(vocab_size=10**9)),
-                             "the config needs"),
-    "an absurd intermediate_size": (lambda f: edit_json(f, "config.json",
-                                                        lambda c: c.update(intermediate_size=10**10)),
-                                    "the config needs"),
-    "an infinite rope_theta": (lambda f: edit_json(f, "config.json", lambda c: c.update(rope_theta=float("inf"))),
-                               "rope_theta = inf; it must be a positive finite number"),
-    "an infinite rms_norm_eps": (lambda f: edit_json(f, "config.json",
-                                                     lambda c: c.update(rms_norm_eps=float("inf"))),
-                                 "rms_norm_eps = inf"),
-    "tie_word_embeddings as text": (lambda f: edit_json(f, "config.json",
-                                                        lambda c: c.update(tie_word_embeddings="false")),
-                                    "tie_word_embeddings = 'false'; it must be true or false"),
-    "a deep config.json": (lambda f: deep(f, "config.json"), "config.json cannot be read (nested too deeply)"),
-    "a deep tokenizer.json": (lambda f: deep(f, "tokenizer.json"), "tokenizer.json cannot be read (nested"),
-    "a deep tokenizer_config.json": (lambda f: deep(f, "tokenizer_config.json"), "tokenizer_config.json cannot"),
-    "tokenizer.json a list": (lambda f: edit_json(f, "tokenizer.json", lambda c: [c]),
-                              "tokenizer.json is not a JSON object"),
-    "pre_tokenizer a list": (lambda f: edit_json(f, "tokenizer.json", lambda c: c.update(pre_tokenizer=[1])),
-                             "pre_tokenizer is not an object"),
-    "two tokens with one id": (lambda f: edit_json(f, "tokenizer.json",
-                                                   lambda c: c["model"]["vocab"].update({"zzz": 7})),
-                               "two tokens share an id"),
-    "a byte without its token": (lambda f: edit_json(f, "tokenizer.json", lambda c: c["model"]["vocab"].pop("Č")),
-                                 "lacks the token of byte 12"),
-    "a split pattern that does not compile": (lambda f: edit_json(f, "tokenizer.json",
-                                                                  lambda c: pre_split(c).update(Regex="[z-a]")),
-                                              "tokenizer.json cannot be read as a tokenizer"),
-    "a NaN weight": (lambda f: save_file({**load_file(os.path.join(f, "model.safetensors")),
-                                          "model.norm.weight": torch.full((32,), float("nan"))},
-                                         os.path.join(f, "model.safetensors")), "holds NaN or infinite values"),
-    "a missing tensor": (lambda f: save_file({k: v for k, v in load_file(os.path.join(f, "model.safetensors")).items()
-                                              if k != "model.norm.weight"}, os.path.join(f, "model.safetensors")),
-                         "qwen2: tensor model.norm.weight is missing"),
+    "an absurd hidden_size": (
+        lambda f: edit_json(f, "config.json", lambda c: c.update(hidden_size=10**9)),
+        "the config needs"),
+    "an absurd vocab_size": (
+        lambda f: edit_json(f, "config.json", lambda c: c.update(vocab_size=10**9)),
+        "the config needs"),
+    "an absurd intermediate_size": (
+        lambda f: edit_json(f, "config.json", lambda c: c.update(intermediate_size=10**10)),
+        "the config needs"),
+    "an infinite rope_theta": (
+        lambda f: edit_json(f, "config.json", lambda c: c.update(rope_theta=float("inf"))),
+        "rope_theta = inf; it must be a positive finite number"),
+    "an infinite rms_norm_eps": (
+        lambda f: edit_json(f, "config.json", lambda c: c.update(rms_norm_eps=float("inf"))),
+        "rms_norm_eps = inf"),
+    "tie_word_embeddings as text": (
+        lambda f: edit_json(f, "config.json", lambda c: c.update(tie_word_embeddings="false")),
+        "tie_word_embeddings = 'false'; it must be true or false"),
+    "a deep config.json": (
+        lambda f: deep(f, "config.json"), "config.json cannot be read (nested too deeply)"),
+    "a deep tokenizer.json": (
+        lambda f: deep(f, "tokenizer.json"), "tokenizer.json cannot be read (nested"),
+    "a deep tokenizer_config.json": (
+        lambda f: deep(f, "tokenizer_config.json"), "tokenizer_config.json cannot"),
+    "tokenizer.json a list": (
+        lambda f: edit_json(f, "tokenizer.json", lambda c: [c]),
+        "tokenizer.json is not a JSON object"),
+    "pre_tokenizer a list": (
+        lambda f: edit_json(f, "tokenizer.json", lambda c: c.update(pre_tokenizer=[1])),
+        "pre_tokenizer is not an object"),
+    "two tokens with one id": (
+        lambda f: edit_json(f, "tokenizer.json", lambda c: c["model"]["vocab"].update({"zzz": 7})),
+        "two tokens share an id"),
+    "a byte without its token": (
+        lambda f: edit_json(f, "tokenizer.json", lambda c: c["model"]["vocab"].pop("Č")),
+        "lacks the token of byte 12"),
+    "a split pattern that does not compile": (
+        lambda f: edit_json(f, "tokenizer.json", lambda c: pre_split(c).update(Regex="[z-a]")),
+        "tokenizer.json cannot be read as a tokenizer"),
+    "a NaN weight": (
+        lambda f: save_file({**load_file(os.path.join(f, "model.safetensors")),
+                             "model.norm.weight": torch.full((32,), float("nan"))},
+                            os.path.join(f, "model.safetensors")),
+        "holds NaN or infinite values"),
+    "a missing tensor": (
+        lambda f: save_file({k: v for k, v in load_file(os.path.join(f, "model.safetensors"))
+                             .items() if k != "model.norm.weight"},
+                            os.path.join(f, "model.safetensors")),
+        "qwen2: tensor model.norm.weight is missing"),
 }
 
 
 def test_hostile_folder_contents_are_one_line_before_anything_is_built(tmp_path):
-    """The reliability review's cases (N5, N6, N12, N13): absurd sizes are refused from the shapes before the model is
-    allocated (it used to be built first: an allocator traceback, or on a large machine a huge allocation), deep or
-    mistyped JSON, a tokenizer that cannot encode every byte, non-finite weights and config numbers: one line each,
-    naming the file; through the loader, and through grpo.py with nothing left on disk."""
+    """The reliability review's cases (N5, N6, N12, N13): absurd sizes are refused from the shapes
+    before the model is allocated (it used to be built first: an allocator traceback, or on a large
+    machine a huge allocation), deep or mistyped JSON, a tokenizer that cannot encode every byte,
+    non-finite weights and config numbers: one line each, naming the file; through the loader, and
+    through grpo.py with nothing left on disk."""
     from conftest import refuses_all
     cases = []
     for i, (case, (make, words)) in enumerate(HOSTILE_FOLDERS.items()):

@@ -1,7 +1,8 @@
-"""prm.py: the step loss and its gradient against a float64 reference written from the binary cross-entropy; the
-four aggregations against a float64 reference and by hand; where the scores are read (each step's ',' and the EOS);
-Math-Shepherd's Monte Carlo labels with a scripted policy (hand-counted shares); the label agreement; and the script
-end to end: the ORM and the PRM trained from a tiny SFT policy, resumed, the mc labels, bad input refused."""
+"""prm.py: the step loss and its gradient against a float64 reference written from the binary
+cross-entropy; the four aggregations against a float64 reference and by hand; where the scores are
+read (each step's ',' and the EOS); Math-Shepherd's Monte Carlo labels with a scripted policy
+(hand-counted shares); the label agreement; and the script end to end: the ORM and the PRM trained
+from a tiny SFT policy, resumed, the mc labels, bad input refused."""
 import inspect
 import json
 import math
@@ -31,7 +32,8 @@ def ref_bce(z, y):
 
 
 def ref_prm_loss(logits, labels, mask):
-    terms = [ref_bce(z, y) for zr, yr, mr in zip(logits, labels, mask) for z, y, m in zip(zr, yr, mr) if m]
+    terms = [ref_bce(z, y) for zr, yr, mr in zip(logits, labels, mask)
+             for z, y, m in zip(zr, yr, mr) if m]
     return sum(terms) / len(terms) if terms else 0.0
 
 
@@ -60,19 +62,23 @@ def test_prm_loss_matches_float64_reference_and_its_gradient():
     mask = (torch.rand(16, 5) > 0.3).double()
     mask[3] = 0                                                              # a row with no step
     loss = prm.prm_loss(logits, labels, mask)
-    assert loss.item() == pytest.approx(ref_prm_loss(logits.tolist(), labels.tolist(), mask.tolist()), rel=1e-12)
+    assert loss.item() == pytest.approx(ref_prm_loss(logits.tolist(), labels.tolist(),
+                                                     mask.tolist()), rel=1e-12)
     (grad,) = torch.autograd.grad(loss, logits)
     # d/dz of the mean BCE: (sigmoid(z) - y) / #steps on real steps, 0 elsewhere
     n = mask.sum().item()
-    expected = torch.tensor([[(1 / (1 + math.exp(-z)) - y) / n if m else 0.0 for z, y, m in zip(zr, yr, mr)]
-                             for zr, yr, mr in zip(logits.tolist(), labels.tolist(), mask.tolist())],
-                            dtype=torch.float64)
+    expected = torch.tensor([[(1 / (1 + math.exp(-z)) - y) / n if m else 0.0
+                              for z, y, m in zip(zr, yr, mr)]
+                             for zr, yr, mr in zip(logits.tolist(), labels.tolist(),
+                                                   mask.tolist())], dtype=torch.float64)
     torch.testing.assert_close(grad, expected)
 
 
 def test_prm_loss_hand_worked_extremes_and_masked_junk():
-    # p = 1/2 costs log 2 whatever the label; a confident right step costs ~0, a confident wrong one ~|z|
-    loss = prm.prm_loss(torch.tensor([[0.0, 100.0, -100.0]]), torch.tensor([[1.0, 1.0, 1.0]]), torch.ones(1, 3))
+    # p = 1/2 costs log 2 whatever the label; a confident right step costs ~0, a confident wrong one
+    # ~|z|
+    loss = prm.prm_loss(torch.tensor([[0.0, 100.0, -100.0]]), torch.tensor([[1.0, 1.0, 1.0]]),
+                        torch.ones(1, 3))
     assert loss.item() == pytest.approx((math.log(2) + 0.0 + 100.0) / 3, rel=1e-6)
     # a soft label 0.25 at z = 0: still log 2; the gradient sigmoid(0) - 0.25 = 0.25
     z = torch.zeros(1, 1, requires_grad=True)
@@ -119,16 +125,17 @@ def test_aggregate_steps_matches_float64_reference(how):
     torch.manual_seed(2)
     scores = torch.rand(32, 6, dtype=torch.float64)
     mask = (torch.rand(32, 6) > 0.4).double()
-    mask[0] = 0                                                              # no step: 0
-    mask[1] = torch.tensor([1.0, 0, 0, 1.0, 0, 0])                           # holes: 'last' is the last real one
-    scores[mask == 0] = float("nan")                                         # junk at masked steps must not leak
+    mask[0] = 0                                                 # no step: 0
+    mask[1] = torch.tensor([1.0, 0, 0, 1.0, 0, 0])              # holes: 'last' is the last real one
+    scores[mask == 0] = float("nan")                            # junk at masked steps must not leak
     got = prm.aggregate_steps(scores, mask, how)
     torch.testing.assert_close(got, ref_aggregate(scores.tolist(), mask.tolist(), how))
 
 
 def test_aggregate_steps_with_no_steps_at_all_is_zero_not_an_index_error():
     for how in ("min", "prod", "last", "mean"):
-        assert prm.aggregate_steps(torch.zeros(3, 0), torch.zeros(3, 0), how).tolist() == [0.0, 0.0, 0.0]
+        assert prm.aggregate_steps(torch.zeros(3, 0), torch.zeros(3, 0), how).tolist() == [
+            0.0, 0.0, 0.0]
     with pytest.raises(ValueError, match="'median'"):
         prm.aggregate_steps(torch.zeros(3, 0), torch.zeros(3, 0), "median")
 
@@ -136,7 +143,8 @@ def test_aggregate_steps_with_no_steps_at_all_is_zero_not_an_index_error():
 def test_aggregate_steps_hand_worked():
     s = torch.tensor([[0.9, 0.2, 0.8], [0.5, 0.7, 0.0]])
     m = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
-    expected = {"min": [0.2, 0.5], "prod": [0.144, 0.35], "last": [0.8, 0.7], "mean": [1.9 / 3, 0.6]}
+    expected = {"min": [0.2, 0.5], "prod": [0.144, 0.35], "last": [0.8, 0.7],
+                "mean": [1.9 / 3, 0.6]}
     for how, want in expected.items():
         torch.testing.assert_close(prm.aggregate_steps(s, m, how), torch.tensor(want))
     with pytest.raises(ValueError, match="allowed"):
@@ -149,9 +157,10 @@ def test_aggregate_steps_hand_worked():
 def test_scores_are_read_at_each_steps_comma_and_at_the_eos():
     tok = Tokenizer()
     prompt, completion = "3+4*2=", "4*2=8,3+8=11#11"
-    ids = tok.encode(completion) + [tok.eos_id]                                  # as sampled: the EOS last
+    ids = tok.encode(completion) + [tok.eos_id]                           # as sampled: the EOS last
     p = tok.encode(prompt)
-    assert task.read_positions(p, ids, tok, "prm") == [6 + 5, 6 + 15]          # the ',' and the EOS, by hand
+    # the ',' and the EOS, by hand
+    assert task.read_positions(p, ids, tok, "prm") == [6 + 5, 6 + 15]
     assert task.read_positions(p, ids, tok, "orm") == [6 + 15]
     assert task.read_positions(p, tok.encode("4*2=8,"), tok, "prm", finished=False) == [6 + 5]
     other = tok.encode("1+1=2,2+1=3#3") + [tok.eos_id]
@@ -171,23 +180,25 @@ def test_scores_are_read_at_each_steps_comma_and_at_the_eos():
         full = model(alone, alone_attn)[0]
     torch.testing.assert_close(got[0], full[[11, 21]], atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="do not match"):
-        prm.verifier_batch(recs, [[1], [1]], tok, "prm", "cpu")              # one label per step, or an error
+        prm.verifier_batch(recs, [[1], [1]], tok, "prm", "cpu")    # one label per step, or an error
 
 
 # -----------------------------------------------------------------------------
 # Math-Shepherd's labels, with a scripted policy
 
 class ScriptedPolicy(torch.nn.Module):
-    """A stand-in for the SFT policy: continues each prefix (decoded) with scripted texts, sample m of k getting
-    script[prefix][m]."""
+    """A stand-in for the SFT policy: continues each prefix (decoded) with scripted texts, sample m
+    of k getting script[prefix][m]."""
 
     def __init__(self, tok, script):
         super().__init__()
         self.tok, self.script, self.w = tok, script, torch.nn.Parameter(torch.zeros(1))
         self.config = GPTConfig()
 
-    def generate(self, idx, mask, max_new_tokens, eos_id, pad_id, num_samples, temperature, generator):
-        eos_id = eos_id[0] if isinstance(eos_id, (list, tuple)) else eos_id           # a tokenizer's stop_ids
+    def generate(self, idx, mask, max_new_tokens, eos_id, pad_id, num_samples, temperature,
+                 generator):
+        eos_id = eos_id[0] if isinstance(eos_id,
+                                         (list, tuple)) else eos_id         # a tokenizer's stop_ids
         rows = []
         for row, m in zip(idx.tolist(), mask.tolist()):
             prefix = self.tok.decode([t for t, keep in zip(row, m) if keep])
@@ -199,45 +210,57 @@ class ScriptedPolicy(torch.nn.Module):
 
 
 def test_mc_labels_count_the_continuations_that_reach_the_answer(monkeypatch):
-    monkeypatch.setattr(sampler, "generate", lambda policy, *a, **k: policy.generate(*a, **k))   # the script answers
+    monkeypatch.setattr(sampler, "generate", lambda policy, *a,
+                        **k: policy.generate(*a, **k))                          # the script answers
     tok = Tokenizer()
-    records = [{"prompt": "9+8*1=", "text": "9+8=17,17*1=17#17"},          # left to right, right answer by luck
+    # left to right, right answer by luck
+    records = [{"prompt": "9+8*1=", "text": "9+8=17,17*1=17#17"},
                {"prompt": "3+4*2=", "text": "3+4=7,7*2=14#14"},            # left to right, wrong
                {"prompt": "3+4*2=", "text": "4*2=8,3+8=11#11"}]            # right
     for r in records:
         r["ids"], r["outcome"] = tok.encode(r["text"]), task.reward(r["prompt"], r["text"])
         r["rule"] = arithmetic.step_labels(r["prompt"], r["text"])
-    script = {"9+8*1=9+8=17,": ["17*1=17#17", "17*1=18#18", "17*1=17#17", "17*1=16#16"],     # 2 of 4 right
+    # 2 of 4 right
+    script = {"9+8*1=9+8=17,": ["17*1=17#17", "17*1=18#18", "17*1=17#17", "17*1=16#16"],
               "3+4*2=3+4=7,": ["7*2=14#14"] * 4,                                            # 0 of 4
               "3+4*2=4*2=8,": ["3+8=11#11", "3+8=11#11", "3+8=11#11", "3+8=12#12"]}         # 3 of 4
     mc = prm.mc_labels(ScriptedPolicy(tok, script), tok, records, 4, 1.0, None, batch_size=2)
-    assert mc == [[0.5, 1.0], [0.0, 0.0], [0.75, 1.0]]                   # the last step: the completion's own outcome
+    # the last step: the completion's own outcome
+    assert mc == [[0.5, 1.0], [0.0, 0.0], [0.75, 1.0]]
     agreement = prm.label_agreement(records, mc)
-    # rule [0,0], [0,0], [1,1] against hard mc [1,1], [0,0], [1,1]: 4 of 6 steps agree; both misses are the a+b*1 case
+    # rule [0,0], [0,0], [1,1] against hard mc [1,1], [0,0], [1,1]: 4 of 6 steps agree; both misses
+    # are the a+b*1 case
     assert agreement["steps"] == 6 and agreement["agreement"] == pytest.approx(4 / 6)
-    assert agreement["rule0_mc1"] == 2 and agreement["rule1_mc1"] == 2 and agreement["rule0_mc0"] == 2
+    assert (agreement["rule0_mc1"] == 2 and agreement["rule1_mc1"] == 2
+            and agreement["rule0_mc0"] == 2)
     assert agreement["disagree_left_to_right_lucky"] == 2
-    assert {(e["prompt"], e["step"]) for e in agreement["examples"]} == {("9+8*1=", 1), ("9+8*1=", 2)}
+    assert {(e["prompt"], e["step"]) for e in agreement["examples"]} == {("9+8*1=", 1),
+                                                                         ("9+8*1=", 2)}
 
 
 def test_mc_continuations_get_what_remains_of_the_completions_budget(monkeypatch):
-    """A continuation from the prefix '4*2=8,' (6 tokens) has 24 - 6 = 18 tokens left of the completion's budget: one
-    that reaches the right answer only at its 19th token does not count; given 64 tokens in all, it does."""
-    monkeypatch.setattr(sampler, "generate", lambda policy, *a, **k: policy.generate(*a, **k))   # the script answers
+    """A continuation from the prefix '4*2=8,' (6 tokens) has 24 - 6 = 18 tokens left of the
+    completion's budget: one that reaches the right answer only at its 19th token does not count;
+    given 64 tokens in all, it does."""
+    monkeypatch.setattr(sampler, "generate", lambda policy, *a,
+                        **k: policy.generate(*a, **k))                          # the script answers
     tok = Tokenizer()
     text = "4*2=8,3+8=11#11"
-    records = [{"prompt": "3+4*2=", "text": text, "ids": tok.encode(text), "outcome": 1.0, "rule": [1, 1]}]
-    slow = " " * 12 + "3+8=11#11"                                       # 21 tokens: the answer ends at the 21st
+    records = [{"prompt": "3+4*2=", "text": text, "ids": tok.encode(text), "outcome": 1.0,
+                "rule": [1, 1]}]
+    slow = " " * 12 + "3+8=11#11"                           # 21 tokens: the answer ends at the 21st
     script = {"3+4*2=4*2=8,": [slow] * 2}
-    assert prm.mc_labels(ScriptedPolicy(tok, script), tok, records, 2, 1.0, None, max_new_tokens=24) == [[0.0, 1.0]]
-    assert prm.mc_labels(ScriptedPolicy(tok, script), tok, records, 2, 1.0, None, max_new_tokens=64) == [[1.0, 1.0]]
+    assert prm.mc_labels(ScriptedPolicy(tok, script), tok, records, 2, 1.0, None,
+                         max_new_tokens=24) == [[0.0, 1.0]]
+    assert prm.mc_labels(ScriptedPolicy(tok, script), tok, records, 2, 1.0, None,
+                         max_new_tokens=64) == [[1.0, 1.0]]
 
 
 # -----------------------------------------------------------------------------
 # The script
 
-TINY = ["--n_prompts", "48", "--samples_per_prompt", "2", "--eval_n", "32", "--eval_samples", "2", "--batch_size", "16",
-        "--lr", "1e-3", "--log_every", "2", "--eval_every", "6"]
+TINY = ["--n_prompts", "48", "--samples_per_prompt", "2", "--eval_n", "32", "--eval_samples", "2",
+        "--batch_size", "16", "--lr", "1e-3", "--log_every", "2", "--eval_every", "6"]
 
 
 def rows(out, name):
@@ -248,15 +271,17 @@ def test_script_trains_both_verifiers_and_resumes(tiny_sft, tmp_path):
     out = str(tmp_path)
     p = run_script("prm.py", TINY + ["--epochs", "1", "--init", tiny_sft, "--out", out])
     assert p.returncode == 0, p.stderr
-    assert "held-out outcome accuracy" in p.stdout and "held-out step accuracy vs rule labels" in p.stdout
+    assert ("held-out outcome accuracy" in p.stdout
+            and "held-out step accuracy vs rule labels" in p.stdout)
     for kind in ("orm", "prm"):
         r = rows(out, kind)
-        assert [x["step"] for x in r] == [0, 2, 4, 6], kind                  # 96 completions / 16 = 6 steps
+        assert [x["step"] for x in r] == [0, 2, 4, 6], kind          # 96 completions / 16 = 6 steps
         assert 0 <= r[-1]["eval_outcome_accuracy"] <= 1 and math.isfinite(r[-1]["loss"])
         _, ckpt = load_checkpoint(os.path.join(out, f"{kind}.pt"), kind="scalar")
         assert ckpt["reward_type"] == kind and ckpt["script"] == "prm" and ckpt["step"] == 6
-    assert "eval_step_accuracy" in rows(out, "prm")[-1] and "eval_step_accuracy" not in rows(out, "orm")[-1]
-    assert rows(out, "orm")[-1]["loss"] < math.log(2)                       # it learned something: below p = 1/2
+    assert ("eval_step_accuracy" in rows(out, "prm")[-1]
+            and "eval_step_accuracy" not in rows(out, "orm")[-1])
+    assert rows(out, "orm")[-1]["loss"] < math.log(2)          # it learned something: below p = 1/2
     p = run_script("prm.py", TINY + ["--epochs", "2", "--init", tiny_sft, "--out", out, "--resume"])
     assert p.returncode == 0, p.stderr
     assert p.stdout.count("resuming from") == 2
@@ -269,12 +294,15 @@ def test_script_trains_both_verifiers_and_resumes(tiny_sft, tmp_path):
 
 def test_script_mc_labels_report_agreement(tiny_sft, tmp_path):
     out = str(tmp_path)
-    p = run_script("prm.py", TINY + ["--train", "prm", "--labels", "mc", "--mc_k", "2", "--mc_label", "soft",
-                                     "--epochs", "1", "--init", tiny_sft, "--out", out])
+    p = run_script("prm.py", TINY + ["--train", "prm", "--labels", "mc", "--mc_k", "2",
+                                     "--mc_label", "soft", "--epochs", "1",
+                                     "--init", tiny_sft, "--out", out])
     assert p.returncode == 0, p.stderr
-    assert "labels: mc (hard) and rule agree on" in p.stdout and not os.path.exists(os.path.join(out, "orm.pt"))
+    assert ("labels: mc (hard) and rule agree on" in p.stdout
+            and not os.path.exists(os.path.join(out, "orm.pt")))
     agreement = json.load(open(os.path.join(out, "prm", "label_agreement.json")))
-    assert agreement["steps"] == sum(agreement[k] for k in ("rule1_mc1", "rule1_mc0", "rule0_mc1", "rule0_mc0"))
+    assert agreement["steps"] == sum(agreement[k]
+                                     for k in ("rule1_mc1", "rule1_mc0", "rule0_mc1", "rule0_mc0"))
     assert agreement["steps"] >= 96 and 0 <= agreement["agreement"] <= 1
     assert rows(out, "prm")[0]["labels_agree"] == agreement["agreement"]
     _, ckpt = load_checkpoint(os.path.join(out, "prm.pt"))
@@ -286,4 +314,5 @@ def test_script_refuses_bad_input(tmp_path):
                            (["--n_prompts", "4", "--samples_per_prompt", "2", "--batch_size", "9"],
                             ["--batch_size 9", "8 training completions"]),
                            (["--labels", "human"], ["--labels"]),
-                           (["--init", str(tmp_path / "nope.pt")], ["no checkpoint at", "nope.pt"])], tmp_path)
+                           (["--init", str(tmp_path / "nope.pt")],
+                            ["no checkpoint at", "nope.pt"])], tmp_path)

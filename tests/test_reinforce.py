@@ -1,5 +1,6 @@
-"""reinforce.py: the baselines, REINFORCE++'s per-token returns and global normalisation, and the REINFORCE loss,
-against float64 references written here from Williams 1992 and Hu 2025 (arXiv 2501.03262); the script end to end."""
+"""reinforce.py: the baselines, REINFORCE++'s per-token returns and global normalisation, and the
+REINFORCE loss, against float64 references written here from Williams 1992 and Hu 2025
+(arXiv 2501.03262); the script end to end."""
 import inspect
 import json
 import math
@@ -12,13 +13,16 @@ import kernels
 import reinforce
 from checkpoint import load_checkpoint
 from conftest import refused, run_script
-from reinforce import baseline_advantages, reinforce_loss, reinforce_pp_advantages, update_moving_average
+from reinforce import (baseline_advantages, reinforce_loss, reinforce_pp_advantages,
+                       update_moving_average)
 
 
 def test_the_loss_and_advantages_run_when_copied_with_torch_alone():
-    """What a user copying them gets: the functions' source executed in a fresh namespace holding only torch."""
+    """What a user copying them gets: the functions' source executed in a fresh namespace holding
+    only torch."""
     namespace = {"torch": torch}
-    for f in (kernels.kl_penalty, reinforce.batch_mean, reinforce.reinforce_pp_advantages, reinforce.reinforce_loss):
+    for f in (kernels.kl_penalty, reinforce.batch_mean, reinforce.reinforce_pp_advantages,
+              reinforce.reinforce_loss):
         exec(inspect.getsource(f), namespace)
     g = torch.Generator().manual_seed(1)
     logp, kl_t = -torch.rand(4, 5, generator=g), torch.rand(4, 5, generator=g)
@@ -36,7 +40,7 @@ def test_baselines_hand_worked():
     assert torch.equal(baseline_advantages(R, "none"), R)
     assert torch.allclose(baseline_advantages(R, "batch_mean"), R - 0.6)
     assert torch.allclose(baseline_advantages(R, "moving_average", 0.25), R - 0.25)
-    assert torch.equal(baseline_advantages(R, "moving_average", None), R)      # no history yet: b = 0
+    assert torch.equal(baseline_advantages(R, "moving_average", None), R)    # no history yet: b = 0
     assert update_moving_average(None, R, 0.9) == pytest.approx(0.6)
     assert update_moving_average(0.5, R, 0.9) == pytest.approx(0.9 * 0.5 + 0.1 * 0.6)
     with pytest.raises(ValueError, match="'median'"):
@@ -44,8 +48,9 @@ def test_baselines_hand_worked():
 
 
 def ref_reinforce_pp(rewards, kl, mask, beta, eps=1e-8):
-    """Hu 2025: r_t = -beta KL_t (+ outcome reward on the last token), G_t = sum_{s>=t} r_s, then
-    (G - mean) / (std + eps) with mean and std over all completion tokens of the batch. Loops, float64."""
+    """Hu 2025: r_t = -beta KL_t (+ outcome reward on the last token), G_t = sum_{s>=t} r_s, then (G
+    - mean) / (std + eps) with mean and std over all completion tokens of the batch. Loops,
+    float64."""
     B, T = mask.shape
     G = torch.zeros(B, T, dtype=torch.float64)
     for i in range(B):
@@ -76,19 +81,23 @@ def test_reinforce_pp_matches_reference():
 
 
 def test_reinforce_pp_hand_worked():
-    # beta 0: G_t is the outcome reward on every token; two rows of 2 and 1 tokens with rewards 1 and 0:
-    # values 1, 1, 0 -> mean 2/3, std sqrt(2/9) -> (1/3)/0.4714 = 0.7071, -(2/3)/0.4714 = -1.4142
+    # beta 0: G_t is the outcome reward on every token; two rows of 2 and 1 tokens with rewards 1
+    # and 0: values 1, 1, 0 -> mean 2/3, std sqrt(2/9) -> (1/3)/0.4714 = 0.7071, -(2/3)/0.4714 =
+    # -1.4142
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]], dtype=torch.float64)
     f64 = dict(dtype=torch.float64)
-    got = reinforce_pp_advantages(torch.tensor([1.0, 0.0], **f64), torch.zeros(2, 2, **f64), mask, 0.0)
-    assert torch.allclose(got, torch.tensor([[0.70710678, 0.70710678], [-1.41421356, 0.0]], **f64), atol=1e-6)
+    got = reinforce_pp_advantages(torch.tensor([1.0, 0.0], **f64), torch.zeros(2, 2, **f64), mask,
+                                  0.0)
+    assert torch.allclose(got, torch.tensor([[0.70710678, 0.70710678], [-1.41421356, 0.0]], **f64),
+                          atol=1e-6)
 
 
 @pytest.mark.parametrize("per_token", [False, True])
 def test_loss_and_gradient_match_reference(per_token):
     B, T = 5, 6
     logp = -torch.rand(B, T, dtype=torch.float64) * 3
-    adv = torch.randn(B, T, dtype=torch.float64) if per_token else torch.randn(B, dtype=torch.float64)
+    adv = torch.randn(B, T, dtype=torch.float64) if per_token else torch.randn(B,
+                                                                               dtype=torch.float64)
     lengths = torch.randint(1, T + 1, (B,))
     mask = (torch.arange(T)[None, :] < lengths[:, None]).double()
     A = adv if per_token else adv[:, None].expand(B, T)
@@ -100,21 +109,24 @@ def test_loss_and_gradient_match_reference(per_token):
     assert torch.allclose(g, -A * mask / B, atol=1e-12)
 
 
-TINY = ["--prompts_per_step", "4", "--group_size", "4", "--log_every", "1", "--eval_every", "2", "--eval_n", "8"]
+TINY = ["--prompts_per_step", "4", "--group_size", "4", "--log_every", "1", "--eval_every", "2",
+        "--eval_n", "8"]
 
 
 @pytest.mark.parametrize("baseline", ["reinforce_pp", "moving_average"])
 def test_script_runs_end_to_end_and_resumes(tiny_sft, tmp_path, baseline):
     out = str(tmp_path)
-    p = run_script("reinforce.py", TINY + ["--steps", "2", "--baseline", baseline, "--init", tiny_sft, "--out", out])
+    p = run_script("reinforce.py", TINY + ["--steps", "2", "--baseline", baseline, "--init",
+                                           tiny_sft, "--out", out])
     assert p.returncode == 0, p.stderr
     assert "done: 2 steps" in p.stdout
     rows = [json.loads(line) for line in open(os.path.join(out, "reinforce", "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [0, 1, 2] and "eval_accuracy" in rows[2]
-    for key in ("reward_mean", "kl_exact", "kl_k1", "entropy", "completion_len", "grad_norm", "tokens_per_sec"):
+    for key in ("reward_mean", "kl_exact", "kl_k1", "entropy", "completion_len", "grad_norm",
+                "tokens_per_sec"):
         assert key in rows[1] and math.isfinite(rows[1][key]), key
-    p = run_script("reinforce.py", TINY + ["--steps", "3", "--baseline", baseline, "--init", tiny_sft, "--out", out,
-                                           "--resume"])
+    p = run_script("reinforce.py", TINY + ["--steps", "3", "--baseline", baseline, "--init",
+                                           tiny_sft, "--out", out, "--resume"])
     assert p.returncode == 0, p.stderr
     assert "resuming from" in p.stdout
     _, ckpt = load_checkpoint(os.path.join(out, "reinforce.pt"))

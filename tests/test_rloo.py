@@ -1,5 +1,6 @@
-"""rloo.py: the leave-one-out advantages and the REINFORCE loss against float64 references written here from
-Ahmadian et al. 2024 (arXiv 2402.14740), hand-worked examples, gradients, and the script end to end."""
+"""rloo.py: the leave-one-out advantages and the REINFORCE loss against float64 references written
+here from Ahmadian et al. 2024 (arXiv 2402.14740), hand-worked examples, gradients, and the script
+end to end."""
 import inspect
 import json
 import math
@@ -15,7 +16,8 @@ from rloo import rloo_advantages, rloo_loss
 
 
 def test_the_loss_and_advantages_run_when_copied_with_torch_alone():
-    """What a user copying them gets: the functions' source executed in a fresh namespace holding only torch."""
+    """What a user copying them gets: the functions' source executed in a fresh namespace holding
+    only torch."""
     namespace = {"torch": torch}
     for f in (rloo.rloo_advantages, rloo.rloo_loss):
         exec(inspect.getsource(f), namespace)
@@ -40,11 +42,13 @@ def ref_advantages(rewards, k):
 
 
 def test_hand_worked_example():
-    # k = 4, rewards 1 0 0 1: sample 0's baseline is (0 + 0 + 1) / 3 = 1/3, so A_0 = 2/3; sample 1's is 2/3, A_1 = -2/3
+    # k = 4, rewards 1 0 0 1: sample 0's baseline is (0 + 0 + 1) / 3 = 1/3, so A_0 = 2/3; sample 1's
+    # is 2/3, A_1 = -2/3
     a = rloo_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5]), 4)
     assert torch.allclose(a, torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3, 0, 0, 0, 0]), atol=1e-6)
     # k = 2: each sample's baseline is the other's reward
-    assert torch.allclose(rloo_advantages(torch.tensor([0.9, 0.2]), 2), torch.tensor([0.7, -0.7]), atol=1e-6)
+    assert torch.allclose(rloo_advantages(torch.tensor([0.9, 0.2]), 2), torch.tensor([0.7, -0.7]),
+                          atol=1e-6)
 
 
 @pytest.mark.parametrize("k", [2, 3, 8])
@@ -75,10 +79,12 @@ def test_loss_and_gradient_match_reference():
     want = -sum(adv[i] * sum(logp[i, t] for t in range(T) if mask[i, t]) for i in range(B)) / B
     assert abs(loss.item() - want.item()) < 1e-12
     g, = torch.autograd.grad(loss, lp)
-    assert torch.allclose(g, -adv[:, None] * mask / B, atol=1e-12)   # d/d logp_it = -A_i / B on completion tokens
+    # d/d logp_it = -A_i / B on completion tokens
+    assert torch.allclose(g, -adv[:, None] * mask / B, atol=1e-12)
 
 
-TINY = ["--prompts_per_step", "4", "--group_size", "4", "--log_every", "1", "--eval_every", "2", "--eval_n", "8"]
+TINY = ["--prompts_per_step", "4", "--group_size", "4", "--log_every", "1", "--eval_every", "2",
+        "--eval_n", "8"]
 
 
 def test_script_runs_end_to_end_and_resumes(tiny_sft, tmp_path):
@@ -88,8 +94,8 @@ def test_script_runs_end_to_end_and_resumes(tiny_sft, tmp_path):
     assert "done: 2 steps" in p.stdout
     rows = [json.loads(line) for line in open(os.path.join(out, "rloo", "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [0, 1, 2] and "eval_accuracy" in rows[2]
-    for key in ("reward_mean", "reward_std", "kl_exact", "kl_k1", "entropy", "completion_len", "zero_var_groups",
-                "grad_norm", "tokens_per_sec"):
+    for key in ("reward_mean", "reward_std", "kl_exact", "kl_k1", "entropy", "completion_len",
+                "zero_var_groups", "grad_norm", "tokens_per_sec"):
         assert key in rows[1] and math.isfinite(rows[1][key]), key
     p = run_script("rloo.py", TINY + ["--steps", "3", "--init", tiny_sft, "--out", out, "--resume"])
     assert p.returncode == 0, p.stderr

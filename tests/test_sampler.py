@@ -1,6 +1,7 @@
-"""sampler.py: the draw is torch.multinomial's, draw for draw; the three modes (eager, the fixed-shape step recorded
-as a CUDA graph, and that step compiled) give the same tokens; padding, EOS, num_samples and top-k; ids past the
-tokenizer are never drawn and the sampler's log-probs are the trainer's over the same support; bad input."""
+"""sampler.py: the draw is torch.multinomial's, draw for draw; the three modes (eager, the
+fixed-shape step recorded as a CUDA graph, and that step compiled) give the same tokens; padding,
+EOS, num_samples and top-k; ids past the tokenizer are never drawn and the sampler's log-probs are
+the trainer's over the same support; bad input."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,8 +10,8 @@ import sampler
 from model import GPT, GPTConfig, completion_logits, completion_logprobs
 from tokenizer import Tokenizer
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                   reason="needs CUDA (the CUDA graph)"))]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (the CUDA graph)"))]
 
 
 def peaked_model(seed, vocab_size=258, **kw):
@@ -23,22 +24,26 @@ def peaked_model(seed, vocab_size=258, **kw):
 
 
 def compilation_unavailable():
-    """Why torch.compile cannot run here (e.g. no C++ compiler for the CPU backend), or None if it can."""
+    """Why torch.compile cannot run here (e.g. no C++ compiler for the CPU backend), or None if it
+    can."""
     torch._dynamo.reset()
     try:
         torch.compile(lambda x: x * 2 + 1)(torch.ones(3))
-    except Exception as e:  # noqa: BLE001 - any failure of a trivial compile means compiling is unavailable
+    # noqa: BLE001 - any failure of a trivial compile means compiling is unavailable
+    except Exception as e:
         return f"torch.compile is unavailable here: {type(e).__name__}: {str(e)[:200]}"
     return None
 
 
 def sampler_case(device, **kw):
-    """A tiny random model (2 layers, so that layers read their own cache) over a 16-token vocabulary whose logits
-    are a few units apart: temperature sampling is neither uniform nor deterministic and EOS (14) comes up often
-    enough to end some rows. Four prompts of 7, 3, 1 and 5 real tokens, left-padded with 15. kw: more GPTConfig
-    (grouped-query attention, rotary positions)."""
+    """A tiny random model (2 layers, so that layers read their own cache) over a 16-token
+    vocabulary whose logits are a few units apart: temperature sampling is neither uniform nor
+    deterministic and EOS (14) comes up often enough to end some rows. Four prompts of 7, 3, 1 and 5
+    real tokens, left-padded with 15. kw: more GPTConfig (grouped-query attention, rotary
+    positions)."""
     torch.manual_seed(15)
-    model = GPT(GPTConfig(**{"vocab_size": 16, "block_size": 40, "n_layer": 2, "n_head": 2, "n_embd": 32, **kw}))
+    model = GPT(GPTConfig(**{"vocab_size": 16, "block_size": 40, "n_layer": 2, "n_head": 2,
+                             "n_embd": 32, **kw}))
     model = model.to(device).eval()
     with torch.no_grad():
         model.wte.weight.mul_(5.0)
@@ -55,9 +60,10 @@ def sampler_case(device, **kw):
 
 @pytest.mark.parametrize("V", [2, 37, 1000])
 def test_draw_is_torch_multinomials_draw_for_draw(V):
-    """From the same generator state, draw() picks what torch.multinomial(softmax(logits / T), 1) picks, for 30
-    successive draws (the generator advanced alike), at several temperatures, with top-k zeros in the distribution
-    too; and it reports log softmax(logits / T) of the drawn token."""
+    """From the same generator state, draw() picks what torch.multinomial(softmax(logits / T), 1)
+    picks, for 30 successive draws (the generator advanced alike), at several temperatures, with
+    top-k zeros in the distribution too; and it reports log softmax(logits / T) of the drawn
+    token."""
     torch.manual_seed(V)
     g1, g2 = torch.Generator().manual_seed(V), torch.Generator().manual_seed(V)
     for i in range(30):
@@ -77,28 +83,31 @@ def test_draw_is_torch_multinomials_draw_for_draw(V):
 # -----------------------------------------------------------------------------
 # The modes give the eager sampler's tokens
 
-@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch's own
+# torch's own
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("config", [{}, {"n_head": 4, "n_kv_head": 2, "pos": "rope", "norm": "rmsnorm",
-                                         "mlp": "swiglu", "bias": False}], ids=["gpt2-like", "qwen2-like"])
+@pytest.mark.parametrize("config", [{}, {"n_head": 4, "n_kv_head": 2, "pos": "rope",
+                                         "norm": "rmsnorm", "mlp": "swiglu", "bias": False}],
+                         ids=["gpt2-like", "qwen2-like"])
 def test_every_mode_gives_the_eager_samplers_tokens(device, config):
-    """Greedy, temperature 1 and temperature 0.7 with top-k, each from the same generator seed: the fixed-shape step
-    ("graph": a CUDA graph on CUDA) and its compiled form return exactly the eager sampler's tokens, masks and
-    truncation flags, and log-probs within float32 rounding (attention sums over every cache slot there), over
-    prompts of different lengths (left padding) with 3 samples each, in float32; and grouped-query attention reads
-    the cache without copying it. On CUDA the host checks for the end every SYNC_EVERY tokens: the rows that end
-    early are trimmed as the eager sampler trims them. A second call reuses the compiled step."""
+    """Greedy, temperature 1 and temperature 0.7 with top-k, each from the same generator seed: the
+    fixed-shape step ("graph": a CUDA graph on CUDA) and its compiled form return exactly the eager
+    sampler's tokens, masks and truncation flags, and log-probs within float32 rounding (attention
+    sums over every cache slot there), over prompts of different lengths (left padding) with 3
+    samples each, in float32; and grouped-query attention reads the cache without copying it. On
+    CUDA the host checks for the end every SYNC_EVERY tokens: the rows that end early are trimmed as
+    the eager sampler trims them. A second call reuses the compiled step."""
     model, p, m = sampler_case(device, **config)
     eos, pad = 14, 15
     modes = ["eager", "graph"] + ([] if compilation_unavailable() else ["compile"])
     ended = truncated = 0
-    for seed, kw in [(17, dict(temperature=0.0)), (18, dict(temperature=1.0)), (19, dict(temperature=1.0)),
-                     (20, dict(temperature=0.7, top_k=5))]:
+    for seed, kw in [(17, dict(temperature=0.0)), (18, dict(temperature=1.0)),
+                     (19, dict(temperature=1.0)), (20, dict(temperature=0.7, top_k=5))]:
         runs = {}
         for mode in modes:
             g = torch.Generator(device=device).manual_seed(seed)
-            runs[mode] = sampler.generate(model, p, m, 30, eos, pad, num_samples=3, generator=g, mode=mode,
-                                          return_logprobs=kw["temperature"] > 0, **kw)
+            runs[mode] = sampler.generate(model, p, m, 30, eos, pad, num_samples=3, generator=g,
+                                          mode=mode, return_logprobs=kw["temperature"] > 0, **kw)
         eager = runs["eager"]
         for mode in modes[1:]:
             for a, b in zip(eager[:3], runs[mode][:3]):
@@ -106,37 +115,42 @@ def test_every_mode_gives_the_eager_samplers_tokens(device, config):
             if len(eager) == 4:
                 torch.testing.assert_close(runs[mode][3], eager[3], rtol=1e-5, atol=1e-5)
         ended, truncated = ended + int((~eager[2]).sum()), truncated + int(eager[2].sum())
-    assert ended > 0 and truncated > 0                                  # rows ending in EOS and rows cut off: both
+    assert ended > 0 and truncated > 0                   # rows ending in EOS and rows cut off: both
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_all_rows_ending_early_stop_the_graph_and_the_columns_are_trimmed(device):
-    """EOS is made the likeliest token everywhere (about one chance in two at temperature 1): every row ends within a
-    few tokens. On CUDA the graph mode checks the end only every SYNC_EVERY tokens and runs steps past it, yet
-    returns exactly the eager sampler's tokens, trimmed after the last row's EOS."""
+    """EOS is made the likeliest token everywhere (about one chance in two at temperature 1): every
+    row ends within a few tokens. On CUDA the graph mode checks the end only every SYNC_EVERY tokens
+    and runs steps past it, yet returns exactly the eager sampler's tokens, trimmed after the last
+    row's EOS."""
     model, p, m = sampler_case(device)
 
     def logits(x, **kw):
         out = GPT.logits(model, x, **kw)
-        out[..., 14] = out.max(-1).values + 1.0                         # EOS (14) one unit above the rest
+        out[..., 14] = out.max(-1).values + 1.0                   # EOS (14) one unit above the rest
         return out
     model.logits = logits
     runs = []
     for mode in ("eager", "graph"):
         g = torch.Generator(device=device).manual_seed(0)
-        runs.append(sampler.generate(model, p, m, 30, 14, 15, num_samples=3, generator=g, mode=mode))
+        runs.append(sampler.generate(model, p, m, 30, 14, 15, num_samples=3, generator=g,
+                                     mode=mode))
     assert all(torch.equal(a, b) for a, b in zip(*runs))
     tokens, mask, truncated = runs[0]
     assert 1 < tokens.size(1) < sampler.SYNC_EVERY and not truncated.any()
-    assert mask[:, -1].any() and (tokens == 14).sum() == len(tokens)    # the last column holds a real token
+    # the last column holds a real token
+    assert (mask[:, -1].any() and (tokens == 14).sum() == len(tokens))
 
 
 def test_the_samplers_bfloat16_copy_changes_no_number_and_follows_the_model():
-    """Under bfloat16 autocast the fixed-shape step reads a copy of the model whose linear layers hold bfloat16
-    weights (sampling_copy): autocast would cast the float32 ones to these very numbers, so the hidden states are
-    the model's own, bit for bit; after the model's weights change, the next call's copy has the new ones; the model
-    itself is untouched (float32, its own parameters). CPU autocast stands in for the GPU's."""
-    model, p, m = sampler_case("cpu", n_head=4, n_kv_head=2, pos="rope", norm="rmsnorm", mlp="swiglu", bias=False)
+    """Under bfloat16 autocast the fixed-shape step reads a copy of the model whose linear layers
+    hold bfloat16 weights (sampling_copy): autocast would cast the float32 ones to these very
+    numbers, so the hidden states are the model's own, bit for bit; after the model's weights
+    change, the next call's copy has the new ones; the model itself is untouched (float32, its own
+    parameters). CPU autocast stands in for the GPU's."""
+    model, p, m = sampler_case("cpu", n_head=4, n_kv_head=2, pos="rope", norm="rmsnorm",
+                               mlp="swiglu", bias=False)
     before = [q.clone() for q in model.parameters()]
     for change in (False, True):
         if change:
@@ -146,34 +160,39 @@ def test_the_samplers_bfloat16_copy_changes_no_number_and_follows_the_model():
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             twin = sampler.sampling_copy(model, torch.bfloat16)
             assert torch.equal(twin.hidden(p, m), model.hidden(p, m))
-        assert twin.blocks[0].attn.c_attn.weight.dtype == torch.bfloat16 and twin.wte.weight is model.wte.weight
+        assert (twin.blocks[0].attn.c_attn.weight.dtype == torch.bfloat16
+                and twin.wte.weight is model.wte.weight)
     assert all(q.dtype == torch.float32 for q in model.parameters()) and not all(
         torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert sampler.sampling_copy(model, torch.float32) is model
 
 
 def test_lora_adapters_are_merged_into_the_samplers_copy_and_draw_the_same_tokens():
-    """With LoRA the fixed-shape step reads one linear layer per projection holding W + (alpha/r) B A (no adapter
-    work per token): in float32 on CPU its tokens are the unmerged adapters' (the eager sampler), greedy and sampled
-    from the same generator; after the adapters change the next call's copy has them; the model keeps its adapters;
-    between calls the copy holds no memory (release_copy). Under bfloat16 autocast it holds bf16(W + (alpha/r) B A)."""
+    """With LoRA the fixed-shape step reads one linear layer per projection holding W + (alpha/r) B
+    A (no adapter work per token): in float32 on CPU its tokens are the unmerged adapters' (the
+    eager sampler), greedy and sampled from the same generator; after the adapters change the next
+    call's copy has them; the model keeps its adapters; between calls the copy holds no memory
+    (release_copy). Under bfloat16 autocast it holds bf16(W + (alpha/r) B A)."""
     from lora import LoRALinear, add_adapters
-    model, p, m = sampler_case("cpu", n_head=4, n_kv_head=2, pos="rope", norm="rmsnorm", mlp="swiglu", bias=False)
+    model, p, m = sampler_case("cpu", n_head=4, n_kv_head=2, pos="rope", norm="rmsnorm",
+                               mlp="swiglu", bias=False)
     model = add_adapters(model, 4, 8.0)
     for change in range(2):
         with torch.no_grad():
             for name, q in model.named_parameters():
                 if "lora_B" in name:
-                    q.copy_(0.3 * torch.randn_like(q))                   # adapters that change the logits
+                    q.copy_(0.3 * torch.randn_like(q))             # adapters that change the logits
         for temperature in (0.0, 1.0):
-            got = [sampler.generate(model, p, m, 12, 14, 15, num_samples=3, temperature=temperature, mode=mode,
-                                    generator=torch.Generator().manual_seed(change))[0] for mode in ("eager", "graph")]
+            got = [sampler.generate(model, p, m, 12, 14, 15, num_samples=3, temperature=temperature,
+                                    mode=mode, generator=torch.Generator().manual_seed(change))[0]
+                   for mode in ("eager", "graph")]
             assert torch.equal(got[0], got[1]), (change, temperature)
-            copied = sampler._copies[model][2]        # between calls the copy's weights hold no memory
+            copied = sampler._copies[model][2]     # between calls the copy's weights hold no memory
             assert copied and all(t.untyped_storage().size() == 0 for t, _ in copied)
         twin = sampler.sampling_copy(model, torch.float32)
         attn = twin.blocks[0].attn.c_attn
-        assert type(attn) is torch.nn.Linear and not any(isinstance(x, LoRALinear) for x in twin.modules())
+        assert (type(attn) is torch.nn.Linear
+                and not any(isinstance(x, LoRALinear) for x in twin.modules()))
         lora = model.blocks[0].attn.c_attn
         assert torch.allclose(attn.weight, lora.base.weight + lora.delta_weight(), atol=0, rtol=0)
         with torch.no_grad():
@@ -182,25 +201,29 @@ def test_lora_adapters_are_merged_into_the_samplers_copy_and_draw_the_same_token
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         twin = sampler.sampling_copy(model, torch.bfloat16)
     lora = model.blocks[1].mlp.c_fc
-    assert torch.equal(twin.blocks[1].mlp.c_fc.weight, (lora.base.weight + lora.delta_weight()).bfloat16())
+    assert torch.equal(twin.blocks[1].mlp.c_fc.weight,
+                       (lora.base.weight + lora.delta_weight()).bfloat16())
 
 
 def test_a_shape_past_the_recompile_limit_runs_eagerly_instead_of_raising(monkeypatch):
-    """With fullgraph=True, torch.compile raises on a shape past its recompile limit (8 graphs, here lowered to 1):
-    the compiled step falls back to the same step run eagerly and returns the eager sampler's tokens. The compile
-    backend is dynamo's "eager" one here (the limit is dynamo's; no C++ compiler needed)."""
+    """With fullgraph=True, torch.compile raises on a shape past its recompile limit (8 graphs, here
+    lowered to 1): the compiled step falls back to the same step run eagerly and returns the eager
+    sampler's tokens. The compile backend is dynamo's "eager" one here (the limit is dynamo's; no
+    C++ compiler needed)."""
     import torch._dynamo
     real_compile = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, **{**kw, "backend": "eager"}))
+    monkeypatch.setattr(torch, "compile", lambda fn,
+                        **kw: real_compile(fn, **{**kw, "backend": "eager"}))
     monkeypatch.setattr(sampler, "_compiled", [])
     model, p, m = sampler_case("cpu")
     torch._dynamo.reset()
     with torch._dynamo.config.patch(recompile_limit=1):
-        for rows in (2, 3, 4):                                          # three shapes, one graph allowed
+        for rows in (2, 3, 4):                                     # three shapes, one graph allowed
             g1, g2 = torch.Generator().manual_seed(rows), torch.Generator().manual_seed(rows)
-            eager = sampler.generate(model, p[:rows], m[:rows], 8, 14, 15, temperature=1.0, generator=g1, mode="eager")
-            compiled = sampler.generate(model, p[:rows], m[:rows], 8, 14, 15, temperature=1.0, generator=g2,
-                                        mode="compile")
+            eager = sampler.generate(model, p[:rows], m[:rows], 8, 14, 15, temperature=1.0,
+                                     generator=g1, mode="eager")
+            compiled = sampler.generate(model, p[:rows], m[:rows], 8, 14, 15, temperature=1.0,
+                                        generator=g2, mode="compile")
             assert all(torch.equal(a, b) for a, b in zip(eager, compiled)), rows
 
 
@@ -215,19 +238,20 @@ def test_greedy_generation_equals_argmax_of_full_recomputation(mode):
     tok = Tokenizer()
     model = peaked_model(1)
     prompts, pmask = tok.encode_batch(["3+4*2=", "1=", "9-8*7+6="])
-    tokens, mask, truncated = sampler.generate(model, prompts, pmask, 12, tok.eos_id, tok.pad_id, temperature=0,
-                                               mode=mode)
+    tokens, mask, truncated = sampler.generate(model, prompts, pmask, 12, tok.eos_id, tok.pad_id,
+                                               temperature=0, mode=mode)
     full = torch.cat([prompts, tokens], 1)
     full_mask = torch.cat([pmask, torch.ones_like(mask)], 1)
     with torch.no_grad():
         logits = model(full, full_mask)
     Tp = prompts.size(1)
-    argmax = logits[:, Tp - 1:-1].argmax(-1)                            # (B, Tn) what each step should pick
+    argmax = logits[:, Tp - 1:-1].argmax(-1)                    # (B, Tn) what each step should pick
     assert torch.equal(argmax[mask.bool()], tokens[mask.bool()])
 
 
 def test_completion_logits_line_up_with_the_sampled_tokens():
-    """Row t of completion_logits must be the distribution the sampler drew completion token t from."""
+    """Row t of completion_logits must be the distribution the sampler drew completion token t
+    from."""
     tok = Tokenizer()
     model = peaked_model(12)
     p, m = tok.encode_batch(["3+4*2=", "1=", "9-8*7+6="])
@@ -244,14 +268,17 @@ def test_completion_does_not_depend_on_the_rest_of_the_batch(mode):
     model = peaked_model(2)
     texts = ["3+4*2=", "1=", "9-8*7+6=", "12345678901234="]
     p, m = tok.encode_batch(texts)
-    batch_tokens, batch_mask, _ = sampler.generate(model, p, m, 10, tok.eos_id, tok.pad_id, temperature=0, mode=mode)
+    batch_tokens, batch_mask, _ = sampler.generate(model, p, m, 10, tok.eos_id, tok.pad_id,
+                                                   temperature=0, mode=mode)
     for i, text in enumerate(texts):
         p1, m1 = tok.encode_batch([text])
-        alone, alone_mask, _ = sampler.generate(model, p1, m1, 10, tok.eos_id, tok.pad_id, temperature=0, mode=mode)
+        alone, alone_mask, _ = sampler.generate(model, p1, m1, 10, tok.eos_id, tok.pad_id,
+                                                temperature=0, mode=mode)
         n = int(alone_mask.sum())
         assert int(batch_mask[i].sum()) == n
         assert batch_tokens[i, :n].tolist() == alone[0, :n].tolist()
-        with torch.no_grad():  # and the logits themselves: padding neither leaks in nor shifts positions
+        # and the logits themselves: padding neither leaks in nor shifts positions
+        with torch.no_grad():
             in_batch = model(p, m)[i, m[i].bool()]
             by_itself = model(p1, m1)[0]
         torch.testing.assert_close(in_batch, by_itself, rtol=1e-5, atol=1e-4)
@@ -261,9 +288,11 @@ def test_num_samples_puts_a_prompts_samples_on_consecutive_rows():
     tok = Tokenizer()
     model = peaked_model(3)
     p, m = tok.encode_batch(["1+1=", "2*3-4="])
-    tokens, mask, _ = sampler.generate(model, p, m, 6, tok.eos_id, tok.pad_id, num_samples=3, temperature=0)
+    tokens, mask, _ = sampler.generate(model, p, m, 6, tok.eos_id, tok.pad_id, num_samples=3,
+                                       temperature=0)
     assert tokens.shape[0] == 6
-    assert torch.equal(tokens[0], tokens[1]) and torch.equal(tokens[0], tokens[2])  # greedy: identical samples
+    assert (torch.equal(tokens[0], tokens[1])
+            and torch.equal(tokens[0], tokens[2]))                       # greedy: identical samples
     assert torch.equal(tokens[3], tokens[5])
 
 
@@ -271,11 +300,12 @@ def test_num_samples_puts_a_prompts_samples_on_consecutive_rows():
 def test_eos_mask_covers_through_first_eos_and_flags_cut_off_rows(mode):
     eos, pad = 6, 7
     torch.manual_seed(4)
-    model = GPT(GPTConfig(vocab_size=8, n_layer=1, n_head=1, n_embd=16)).eval()  # near-uniform: EOS ~1/8 a step
+    # near-uniform: EOS ~1/8 a step
+    model = GPT(GPTConfig(vocab_size=8, n_layer=1, n_head=1, n_embd=16)).eval()
     prompts = torch.randint(0, 6, (64, 3))
     g = torch.Generator().manual_seed(5)
-    tokens, mask, truncated = sampler.generate(model, prompts, torch.ones(64, 3), 10, eos, pad, temperature=1.0,
-                                               generator=g, mode=mode)
+    tokens, mask, truncated = sampler.generate(model, prompts, torch.ones(64, 3), 10, eos, pad,
+                                               temperature=1.0, generator=g, mode=mode)
     ended = cut = 0
     for row, m, tr in zip(tokens.tolist(), mask.tolist(), truncated.tolist()):
         if eos in row:
@@ -293,16 +323,19 @@ def test_eos_mask_covers_through_first_eos_and_flags_cut_off_rows(mode):
 
 @pytest.mark.parametrize("mode", ["eager", "graph"])
 def test_several_stop_ids_each_end_a_row_and_the_samplers_log_probs_are_0_after_it(mode):
-    """Three stop ids (a chat model's: <|eot_id|>, <|eom_id|>, <|end_of_text|>): whichever comes first ends the row and
-    stays as sampled, the mask runs through it, padding follows; the sampler's own log-probs are its log-softmax at
-    each sampled token up to the end (recomputed here) and exactly 0 after it, as its docstring promises."""
+    """Three stop ids (a chat model's: <|eot_id|>, <|eom_id|>, <|end_of_text|>): whichever comes
+    first ends the row and stays as sampled, the mask runs through it, padding follows; the
+    sampler's own log-probs are its log-softmax at each sampled token up to the end (recomputed
+    here) and exactly 0 after it, as its docstring promises."""
     stops, pad = [5, 6, 7], 4
     torch.manual_seed(4)
-    model = GPT(GPTConfig(vocab_size=8, n_layer=1, n_head=1, n_embd=16)).eval()  # near-uniform: a stop ~3/8 a step
+    # near-uniform: a stop ~3/8 a step
+    model = GPT(GPTConfig(vocab_size=8, n_layer=1, n_head=1, n_embd=16)).eval()
     prompts = torch.randint(0, 4, (64, 3))
     g = torch.Generator().manual_seed(5)
-    tokens, mask, truncated, logp = sampler.generate(model, prompts, torch.ones(64, 3), 10, stops, pad,
-                                                     temperature=1.3, generator=g, mode=mode, return_logprobs=True)
+    tokens, mask, truncated, logp = sampler.generate(model, prompts, torch.ones(64, 3), 10, stops,
+                                                     pad, temperature=1.3, generator=g, mode=mode,
+                                                     return_logprobs=True)
     seen = set()
     for i, (row, m) in enumerate(zip(tokens.tolist(), mask.tolist())):
         ends = [t for t, x in enumerate(row) if x in stops]
@@ -313,9 +346,9 @@ def test_several_stop_ids_each_end_a_row_and_the_samplers_log_probs_are_0_after_
         assert (logp[i, end:] == 0).all() and (logp[i, :end] < 0).all()
         want = completion_logits(model, prompts[i:i + 1], torch.ones(1, 3), tokens[i:i + 1, :end],
                                  mask[i:i + 1, :end])[0].div(1.3).log_softmax(-1)
-        torch.testing.assert_close(logp[i, :end], want.gather(1, tokens[i, :end, None]).squeeze(1), rtol=0,
-                                   atol=1e-5)
-    assert seen == set(stops) and truncated.any()                   # every stop id ended a row, and some ran out
+        torch.testing.assert_close(logp[i, :end], want.gather(1, tokens[i, :end, None]).squeeze(1),
+                                   rtol=0, atol=1e-5)
+    assert seen == set(stops) and truncated.any()      # every stop id ended a row, and some ran out
 
 
 def test_top_k_one_equals_greedy():
@@ -332,34 +365,41 @@ def test_top_k_one_equals_greedy():
 
 @pytest.mark.parametrize("mode", MODES)
 def test_ids_past_the_tokenizer_are_never_sampled_and_the_trainer_scores_the_same_support(mode):
-    """A model with 40 embedding rows of which the tokenizer has 30, whose rows 30..39 have the largest logits of
-    all, sampled at temperature 20 (near-uniform): no id past 29 is ever drawn, and the sampler's own log-probs are
-    the trainer's (completion_logprobs) to float32 rounding, the ratio 1: over all 40 rows the trainer would put
-    most of the probability on ids the sampler never draws, and the ratio would be far from 1."""
+    """A model with 40 embedding rows of which the tokenizer has 30, whose rows 30..39 have the
+    largest logits of all, sampled at temperature 20 (near-uniform): no id past 29 is ever drawn,
+    and the sampler's own log-probs are the trainer's (completion_logprobs) to float32 rounding, the
+    ratio 1: over all 40 rows the trainer would put most of the probability on ids the sampler never
+    draws, and the ratio would be far from 1."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=40, tokenizer_vocab=30, block_size=64, n_layer=2, n_head=4, n_kv_head=2,
-                          n_embd=32, pos="rope", norm="rmsnorm", mlp="swiglu", bias=False)).eval()
+    model = GPT(GPTConfig(vocab_size=40, tokenizer_vocab=30, block_size=64, n_layer=2, n_head=4,
+                          n_kv_head=2, n_embd=32, pos="rope", norm="rmsnorm", mlp="swiglu",
+                          bias=False)).eval()
     with torch.no_grad():
-        model.lm_head.weight[30:] = 3 * model.ln_f.weight * 10        # rows past the tokenizer: the largest logits
+        # rows past the tokenizer: the largest logits
+        model.lm_head.weight[30:] = 3 * model.ln_f.weight * 10
     prompt, pmask = torch.randint(0, 30, (8, 5)), torch.ones(8, 5)
     g = torch.Generator().manual_seed(1)
-    tokens, mask, _, logp = sampler.generate(model, prompt, pmask, 24, eos_id=29, pad_id=29, num_samples=4,
-                                             temperature=20.0, generator=g, mode=mode, return_logprobs=True)
-    assert tokens.max() < 30 and len(set(tokens[mask > 0].tolist())) > 20     # all over the support, never past
+    tokens, mask, _, logp = sampler.generate(model, prompt, pmask, 24, eos_id=29, pad_id=29,
+                                             num_samples=4, temperature=20.0, generator=g,
+                                             mode=mode, return_logprobs=True)
+    # all over the support, never past
+    assert (tokens.max() < 30 and len(set(tokens[mask > 0].tolist())) > 20)
     P = prompt.repeat_interleave(4, 0), pmask.repeat_interleave(4, 0)
     with torch.no_grad():
         trainer = completion_logprobs(model, *P, tokens, mask, temperature=20.0)
-        everything = F.log_softmax(model.lm_head(model.hidden(torch.cat([P[0], tokens], 1)[:, :-1],
-                                                              torch.cat([P[1], mask], 1)[:, :-1])) / 20, -1)
+        everything = F.log_softmax(
+            model.lm_head(model.hidden(torch.cat([P[0], tokens], 1)[:, :-1],
+                                       torch.cat([P[1], mask], 1)[:, :-1])) / 20, -1)
     real = mask > 0
-    torch.testing.assert_close(trainer[real], logp[real], rtol=0, atol=2e-5)         # the ratio is 1
+    torch.testing.assert_close(trainer[real], logp[real], rtol=0, atol=2e-5)        # the ratio is 1
     over_all = everything[:, prompt.size(1) - 1:].gather(2, tokens[..., None]).squeeze(2)
-    assert (over_all[real] - logp[real]).abs().mean() > 0.5                         # what one support prevents
-    assert model(prompt, pmask).shape[-1] == 30                                     # the logits: the support only
+    assert (over_all[real] - logp[real]).abs().mean() > 0.5           # what one support prevents
+    assert model(prompt, pmask).shape[-1] == 30                       # the logits: the support only
 
 
 def test_decoding_never_raises_on_an_id_the_model_can_emit():
-    """Tokenizer.decode of ids the tokenizer does not have (past its vocabulary, negative) gives U+FFFD for each."""
+    """Tokenizer.decode of ids the tokenizer does not have (past its vocabulary, negative) gives
+    U+FFFD for each."""
     tok = Tokenizer()
     assert tok.decode([72, 105, 1000, 33, -1]) == "Hi\ufffd!\ufffd"
     assert tok.decode_completions(torch.tensor([[72, 300, 256]]), torch.ones(1, 3)) == ["H\ufffd"]
@@ -370,12 +410,13 @@ def test_decoding_never_raises_on_an_id_the_model_can_emit():
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_sequence_longer_than_block_size_is_refused_as_the_eager_forward_refuses_it(mode):
-    """The positions live on the device inside the fixed-shape step, so the sampler checks block_size on the host,
-    with the eager forward's message."""
+    """The positions live on the device inside the fixed-shape step, so the sampler checks
+    block_size on the host, with the eager forward's message."""
     model = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=1, n_embd=16)).eval()
     prompt = torch.randint(0, 14, (2, 8))
     with pytest.raises(ValueError, match="a sequence of 9 real tokens exceeds block_size = 8"):
-        sampler.generate(model, prompt, torch.ones(2, 8), 3, eos_id=-1, pad_id=15, temperature=0, mode=mode)
+        sampler.generate(model, prompt, torch.ones(2, 8), 3, eos_id=-1, pad_id=15, temperature=0,
+                         mode=mode)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -390,7 +431,8 @@ def test_nan_weights_are_one_clear_error_not_garbage_tokens(mode):
 
 def test_bad_arguments_are_refused():
     model, p, m = sampler_case("cpu")
-    for kw, words in [(dict(max_new_tokens=0), "max_new_tokens = 0"), (dict(temperature=-1.0), "temperature = -1"),
+    for kw, words in [(dict(max_new_tokens=0), "max_new_tokens = 0"),
+                      (dict(temperature=-1.0), "temperature = -1"),
                       (dict(mode="fast"), "sampler mode 'fast'")]:
         with pytest.raises(ValueError, match=words):
             sampler.generate(model, p, m, **{"max_new_tokens": 4, "eos_id": 14, **kw})

@@ -12,15 +12,15 @@ from conftest import TINY_SFT, run_script
 from tokenizer import Tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--steps", "4", "--warmup", "2",  # past the warm-up: the cosine schedule's lr goes into the checkpoint too
-        "--batch_size", "8", "--n_layer", "1", "--n_head", "1", "--n_embd", "16",
-        "--log_every", "2", "--eval_every", "4", "--eval_n", "8"]
+# past the warm-up: the cosine schedule's lr goes into the checkpoint too
+TINY = ["--steps", "4", "--warmup", "2", "--batch_size", "8", "--n_layer", "1", "--n_head", "1",
+        "--n_embd", "16", "--log_every", "2", "--eval_every", "4", "--eval_n", "8"]
 
 
 def run(args):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run([sys.executable, "sft.py", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env=env)
+    return subprocess.run([sys.executable, "sft.py", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env=env)
 
 
 def test_sft_runs_end_to_end_and_resumes(tmp_path):
@@ -40,7 +40,8 @@ def test_sft_runs_end_to_end_and_resumes(tmp_path):
     assert "resuming from" in p.stdout
     _, ckpt2 = load_checkpoint(os.path.join(out, "sft.pt"))
     assert ckpt2["step"] == 6
-    assert not torch.equal(ckpt2["model"]["wte.weight"], ckpt["model"]["wte.weight"])  # it trained on
+    # it trained on
+    assert not torch.equal(ckpt2["model"]["wte.weight"], ckpt["model"]["wte.weight"])
     rows = [json.loads(line) for line in open(os.path.join(out, "sft", "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [0, 2, 4, 6]
 
@@ -53,11 +54,11 @@ def test_sft_rejects_bad_settings_with_a_message(tmp_path):
 
 
 def test_sft_loss_is_completion_tokens_only():
-    """The demonstrations the script trains on put the answer after the prompt; the loss mask must start
-    at the first completion token. Checked on the same batch construction the script uses."""
+    """The demonstrations the script trains on put the answer after the prompt; the loss mask must
+    start at the first completion token. Checked on the same batch construction the script uses."""
     tok = Tokenizer()
-    tokens, attn, loss_mask = task.completion_batch(["3+4*2=", "1+1="], ["4*2=8,3+8=11#11", "1+1=2,2+0=2#2"], tok,
-                                                    "cpu")
+    tokens, attn, loss_mask = task.completion_batch(
+        ["3+4*2=", "1+1="], ["4*2=8,3+8=11#11", "1+1=2,2+0=2#2"], tok, "cpu")
     targets = tokens[:, 1:]
     first = tok.decode([t for t, m in zip(targets[0].tolist(), loss_mask[0].tolist()) if m])
     assert first == "4*2=8,3+8=11#11<|endoftext|>"
@@ -67,9 +68,10 @@ def test_sft_loss_is_completion_tokens_only():
 
 
 def test_sft_learns_the_task(tmp_path):
-    """The recipe of the tests' SFT policy (conftest.TINY_SFT): its loss falls from ln(258) = 5.55 nats (a uniform
-    guess over the byte vocabulary) to a few hundredths of it, and its held-out greedy accuracy leaves 0, which a
-    flipped sign, a shifted target or a loss over the prompt would prevent."""
+    """The recipe of the tests' SFT policy (conftest.TINY_SFT): its loss falls from ln(258) = 5.55
+    nats (a uniform guess over the byte vocabulary) to a few hundredths of it, and its held-out
+    greedy accuracy leaves 0, which a flipped sign, a shifted target or a loss over the prompt would
+    prevent."""
     p = run_script("sft.py", TINY_SFT + ["--out", str(tmp_path)])
     assert p.returncode == 0, p.stderr[-2000:]
     rows = [json.loads(line) for line in open(tmp_path / "sft" / "metrics.jsonl")]

@@ -22,7 +22,8 @@ def test_solutions_follow_precedence_and_left_to_right_mistakes_ignore_it():
 def test_answers_match_python_on_every_problem():
     held, prec, other = arithmetic._split()
     for prompt in held + prec + other:
-        assert arithmetic.answer(prompt) == eval(prompt[:-1])  # Python applies the same precedence rules
+        # Python applies the same precedence rules
+        assert arithmetic.answer(prompt) == eval(prompt[:-1])
 
 
 def test_split_is_fixed_disjoint_and_balanced():
@@ -39,7 +40,8 @@ def test_split_is_fixed_disjoint_and_balanced():
 
 
 def test_mistake_rate_sets_the_share_of_left_to_right_demonstrations():
-    demos = task.sample_demonstrations(random.Random(1), 4000, mistake_rate=0.3, precedence_share=1.0)
+    demos = task.sample_demonstrations(random.Random(1), 4000, mistake_rate=0.3,
+                                       precedence_share=1.0)
     wrong = sum(c == arithmetic.demonstration(p, left_to_right=True) for p, c in demos) / len(demos)
     assert 0.26 < wrong < 0.34
     with pytest.raises(ValueError, match="mistake_rate = 1.5"):
@@ -52,7 +54,8 @@ def test_mistake_rate_sets_the_share_of_left_to_right_demonstrations():
     ("4*2=8,3+8=12#11", 1.0, True),          # the outcome reward reads only the final answer
     ("4*2=8,3+8=11#11  ", 1.0, False),       # trailing whitespace is allowed after the answer ...
     ("4*2=8,3+8=11#11\r\n", 1.0, False),     # ... a Windows line end too
-    ("4*2=8,3+8=11#11\n", 1.0, False),       # ... a newline: accepted by the reward, not by the strict format
+    # ... a newline: accepted by the reward, not by the strict format
+    ("4*2=8,3+8=11#11\n", 1.0, False),
     ("4*2=8,3+8=11#11\t\n ", 1.0, False),
     ("11", 0.0, False),                      # no '#'
     ("#11", 1.0, False),                     # right answer, wrong format
@@ -75,14 +78,16 @@ def test_verifier_on_hand_written_cases(completion, outcome, well_formed):
 def test_a_prompt_with_a_trailing_newline_is_not_a_task_prompt():
     with pytest.raises(ValueError, match="not a task prompt"):
         arithmetic.solve("3+4*2=\n")
-    assert task.reward("3+4*2=\n", "4*2=8,3+8=11#11") == 0.0 and not arithmetic.is_parenthesised("(3+4)*2=\n")
+    assert (task.reward("3+4*2=\n", "4*2=8,3+8=11#11") == 0.0
+            and not arithmetic.is_parenthesised("(3+4)*2=\n"))
 
 
 def test_verifier_never_raises():
     rng = random.Random()
     for _ in range(2000):
         n = rng.choice([0, 1, 5, 30, 300])
-        text = "".join(chr(rng.choice([rng.randrange(32, 127), rng.randrange(0, 0x10FFFF)])) for _ in range(n))
+        text = "".join(chr(rng.choice([rng.randrange(32, 127), rng.randrange(0, 0x10FFFF)]))
+                       for _ in range(n))
         text = text.encode("utf-8", "replace").decode("utf-8", "replace")
         r = task.reward("3+4*2=", text, format_weight=0.1)
         assert r in (0.0, 0.1, 1.0, 1.1)
@@ -110,18 +115,21 @@ def test_evaluate_scores_what_the_policy_generates():
     greedy = task.complete(model, tok, prompts)
     want = sum(task.reward(p, c) for p, c in zip(prompts, greedy)) / len(prompts)
     assert result["greedy_accuracy"] == want
-    assert set(result) == {"greedy_accuracy", "pass_at_1", "greedy_accuracy_precedence", "greedy_accuracy_other"}
+    assert set(result) == {"greedy_accuracy", "pass_at_1", "greedy_accuracy_precedence",
+                           "greedy_accuracy_other"}
 
 
 def test_evaluation_samples_within_the_runs_own_budget(monkeypatch):
-    """The held-out evaluation draws at most the max_new_tokens it is given (the run's --max_new_tokens, which was
-    checked against the model's context), not the task's default (GSM8K's 512 used to overflow a small model's
-    context halfway through a run)."""
+    """The held-out evaluation draws at most the max_new_tokens it is given (the run's
+    --max_new_tokens, which was checked against the model's context), not the task's default
+    (GSM8K's 512 used to overflow a small model's context halfway through a run)."""
     import sampler
     seen = []
     real = sampler.generate
-    monkeypatch.setattr(sampler, "generate", lambda m, p, pm, n, *a, **k: seen.append(n) or real(m, p, pm, n, *a, **k))
-    task.evaluate(tiny_policy(), Tokenizer(), task.eval_prompts()[:4], num_samples=2, max_new_tokens=5)
+    monkeypatch.setattr(sampler, "generate", lambda m, p, pm, n, *a, **k: seen.append(n)
+                        or real(m, p, pm, n, *a, **k))
+    task.evaluate(tiny_policy(), Tokenizer(), task.eval_prompts()[:4], num_samples=2,
+                  max_new_tokens=5)
     assert seen == [5, 5]
     seen.clear()
     task.evaluate(tiny_policy(), Tokenizer(), task.eval_prompts()[:4], num_samples=2)
@@ -130,7 +138,8 @@ def test_evaluation_samples_within_the_runs_own_budget(monkeypatch):
 
 def test_a_prompt_longer_than_the_context_is_refused_without_a_negative_budget():
     from plumbing import check_fits
-    with pytest.raises(SystemExit, match="longest prompt of the task has 70 tokens.*block_size\\) is 64"):
+    with pytest.raises(SystemExit,
+                       match="longest prompt of the task has 70 tokens.*block_size\\) is 64"):
         check_fits(70, 8, 64)
     with pytest.raises(SystemExit, match="allowed: --max_new_tokens <= 14"):
         check_fits(50, 20, 64)
@@ -147,10 +156,12 @@ def test_preference_pairs_chosen_correct_rejected_wrong_and_cached(tmp_path):
         assert task.reward(p["prompt"], p["rejected"]) == 0.0
     # an untrained policy is never right: chosen falls back to the demonstration
     assert all(p["source"].startswith("demo/") for p in pairs)
-    assert task.preference_pairs(prompts, tiny_policy(), tok, samples_per_prompt=2, cache=cache) == pairs
+    assert task.preference_pairs(prompts, tiny_policy(), tok, samples_per_prompt=2,
+                                 cache=cache) == pairs
     with open(cache, "w") as f:
         f.write("{ truncated")
-    assert task.preference_pairs(prompts, tiny_policy(), tok, samples_per_prompt=2, cache=cache) == pairs
+    assert task.preference_pairs(prompts, tiny_policy(), tok, samples_per_prompt=2,
+                                 cache=cache) == pairs
 
 
 def test_preference_cache_is_remade_for_a_different_policy(tmp_path):
@@ -164,26 +175,33 @@ def test_preference_cache_is_remade_for_a_different_policy(tmp_path):
 
 
 def test_pair_batch_masks_exactly_the_completions_and_eos_and_keeps_the_sampled_ids():
-    """A pair's ids are taken as they are (preference_pairs stores a sample as sampled, its EOS last, and a
-    demonstration with its EOS): nothing is appended, so a sample that ran out of tokens is trained without one."""
+    """A pair's ids are taken as they are (preference_pairs stores a sample as sampled, its EOS
+    last, and a demonstration with its EOS): nothing is appended, so a sample that ran out of tokens
+    is trained without one."""
     tok = Tokenizer()
     pairs = [{"prompt": "3+4*2=", "chosen": "4*2=8,3+8=11#11", "rejected": "3+4=7,7*2=14#14"},
              {"prompt": "1+1+1=", "chosen": "1+1=2,2+1=3#3", "rejected": "1+1=2,2+1=4#4"}]
     for p in pairs:
-        p["chosen_ids"], p["rejected_ids"] = (tok.encode(p[k]) + [tok.eos_id] for k in ("chosen", "rejected"))
+        p["chosen_ids"], p["rejected_ids"] = (tok.encode(p[k]) + [tok.eos_id]
+                                              for k in ("chosen", "rejected"))
     tokens, attn, mask = task.pair_batch(pairs, tok, "cpu")
     assert tokens.shape[0] == 4 and mask.shape == (4, tokens.shape[1] - 1)
     targets = tokens[:, 1:]
-    got = [tok.decode([t for t, k in zip(targets[i].tolist(), mask[i].tolist()) if k]) for i in range(4)]
-    assert got == [c + "<|endoftext|>" for c in ("4*2=8,3+8=11#11", "1+1=2,2+1=3#3", "3+4=7,7*2=14#14",
-                                                 "1+1=2,2+1=4#4")]
-    assert attn.sum(1).tolist() == [len(p["prompt"]) + len(p[k]) + 1 for k in ("chosen", "rejected") for p in pairs]
-    assert (tokens[torch.arange(4), attn.sum(1).long() - 1] == tok.eos_id).all()   # each row ends with its EOS
-    # a sampled side is scored as the ids that were sampled, even where decoding them and encoding again differs
-    odd = [0xE2, 0x82]                                      # half a UTF-8 character: decodes to U+FFFD, 3 other bytes
+    got = [tok.decode([t for t, k in zip(targets[i].tolist(), mask[i].tolist()) if k])
+           for i in range(4)]
+    assert got == [c + "<|endoftext|>" for c in ("4*2=8,3+8=11#11", "1+1=2,2+1=3#3",
+                                                 "3+4=7,7*2=14#14", "1+1=2,2+1=4#4")]
+    assert attn.sum(1).tolist() == [len(p["prompt"]) + len(p[k]) + 1
+                                    for k in ("chosen", "rejected") for p in pairs]
+    # each row ends with its EOS
+    assert (tokens[torch.arange(4), attn.sum(1).long() - 1] == tok.eos_id).all()
+    # a sampled side is scored as the ids that were sampled, even where decoding them and encoding
+    # again differs
+    odd = [0xE2, 0x82]                    # half a UTF-8 character: decodes to U+FFFD, 3 other bytes
     pairs[0]["rejected_ids"] = odd + tok.encode("#3") + [tok.eos_id]
     assert tok.encode(tok.decode(pairs[0]["rejected_ids"][:-1])) != pairs[0]["rejected_ids"][:-1]
-    pairs[1]["rejected_ids"] = tok.encode("1+1=2,2+1=4#4")  # ran out of tokens: no EOS, and none is added
+    # ran out of tokens: no EOS, and none is added
+    pairs[1]["rejected_ids"] = tok.encode("1+1=2,2+1=4#4")
     tokens, attn, mask = task.pair_batch(pairs, tok, "cpu")
     rows = [[t for t, k in zip(tokens[i, 1:].tolist(), mask[i].tolist()) if k] for i in (2, 3)]
     assert rows == [odd + tok.encode("#3") + [tok.eos_id], tok.encode("1+1=2,2+1=4#4")]
@@ -195,7 +213,8 @@ def test_concat_rollouts_pads_so_that_each_row_reads_as_it_did_alone():
     model, tok = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16)).eval(), Tokenizer()
     a = task.rollout(model, tok, ["1+2*3=", "9-8-7="], 2, 1.0, max_new_tokens=5,
                      generator=torch.Generator().manual_seed(0))
-    b = task.rollout(model, tok, ["1=", "22+3="], 2, 1.0, max_new_tokens=9, generator=torch.Generator().manual_seed(1))
+    b = task.rollout(model, tok, ["1=", "22+3="], 2, 1.0, max_new_tokens=9,
+                     generator=torch.Generator().manual_seed(1))
     both = task.concat_rollouts([a, b], tok.pad_id)
     assert both[0].shape[0] == 8 and both[2].size(1) == max(a[2].size(1), b[2].size(1))
     with torch.no_grad():
@@ -205,19 +224,22 @@ def test_concat_rollouts_pads_so_that_each_row_reads_as_it_did_alone():
             for i in range(4):
                 n = int(part[3][i].sum())
                 torch.testing.assert_close(stacked[k + i, :n], alone[i, :n], rtol=0, atol=1e-5)
-    assert torch.equal(both[5], torch.cat([a[5], b[5]])) and torch.equal(both[4], torch.cat([a[4], b[4]]))
+    assert (torch.equal(both[5], torch.cat([a[5], b[5]]))
+            and torch.equal(both[4], torch.cat([a[4], b[4]])))
 
 
 def test_parenthesised_problems_solve_verify_and_split():
     assert arithmetic.solve("(3+4)*2=") == (["3+4=7", "7*2=14"], 14)
-    assert arithmetic.solve("(2-7)*9=", left_to_right=True) == (["2-7=-5", "-5*9=-45"], -45)  # parentheses first
+    # parentheses first
+    assert arithmetic.solve("(2-7)*9=", left_to_right=True) == (["2-7=-5", "-5*9=-45"], -45)
     assert arithmetic.demonstration("(9-8)*7=") == "9-8=1,1*7=7#7"
-    assert task.reward("(3+4)*2=", "3+4=7,7*2=14#14") == 1.0 and task.reward("(3+4)*2=", "4*2=8,3+8=11#11") == 0.0
+    assert (task.reward("(3+4)*2=", "3+4=7,7*2=14#14") == 1.0
+            and task.reward("(3+4)*2=", "4*2=8,3+8=11#11") == 0.0)
     for bad in ("(3*4)*2=", "(3+4)+2=", "(3+4*2=", "3+(4*2)="):
-        assert task.reward(bad, "#1") == 0.0                           # not a task prompt: 0, never an exception
+        assert task.reward(bad, "#1") == 0.0              # not a task prompt: 0, never an exception
     held = arithmetic.paren_eval_prompts()
     assert len(held) == len(set(held)) == 256 and all(arithmetic.is_parenthesised(p) for p in held)
-    for p in held:                                                     # Python's own precedence agrees
+    for p in held:                                        # Python's own precedence agrees
         assert arithmetic.answer(p) == eval(p[:-1])
     drawn = arithmetic.sample_paren_prompts(random.Random(0), 3000)
     assert not set(drawn) & set(held) and len(set(drawn)) > 1000
@@ -226,13 +248,14 @@ def test_parenthesised_problems_solve_verify_and_split():
 
 
 @pytest.mark.parametrize("prompt, completion, relabelled", [
-    ("3+4*2=", "3+4=7,7*2=14#14", "(3+4)*2="),      # the left-to-right mistake solves the parenthesised problem
+    # the left-to-right mistake solves the parenthesised problem
+    ("3+4*2=", "3+4=7,7*2=14#14", "(3+4)*2="),
     ("2-3*4=", "2-3=-1,-1*4=-4#-4", "(2-3)*4="),
-    ("3+4*2=", "4*2=8,3+8=11#11", None),             # a correct attempt is kept as it is: nothing to relabel
-    ("3+4*2=", "3+4=7,7*2=15#15", None),             # a slip in the arithmetic solves no problem of ours
-    ("3+4*2=", "3+4=7,7*2=14#14 ", None),            # not exactly the derivation (trailing space)
-    ("3+4+2=", "3+4=7,7+2=10#10", None),             # no precedence to get wrong
-    ("3+4*1=", "3+4=7,7*1=7#7", None),               # left to right, but the answer is right: not a failure
+    ("3+4*2=", "4*2=8,3+8=11#11", None),    # a correct attempt is kept as it is: nothing to relabel
+    ("3+4*2=", "3+4=7,7*2=15#15", None),    # a slip in the arithmetic solves no problem of ours
+    ("3+4*2=", "3+4=7,7*2=14#14 ", None),   # not exactly the derivation (trailing space)
+    ("3+4+2=", "3+4=7,7+2=10#10", None),    # no precedence to get wrong
+    ("3+4*1=", "3+4=7,7*1=7#7", None),      # left to right, but the answer is right: not a failure
 ])
 def test_hindsight_relabels_exactly_the_left_to_right_failures(prompt, completion, relabelled):
     assert arithmetic.hindsight_prompt(prompt, completion) == relabelled

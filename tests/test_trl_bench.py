@@ -1,6 +1,6 @@
-"""bench/trl_grpo.py at toy shapes on the CPU: TRL's GRPOTrainer and grpo.py, one process, the same folder and shapes,
-each step timed and the ratio printed. Where trl is not installed (it is never in requirements.txt) the test is
-skipped, as the benchmark skips TRL's half."""
+"""bench/trl_grpo.py at toy shapes on the CPU: TRL's GRPOTrainer and grpo.py, one process, the same
+folder and shapes, each step timed and the ratio printed. Where trl is not installed (it is never in
+requirements.txt) the test is skipped, as the benchmark skips TRL's half."""
 import os
 import re
 import subprocess
@@ -14,10 +14,12 @@ pytest.importorskip("trl", reason="trl is not installed: bench/trl_grpo.py's TRL
 
 
 def test_trl_and_grpo_side_by_side_at_toy_shapes(tmp_path):
-    p = subprocess.run([sys.executable, "bench/trl_grpo.py", "--device", "cpu", "--tiny", "--steps", "2", "--out",
-                        str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    p = subprocess.run([sys.executable, "bench/trl_grpo.py", "--device", "cpu", "--tiny", "--steps",
+                        "2", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=900)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    ours = re.search(r"\| this project, grpo.py \(bench/recipe.py\) \| ([0-9.]+), ([0-9.]+) \|", p.stdout)
+    ours = re.search(r"\| this project, grpo.py \(bench/recipe.py\) \| ([0-9.]+), ([0-9.]+) \|",
+                     p.stdout)
     theirs = re.search(r"\| TRL [0-9.]+ GRPOTrainer \| ([0-9.]+), ([0-9.]+) \|", p.stdout)
     assert ours and theirs, p.stdout[-2000:]
     assert all(float(x) > 0 for x in (*ours.groups(), *theirs.groups()))

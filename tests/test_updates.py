@@ -1,18 +1,20 @@
 """One exact update per training script: what each loop feeds its loss, not only the loss.
 
-Each script runs through tests/ddp_worker.py: fixed completions (a function of the prompt and the sample's index;
-agent.py's episodes planned so, the environment answering), plain SGD in place of AdamW, and a record of what each step
-was fed (the prompts, the batches) and of each optimiser step's gradient. The test rebuilds every sequence from the
-recorded prompts and texts alone (its own tokens, one sequence at a time with no padding, its own position slices, its
-own rewards and labels), writes the loss again from the paper's equation in float64 on a float64 copy of the starting
-weights, and asks for the same gradient at every optimiser step and the same weights at the end (SGD: w - lr (g + wd w),
-with the learning rate of the test's own schedule).
+Each script runs through tests/ddp_worker.py: fixed completions (a function of the prompt and the
+sample's index; agent.py's episodes planned so, the environment answering), plain SGD in place of
+AdamW, and a record of what each step was fed (the prompts, the batches) and of each optimiser
+step's gradient. The test rebuilds every sequence from the recorded prompts and texts alone (its own
+tokens, one sequence at a time with no padding, its own position slices, its own rewards and
+labels), writes the loss again from the paper's equation in float64 on a float64 copy of the
+starting weights, and asks for the same gradient at every optimiser step and the same weights at the
+end (SGD: w - lr (g + wd w), with the learning rate of the test's own schedule).
 
-The first step of an RL run starts with the policy equal to the reference and the ratio at 1: there the KL terms have
-no gradient and the clip never acts. So every RL case runs a second pass or a second step, simulated here too, with a
-non-default temperature and beta: a flipped KL sign or a dropped temperature changes the update. Each flag under test is
-shown to take effect: the script's update is also compared with what the equation gives with that flag at its default
-(or with a planted mistake: a KL of the wrong sign, a score read one token off), and must be far from it.
+The first step of an RL run starts with the policy equal to the reference and the ratio at 1: there
+the KL terms have no gradient and the clip never acts. So every RL case runs a second pass or a
+second step, simulated here too, with a non-default temperature and beta: a flipped KL sign or a
+dropped temperature changes the update. Each flag under test is shown to take effect: the script's
+update is also compared with what the equation gives with that flag at its default (or with a
+planted mistake: a KL of the wrong sign, a score read one token off), and must be far from it.
 """
 import contextlib
 import copy
@@ -38,14 +40,15 @@ from tokenizer import Tokenizer
 WORKER = os.path.join(ROOT, "tests", "ddp_worker.py")
 TOK = Tokenizer()
 EOS = TOK.eos_id
-SGD_LR = 0.02                  # the worker's SGD learning rate, where the script does not set one each step
-GRAD_TOL = 3e-4                # float32 gradient against float64: relative error (norm over all parameters); a
-                               # later step starts from float32 weights rounded at every earlier one (1.2e-4 seen
-                               # at a third step on one CPU), still 3x below FAR
-WEIGHT_TOL = 3e-4              # the same for the weights' change (float32 weights rounded)
-FAR = 1e-3                     # an update with a flag ignored is at least this far (relative)
-MARGIN = 1e-5                  # a float64 value this close to a threshold the update decides on (a clip's 1 + eps) may
-                               # fall on the threshold's other side in the float32 run (seen: 1.9e-7, a wrong side)
+SGD_LR = 0.02      # the worker's SGD learning rate, where the script does not set one each step
+GRAD_TOL = 3e-4    # float32 gradient against float64: relative error (norm over all parameters); a
+                   # later step starts from float32 weights rounded at every earlier one (1.2e-4
+                   # seen at a third step on one CPU), still 3x below FAR
+WEIGHT_TOL = 3e-4  # the same for the weights' change (float32 weights rounded)
+FAR = 1e-3         # an update with a flag ignored is at least this far (relative)
+MARGIN = 1e-5      # a float64 value this close to a threshold the update decides on (a clip's
+                   # 1 + eps) may fall on the threshold's other side in the float32 run (seen:
+                   # 1.9e-7, a wrong side)
 
 
 # -----------------------------------------------------------------------------
@@ -67,15 +70,16 @@ class Result:
 
 
 def train(script, flags, out, name=None, lr=SGD_LR):
-    """Run `script` (a ddp_worker name) with `flags` in one process, SGD at `lr` where the script does not set the
-    learning rate: its Result (checkpoint `name`.pt)."""
+    """Run `script` (a ddp_worker name) with `flags` in one process, SGD at `lr` where the script
+    does not set the learning rate: its Result (checkpoint `name`.pt)."""
     os.makedirs(out, exist_ok=True)
     start, log = os.path.join(out, "start.pt"), os.path.join(out, "log.pt")
-    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "OMP_NUM_THREADS": "1",
-           "DDP_WORKER_INIT": start, "DDP_WORKER_LOG": log,
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
+           "OMP_NUM_THREADS": "1", "DDP_WORKER_INIT": start, "DDP_WORKER_LOG": log,
            "DDP_WORKER_LR": str(lr)}
-    p = subprocess.run([sys.executable, WORKER, script, *flags, "--log_every", "1", "--eval_n", "1", "--out", out],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    p = subprocess.run([sys.executable, WORKER, script, *flags, "--log_every", "1", "--eval_n", "1",
+                        "--out", out], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return Result(out, name or script, torch.load(start), torch.load(log))
 
@@ -87,7 +91,8 @@ _decisions = None              # the distances noted by decided() while margins(
 
 
 def decided(values, *thresholds, where=None):
-    """Note how close `values` (a tensor; where: the entries that matter) come to each threshold, for margins()."""
+    """Note how close `values` (a tensor; where: the entries that matter) come to each threshold,
+    for margins()."""
     values = values.detach() if where is None else values.detach()[where]
     if _decisions is not None and values.numel():
         _decisions.extend(float((values - t).abs().min()) for t in thresholds)
@@ -95,20 +100,23 @@ def decided(values, *thresholds, where=None):
 
 @contextlib.contextmanager
 def margins():
-    """The expected update computed inside decides each threshold as the float32 run must: every value decided() saw
-    is at least MARGIN from its threshold. The starting weights are the same on every machine (tests/fixtures), so
-    this holds everywhere or nowhere; where it fails, the test's data must change, not its tolerance."""
+    """The expected update computed inside decides each threshold as the float32 run must: every
+    value decided() saw is at least MARGIN from its threshold. The starting weights are the same on
+    every machine (tests/fixtures), so this holds everywhere or nowhere; where it fails, the test's
+    data must change, not its tolerance."""
     global _decisions
     _decisions = []
     try:
         yield
         closest = min(_decisions, default=1.0)
-        assert closest > MARGIN, f"a decision {closest:.1e} from its threshold: too close to call in float32"
+        assert closest > MARGIN, (f"a decision {closest:.1e} from its threshold: "
+                                  "too close to call in float32")
     finally:
         _decisions = None
 
 def f64(model, weights=None):
-    """A float64 copy of `model` in eval mode (no dropout), its parameters set to `weights` if given."""
+    """A float64 copy of `model` in eval mode (no dropout), its parameters set to `weights` if
+    given."""
     m = copy.deepcopy(model).double().eval()
     if weights is not None:
         with torch.no_grad():
@@ -134,7 +142,8 @@ def sgd_step(model, grads, lr, weight_decay=0.0):
 
 
 def clip(grads, max_norm):
-    """torch.nn.utils.clip_grad_norm_'s rule: scale by max_norm / (norm + 1e-6) when that is below 1."""
+    """torch.nn.utils.clip_grad_norm_'s rule: scale by max_norm / (norm + 1e-6) when that is below
+    1."""
     norm = torch.sqrt(sum((g ** 2).sum() for g in grads)).item()
     return [g * min(1.0, max_norm / (norm + 1e-6)) for g in grads]
 
@@ -146,8 +155,9 @@ def rel_err(got, want):
 
 
 def check_grads(result, expected, group=0, far=()):
-    """Each optimiser step's recorded gradient (of parameter group `group`) is the expected one. far: (name, the
-    gradients of a wrong update), each at least FAR away from the recorded ones at some step."""
+    """Each optimiser step's recorded gradient (of parameter group `group`) is the expected one.
+    far: (name, the gradients of a wrong update), each at least FAR away from the recorded ones at
+    some step."""
     got = [s["grads"][group] for s in result.steps]
     assert len(got) == len(expected), f"{len(got)} optimiser steps, {len(expected)} expected"
     for i, (g, w) in enumerate(zip(got, expected)):
@@ -155,7 +165,7 @@ def check_grads(result, expected, group=0, far=()):
         assert err < GRAD_TOL, f"step {i + 1}: gradient off by {err:.2e} (relative)"
     for name, wrong in far:
         if len(wrong) != len(got):
-            continue                                                  # told apart by the number of steps
+            continue                                             # told apart by the number of steps
         err = max(rel_err(g, w) for g, w in zip(got, wrong))
         assert err > FAR, f"the update does not tell {name} apart ({err:.2e})"
 
@@ -167,8 +177,8 @@ def weight_change_error(result, model, start=None):
 
 
 def check_weights(result, model, far=()):
-    """The checkpoint's weights are the simulated model's (their change from the start); far: (name, the model of a
-    wrong update), each at least FAR away."""
+    """The checkpoint's weights are the simulated model's (their change from the start); far: (name,
+    the model of a wrong update), each at least FAR away."""
     err = weight_change_error(result, model)
     assert err < WEIGHT_TOL, f"the weights' change is off by {err:.2e} (relative)"
     for name, wrong in far:
@@ -180,13 +190,15 @@ def check_weights(result, model, far=()):
 # One sequence at a time: logits, token log-probs, scalar scores
 
 def logits_of(gpt, ids):
-    """(L, V) float64 logits of one unpadded sequence: row t predicts ids[t + 1]. The LM head written here."""
+    """(L, V) float64 logits of one unpadded sequence: row t predicts ids[t + 1]. The LM head
+    written here."""
     h = gpt.hidden(torch.tensor([ids]), torch.ones(1, len(ids)))[0]
     return h @ gpt.lm_head.weight.T
 
 
 def completion_logits(gpt, prompt_ids, completion_ids, temperature=1.0):
-    """(n, V) logits / temperature predicting each of the n completion tokens, after the prompt and those before."""
+    """(n, V) logits / temperature predicting each of the n completion tokens, after the prompt and
+    those before."""
     seq = list(prompt_ids) + list(completion_ids)
     return logits_of(gpt, seq)[len(prompt_ids) - 1:len(seq) - 1] / temperature
 
@@ -196,15 +208,17 @@ def token_logp(logits, ids):
 
 
 class Rows:
-    """Completions as the test builds them, one row each: prompt ids, completion ids with the EOS, the text, and the
-    verifier's reward of the text for its own prompt. G: rows per prompt (a prompt's G on consecutive rows)."""
+    """Completions as the test builds them, one row each: prompt ids, completion ids with the EOS,
+    the text, and the verifier's reward of the text for its own prompt. G: rows per prompt (a
+    prompt's G on consecutive rows)."""
 
     def __init__(self, items, G=1):
         self.prompts, self.texts = [p for p, _ in items], [t for _, t in items]
         self.prompt_ids = [TOK.encode(p) for p in self.prompts]
         self.ids = [TOK.encode(t) + [EOS] for t in self.texts]
         self.rewards = torch.tensor([task.reward(p, t) for p, t in items], dtype=torch.float64)
-        self.well_formed = torch.tensor([float(arithmetic.is_well_formed(t)) for t in self.texts], dtype=torch.float64)
+        self.well_formed = torch.tensor([float(arithmetic.is_well_formed(t)) for t in self.texts],
+                                        dtype=torch.float64)
         self.G = G
 
     @classmethod
@@ -216,7 +230,8 @@ class Rows:
         return len(self.ids)
 
     def logits(self, gpt, temperature=1.0):
-        return [completion_logits(gpt, p, c, temperature) for p, c in zip(self.prompt_ids, self.ids)]
+        return [completion_logits(gpt, p, c, temperature)
+                for p, c in zip(self.prompt_ids, self.ids)]
 
     def logp(self, gpt, temperature=1.0):
         return [token_logp(z, c) for z, c in zip(self.logits(gpt, temperature), self.ids)]
@@ -229,7 +244,8 @@ def scores_of(scalar, ids):
 
 
 def kl_estimate(logp, ref_logp, estimator, clamp=None):
-    """Schulman's estimators of KL(pi || pi_ref) on a token sampled from pi; log r = log pi_ref - log pi."""
+    """Schulman's estimators of KL(pi || pi_ref) on a token sampled from pi; log r = log pi_ref -
+    log pi."""
     log_r = ref_logp - logp
     if clamp is not None:
         decided(log_r, -clamp, clamp)
@@ -238,7 +254,8 @@ def kl_estimate(logp, ref_logp, estimator, clamp=None):
 
 
 def exact_kl(logits_p, logits_q):
-    """KL(softmax(p) || softmax(q)) at each position, over the vocabulary: (n, V), (n, V) -> (n,)."""
+    """KL(softmax(p) || softmax(q)) at each position, over the vocabulary: (n, V), (n, V) ->
+    (n,)."""
     lp, lq = logits_p.log_softmax(-1), logits_q.log_softmax(-1)
     return (lp.exp() * (lp - lq)).sum(-1)
 
@@ -249,11 +266,12 @@ def entropy(logits):
 
 
 def lr_schedule(step, lr, warmup, total):
-    """sft.py's, reward_model.py's and prm.py's: linear warm-up to lr over `warmup` steps, then cosine to lr / 10 at
-    `total` (step 0-based)."""
+    """sft.py's, reward_model.py's and prm.py's: linear warm-up to lr over `warmup` steps, then
+    cosine to lr / 10 at `total` (step 0-based)."""
     if step < warmup:
         return lr * (step + 1) / warmup
-    return lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup)))))
+    return lr * (0.1 + 0.45 * (
+        1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup)))))
 
 
 # -----------------------------------------------------------------------------
@@ -272,13 +290,15 @@ def group_advantages(rewards, G, std="population", scale=True):
 
 
 def grpo_expected(gpt, rows, c, ref=None):
-    """mu SGD passes on GRPO's loss (negated eq. 3) and its family, c the settings: (model after, gradients). ref:
-    pi_ref, if not gpt (the policy at the step's start)."""
+    """mu SGD passes on GRPO's loss (negated eq. 3) and its family, c the settings: (model after,
+    gradients). ref: pi_ref, if not gpt (the policy at the step's start)."""
     ref, model = frozen(gpt if ref is None else ref), copy.deepcopy(gpt)
     rewards = rows.rewards.clone()
-    if c["overlong"]:                                               # DAPO eq. 13, on the length (EOS included)
-        L, start = torch.tensor([len(x) for x in rows.ids], dtype=torch.float64), c["max_new"] - c["overlong"]
-        rewards += torch.where(L <= start, 0.0, torch.where(L <= c["max_new"], (start - L) / c["overlong"], -1.0))
+    if c["overlong"]:                                    # DAPO eq. 13, on the length (EOS included)
+        L, start = torch.tensor([len(x) for x in rows.ids],
+                                dtype=torch.float64), c["max_new"] - c["overlong"]
+        rewards += torch.where(L <= start, 0.0,
+                               torch.where(L <= c["max_new"], (start - L) / c["overlong"], -1.0))
     A = group_advantages(rewards, rows.G, c["std"], c["scale"])
     with torch.no_grad():
         old, ref_lp = rows.logp(gpt, c["T"]), rows.logp(ref, c["T"])
@@ -288,14 +308,16 @@ def grpo_expected(gpt, rows, c, ref=None):
         total = 0.0
         for i, lp in enumerate(rows.logp(model, c["T"])):
             log_ratio = lp - old[i]
-            ratio = torch.exp(log_ratio) if c["ratio"] == "token" else torch.exp(log_ratio.mean()).expand_as(lp)
+            ratio = (torch.exp(log_ratio) if c["ratio"] == "token"
+                     else torch.exp(log_ratio.mean()).expand_as(lp))
             decided(ratio, 1 - lo, 1 + hi, where=(A[i] != 0).expand_as(ratio))
             if c["loss"] == "clip":
                 pg = -torch.min(ratio * A[i], ratio.clamp(1 - lo, 1 + hi) * A[i])
-            else:                                                   # CISPO: -sg(clip(ratio)) A log pi
+            else:                                        # CISPO: -sg(clip(ratio)) A log pi
                 pg = -ratio.clamp(1 - lo, 1 + hi).detach() * A[i] * lp
             per_token = pg + c["beta"] * kl_estimate(lp, ref_lp[i], c["kl"], c["kl_clamp"])
-            total = total + {"seq": per_token.mean() / len(rows), "token": per_token.sum() / n_tokens,
+            total = total + {"seq": per_token.mean() / len(rows),
+                             "token": per_token.sum() / n_tokens,
                              "dr_grpo": per_token.sum() / (len(rows) * c["max_new"])}[c["agg"]]
         g = grad_of(total, model)
         grads.append(g)
@@ -304,7 +326,8 @@ def grpo_expected(gpt, rows, c, ref=None):
 
 
 def dynamic_sampling_rows(rollouts, P, G):
-    """DAPO's dynamic sampling over the rounds drawn: the groups with 0 < #correct < G, in order, the first P."""
+    """DAPO's dynamic sampling over the rounds drawn: the groups with 0 < #correct < G, in order,
+    the first P."""
     kept = []
     for r in rollouts:
         rows = Rows.fixed(r["prompts"], G)
@@ -315,30 +338,39 @@ def dynamic_sampling_rows(rollouts, P, G):
     return Rows(kept[:P * G], G), len(kept)
 
 
-GRPO = {"lr": SGD_LR, "T": 0.7, "beta": 0.3, "clip": 0.1, "eps_high": None, "kl": "k3", "kl_clamp": None, "mu": 2,
-        "agg": "seq", "std": "population", "scale": True, "ratio": "token", "loss": "clip", "overlong": 0,
-        "max_new": 24, "dynamic": False}
-GRPO_FLAGS = ["--steps", "1", "--mu", "2", "--prompts_per_step", "4", "--group_size", "4", "--precedence_share", "1",
-              "--temperature", "0.7", "--beta", "0.3", "--clip_eps", "0.1", "--grad_clip", "1e9"]
-GRPO_CASES = {   # name: (flags, settings, the defaults of the flags under test: each must change the update)
+GRPO = {"lr": SGD_LR, "T": 0.7, "beta": 0.3, "clip": 0.1, "eps_high": None, "kl": "k3",
+        "kl_clamp": None, "mu": 2, "agg": "seq", "std": "population", "scale": True,
+        "ratio": "token", "loss": "clip", "overlong": 0, "max_new": 24, "dynamic": False}
+GRPO_FLAGS = ["--steps", "1", "--mu", "2", "--prompts_per_step", "4", "--group_size", "4",
+              "--precedence_share", "1", "--temperature", "0.7", "--beta", "0.3",
+              "--clip_eps", "0.1", "--grad_clip", "1e9"]
+# name: (flags, settings, the defaults of the flags under test: each must change the update)
+GRPO_CASES = {
     "grpo": ([], {}, {"T": 1.0, "beta": 0.04, "clip": 0.2}),
     "--std sample --loss_agg token --eps_high --kl_estimator k1 --kl_clamp": (
-        ["--std", "sample", "--loss_agg", "token", "--eps_high", "0.3", "--kl_estimator", "k1", "--kl_clamp", "0.05"],
+        ["--std", "sample", "--loss_agg", "token", "--eps_high", "0.3", "--kl_estimator", "k1",
+         "--kl_clamp", "0.05"],
         {"std": "sample", "agg": "token", "eps_high": 0.3, "kl": "k1", "kl_clamp": 0.05},
         {"std": "population", "agg": "seq", "eps_high": None, "kl": "k3", "kl_clamp": None}),
     "Dr. GRPO --kl_estimator k2 --overlong_buffer": (
-        ["--no_std_scaling", "--loss_agg", "dr_grpo", "--kl_estimator", "k2", "--overlong_buffer", "16"],
+        ["--no_std_scaling", "--loss_agg", "dr_grpo", "--kl_estimator", "k2",
+         "--overlong_buffer", "16"],
         {"scale": False, "agg": "dr_grpo", "kl": "k2", "overlong": 16},
         {"scale": True, "agg": "seq", "kl": "k3", "overlong": 0}),
-    # GSPO: after the first pass the sequence ratios of A > 0 rows are about 1.1 (SGD at 0.02), so eps_high 0.5 keeps
-    # them where 1 + clip_eps would clip them all
+    # GSPO: after the first pass the sequence ratios of A > 0 rows are about 1.1 (SGD at 0.02), so
+    # eps_high 0.5 keeps them where 1 + clip_eps would clip them all
     "GSPO": (["--ratio_level", "sequence", "--clip_eps", "0.02", "--eps_high", "0.5"],
-             {"ratio": "sequence", "clip": 0.02, "eps_high": 0.5}, {"ratio": "token", "eps_high": None}),
-    "CISPO": (["--loss_type", "cispo", "--loss_agg", "token", "--clip_eps", "0.05", "--eps_high", "0.05"],
-              {"loss": "cispo", "agg": "token", "clip": 0.05, "eps_high": 0.05}, {"loss": "clip", "clip": 0.2}),
-    "DAPO --dynamic_sampling": (["--dynamic_sampling", "--precedence_share", "0.5", "--loss_agg", "token",
+             {"ratio": "sequence", "clip": 0.02, "eps_high": 0.5},
+             {"ratio": "token", "eps_high": None}),
+    "CISPO": (["--loss_type", "cispo", "--loss_agg", "token", "--clip_eps", "0.05",
+               "--eps_high", "0.05"],
+              {"loss": "cispo", "agg": "token", "clip": 0.05, "eps_high": 0.05},
+              {"loss": "clip", "clip": 0.2}),
+    "DAPO --dynamic_sampling": (["--dynamic_sampling", "--precedence_share", "0.5",
+                                 "--loss_agg", "token",
                                  "--eps_high", "0.3"],
-                                {"dynamic": True, "agg": "token", "eps_high": 0.3}, {"dynamic": False}),
+                                {"dynamic": True, "agg": "token", "eps_high": 0.3},
+                                {"dynamic": False}),
 }
 
 
@@ -351,9 +383,10 @@ def test_grpo_update(case, tiny_sft, tmp_path):
     gpt = f64(result.model, result.start)
     if c["dynamic"]:
         rows, n_kept = dynamic_sampling_rows(rollouts, 4, 4)
-        assert len(rollouts) == 4 or n_kept >= 16 > dynamic_sampling_rows(rollouts[:-1], 4, 4)[1]  # rounds: enough
+        assert (len(rollouts) == 4
+                or n_kept >= 16 > dynamic_sampling_rows(rollouts[:-1], 4, 4)[1])    # rounds: enough
         assert 0 < len(rows) < len(rollouts) * 16                  # some groups dropped, some kept
-        first = Rows.fixed(rollouts[0]["prompts"], 4)                # --dynamic_sampling ignored
+        first = Rows.fixed(rollouts[0]["prompts"], 4)     # --dynamic_sampling ignored
         wrong = [("--dynamic_sampling", grpo_expected(gpt, first, c)[1])]
     else:
         (rollout,) = rollouts
@@ -361,17 +394,19 @@ def test_grpo_update(case, tiny_sft, tmp_path):
         wrong = []
     with margins():
         model, grads = grpo_expected(gpt, rows, c)
-    wrong += [(f"{k} {v}", grpo_expected(gpt, rows, {**c, k: v})[1]) for k, v in defaults.items() if k != "dynamic"]
+    wrong += [(f"{k} {v}", grpo_expected(gpt, rows, {**c, k: v})[1])
+              for k, v in defaults.items() if k != "dynamic"]
     wrong.append(("a flipped KL sign", grpo_expected(gpt, rows, {**c, "beta": -c["beta"]})[1]))
-    check_grads(result, grads, far=wrong)                            # --mu 2: two steps, else a count mismatch
+    check_grads(result, grads, far=wrong)                 # --mu 2: two steps, else a count mismatch
     check_weights(result, model)
 
 
 class LoRA64(torch.nn.Module):
-    """A float64 GPT whose trained parameters are LoRA's A and B alone (Hu et al. 2021): each adapted weight read as
-    W + (alpha / r) B A, written here (a parametrization of the frozen W: the merged weight, row blocks per part of
-    a fused projection) rather than lora.py's W x + s B (A x). parameters(): [A, B] per projection in lora.adapters'
-    order (blocks in order; c_attn, c_proj, then the MLP's first and second linear)."""
+    """A float64 GPT whose trained parameters are LoRA's A and B alone (Hu et al. 2021): each
+    adapted weight read as W + (alpha / r) B A, written here (a parametrization of the frozen W: the
+    merged weight, row blocks per part of a fused projection) rather than lora.py's W x + s B (A x).
+    parameters(): [A, B] per projection in lora.adapters' order (blocks in order; c_attn, c_proj,
+    then the MLP's first and second linear)."""
 
     class Delta(torch.nn.Module):
         def __init__(self, A, B, scale):
@@ -384,8 +419,10 @@ class LoRA64(torch.nn.Module):
     def __init__(self, gpt, start, rank, alpha):
         super().__init__()
         self.ab = torch.nn.ParameterList([torch.nn.Parameter(t.double().clone()) for t in start])
-        object.__setattr__(self, "gpt", gpt.requires_grad_(False))  # not a submodule: parameters() are A and B
-        sites = [layer for b in gpt.blocks for layer in (b.attn.c_attn, b.attn.c_proj, b.mlp[0], b.mlp[2])]
+        # not a submodule: parameters() are A and B
+        object.__setattr__(self, "gpt", gpt.requires_grad_(False))
+        sites = [layer for b in gpt.blocks
+                 for layer in (b.attn.c_attn, b.attn.c_proj, b.mlp[0], b.mlp[2])]
         assert len(sites) * 2 == len(start)
         for i, layer in enumerate(sites):
             torch.nn.utils.parametrize.register_parametrization(
@@ -399,8 +436,8 @@ class LoRA64(torch.nn.Module):
         return self.gpt.lm_head
 
     def merged(self, names):
-        """The tensors `names` (state_dict names of the GPT without adapters) as they are now: W + (alpha / r) B A for
-        an adapted weight, as a merged checkpoint holds it."""
+        """The tensors `names` (state_dict names of the GPT without adapters) as they are now: W +
+        (alpha / r) B A for an adapted weight, as a merged checkpoint holds it."""
         out = []
         for name in names:
             module, attr = name.rsplit(".", 1)
@@ -409,17 +446,20 @@ class LoRA64(torch.nn.Module):
 
 
 def test_grpo_update_with_lora(tiny_sft, tmp_path):
-    """--lora_rank: the gradient reaches A and B only, through W + (alpha / r) B A; the reference is the weights
-    without the adapters (B = 0 there: the start), and the checkpoint loads as the merged weights."""
+    """--lora_rank: the gradient reaches A and B only, through W + (alpha / r) B A; the reference is
+    the weights without the adapters (B = 0 there: the start), and the checkpoint loads as the
+    merged weights."""
     c = GRPO
     flags = [*GRPO_FLAGS, "--steps", "2", "--lora_rank", "4", "--lora_alpha", "8"]
     result = train("grpo", ["--init", tiny_sft, *flags], str(tmp_path))
     base = f64(load_checkpoint(tiny_sft)[0])
     start = result.start
-    assert len(start) == 2 * 4 * base.config.n_layer and all((b == 0).all() for b in start[1::2])   # B = 0
+    # B = 0
+    assert (len(start) == 2 * 4 * base.config.n_layer and all((b == 0).all() for b in start[1::2]))
 
     def two_steps(gpt, c, moving_ref=False):
-        """Two steps of mu passes; pi_ref the start (the adapters off), or with moving_ref the policy at each step."""
+        """Two steps of mu passes; pi_ref the start (the adapters off), or with moving_ref the
+        policy at each step."""
         grads = []
         for rollout in result.of("rollout"):
             rows = Rows.fixed(rollout["prompts"], 4)
@@ -431,23 +471,27 @@ def test_grpo_update_with_lora(tiny_sft, tmp_path):
     with margins():
         model, grads = two_steps(start_model, c)
     wrong = [("alpha / r at its default", two_steps(LoRA64(f64(base), start, 4, 32.0), c)[1]),
-             ("a flipped KL sign", two_steps(start_model, {**c, "beta": -c["beta"]})[1]),
-             ("the reference moving with the adapters", two_steps(start_model, c, moving_ref=True)[1])]
+             ("a flipped KL sign", two_steps(start_model, {**c, "beta": -c["beta"]})[1]), (
+        "the reference moving with the adapters", two_steps(start_model, c, moving_ref=True)[1])]
     check_grads(result, grads, far=wrong)
-    assert all(g is not None for s in result.steps for g in s["grads"][0])   # the adapters alone are optimised
+    # the adapters alone are optimised
+    assert all(g is not None for s in result.steps for g in s["grads"][0])
     assert result.ckpt["lora"] == {"rank": 4, "alpha": 8.0, "targets": ["qkv", "o", "up", "down"]}
     names = list(base.state_dict())
     start_w = [w.detach() for w in base.state_dict().values()]
     got = [result.model.state_dict()[n] for n in names]
-    err = rel_err([g - w0 for g, w0 in zip(got, start_w)], [w - w0 for w, w0 in zip(model.merged(names), start_w)])
+    err = rel_err([g - w0 for g, w0 in zip(got, start_w)],
+                  [w - w0 for w, w0 in zip(model.merged(names), start_w)])
     assert err < WEIGHT_TOL, f"the merged weights' change is off by {err:.2e} (relative)"
 
 
 # -----------------------------------------------------------------------------
-# RLOO and REINFORCE: the KL to the reference in the reward, one step per batch; two steps (the KL is 0 at the first)
+# RLOO and REINFORCE: the KL to the reference in the reward, one step per batch; two steps (the KL
+# is 0 at the first)
 
 def reinforce_expected(gpt, rounds, c):
-    """One SGD step per batch of rows on -1/B sum_i sum_t A_it log pi (Williams; RLOO; REINFORCE++): (model, grads)."""
+    """One SGD step per batch of rows on -1/B sum_i sum_t A_it log pi (Williams; RLOO; REINFORCE++):
+    (model, grads)."""
     ref, model = frozen(gpt), copy.deepcopy(gpt)
     moving_average, grads = None, []
     for rows in rounds:
@@ -455,24 +499,27 @@ def reinforce_expected(gpt, rounds, c):
             old, ref_lp = rows.logp(model, c["T"]), rows.logp(ref, c["T"])
         kl_t = [kl_estimate(o, r, c["kl"]) for o, r in zip(old, ref_lp)]
         r = rows.rewards + c["format"] * rows.well_formed                         # the format bonus
-        R = r - c["beta"] * torch.stack([k.sum() for k in kl_t])                 # R_i = r_i - beta sum_t KL_it
+        R = r - c["beta"] * torch.stack([k.sum() for k in kl_t])      # R_i = r_i - beta sum_t KL_it
         if c["baseline"] == "rloo":
             Rg = R.view(-1, rows.G)
-            A = (Rg - (Rg.sum(1, keepdim=True) - Rg) / (rows.G - 1)).view(-1)    # minus the others' mean
-        elif c["baseline"] == "reinforce_pp":                                    # REINFORCE++: returns-to-go
+            # minus the others' mean
+            A = (Rg - (Rg.sum(1, keepdim=True) - Rg) / (rows.G - 1)).view(-1)
+        elif c["baseline"] == "reinforce_pp":                           # REINFORCE++: returns-to-go
             returns = []
             for i, k in enumerate(kl_t):
                 r_t = -c["beta"] * k
-                r_t[-1] += r[i]                                                # the outcome on the last token
+                r_t[-1] += r[i]                                      # the outcome on the last token
                 returns.append(r_t.flip(0).cumsum(0).flip(0))
             every = torch.cat(returns)
-            mean, std = every.mean(), every.std(unbiased=False)                 # over every token of the batch
+            mean, std = every.mean(), every.std(unbiased=False)      # over every token of the batch
             A = [(x - mean) / (std + 1e-8) for x in returns]
         else:
-            b = {"none": 0.0, "batch_mean": R.mean(), "moving_average": moving_average or 0.0}[c["baseline"]]
+            b = {"none": 0.0, "batch_mean": R.mean(), "moving_average": moving_average
+                 or 0.0}[c["baseline"]]
             A = R - b
             m = R.mean().item()
-            moving_average = m if moving_average is None else c["decay"] * moving_average + (1 - c["decay"]) * m
+            moving_average = (m if moving_average is None
+                              else c["decay"] * moving_average + (1 - c["decay"]) * m)
         loss = -sum((A[i] * lp).sum() for i, lp in enumerate(rows.logp(model, c["T"]))) / len(rows)
         g = grad_of(loss, model)
         grads.append(g)
@@ -480,20 +527,26 @@ def reinforce_expected(gpt, rounds, c):
     return model, grads
 
 
-PG_FLAGS = ["--prompts_per_step", "4", "--group_size", "4", "--precedence_share", "1", "--temperature", "0.7",
-            "--beta", "0.3", "--grad_clip", "1e9"]
+PG_FLAGS = ["--prompts_per_step", "4", "--group_size", "4", "--precedence_share", "1",
+            "--temperature", "0.7", "--beta", "0.3", "--grad_clip", "1e9"]
 PG_CASES = {   # name: (script, flags, settings, the defaults of the flags under test)
     "rloo": ("rloo", ["--steps", "2", "--kl_estimator", "k2"], {"baseline": "rloo", "kl": "k2"},
              {"T": 1.0, "beta": 0.04, "kl": "k1"}),
-    "reinforce++": ("reinforce", ["--steps", "2", "--kl_estimator", "k3"],     # a smaller step: the whitened token
-                    {"baseline": "reinforce_pp", "kl": "k3", "lr": 0.002},     # advantages give a larger gradient
+    "reinforce++": ("reinforce", ["--steps", "2", "--kl_estimator", "k3"],
+                    # a smaller step: the whitened token advantages give a larger gradient
+                    {"baseline": "reinforce_pp", "kl": "k3", "lr": 0.002},
                     {"T": 1.0, "beta": 0.04, "kl": "k1"}),
-    "reinforce none --format_weight": ("reinforce", ["--steps", "2", "--baseline", "none", "--format_weight", "0.5"],
+    "reinforce none --format_weight": ("reinforce",
+                                       ["--steps", "2", "--baseline", "none",
+                                        "--format_weight", "0.5"],
                                        {"baseline": "none", "format": 0.5},
                                        {"baseline": "batch_mean", "T": 1.0, "format": 0.0}),
-    "reinforce batch_mean": ("reinforce", ["--steps", "2", "--baseline", "batch_mean"], {"baseline": "batch_mean"},
+    "reinforce batch_mean": ("reinforce", ["--steps", "2", "--baseline", "batch_mean"],
+                             {"baseline": "batch_mean"},
                              {"baseline": "none", "beta": 0.04}),
-    "reinforce moving_average": ("reinforce", ["--steps", "3", "--baseline", "moving_average", "--ema_decay", "0.5"],
+    "reinforce moving_average": ("reinforce",
+                                 ["--steps", "3", "--baseline", "moving_average",
+                                  "--ema_decay", "0.5"],
                                  {"baseline": "moving_average", "decay": 0.5},
                                  {"baseline": "none", "decay": 0.9}),
 }
@@ -507,18 +560,21 @@ def test_rloo_and_reinforce_update(case, tiny_sft, tmp_path):
     rounds = [Rows.fixed(r["prompts"], 4) for r in result.of("rollout")]
     gpt = f64(result.model, result.start)
     model, grads = reinforce_expected(gpt, rounds, c)
-    wrong = [(f"{k} {v}", reinforce_expected(gpt, rounds, {**c, k: v})[1]) for k, v in defaults.items()]
-    wrong.append(("a flipped KL sign", reinforce_expected(gpt, rounds, {**c, "beta": -c["beta"]})[1]))
+    wrong = [(f"{k} {v}", reinforce_expected(gpt, rounds, {**c, k: v})[1])
+             for k, v in defaults.items()]
+    wrong.append(("a flipped KL sign", reinforce_expected(gpt, rounds,
+                                                          {**c, "beta": -c["beta"]})[1]))
     check_grads(result, grads, far=wrong)
     check_weights(result, model)
 
 
 # -----------------------------------------------------------------------------
-# The reward model (Bradley-Terry, InstructGPT eq. 1): its update, and the checkpoint ppo.py and expert iteration use
+# The reward model (Bradley-Terry, InstructGPT eq. 1): its update, and the checkpoint ppo.py and
+# expert iteration use
 
 def pair_ids(pair, side):
-    """A pair's side as (prompt ids, completion ids): as sampled, with the EOS that ended it and none where it ran out
-    of tokens (a demonstration's with its EOS)."""
+    """A pair's side as (prompt ids, completion ids): as sampled, with the EOS that ended it and
+    none where it ran out of tokens (a demonstration's with its EOS)."""
     return TOK.encode(pair["prompt"]), list(pair[f"{side}_ids"])
 
 
@@ -528,12 +584,14 @@ def plain(ids):
 
 
 def rm_expected(scalar, batches, c):
-    """SGD on -mean log sigmoid(r_c - r_r - margin), r read at each sequence's EOS (its last token)."""
+    """SGD on -mean log sigmoid(r_c - r_r - margin), r read at each sequence's EOS (its last
+    token)."""
     model, grads = copy.deepcopy(scalar), []
     for step, pairs in enumerate(batches):
         read = -1 - c["read_early"]
         score = lambda pair, side: scores_of(model, sum(pair_ids(pair, side), []))[read]
-        loss = sum(-F.logsigmoid(score(p, "chosen") - score(p, "rejected") - c["margin"]) for p in pairs) / len(pairs)
+        loss = sum(-F.logsigmoid(score(p, "chosen") - score(p, "rejected") - c["margin"])
+                   for p in pairs) / len(pairs)
         g = grad_of(loss, model)
         grads.append(g)
         lr = lr_schedule(step, 0.3, 1, 3) if c["schedule"] else 0.3
@@ -543,37 +601,41 @@ def rm_expected(scalar, batches, c):
 
 @pytest.fixture(scope="module")
 def reward_model_run(tiny_sft, tmp_path_factory):
-    """reward_model.py for 3 steps of 8 pairs (warm-up 1, then the cosine): its Result; its rm.pt serves ppo.py and
-    expert_iteration.py --select rm below."""
+    """reward_model.py for 3 steps of 8 pairs (warm-up 1, then the cosine): its Result; its rm.pt
+    serves ppo.py and expert_iteration.py --select rm below."""
     out = str(tmp_path_factory.mktemp("rm"))
-    return train("reward_model", ["--init", tiny_sft, "--n_train", "24", "--batch_size", "8", "--epochs", "1",
-                                  "--margin", "0.5", "--lr", "0.3", "--warmup", "1", "--grad_clip", "1e9"], out, "rm")
+    return train("reward_model", ["--init", tiny_sft, "--n_train", "24", "--batch_size", "8",
+                                  "--epochs", "1", "--margin", "0.5", "--lr", "0.3",
+                                  "--warmup", "1", "--grad_clip", "1e9"], out, "rm")
 
 
 def test_reward_model_update(reward_model_run):
     result = reward_model_run
     batches = [e["pairs"] for e in result.of("pair_batch")]
     assert len(batches) == 3 and all(len(b) == 8 for b in batches)
-    for pairs in batches:                                            # chosen correct, rejected wrong
+    for pairs in batches:                                           # chosen correct, rejected wrong
         assert all(task.reward(p["prompt"], plain(p["chosen_ids"])) == 1.0 for p in pairs)
         assert all(task.reward(p["prompt"], plain(p["rejected_ids"])) == 0.0 for p in pairs)
     scalar = f64(result.model, result.start)
     c = {"margin": 0.5, "read_early": 0, "schedule": True}
     model, grads = rm_expected(scalar, batches, c)
-    wrong = [(name, rm_expected(scalar, batches, {**c, **v})[1]) for name, v in
-             (("--margin 0", {"margin": 0.0}), ("the score read one token early", {"read_early": 1}))]
+    wrong = [(name, rm_expected(scalar, batches, {**c, **v})[1]) for name, v in (
+        ("--margin 0", {"margin": 0.0}), ("the score read one token early", {"read_early": 1}))]
     check_grads(result, grads, far=wrong)
     check_weights(result, model)
-    constant = rm_expected(scalar, batches, {**c, "schedule": False})[0]   # the warm-up and cosine matter
+    constant = rm_expected(scalar, batches,
+                           {**c, "schedule": False})[0]              # the warm-up and cosine matter
     check_weights(result, model, far=[("a constant lr", constant)])
 
 
 # -----------------------------------------------------------------------------
-# PPO: critic, GAE, whitening, clipped policy and value losses, minibatches, the adaptive KL controller
+# PPO: critic, GAE, whitening, clipped policy and value losses, minibatches, the adaptive KL
+# controller
 
 def ppo_expected(gpt, critic, rm, prompts, perms, c):
-    """PPO as ppo.py's docstring writes it (Schulman et al. 2017 eqs. 7, 9; GAE eq. 16; Ziegler et al. eq. 2 and
-    section 2.2): (policy, critic, policy gradients, critic gradients, beta after, the logged KL per step)."""
+    """PPO as ppo.py's docstring writes it (Schulman et al. 2017 eqs. 7, 9; GAE eq. 16; Ziegler
+    et al. eq. 2 and section 2.2): (policy, critic, policy gradients, critic gradients, beta after,
+    the logged KL per step)."""
     ref, rm = frozen(gpt), frozen(rm)
     policy, critic = copy.deepcopy(gpt), copy.deepcopy(critic)
     beta, perms, grads, critic_grads, kls = c["beta"], list(perms), [], [], []
@@ -586,13 +648,16 @@ def ppo_expected(gpt, critic, rm, prompts, perms, c):
             old = [token_logp(z, x) for z, x in zip(old_logits, rows.ids)]
             ref_lp = [token_logp(z, x) for z, x in zip(ref_logits, rows.ids)]
             late = c["late"]
-            values = [scores_of(critic, s)[len(p) - 1 + late:len(s) - 1 + late] for p, s in zip(rows.prompt_ids, seqs)]
-            score = rows.rewards if c["reward"] == "verifier" else torch.stack([scores_of(rm, s)[-1] for s in seqs])
-            kls.append(torch.stack([exact_kl(a, b).sum() for a, b in zip(old_logits, ref_logits)]).mean().item())
+            values = [scores_of(critic, s)[len(p) - 1 + late:len(s) - 1 + late]
+                      for p, s in zip(rows.prompt_ids, seqs)]
+            score = (rows.rewards if c["reward"] == "verifier"
+                     else torch.stack([scores_of(rm, s)[-1] for s in seqs]))
+            kls.append(torch.stack([exact_kl(a, b).sum()
+                                    for a, b in zip(old_logits, ref_logits)]).mean().item())
         advantages, returns = [], []
         for i in range(len(rows)):
-            r = -beta * (old[i] - ref_lp[i])                        # -beta log(pi_old / pi_ref) on every token
-            r[-1] += score[i]                                        # the score on the last
+            r = -beta * (old[i] - ref_lp[i])             # -beta log(pi_old / pi_ref) on every token
+            r[-1] += score[i]                                   # the score on the last
             A, next_A, next_V = torch.zeros_like(r), 0.0, 0.0
             for t in reversed(range(len(r))):
                 delta = r[t] + c["gamma"] * next_V - values[i][t]
@@ -603,9 +668,10 @@ def ppo_expected(gpt, critic, rm, prompts, perms, c):
         if c["whiten"]:
             flat = torch.cat(advantages)
             advantages = [(a - flat.mean()) / (flat.std(unbiased=False) + 1e-8) for a in advantages]
-        stop = False                                                 # --target_kl: the epochs stop early
+        stop = False                                            # --target_kl: the epochs stop early
         for _ in range(c["epochs"]):
-            perm = perms.pop(0) if perms else torch.arange(len(rows))   # (a wrong update may run more epochs)
+            # (a wrong update may run more epochs)
+            perm = perms.pop(0) if perms else torch.arange(len(rows))
             for mb in torch.tensor_split(perm, c["minibatches"]):
                 mb = mb.tolist()
                 n = sum(len(rows.ids[i]) for i in mb)
@@ -614,11 +680,13 @@ def ppo_expected(gpt, critic, rm, prompts, perms, c):
                     logits = completion_logits(policy, rows.prompt_ids[i], rows.ids[i], T)
                     log_ratio = token_logp(logits, rows.ids[i]) - old[i]
                     ratio = torch.exp(log_ratio)
-                    approx_kl += (ratio - 1 - log_ratio).sum().item() / n      # k3 of KL(pi_old || pi_theta)
+                    # k3 of KL(pi_old || pi_theta)
+                    approx_kl += (ratio - 1 - log_ratio).sum().item() / n
                     A = advantages[i]
                     decided(ratio, 1 - c["clip"], 1 + c["clip"])
                     pg = -torch.min(ratio * A, ratio.clamp(1 - c["clip"], 1 + c["clip"]) * A)
-                    V = scores_of(critic, seqs[i])[len(rows.prompt_ids[i]) - 1 + late:len(seqs[i]) - 1 + late]
+                    V = scores_of(critic, seqs[i])[
+                        len(rows.prompt_ids[i]) - 1 + late:len(seqs[i]) - 1 + late]
                     decided(V - values[i], -c["clip_value"], c["clip_value"])
                     V_clipped = values[i] + (V - values[i]).clamp(-c["clip_value"], c["clip_value"])
                     vf = 0.5 * torch.max((V - returns[i]) ** 2, (V_clipped - returns[i]) ** 2)
@@ -642,17 +710,17 @@ def ppo_expected(gpt, critic, rm, prompts, perms, c):
     return policy, critic, grads, critic_grads, beta, kls, len(perms)
 
 
-PPO = {"T": 0.7, "beta": 1.0, "adaptive": True, "target": 0.05, "horizon": 8, "clip": 0.1, "clip_value": 0.05,
-       "vf": 0.7, "ent": 0.05, "gamma": 0.9, "lam": 0.8, "whiten": True, "epochs": 2, "minibatches": 2, "late": 0,
-       "reward": "rm", "target_kl": None}
-PPO_FLAGS = ["--steps", "2", "--batch_size", "8", "--minibatches", "2", "--ppo_epochs", "2", "--temperature", "0.7",
-             "--beta", "1.0", "--adaptive_kl", "--kl_target", "0.05", "--kl_horizon", "8", "--clip_eps", "0.1",
-             "--clip_value", "0.05", "--vf_coef", "0.7", "--ent_coef", "0.05", "--gamma", "0.9", "--gae_lambda", "0.8",
-             "--grad_clip", "1e9"]
+PPO = {"T": 0.7, "beta": 1.0, "adaptive": True, "target": 0.05, "horizon": 8, "clip": 0.1,
+       "clip_value": 0.05, "vf": 0.7, "ent": 0.05, "gamma": 0.9, "lam": 0.8, "whiten": True,
+       "epochs": 2, "minibatches": 2, "late": 0, "reward": "rm", "target_kl": None}
+PPO_FLAGS = ["--steps", "2", "--batch_size", "8", "--minibatches", "2", "--ppo_epochs", "2",
+             "--temperature", "0.7", "--beta", "1.0", "--adaptive_kl", "--kl_target", "0.05",
+             "--kl_horizon", "8", "--clip_eps", "0.1", "--clip_value", "0.05", "--vf_coef", "0.7",
+             "--ent_coef", "0.05", "--gamma", "0.9", "--gae_lambda", "0.8", "--grad_clip", "1e9"]
 PPO_CASES = {   # name: (flags, settings, the defaults of the flags under test)
-    "reward model, critic from it": ([], {}, {"T": 1.0, "beta": 0.3, "adaptive": False, "clip": 0.2,
-                                              "clip_value": 0.2, "vf": 0.5, "ent": 0.0, "gamma": 1.0, "lam": 0.95,
-                                              "late": 1}),
+    "reward model, critic from it": ([], {}, {"T": 1.0, "beta": 0.3, "adaptive": False,
+                                              "clip": 0.2, "clip_value": 0.2, "vf": 0.5, "ent": 0.0,
+                                              "gamma": 1.0, "lam": 0.95, "late": 1}),
     "verifier, --no_whiten, --target_kl, critic from SFT": (
         ["--reward", "verifier", "--no_whiten", "--target_kl", "5e-4"],
         {"reward": "verifier", "whiten": False, "target_kl": 5e-4},
@@ -667,19 +735,24 @@ def test_ppo_update(case, reward_model_run, tmp_path):
     rm_path = os.path.join(reward_model_run.out, "rm.pt")
     init = reward_model_run.ckpt["args"]["init"]
     result = train("ppo", ["--init", init, "--rm", rm_path, *PPO_FLAGS, *flags], str(tmp_path))
-    prompts = [e["prompts"] for e in result.of("ppo_rollout") if len(e["prompts"]) == 8]   # not the evaluation's
+    # not the evaluation's
+    prompts = [e["prompts"] for e in result.of("ppo_rollout") if len(e["prompts"]) == 8]
     perms = [e["perm"] for e in result.of("randperm")]
     assert len(prompts) == 2
     gpt = f64(result.model, result.start)
     rm = f64(load_checkpoint(rm_path)[0])
     critic = rm
-    if c["reward"] == "verifier":                                             # --critic_init sft: head 0
-        critic = f64(rm, [*gpt.parameters(), torch.zeros_like(rm.head.weight), torch.zeros_like(rm.head.bias)])
+    if c["reward"] == "verifier":                                        # --critic_init sft: head 0
+        critic = f64(rm, [*gpt.parameters(), torch.zeros_like(rm.head.weight),
+                          torch.zeros_like(rm.head.bias)])
     with margins():
-        policy, critic_after, grads, critic_grads, beta, kls, unused = ppo_expected(gpt, critic, rm, prompts, perms, c)
-    assert unused == 0                                                        # one permutation per epoch
-    wrong = {k: ppo_expected(gpt, critic, rm, prompts, perms, {**c, k: v}) for k, v in defaults.items()}
-    wrong["a flipped KL sign"] = ppo_expected(gpt, critic, rm, prompts, perms, {**c, "beta": -c["beta"]})
+        policy, critic_after, grads, critic_grads, beta, kls, unused = ppo_expected(
+            gpt, critic, rm, prompts, perms, c)
+    assert unused == 0                                                   # one permutation per epoch
+    wrong = {k: ppo_expected(gpt, critic, rm, prompts, perms, {**c, k: v})
+             for k, v in defaults.items()}
+    wrong["a flipped KL sign"] = ppo_expected(gpt, critic, rm, prompts, perms,
+                                              {**c, "beta": -c["beta"]})
     check_grads(result, grads, 0, far=[(k, w[2]) for k, w in wrong.items()])
     check_grads(result, critic_grads, 1)
     check_weights(result, policy)
@@ -688,18 +761,21 @@ def test_ppo_update(case, reward_model_run, tmp_path):
     assert rel_err([g - s for g, s in zip(got, critic_start)],
                    [w - s for w, s in zip(critic_after.parameters(), critic_start)]) < 1e-4
     rows = [r for r in result.metrics if r["step"] > 0]
-    assert [r["kl"] for r in rows] == pytest.approx(kls, rel=1e-3, abs=1e-7)   # exact KL(pi_old || pi_ref)
+    # exact KL(pi_old || pi_ref)
+    assert [r["kl"] for r in rows] == pytest.approx(kls, rel=1e-3, abs=1e-7)
     assert result.ckpt["beta"] == pytest.approx(beta, rel=1e-6)
     if c["adaptive"]:
-        assert abs(beta - c["beta"]) > 1e-3 * c["beta"]                       # the controller moved it
+        assert abs(beta - c["beta"]) > 1e-3 * c["beta"]                    # the controller moved it
 
 
 # -----------------------------------------------------------------------------
-# TRPO: the natural gradient by conjugate gradient on Fisher-vector products computed here another way (forward- then
-# reverse-mode: F v = J^T (diag p - p p^T) J v / N, J the Jacobian of the logits / T), and the line search
+# TRPO: the natural gradient by conjugate gradient on Fisher-vector products computed here another
+# way (forward- then reverse-mode: F v = J^T (diag p - p p^T) J v / N, J the Jacobian of the logits
+# / T), and the line search
 
 class CompletionLogits(torch.nn.Module):
-    """(sum_i n_i, V) logits / T of every completion token of `rows` under `gpt`, as a module for torch.func."""
+    """(sum_i n_i, V) logits / T of every completion token of `rows` under `gpt`, as a module for
+    torch.func."""
 
     def __init__(self, gpt, rows, T):
         super().__init__()
@@ -714,7 +790,8 @@ def flat(tensors):
 
 
 def conjugate_gradient(Fv, b, iters):
-    """Hestenes and Stiefel's conjugate gradient from x = 0 (stopping when r.r <= 1e-10 b.b, as trpo.py)."""
+    """Hestenes and Stiefel's conjugate gradient from x = 0 (stopping when r.r <= 1e-10 b.b, as
+    trpo.py)."""
     x, r = torch.zeros_like(b), b.clone()
     p, rr = r.clone(), r @ r
     for _ in range(iters):
@@ -728,28 +805,31 @@ def conjugate_gradient(Fv, b, iters):
 
 
 def trpo_step(model, ref, rows, c):
-    """Schulman et al. 2015, appendix C: one update on a batch, the reward and baseline of RLOO: (the model after,
-    the step's metrics as trpo.py logs them)."""
+    """Schulman et al. 2015, appendix C: one update on a batch, the reward and baseline of RLOO:
+    (the model after, the step's metrics as trpo.py logs them)."""
     model = copy.deepcopy(model)
     module = CompletionLogits(model, rows, c["T"])
     names = [n for n, _ in module.named_parameters()]
     theta = {n: p.detach().clone() for n, p in module.named_parameters()}
-    unflat = lambda v: {n: t.view_as(theta[n]) for n, t in zip(names, v.split([t.numel() for t in theta.values()]))}
+    unflat = lambda v: {n: t.view_as(theta[n])
+                        for n, t in zip(names, v.split([t.numel() for t in theta.values()]))}
     logits_at = lambda params: torch.func.functional_call(module, params, ())
     with torch.no_grad():
-        old_logits = module()                                       # (N, V) at theta_old, / T
+        old_logits = module()                                  # (N, V) at theta_old, / T
         ref_logits = torch.cat(rows.logits(ref, c["T"]))
     n_i = [len(x) for x in rows.ids]
     targets = torch.tensor(sum(rows.ids, []))
     old, ref_lp = token_logp(old_logits, targets.tolist()), token_logp(ref_logits, targets.tolist())
-    R = rows.rewards - c["beta"] * torch.stack([k.sum() for k in kl_estimate(old, ref_lp, c["kl"]).split(n_i)])
+    R = rows.rewards - c["beta"] * torch.stack(
+        [k.sum() for k in kl_estimate(old, ref_lp, c["kl"]).split(n_i)])
     Rg = R.view(-1, rows.G)
-    A = (Rg - (Rg.sum(1, keepdim=True) - Rg) / (rows.G - 1)).view(-1).repeat_interleave(torch.tensor(n_i))
+    A = (Rg - (Rg.sum(1, keepdim=True) - Rg) / (rows.G
+                                                - 1)).view(-1).repeat_interleave(torch.tensor(n_i))
     N = len(A)
     surrogate = lambda logits: (torch.exp(token_logp(logits, targets.tolist()) - old) * A).sum() / N
     g = flat(torch.func.grad(lambda params: surrogate(logits_at(params)))(theta).values())
     p_old = old_logits.softmax(-1)
-    with sdpa_kernel(SDPBackend.MATH):                              # forward-mode AD: the math attention
+    with sdpa_kernel(SDPBackend.MATH):                         # forward-mode AD: the math attention
         _, pullback = torch.func.vjp(logits_at, theta)
 
         def Fv(v):                                                  # (F + damping) v
@@ -770,25 +850,27 @@ def trpo_step(model, ref, rows, c):
             with torch.no_grad():
                 for p, t in zip(model.parameters(), trial.values()):
                     p.copy_(t)
-            return model, {"kl_step": kl, "backtracks": j, "improvement": gain, "grad_norm": g.norm().item(),
-                           "step_norm": 0.5 ** j * step.norm().item(),
+            return model, {"kl_step": kl, "backtracks": j, "improvement": gain,
+                           "grad_norm": g.norm().item(), "step_norm": 0.5 ** j * step.norm().item(),
                            "expected_improvement": 0.5 ** j * (g @ step).item()}
     raise AssertionError("the line search found no step: choose settings where it does")
 
 
-TRPO = {"T": 0.7, "beta": 2.0, "kl": "k2", "max_kl": 0.02, "damping": 0.5, "cg_iters": 2, "backtracks": 4}
-TRPO_FLAGS = ["--steps", "2", "--prompts_per_step", "4", "--group_size", "4", "--precedence_share", "1",
-              "--temperature", "0.7", "--beta", "2.0", "--kl_estimator", "k2", "--max_kl", "0.02", "--damping", "0.5",
-              "--cg_iters", "2", "--backtracks", "4"]
+TRPO = {"T": 0.7, "beta": 2.0, "kl": "k2", "max_kl": 0.02, "damping": 0.5, "cg_iters": 2,
+        "backtracks": 4}
+TRPO_FLAGS = ["--steps", "2", "--prompts_per_step", "4", "--group_size", "4", "--precedence_share",
+              "1", "--temperature", "0.7", "--beta", "2.0", "--kl_estimator", "k2",
+              "--max_kl", "0.02", "--damping", "0.5", "--cg_iters", "2", "--backtracks", "4"]
 TRPO_LOGGED = ("grad_norm", "step_norm", "expected_improvement", "improvement", "kl_step")
 
 
 def test_trpo_update(tiny_sft, tmp_path):
-    """Two TRPO updates: each step's logged gradient norm, step length, gains and KL, and the weights after both.
-    The reference's KL enters the reward at the second step only (beta, --kl_estimator); the rest shows at the
-    first. Beta shows only through groups whose verifier rewards differ: where they are equal the advantages are
-    beta times the KL terms, and the step, scaled to the trust region, does not depend on their scale (hence 4
-    prompts, not 2)."""
+    """Two TRPO updates: each step's logged gradient norm, step length, gains and KL, and the
+    weights after both. The reference's KL enters the reward at the second step only
+    (beta, --kl_estimator); the rest shows at the first. Beta shows only through groups whose
+    verifier rewards differ: where they are equal the advantages are beta times the KL terms, and
+    the step, scaled to the trust region, does not depend on their scale (hence 4 prompts, not
+    2)."""
     result = train("trpo", ["--init", tiny_sft, *TRPO_FLAGS], str(tmp_path))
     rows = [Rows.fixed(r["prompts"], 4) for r in result.of("rollout")]
     gpt = f64(result.model, result.start)
@@ -798,22 +880,25 @@ def test_trpo_update(tiny_sft, tmp_path):
     after_2, m2 = trpo_step(after_1, ref, rows[1], TRPO)
     for got, want in zip(logged, (m1, m2)):
         assert got["backtracks"] == want["backtracks"] and got["accepted"] == 1.0
-        assert [got[k] for k in TRPO_LOGGED] == pytest.approx([want[k] for k in TRPO_LOGGED], rel=1e-4, abs=1e-9)
+        assert [got[k] for k in TRPO_LOGGED] == pytest.approx([want[k] for k in TRPO_LOGGED],
+                                                              rel=1e-4, abs=1e-9)
     check_weights(result, after_2)
-    for k, v in {"T": 1.0, "max_kl": 0.01, "damping": 0.1, "cg_iters": 1}.items():     # at the first step
+    # at the first step
+    for k, v in {"T": 1.0, "max_kl": 0.01, "damping": 0.1, "cg_iters": 1}.items():
         wrong = trpo_step(gpt, ref, rows[0], {**TRPO, k: v})[1]
         assert max(abs(logged[0][m] / wrong[m] - 1) for m in TRPO_LOGGED) > FAR, k
-    for k, v in {"beta": 0.04, "kl": "k1", "a flipped KL sign": -2.0}.items():           # at the second
+    for k, v in {"beta": 0.04, "kl": "k1", "a flipped KL sign": -2.0}.items():       # at the second
         wrong = trpo_step(after_1, ref, rows[1], {**TRPO, "beta" if k.startswith("a") else k: v})[0]
         check_weights(result, after_2, far=[(k, wrong)])
 
 
 # -----------------------------------------------------------------------------
-# DPO (Rafailov et al. eq. 7) and IPO (Azar et al. section 5): the reference log-probs, beta / tau, the warm-up
+# DPO (Rafailov et al. eq. 7) and IPO (Azar et al. section 5): the reference log-probs, beta / tau,
+# the warm-up
 
 def preference_expected(gpt, batches, c):
-    """SGD on DPO's or IPO's loss per batch of pairs against the frozen reference (c["ref_follows"]: a wrong one, the
-    policy of the step before standing in for the reference)."""
+    """SGD on DPO's or IPO's loss per batch of pairs against the frozen reference (c["ref_follows"]:
+    a wrong one, the policy of the step before standing in for the reference)."""
     ref, model, grads = frozen(gpt), copy.deepcopy(gpt), []
 
     def seq_logp(m, pair, side):
@@ -828,20 +913,21 @@ def preference_expected(gpt, batches, c):
             with torch.no_grad():
                 ref_c, ref_r = seq_logp(ref, p, "chosen"), seq_logp(ref, p, "rejected")
             h = (seq_logp(model, p, "chosen") - ref_c) - (seq_logp(model, p, "rejected") - ref_r)
-            loss = loss + (-F.logsigmoid(c["beta"] * h) if c["loss"] == "dpo" else (h - 1 / (2 * c["beta"])) ** 2)
+            loss = loss + (-F.logsigmoid(c["beta"] * h) if c["loss"] == "dpo"
+                           else (h - 1 / (2 * c["beta"])) ** 2)
         g = grad_of(loss / len(pairs), model)
         grads.append(g)
         sgd_step(model, g, c["lr"] * min(1.0, (step + 1) / max(c["warmup"], 1)), c["wd"])
     return model, grads
 
 
-PREFERENCE_FLAGS = ["--steps", "2", "--batch_size", "4", "--n_pairs", "8", "--lr", "0.5", "--warmup", "3",
-                    "--grad_clip", "1e9"]
+PREFERENCE_FLAGS = ["--steps", "2", "--batch_size", "4", "--n_pairs", "8", "--lr", "0.5",
+                    "--warmup", "3", "--grad_clip", "1e9"]
 PREFERENCE_CASES = {   # name: (script, flags, settings, the defaults of the flags under test)
     "dpo": ("dpo", ["--beta", "0.5"], {"loss": "dpo", "beta": 0.5}, {"beta": 0.1, "warmup": 0}),
-    "dpo --seq_logp mean --weight_decay": ("dpo", ["--beta", "0.5", "--seq_logp", "mean", "--weight_decay", "0.2"],
-                                           {"loss": "dpo", "beta": 0.5, "mean": True, "wd": 0.2},
-                                           {"mean": False, "wd": 0.0}),
+    "dpo --seq_logp mean --weight_decay": (
+        "dpo", ["--beta", "0.5", "--seq_logp", "mean", "--weight_decay", "0.2"],
+        {"loss": "dpo", "beta": 0.5, "mean": True, "wd": 0.2}, {"mean": False, "wd": 0.0}),
     "ipo": ("ipo", ["--tau", "0.5"], {"loss": "ipo", "beta": 0.5}, {"beta": 0.1}),
 }
 
@@ -855,47 +941,50 @@ def test_dpo_and_ipo_update(case, tiny_sft, tmp_path):
     assert [len(b) for b in batches] == [4, 4]
     gpt = f64(result.model, result.start)
     model, grads = preference_expected(gpt, batches, c)
-    wrong = [(f"{k} {v}", preference_expected(gpt, batches, {**c, k: v})) for k, v in defaults.items()]
-    check_grads(result, grads, far=[(k, g) for k, (_, g) in wrong if k != "warmup 0" and not k.startswith("wd")])
+    wrong = [(f"{k} {v}", preference_expected(gpt, batches, {**c, k: v}))
+             for k, v in defaults.items()]
+    check_grads(result, grads, far=[(k, g) for k, (_, g) in wrong if k != "warmup 0"
+                                    and not k.startswith("wd")])
     check_weights(result, model, far=[(k, m) for k, (m, _) in wrong])
 
 
 def test_online_dpo_update(tiny_sft, tmp_path):
-    """Online DPO (Guo et al. 2024): two steps of DPO's loss on the pairs it samples and judges (the fixed completions
-    here: best and worst by the verifier), against the frozen reference at both steps. The reference taken from the
-    policy after step 1 (a planted bug once survived) is told apart, as are beta and the warm-up."""
-    flags = ["--steps", "2", "--batch_size", "4", "--group_size", "3", "--precedence_share", "1", "--lr", "0.5",
-             "--warmup", "3", "--grad_clip", "1e9", "--beta", "0.5"]
+    """Online DPO (Guo et al. 2024): two steps of DPO's loss on the pairs it samples and judges (the
+    fixed completions here: best and worst by the verifier), against the frozen reference at both
+    steps. The reference taken from the policy after step 1 (a planted bug once survived) is told
+    apart, as are beta and the warm-up."""
+    flags = ["--steps", "2", "--batch_size", "4", "--group_size", "3", "--precedence_share", "1",
+             "--lr", "0.5", "--warmup", "3", "--grad_clip", "1e9", "--beta", "0.5"]
     result = train("online_dpo", ["--init", tiny_sft, *flags], str(tmp_path))
     batches = [e["pairs"] for e in result.of("pair_batch")]
     assert len(batches) == 2 and all(len(b) >= 1 for b in batches)
     c = {"loss": "dpo", "beta": 0.5, "lr": 0.5, "warmup": 3, "mean": False, "wd": 0.0}
     gpt = f64(result.model, result.start)
     model, grads = preference_expected(gpt, batches, c)
-    wrong = [(name, preference_expected(gpt, batches, {**c, **w})) for name, w in
-             [("the reference following the policy", {"ref_follows": True}), ("beta 0.1", {"beta": 0.1}),
-              ("no warm-up", {"warmup": 0}), ("--seq_logp mean", {"mean": True})]]
+    wrong = [(name, preference_expected(gpt, batches, {**c, **w})) for name, w in [
+        ("the reference following the policy", {"ref_follows": True}), ("beta 0.1", {"beta": 0.1}),
+        ("no warm-up", {"warmup": 0}), ("--seq_logp mean", {"mean": True})]]
     check_grads(result, grads, far=[(k, g) for k, (_, g) in wrong if k != "no warm-up"])
     check_weights(result, model, far=[(k, m) for k, (m, _) in wrong])
 
 
 def reference_free_expected(gpt, batches, c):
-    """SGD on SimPO's (Meng et al. 2024, eq. 6) or ORPO's (Hong et al. 2024, eq. 6) loss per batch of pairs, on each
-    side's average token log-prob (c["sum"]: a wrong one, the sum)."""
+    """SGD on SimPO's (Meng et al. 2024, eq. 6) or ORPO's (Hong et al. 2024, eq. 6) loss per batch
+    of pairs, on each side's average token log-prob (c["sum"]: a wrong one, the sum)."""
     model, grads = copy.deepcopy(gpt), []
 
     def avg_logp(pair, side):
         prompt, ids = pair_ids(pair, side)
         lp = token_logp(completion_logits(model, prompt, ids), ids)
         return lp.sum() if c.get("sum") else lp.mean()
-    log_odds = lambda a: a - torch.log(-torch.expm1(a))                  # log p / (1 - p), p = exp(a)
+    log_odds = lambda a: a - torch.log(-torch.expm1(a))     # log p / (1 - p), p = exp(a)
     for step, pairs in enumerate(batches):
         loss = 0.0
         for p in pairs:
             a_c, a_r = avg_logp(p, "chosen"), avg_logp(p, "rejected")
-            if c["loss"] == "simpo":                                     # -log sigmoid(beta (a_w - a_l) - gamma)
+            if c["loss"] == "simpo":                        # -log sigmoid(beta (a_w - a_l) - gamma)
                 loss = loss - F.logsigmoid(c["beta"] * (a_c - a_r) - c["gamma"])
-            else:                                                        # NLL of the chosen + lam L_OR
+            else:                                           # NLL of the chosen + lam L_OR
                 loss = loss - a_c - c["lam"] * F.logsigmoid(log_odds(a_c) - log_odds(a_r))
         g = grad_of(loss / len(pairs), model)
         grads.append(g)
@@ -903,7 +992,7 @@ def reference_free_expected(gpt, batches, c):
     return model, grads
 
 
-REFERENCE_FREE = {   # name: (flags, settings, the defaults of the flags under test, and wrong updates)
+REFERENCE_FREE = {   # name: (flags, settings, the defaults of the flags under test, wrong updates)
     "simpo": (["--beta", "3.0", "--gamma", "0.5"], {"loss": "simpo", "beta": 3.0, "gamma": 0.5},
               {"beta": 2.0, "gamma": 1.0}),
     "orpo": (["--lam", "0.5"], {"loss": "orpo", "lam": 0.5}, {"lam": 0.1}),
@@ -912,37 +1001,41 @@ REFERENCE_FREE = {   # name: (flags, settings, the defaults of the flags under t
 
 @pytest.mark.parametrize("script", list(REFERENCE_FREE))
 def test_simpo_and_orpo_update(script, tiny_sft, tmp_path):
-    """Two steps of SimPO's and ORPO's losses on the recorded pairs, no reference; each flag moves the update, and so
-    does a loss fed summed log-probs where it wants their average (a planted bug once survived)."""
+    """Two steps of SimPO's and ORPO's losses on the recorded pairs, no reference; each flag moves
+    the update, and so does a loss fed summed log-probs where it wants their average (a planted bug
+    once survived)."""
     flags, settings, defaults = REFERENCE_FREE[script]
     c = {"lr": 0.5, "warmup": 3, **settings}
-    common = ["--steps", "2", "--batch_size", "4", "--n_pairs", "8", "--lr", "0.5", "--warmup", "3", "--grad_clip",
-              "1e9"]
+    common = ["--steps", "2", "--batch_size", "4", "--n_pairs", "8", "--lr", "0.5", "--warmup", "3",
+              "--grad_clip", "1e9"]
     result = train(script, ["--init", tiny_sft, *common, *flags], str(tmp_path))
     batches = [e["pairs"] for e in result.of("pair_batch")]
     assert [len(b) for b in batches] == [4, 4]
     gpt = f64(result.model, result.start)
     model, grads = reference_free_expected(gpt, batches, c)
-    wrong = [(f"{k} {v}", reference_free_expected(gpt, batches, {**c, k: v})) for k, v in defaults.items()]
+    wrong = [(f"{k} {v}", reference_free_expected(gpt, batches, {**c, k: v}))
+             for k, v in defaults.items()]
     wrong.append(("summed log-probs", reference_free_expected(gpt, batches, {**c, "sum": True})))
     check_grads(result, grads, far=[(k, g) for k, (_, g) in wrong])
     check_weights(result, model, far=[(k, m) for k, (m, _) in wrong])
 
 
 def kto_expected(gpt, batches, c):
-    """SGD on KTO's loss (Ethayarajh et al. 2024, eq. 8) per batch of (prompt, completion ids) examples: the mean
-    of lambda_y - v(x, y), r = log pi(y|x) - log pi_ref(y|x), z0 = max(0, the mean r of the batch's mismatched pairs
-    (prompt k, completion k+1), no gradient), desirable = the verifier's right answer."""
+    """SGD on KTO's loss (Ethayarajh et al. 2024, eq. 8) per batch of (prompt, completion ids)
+    examples: the mean of lambda_y - v(x, y), r = log pi(y|x) - log pi_ref(y|x), z0 = max(0, the
+    mean r of the batch's mismatched pairs (prompt k, completion k+1), no gradient), desirable = the
+    verifier's right answer."""
     ref, model, grads, estimates = frozen(gpt), copy.deepcopy(gpt), [], []
 
-    def seq_logp(m, prompt, ids):                                     # ids as sampled, the EOS included
+    def seq_logp(m, prompt, ids):                                 # ids as sampled, the EOS included
         lp = token_logp(completion_logits(m, TOK.encode(prompt), ids), ids)
         return lp.mean() if c["mean"] else lp.sum()
     for step, (prompts, completions) in enumerate(batches):
         n = len(prompts)
         with torch.no_grad():
             mismatched = [(prompts[k], completions[(k + 1) % n]) for k in range(n)]
-            estimates.append(sum(seq_logp(model, *x) - seq_logp(ref, *x) for x in mismatched).item() / n)
+            estimates.append(sum(seq_logp(model, *x) - seq_logp(ref, *x)
+                                 for x in mismatched).item() / n)
             z0 = max(0.0, estimates[-1])
         loss = 0.0
         for prompt, ids in zip(prompts, completions):
@@ -960,35 +1053,39 @@ def kto_expected(gpt, batches, c):
 
 
 def test_kto_update(tiny_sft, tmp_path):
-    """Two steps of KTO on the recorded examples (the fixed completions: right and wrong ones), the KL estimate behind
-    z0 from the mismatched pairs at each step (prompt k, completion k+1; 0 at the first, where the policy is the
-    reference, and the logged one at the second: negative here, so z0 = max(0, it) = 0); beta and lambda_U move the
-    update. Seed 4 puts both kinds of example in the first batch (the examples and their order come from Python's
-    random alone): there r = 0, so lambda_U's weight shows whatever the starting policy (an undesirable example seen
-    only later can sit where its sigmoid is flat)."""
-    flags = ["--steps", "2", "--batch_size", "4", "--n_examples", "8", "--lr", "0.5", "--warmup", "3",
-             "--grad_clip", "1e9", "--beta", "0.5", "--lambda_u", "1.5", "--seed", "4"]
+    """Two steps of KTO on the recorded examples (the fixed completions: right and wrong ones), the
+    KL estimate behind z0 from the mismatched pairs at each step (prompt k, completion k+1; 0 at the
+    first, where the policy is the reference, and the logged one at the second: negative here, so z0
+    = max(0, it) = 0); beta and lambda_U move the update. Seed 4 puts both kinds of example in the
+    first batch (the examples and their order come from Python's random alone): there r = 0, so
+    lambda_U's weight shows whatever the starting policy (an undesirable example seen only later can
+    sit where its sigmoid is flat)."""
+    flags = ["--steps", "2", "--batch_size", "4", "--n_examples", "8", "--lr", "0.5", "--warmup",
+             "3", "--grad_clip", "1e9", "--beta", "0.5", "--lambda_u", "1.5", "--seed", "4"]
     result = train("kto", ["--init", tiny_sft, *flags], str(tmp_path))
     batches = [(e["prompts"], e["completions"]) for e in result.of("completion_batch")]
-    assert [len(b[0]) for b in batches] == [4, 4] and all(y[-1] == EOS for b in batches for y in b[1])   # ended
+    assert ([len(b[0]) for b in batches] == [4, 4]
+            and all(y[-1] == EOS for b in batches for y in b[1]))  # ended
     labels = [[task.reward(p, plain(y)) == 1.0 for p, y in zip(*b)] for b in batches]
-    assert any(labels[0]) and not all(labels[0])                       # both kinds of example at step 1
+    assert any(labels[0]) and not all(labels[0])                   # both kinds of example at step 1
     c = {"lr": 0.5, "warmup": 3, "beta": 0.5, "lambda_d": 1.0, "lambda_u": 1.5, "mean": False}
     gpt = f64(result.model, result.start)
     model, grads, estimates = kto_expected(gpt, batches, c)
     logged = [m["kl_estimate"] for m in result.metrics if "kl_estimate" in m]
-    assert estimates[0] == 0 and logged[-1] == pytest.approx(estimates[1], rel=1e-4) and abs(estimates[1]) > 1e-2
-    wrong = [(name, kto_expected(gpt, batches, {**c, **w})[:2]) for name, w in
-             [("beta 0.1", {"beta": 0.1}), ("lambda_U 1.0", {"lambda_u": 1.0}), ("--seq_logp mean", {"mean": True})]]
+    assert (estimates[0] == 0 and logged[-1] == pytest.approx(estimates[1], rel=1e-4)
+            and abs(estimates[1]) > 1e-2)
+    wrong = [(name, kto_expected(gpt, batches, {**c, **w})[:2])
+             for name, w in [("beta 0.1", {"beta": 0.1}), ("lambda_U 1.0", {"lambda_u": 1.0}),
+                             ("--seq_logp mean", {"mean": True})]]
     check_grads(result, grads, far=[(k, g) for k, (_, g) in wrong])
     check_weights(result, model, far=[(k, m) for k, (m, _) in wrong])
 
 
 def distill_expected(student, teacher, rollouts, c):
-    """SGD on on-policy distillation's loss (Agarwal et al. 2024; Thinking Machines' recipe) per batch of the student's
-    samples: the mean over completion tokens of the exact KL(student || teacher) over the vocabulary at temperature
-    T, minus w (r_i - mean r) log p_student(y_t) (the optional verifier term). c["forward"]: a wrong one,
-    KL(teacher || student)."""
+    """SGD on on-policy distillation's loss (Agarwal et al. 2024; Thinking Machines' recipe) per
+    batch of the student's samples: the mean over completion tokens of the exact KL(student ||
+    teacher) over the vocabulary at temperature T, minus w (r_i - mean r) log p_student(y_t) (the
+    optional verifier term). c["forward"]: a wrong one, KL(teacher || student)."""
     model, teacher, grads = copy.deepcopy(student), frozen(teacher), []
     for rows in rollouts:
         s_logits, t_logits = rows.logits(model, c["T"]), rows.logits(teacher, c["T"])
@@ -1005,9 +1102,10 @@ def distill_expected(student, teacher, rollouts, c):
 
 
 def test_distill_update(tiny_sft, tmp_path):
-    """Two steps of on-policy distillation on the student's (fixed) samples, a teacher whose weights differ from the
-    student's everywhere: the exact reverse KL per token, the verifier term, the temperature on both sides; the
-    forward KL, no verifier term, T = 1 and the student as its own teacher are told apart."""
+    """Two steps of on-policy distillation on the student's (fixed) samples, a teacher whose weights
+    differ from the student's everywhere: the exact reverse KL per token, the verifier term, the
+    temperature on both sides; the forward KL, no verifier term, T = 1 and the student as its own
+    teacher are told apart."""
     model, ckpt = load_checkpoint(tiny_sft)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -1015,35 +1113,42 @@ def test_distill_update(tiny_sft, tmp_path):
             p.add_(0.05 * torch.randn(p.shape, generator=g))
     teacher_path = str(tmp_path / "teacher.pt")
     save_checkpoint(teacher_path, model, ckpt["tokenizer"])
-    flags = ["--steps", "2", "--prompts_per_step", "4", "--group_size", "2", "--precedence_share", "1",
-             "--temperature", "0.7", "--reward_weight", "0.5", "--grad_clip", "1e9", "--teacher", teacher_path]
+    flags = ["--steps", "2", "--prompts_per_step", "4", "--group_size", "2", "--precedence_share",
+             "1", "--temperature", "0.7", "--reward_weight", "0.5", "--grad_clip", "1e9",
+             "--teacher", teacher_path]
     result = train("distill", ["--init", tiny_sft, *flags], str(tmp_path / "run"))
-    rollouts = [Rows.fixed(e["prompts"], 2) for e in result.of("rollout") if e["group_size"] == 2]  # (not the log's)
+    # (not the log's)
+    rollouts = [Rows.fixed(e["prompts"], 2) for e in result.of("rollout") if e["group_size"] == 2]
     assert len(rollouts) == 2
     c = {"T": 0.7, "w": 0.5}
     student, teacher = f64(result.model, result.start), f64(load_checkpoint(teacher_path)[0])
     expected, grads = distill_expected(student, teacher, rollouts, c)
-    wrong = [(name, distill_expected(s, teacher if t is None else t, rollouts, {**c, **w})) for name, w, s, t in
-             [("the forward KL", {"forward": True}, student, None), ("no verifier term", {"w": 0.0}, student, None),
-              ("T = 1", {"T": 1.0}, student, None), ("the student as its teacher", {}, student, student)]]
+    wrong = [(name, distill_expected(s, teacher if t is None else t, rollouts, {**c, **w}))
+             for name, w, s, t in [("the forward KL", {"forward": True}, student, None),
+                                   ("no verifier term", {"w": 0.0}, student, None),
+                                   ("T = 1", {"T": 1.0}, student, None),
+                                   ("the student as its teacher", {}, student, student)]]
     check_grads(result, grads, far=[(k, g) for k, (_, g) in wrong])
     check_weights(result, expected, far=[(k, m) for k, (m, _) in wrong])
 
 
 # -----------------------------------------------------------------------------
-# The agent: GRPO on episodes, the environment's tokens context only, each attempt on its own reward (SCoRe's shaping)
+# The agent: GRPO on episodes, the environment's tokens context only, each attempt on its own reward
+# (SCoRe's shaping)
 
 class Episode:
-    """One of the worker's planned episodes (ddp_worker.fixed_episode) played out by the environment's rules, rebuilt
-    here from its parts: the ids after the prompt, which of them the policy wrote, each one's attempt, and each
-    attempt's text, calls and whether the episode reached it. The rules: the policy's tokens and a tool's reply count
-    against the attempt's budget, its EOS and the revision prompt (the second attempt's start) do not; the episode ends
-    as soon as an attempt has used its budget."""
+    """One of the worker's planned episodes (ddp_worker.fixed_episode) played out by the
+    environment's rules, rebuilt here from its parts: the ids after the prompt, which of them the
+    policy wrote, each one's attempt, and each attempt's text, calls and whether the episode reached
+    it. The rules: the policy's tokens and a tool's reply count against the attempt's budget, its
+    EOS and the revision prompt (the second attempt's start) do not; the episode ends as soon as an
+    attempt has used its budget."""
 
     def __init__(self, prompt, j, turns, budget):
         self.prompt, self.prompt_ids = prompt, TOK.encode(prompt)
         self.ids, self.policy, self.turn = [], [], []
-        self.texts, self.calls, self.reached = [""] * turns, [0] * turns, [True] + [False] * (turns - 1)
+        self.texts, self.calls, self.reached = ([""] * turns, [0] * turns,
+                                                [True] + [False] * (turns - 1))
         k, used = 0, 0
         for text, who in fixed_episode(prompt, j, turns):
             if text == toolcalc.revision(prompt):
@@ -1059,25 +1164,26 @@ class Episode:
                     self.texts[k] += TOK.decode([t])
                     used += 1
                     if used == budget:
-                        return                                          # truncated: no EOS, no later attempt
+                        return                                 # truncated: no EOS, no later attempt
 
 
 def agent_expected(gpt, batches, c):
-    """mu SGD passes per batch of episodes on agent.py's loss, c the settings: r_k = right_k - c calls_k, + alpha
-    (right_2 - right_1) on the second; A per attempt over the group's episodes that reached it, r - the group's mean
-    divided by the step's std of r_k over those episodes (c["scale"] "batch"), the group's own ("group") or 1 ("none");
-    in SCoRe's stage I (the first c["stage1"] steps) attempt 1 has no reward and KL weight c["beta2"], attempt 2 no
-    bonus; then 1/B sum_i 1/|o_i| sum_(t in o_i) [-min(rho A, clip(rho) A) + beta_t k3], o_i the policy's tokens.
-    Planted mistakes: c["stage1_r1"] attempt 1 keeps its reward in stage I;
-    c["env"] the environment's tokens in o_i; c["eos_env"] attempt 1's EOS taken for the environment's; c["one_reward"]
-    the last attempt's A on every token; c["all_groups"] attempt 2's group over every episode; c["norm_all"] 1/|o_i|
-    over every token of the episode."""
+    """mu SGD passes per batch of episodes on agent.py's loss, c the settings: r_k = right_k - c
+    calls_k, + alpha (right_2 - right_1) on the second; A per attempt over the group's episodes that
+    reached it, r - the group's mean divided by the step's std of r_k over those episodes
+    (c["scale"] "batch"), the group's own ("group") or 1 ("none"); in SCoRe's stage I (the first
+    c["stage1"] steps) attempt 1 has no reward and KL weight c["beta2"], attempt 2 no bonus; then
+    1/B sum_i 1/|o_i| sum_(t in o_i) [-min(rho A, clip(rho) A) + beta_t k3], o_i the policy's
+    tokens. Planted mistakes: c["stage1_r1"] attempt 1 keeps its reward in stage I; c["env"] the
+    environment's tokens in o_i; c["eos_env"] attempt 1's EOS taken for the environment's;
+    c["one_reward"] the last attempt's A on every token; c["all_groups"] attempt 2's group over
+    every episode; c["norm_all"] 1/|o_i| over every token of the episode."""
     ref, model, grads = frozen(gpt), copy.deepcopy(gpt), []
     for step, eps in enumerate(batches):
         B, K, G = len(eps), c["turns"], c["G"]
         stage1 = step < c.get("stage1", 0)
-        right = torch.tensor([[float(task.reward(e.prompt, t) == 1.0) for t in e.texts] for e in eps],
-                             dtype=torch.float64)                                           # (B, K)
+        right = torch.tensor([[float(task.reward(e.prompt, t) == 1.0) for t in e.texts]
+                              for e in eps], dtype=torch.float64)                           # (B, K)
         r = right - c["cost"] * torch.tensor([e.calls for e in eps], dtype=torch.float64)   # (B, K)
         if K == 2 and not stage1:
             r[:, 1] += c["alpha"] * (right[:, 1] - right[:, 0])
@@ -1088,23 +1194,27 @@ def agent_expected(gpt, batches, c):
         for k in range(K):
             everyone = r[[i for i in range(B) if eps[i].reached[k] or c.get("all_groups")], k]
             for g in range(B // G):
-                rows = [i for i in range(g * G, (g + 1) * G) if eps[i].reached[k] or c.get("all_groups")]
+                rows = [i for i in range(g * G, (g + 1) * G) if eps[i].reached[k]
+                        or c.get("all_groups")]
                 x = r[rows, k]
                 if len(rows) and not (x == x[0]).all():
                     s = {"group": pop_std(x), "batch": pop_std(everyone), "none": 1.0}[c["scale"]]
                     A[rows, k] = (x - x.mean()) / (s + 1e-6)
         masks = []
         for e in eps:
-            m = torch.tensor([1.0 if p or c.get("env") else 0.0 for p in e.policy], dtype=torch.float64)
+            m = torch.tensor([1.0 if p or c.get("env") else 0.0 for p in e.policy],
+                             dtype=torch.float64)
             if c.get("eos_env") and K == 2 and e.reached[1]:
                 m[e.ids.index(EOS)] = 0.0                               # the first attempt's EOS
             if c.get("stop_env"):
                 m[e.stops] = 0.0                                        # a call turn's stop id
             masks.append(m)
-        adv = [A[i, [K - 1 if c.get("one_reward") else k for k in e.turn]] for i, e in enumerate(eps)]
-        betas = [torch.tensor([c["beta2"] if stage1 and k == 0 else c["beta"] for k in e.turn], dtype=torch.float64)
-                 for e in eps]
-        logps = lambda m: [token_logp(completion_logits(m, e.prompt_ids, e.ids, c["T"]), e.ids) for e in eps]
+        adv = [A[i, [K - 1 if c.get("one_reward") else k for k in e.turn]]
+               for i, e in enumerate(eps)]
+        betas = [torch.tensor([c["beta2"] if stage1 and k == 0 else c["beta"] for k in e.turn],
+                              dtype=torch.float64) for e in eps]
+        logps = lambda m: [token_logp(completion_logits(m, e.prompt_ids, e.ids, c["T"]), e.ids)
+                           for e in eps]
         with torch.no_grad():
             old, ref_lp = logps(model), logps(ref)
         for _ in range(c["mu"]):
@@ -1114,52 +1224,62 @@ def agent_expected(gpt, batches, c):
                 decided(ratio, 1 - c["clip"], 1 + c["clip"], where=(adv[i] != 0) & (masks[i] > 0))
                 pg = -torch.min(ratio * adv[i], ratio.clamp(1 - c["clip"], 1 + c["clip"]) * adv[i])
                 per_token = (pg + betas[i] * kl_estimate(lp, ref_lp[i], "k3")) * masks[i]
-                total = total + per_token.sum() / (len(lp) if c.get("norm_all") else masks[i].sum()) / B
+                total = (total + per_token.sum()
+                         / (len(lp) if c.get("norm_all") else masks[i].sum()) / B)
             g = grad_of(total, model)
             grads.append(g)
             sgd_step(model, g, SGD_LR)
     return model, grads
 
 
-AGENT = {"T": 0.7, "beta": 0.3, "clip": 0.15, "cost": 0.3, "alpha": 0.5, "mu": 2, "G": 4, "turns": 1, "scale": "batch",
-         "beta2": 1.0}
+AGENT = {"T": 0.7, "beta": 0.3, "clip": 0.15, "cost": 0.3, "alpha": 0.5, "mu": 2, "G": 4,
+         "turns": 1, "scale": "batch", "beta2": 1.0}
 AGENT_BUDGET = 34              # the longest planned attempt is 30 tokens; the run-on's 40 are cut
-AGENT_FLAGS = ["--steps", "2", "--mu", "2", "--prompts_per_step", "4", "--group_size", "4", "--precedence_share", "0.5",
-               "--temperature", "0.7", "--beta", "0.3", "--clip_eps", "0.15", "--call_cost", "0.3", "--shaping", "0.5",
-               "--max_new_tokens", str(AGENT_BUDGET), "--grad_clip", "1e9"]
-AGENT_CASES = {   # name: (flags, settings, the defaults of the flags under test and the planted mistakes)
-    "one attempt": ([], {}, [{"T": 1.0}, {"beta": 0.04}, {"clip": 0.2}, {"cost": 0.1}, {"env": True},
-                             {"norm_all": True}, {"beta": -0.3}, {"scale": "group"}, {"scale": "none"}]),
-    "--scale_rewards group": (["--scale_rewards", "group"], {"scale": "group"}, [{"scale": "batch"}]),
+AGENT_FLAGS = ["--steps", "2", "--mu", "2", "--prompts_per_step", "4", "--group_size", "4",
+               "--precedence_share", "0.5", "--temperature", "0.7", "--beta", "0.3",
+               "--clip_eps", "0.15", "--call_cost", "0.3", "--shaping", "0.5", "--max_new_tokens",
+               str(AGENT_BUDGET), "--grad_clip", "1e9"]
+# name: (flags, settings, the defaults of the flags under test and the planted mistakes)
+AGENT_CASES = {
+    "one attempt": ([], {}, [{"T": 1.0}, {"beta": 0.04}, {"clip": 0.2}, {"cost": 0.1},
+                             {"env": True}, {"norm_all": True}, {"beta": -0.3},
+                             {"scale": "group"}, {"scale": "none"}]),
+    "--scale_rewards group": (["--scale_rewards", "group"], {"scale": "group"},
+                              [{"scale": "batch"}]),
     "--scale_rewards none": (["--scale_rewards", "none"], {"scale": "none"}, [{"scale": "batch"}]),
     "--turns 2": (["--turns", "2"], {"turns": 2},
-                  [{"alpha": 1.0}, {"eos_env": True}, {"one_reward": True}, {"all_groups": True}, {"env": True}]),
-    "--turns 2 --train_on_env_tokens": (["--turns", "2", "--train_on_env_tokens"], {"turns": 2, "env": True},
-                                        [{"env": False}]),
+                  [{"alpha": 1.0}, {"eos_env": True}, {"one_reward": True}, {"all_groups": True},
+                   {"env": True}]),
+    "--turns 2 --train_on_env_tokens": (["--turns", "2", "--train_on_env_tokens"],
+                                        {"turns": 2, "env": True}, [{"env": False}]),
     "--turns 2 --stage1_steps 1 (SCoRe I, then II)": (
-        ["--turns", "2", "--stage1_steps", "1", "--stage1_beta", "2.5"], {"turns": 2, "stage1": 1, "beta2": 2.5},
+        ["--turns", "2", "--stage1_steps", "1", "--stage1_beta", "2.5"],
+        {"turns": 2, "stage1": 1, "beta2": 2.5},
         [{"stage1": 0}, {"stage1": 2}, {"beta2": 0.3}, {"beta2": 1.0}, {"stage1_r1": True}]),
 }
 
 
 @pytest.mark.parametrize("case", list(AGENT_CASES))
 def test_agent_update(case, tmp_path):
-    """Two steps of two passes on planned episodes from random weights (a tool call answered, a wrong answer in the
-    head, a call the calculator refuses, a run-on cut by the budget; with --turns 2 a second attempt after the revision
-    prompt, or none): the masks, attempts, rewards and advantages rebuilt from the plans by the environment's rules,
-    the loss from the docstring's equation. Each flag at its default and each planted mistake is told apart."""
+    """Two steps of two passes on planned episodes from random weights (a tool call answered, a
+    wrong answer in the head, a call the calculator refuses, a run-on cut by the budget; with
+    --turns 2 a second attempt after the revision prompt, or none): the masks, attempts, rewards and
+    advantages rebuilt from the plans by the environment's rules, the loss from the docstring's
+    equation. Each flag at its default and each planted mistake is told apart."""
     flags, settings, wrong = AGENT_CASES[case]
     c = {**AGENT, **settings}
     task.use(task_args("toolcalc"))
     torch.manual_seed(0)
     init = str(tmp_path / "init.pt")
-    save_checkpoint(init, GPT(GPTConfig(vocab_size=TOK.vocab_size, block_size=96, n_layer=2, n_head=2, n_embd=32)),
-                    TOK.name)
+    save_checkpoint(init, GPT(GPTConfig(vocab_size=TOK.vocab_size, block_size=96, n_layer=2,
+                                        n_head=2, n_embd=32)), TOK.name)
     result = train("agent", ["--init", init, *AGENT_FLAGS, *flags], str(tmp_path / "run"))
-    batches = [[Episode(p, j, c["turns"], AGENT_BUDGET) for p in e["prompts"] for j in range(e["group_size"])]
-               for e in result.of("episodes")]
-    assert len(batches) == 2 and {toolcalc.is_hard(e.prompt) for b in batches for e in b} == {True, False}
-    assert any(not all(e.policy) for e in batches[0]) and any(e.ids[-1] != EOS for e in batches[0])  # replies, cuts
+    batches = [[Episode(p, j, c["turns"], AGENT_BUDGET) for p in e["prompts"]
+                for j in range(e["group_size"])] for e in result.of("episodes")]
+    assert (len(batches) == 2
+            and {toolcalc.is_hard(e.prompt) for b in batches for e in b} == {True, False})
+    assert (any(not all(e.policy) for e in batches[0])
+            and any(e.ids[-1] != EOS for e in batches[0]))  # replies, cuts
     gpt = f64(result.model, result.start)
     with margins():
         model, grads = agent_expected(gpt, batches, c)
@@ -1169,9 +1289,10 @@ def test_agent_update(case, tmp_path):
 
 
 class ChatEpisode:
-    """A planned episode in the chat protocol (ddp_worker.fixed_chat_episode) played out by its rules, rebuilt from its
-    pieces: the policy's turns and the environment's tool messages; every token counts against the budget but the
-    stop id that ends the episode; the answer is the last turn's text; a call is a turn answered by a tool message."""
+    """A planned episode in the chat protocol (ddp_worker.fixed_chat_episode) played out by its
+    rules, rebuilt from its pieces: the policy's turns and the environment's tool messages; every
+    token counts against the budget but the stop id that ends the episode; the answer is the last
+    turn's text; a call is a turn answered by a tool message."""
 
     def __init__(self, protocol, prompt, j, budget):
         self.prompt, self.prompt_ids = prompt, protocol.prompt(prompt)
@@ -1179,11 +1300,12 @@ class ChatEpisode:
         self.stops, stop = [], protocol.tok.eos_id
         pieces, used, turn = fixed_chat_episode(protocol, prompt, j), 0, []
         for k, (ids, who) in enumerate(pieces):
-            self.calls[0] += who == "policy" and k + 1 < len(pieces)          # a turn the environment answers
+            # a turn the environment answers
+            self.calls[0] += who == "policy" and k + 1 < len(pieces)
             turn = ids if who == "policy" else turn
             for t in ids:
                 if t == stop and k + 1 < len(pieces):
-                    self.stops.append(len(self.ids))                          # a stop id ending a call's turn
+                    self.stops.append(len(self.ids))                # a stop id ending a call's turn
                 self.ids.append(t)
                 self.policy.append(who == "policy")
                 self.turn.append(0)
@@ -1195,16 +1317,17 @@ class ChatEpisode:
         self.texts = [protocol.tok.decode([t for t in turn if t != stop])]
 
 
-CHAT_BUDGET = 100              # a call, its reply and the answer: at most 93 tokens; the run-on's 120 are cut
+CHAT_BUDGET = 100    # a call, its reply and the answer: at most 93 tokens; the run-on's 120 are cut
 CHAT_WRONG = [{"env": True}, {"stop_env": True}, {"cost": 0.1}, {"norm_all": True}, {"beta": 0.04}]
 
 
 def test_agent_update_in_the_chat_protocol(tmp_path):
-    """agent.py --chat --tools calculator on planned episodes in the toy's chat template (bytes-chat): the policy's
-    turns as the template writes them (a JSON call in <tool_call> tags, its end of turn), the tool's reply as the
-    template's tool message and the next turn's opening, a call the calculator refuses, a run-on cut by the budget.
-    Planted: the tool messages in the loss, a call turn's stop id taken for the environment's, the call cost, the
-    1/|o_i| over every token, the KL weight; each told apart."""
+    """agent.py --chat --tools calculator on planned episodes in the toy's chat template
+    (bytes-chat): the policy's turns as the template writes them (a JSON call in <tool_call> tags,
+    its end of turn), the tool's reply as the template's tool message and the next turn's opening, a
+    call the calculator refuses, a run-on cut by the budget. Planted: the tool messages in the loss,
+    a call turn's stop id taken for the environment's, the call cost, the 1/|o_i| over every token,
+    the KL weight; each told apart."""
     c = dict(AGENT)
     args = task_args("toolcalc", chat=True, tools="calculator")
     task.use(args)
@@ -1212,13 +1335,15 @@ def test_agent_update_in_the_chat_protocol(tmp_path):
     protocol = task.chat_tools(tok)
     torch.manual_seed(2)
     init = str(tmp_path / "init.pt")
-    save_checkpoint(init, GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=176, n_layer=2, n_head=2, n_embd=32,
-                                        pos="rope")), tok.name, chat_date="2026-01-01")
-    result = train("agent", ["--init", init, *AGENT_FLAGS, "--max_new_tokens", str(CHAT_BUDGET), "--chat", "--tools",
-                             "calculator"], str(tmp_path / "run"))
-    batches = [[ChatEpisode(protocol, p, j, CHAT_BUDGET) for p in e["prompts"] for j in range(e["group_size"])]
-               for e in result.of("episodes")]
-    assert len(batches) == 2 and any(e.stops for e in batches[0]) and any(len(e.ids) == CHAT_BUDGET for e in batches[0])
+    save_checkpoint(init, GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=176, n_layer=2,
+                                        n_head=2, n_embd=32, pos="rope")), tok.name,
+                    chat_date="2026-01-01")
+    result = train("agent", ["--init", init, *AGENT_FLAGS, "--max_new_tokens", str(CHAT_BUDGET),
+                             "--chat", "--tools", "calculator"], str(tmp_path / "run"))
+    batches = [[ChatEpisode(protocol, p, j, CHAT_BUDGET) for p in e["prompts"]
+                for j in range(e["group_size"])] for e in result.of("episodes")]
+    assert (len(batches) == 2 and any(e.stops for e in batches[0])
+            and any(len(e.ids) == CHAT_BUDGET for e in batches[0]))
     gpt = f64(result.model, result.start)
     with margins():
         model, grads = agent_expected(gpt, batches, c)
@@ -1228,11 +1353,13 @@ def test_agent_update_in_the_chat_protocol(tmp_path):
 
 
 # -----------------------------------------------------------------------------
-# Asynchronous GRPO: one pass per batch of groups an actor sampled with older weights, each token weighted by pi / mu
+# Asynchronous GRPO: one pass per batch of groups an actor sampled with older weights, each token
+# weighted by pi / mu
 
 def async_rows(batch):
-    """The learner's groups as the test reads them: (prompt ids, completion ids up to and with the first EOS, or the
-    whole row of a completion that never ended, its text, the verifier's reward) per row."""
+    """The learner's groups as the test reads them: (prompt ids, completion ids up to and with the
+    first EOS, or the whole row of a completion that never ended, its text, the verifier's reward)
+    per row."""
     rows = []
     for prompt_ids, row in zip(batch["prompts"], batch["tokens"]):
         ids = row[:row.index(EOS) + 1] if EOS in row else row
@@ -1242,10 +1369,11 @@ def async_rows(batch):
 
 
 def async_expected(gpt, batches, c):
-    """One SGD step per learner batch on 1/B sum_i 1/|o_i| sum_t sg(w_it) [-A_i rho'_it + beta k3_it], rho' = pi /
-    sg(pi), w from rho = pi_theta / mu (mu: the actor's recorded log-probs): 1, min(rho, C) or 1[1/C <= rho <= C];
-    a masked token still counts in |o_i|. Planted mistakes: c["w_grad"] w not detached; c["kept"] 1/|o_i| over the
-    kept tokens only. Returns (model, gradients, every step's rho)."""
+    """One SGD step per learner batch on 1/B sum_i 1/|o_i| sum_t sg(w_it) [-A_i rho'_it + beta
+    k3_it], rho' = pi / sg(pi), w from rho = pi_theta / mu (mu: the actor's recorded log-probs): 1,
+    min(rho, C) or 1[1/C <= rho <= C]; a masked token still counts in |o_i|. Planted mistakes:
+    c["w_grad"] w not detached; c["kept"] 1/|o_i| over the kept tokens only. Returns (model,
+    gradients, every step's rho)."""
     model, ref, grads, rhos = copy.deepcopy(gpt), frozen(gpt), [], []
     for batch in batches:
         rows = async_rows(batch)
@@ -1255,13 +1383,15 @@ def async_expected(gpt, batches, c):
             lp = token_logp(completion_logits(model, p, ids, c["T"]), ids)
             with torch.no_grad():
                 ref_lp = token_logp(completion_logits(ref, p, ids, c["T"]), ids)
-            rho = torch.exp((lp if c.get("w_grad") else lp.detach()) - batch["logp"][i, :len(ids)].double())
+            rho = torch.exp((lp if c.get("w_grad") else lp.detach())
+                            - batch["logp"][i, :len(ids)].double())
             rho_step.append(rho.detach())
-            if c["mode"] == "mask":                                     # min(rho, C) is continuous; 1[...] is not
+            if c["mode"] == "mask":                       # min(rho, C) is continuous; 1[...] is not
                 decided(rho, 1 / c["cap"], c["cap"])
             w = {"none": torch.ones_like(rho), "truncate": rho.clamp(max=c["cap"]),
                  "mask": ((rho >= 1 / c["cap"]) & (rho <= c["cap"])).double()}[c["mode"]]
-            per_token = w * (-A[i] * torch.exp(lp - lp.detach()) + c["beta"] * kl_estimate(lp, ref_lp, "k3"))
+            per_token = w * (-A[i] * torch.exp(lp - lp.detach())
+                             + c["beta"] * kl_estimate(lp, ref_lp, "k3"))
             n = (w > 0).sum() if c.get("kept") else len(ids)
             total = total + per_token.sum() / n / len(rows)
         g = grad_of(total, model)
@@ -1272,39 +1402,45 @@ def async_expected(gpt, batches, c):
 
 
 ASYNC = {"T": 0.7, "beta": 0.3, "cap": 1.05, "lr": 0.1, "G": 4}
-ASYNC_FLAGS = ["--steps", "2", "--prompts_per_step", "4", "--group_size", "4", "--precedence_share", "1",
-               "--temperature", "0.7", "--beta", "0.3", "--is_cap", "1.05", "--max_lag", "1", "--sync_every", "2",
-               "--actors", "1", "--threads", "1", "--grad_clip", "1e9", "--eval_every", "2"]
+ASYNC_FLAGS = ["--steps", "2", "--prompts_per_step", "4", "--group_size", "4", "--precedence_share",
+               "1", "--temperature", "0.7", "--beta", "0.3", "--is_cap", "1.05", "--max_lag", "1",
+               "--sync_every", "2", "--actors", "1", "--threads", "1", "--grad_clip", "1e9",
+               "--eval_every", "2"]
 
 
 @pytest.mark.parametrize("mode", ["truncate", "mask"])
 def test_async_grpo_update(mode, tiny_sft, tmp_path):
-    """Two learner steps of async_grpo.py (one actor, --max_lag 1, --sync_every 2: both steps' groups drawn with the
-    starting weights, the second trained one version later; the actor sends the fixed completions with its policy's
-    log-probs of them): the completions read from the token rows, the rewards from their text, the importance weights
-    from the actor's own log-probs (checked against the starting weights'),
-    the loss from the docstring's equation. No correction, T = 1, beta 0.04, a flipped KL sign and w with a gradient
-    (truncate; an indicator has none) or 1/|o_i| over the kept tokens (mask) are told apart."""
+    """Two learner steps of async_grpo.py (one actor, --max_lag 1, --sync_every 2: both steps'
+    groups drawn with the starting weights, the second trained one version later; the actor sends
+    the fixed completions with its policy's log-probs of them): the completions read from the token
+    rows, the rewards from their text, the importance weights from the actor's own log-probs
+    (checked against the starting weights'), the loss from the docstring's equation. No correction,
+    T = 1, beta 0.04, a flipped KL sign and w with a gradient (truncate; an indicator has none) or
+    1/|o_i| over the kept tokens (mask) are told apart."""
     c = {**ASYNC, "mode": mode}
-    result = train("async_grpo", ["--init", tiny_sft, *ASYNC_FLAGS, "--is_correction", mode], str(tmp_path),
-                   lr=c["lr"])
+    result = train("async_grpo", ["--init", tiny_sft, *ASYNC_FLAGS, "--is_correction", mode],
+                   str(tmp_path), lr=c["lr"])
     batches = result.of("async_batch")
-    assert len(batches) == 2 and all(v == 0 for b in batches for v in b["version"])     # lags 0, then 1
+    # lags 0, then 1
+    assert (len(batches) == 2 and all(v == 0 for b in batches for v in b["version"]))
     gpt = f64(result.model, result.start)
-    for batch in batches:                          # mu: the actor's log-probs are the starting weights'
+    for batch in batches:                      # mu: the actor's log-probs are the starting weights'
         assert [r for _, _, r in async_rows(batch)] == batch["rewards"]
         for i, (p, ids, _) in enumerate(async_rows(batch)):
             with torch.no_grad():
-                err = (batch["logp"][i, :len(ids)].double() - token_logp(completion_logits(gpt, p, ids, c["T"]), ids))
-            assert err.abs().max() < 1e-4, f"row {i}: the actor's log-probs off by {err.abs().max():.2e}"
+                err = (batch["logp"][i, :len(ids)].double()
+                       - token_logp(completion_logits(gpt, p, ids, c["T"]), ids))
+            assert err.abs().max() < 1e-4, (
+                f"row {i}: the actor's log-probs off by {err.abs().max():.2e}")
     with margins():
         model, grads, rhos = async_expected(gpt, batches, c)
-    rho = torch.cat(rhos[1])                                   # the second step's: pi after one step / mu
-    assert (rho > c["cap"]).any() and (rho < 1 / c["cap"]).any()    # the correction acts on both sides
-    wrong = [("no correction", {"mode": "none"}), ("T = 1", {"T": 1.0}), ("beta 0.04", {"beta": 0.04}),
-             ("a flipped KL sign", {"beta": -c["beta"]})]
-    wrong += [("1/|o_i| over the kept tokens", {"kept": True})] if mode == "mask" else [("w with a gradient",
-                                                                                         {"w_grad": True})]
+    rho = torch.cat(rhos[1])                             # the second step's: pi after one step / mu
+    # the correction acts on both sides
+    assert ((rho > c["cap"]).any() and (rho < 1 / c["cap"]).any())
+    wrong = [("no correction", {"mode": "none"}), ("T = 1", {"T": 1.0}),
+             ("beta 0.04", {"beta": 0.04}), ("a flipped KL sign", {"beta": -c["beta"]})]
+    wrong += [("1/|o_i| over the kept tokens",
+               {"kept": True})] if mode == "mask" else [("w with a gradient", {"w_grad": True})]
     far = [(name, async_expected(gpt, batches, {**c, **w})) for name, w in wrong]
     check_grads(result, grads, far=[(k, g) for k, (_, g, _) in far])
     check_weights(result, model, far=[(k, m) for k, (m, _, _) in far])
@@ -1314,15 +1450,17 @@ def test_async_grpo_update(mode, tiny_sft, tmp_path):
 # SFT and expert iteration: the mean negative log-likelihood of the completion tokens and the EOS
 
 def nll_expected(gpt, batches, lrs, wd, max_norm=None, shift=0):
-    """SGD on -1/sum|y| sum_(x, y) sum_t log pi(y_t | x, y_<t) over each batch of (prompt, completion) pairs, the EOS
-    a target: a text completion (a demonstration) gets it appended, ids are as sampled (their EOS last); lrs: each
-    step's learning rate; max_norm: gradient clipping. shift: the targets moved (a wrong mask)."""
+    """SGD on -1/sum|y| sum_(x, y) sum_t log pi(y_t | x, y_<t) over each batch of
+    (prompt, completion) pairs, the EOS a target: a text completion (a demonstration) gets it
+    appended, ids are as sampled (their EOS last); lrs: each step's learning rate; max_norm:
+    gradient clipping. shift: the targets moved (a wrong mask)."""
     model, grads = copy.deepcopy(gpt), []
     for batch, lr in zip(batches, lrs):
         total, n = 0.0, 0
         for prompt, completion in batch:
             p = TOK.encode(prompt)
-            ids = TOK.encode(completion) + [EOS] if isinstance(completion, str) else list(completion)
+            ids = TOK.encode(completion) + [EOS] if isinstance(completion,
+                                                               str) else list(completion)
             seq = p + ids
             lp = token_logp(logits_of(model, seq)[:-1], seq[1:])[len(p) - 1 - shift:]
             total, n = total - lp.sum(), n + len(lp)
@@ -1335,29 +1473,33 @@ def nll_expected(gpt, batches, lrs, wd, max_norm=None, shift=0):
 
 
 def test_sft_update(tmp_path):
-    """Four steps from random weights: the warm-up (2 steps), the cosine, AdamW's weight decay (SGD's here), and the
-    gradient clipped to --grad_clip."""
-    result = train("sft", ["--steps", "4", "--batch_size", "4", "--n_layer", "1", "--n_head", "2", "--n_embd", "32",
-                           "--lr", "0.5", "--warmup", "2", "--weight_decay", "0.1", "--grad_clip", "0.5"],
-                   str(tmp_path))
+    """Four steps from random weights: the warm-up (2 steps), the cosine, AdamW's weight decay
+    (SGD's here), and the gradient clipped to --grad_clip."""
+    result = train("sft", ["--steps", "4", "--batch_size", "4", "--n_layer", "1", "--n_head", "2",
+                           "--n_embd", "32", "--lr", "0.5", "--warmup", "2",
+                           "--weight_decay", "0.1", "--grad_clip", "0.5"], str(tmp_path))
     batches = [list(zip(e["prompts"], e["completions"])) for e in result.of("completion_batch")]
     assert [len(b) for b in batches] == [4, 4, 4, 4]
-    assert [s["lr"][0] for s in result.steps] == pytest.approx([lr_schedule(s, 0.5, 2, 4) for s in range(4)])
+    assert [s["lr"][0] for s in result.steps] == pytest.approx([lr_schedule(s, 0.5, 2, 4)
+                                                                for s in range(4)])
     gpt = f64(result.model, result.start)
     lrs = [lr_schedule(s, 0.5, 2, 4) for s in range(4)]
     model, grads = nll_expected(gpt, batches, lrs, 0.1, 0.5)
     unclipped = nll_expected(gpt, batches, lrs, 0.1)[1][0]
     assert torch.sqrt(sum((g ** 2).sum() for g in unclipped)) > 1.0           # the clip acts
-    check_grads(result, grads, far=[("--grad_clip", [unclipped]), ("the targets one token early",
-                                                                    nll_expected(gpt, batches, lrs, 0.1, 0.5, 1)[1]),
+    check_grads(result, grads, far=[("--grad_clip", [unclipped]),
+                                    ("the targets one token early",
+                                     nll_expected(gpt, batches, lrs, 0.1, 0.5, 1)[1]),
                                     ("a flipped sign", [[-g for g in x] for x in grads])])
-    check_weights(result, model, far=[("--weight_decay 0", nll_expected(gpt, batches, lrs, 0.0, 0.5)[0]),
-                                      ("a constant lr", nll_expected(gpt, batches, [0.5] * 4, 0.1, 0.5)[0])])
+    check_weights(result, model, far=[
+        ("--weight_decay 0", nll_expected(gpt, batches, lrs, 0.0, 0.5)[0]),
+        ("a constant lr", nll_expected(gpt, batches, [0.5] * 4, 0.1, 0.5)[0])])
 
 
 def expert_iteration_data(rounds, N, scorer=None, max_per_prompt=4):
-    """What a round keeps: per prompt, the distinct completions with reward 1 (scorer None; highest first, ties in
-    the order sampled), or the scorer's highest (threshold none), at most max_per_prompt."""
+    """What a round keeps: per prompt, the distinct completions with reward 1 (scorer None; highest
+    first, ties in the order sampled), or the scorer's highest (threshold none), at most
+    max_per_prompt."""
     data = []
     for r in rounds:
         for p in r["prompts"]:
@@ -1373,48 +1515,54 @@ def expert_iteration_data(rounds, N, scorer=None, max_per_prompt=4):
     return data
 
 
-EI_FLAGS = ["--rounds", "1", "--prompts_per_round", "6", "--samples_per_prompt", "4", "--batch_size", "4",
-            "--epochs", "2", "--weight_decay", "0.05", "--grad_clip", "1e9"]
+EI_FLAGS = ["--rounds", "1", "--prompts_per_round", "6", "--samples_per_prompt", "4",
+            "--batch_size", "4", "--epochs", "2", "--weight_decay", "0.05", "--grad_clip", "1e9"]
 
 
 @pytest.mark.parametrize("select", ["verifier", "rm"])
 def test_expert_iteration_update(select, reward_model_run, tmp_path):
     rm_path = os.path.join(reward_model_run.out, "rm.pt")
     init = reward_model_run.ckpt["args"]["init"]
-    result = train("expert_iteration", ["--init", init, "--rm", rm_path, "--select", select, *EI_FLAGS],
-                   str(tmp_path))
+    result = train("expert_iteration", ["--init", init, "--rm", rm_path, "--select", select,
+                                        *EI_FLAGS], str(tmp_path))
     rounds = [e for e in result.of("complete") if len(e["prompts"]) == 6]  # not the evaluation's
     rm = f64(load_checkpoint(rm_path)[0])
     with torch.no_grad():
         rm_score = lambda p, t: scores_of(rm, TOK.encode(p) + TOK.encode(t) + [EOS])[-1].item()
-        data = expert_iteration_data(rounds, 4, rm_score if select == "rm" else None, 1 if select == "rm" else 4)
-        other = expert_iteration_data(rounds, 4, None if select == "rm" else rm_score, 4 if select == "rm" else 1)
-    assert sorted(data) != sorted(other)                                      # the rule decides what is kept
+        data = expert_iteration_data(rounds, 4, rm_score if select == "rm" else None,
+                                     1 if select == "rm" else 4)
+        other = expert_iteration_data(rounds, 4, None if select == "rm" else rm_score,
+                                      4 if select == "rm" else 1)
+    assert sorted(data) != sorted(other)                       # the rule decides what is kept
     batches = [list(zip(e["prompts"], e["completions"])) for e in result.of("completion_batch")]
-    assert len(batches) == math.ceil(2 * len(data) / 4)                       # --epochs 2 over the kept data
-    assert all(c[-1] == EOS for b in batches for _, c in b)                   # as sampled: each ended with its EOS
-    items = [(p, plain(c)) for b in batches for p, c in b]                    # two shuffled passes over the data
-    assert sorted(items[:len(data)]) == sorted(data) and sorted(items[len(data):2 * len(data)]) == sorted(data)
+    assert len(batches) == math.ceil(2 * len(data) / 4)        # --epochs 2 over the kept data
+    assert all(c[-1] == EOS for b in batches for _, c in b)    # as sampled: each ended with its EOS
+    items = [(p, plain(c)) for b in batches for p, c in b]     # two shuffled passes over the data
+    assert (sorted(items[:len(data)]) == sorted(data)
+            and sorted(items[len(data):2 * len(data)]) == sorted(data))
     gpt = f64(result.model, result.start)
     model, grads = nll_expected(gpt, batches, [SGD_LR] * len(batches), 0.05)
     check_grads(result, grads, far=[("a flipped sign", [[-g for g in x] for x in grads])])
-    check_weights(result, model, far=[("--weight_decay 0", nll_expected(gpt, batches, [SGD_LR] * len(batches), 0)[0])])
+    check_weights(result, model, far=[("--weight_decay 0",
+                                       nll_expected(gpt, batches, [SGD_LR] * len(batches), 0)[0])])
 
 
 # -----------------------------------------------------------------------------
-# ORM and PRM: binary cross-entropy of the scores read at each step's end (the ORM: the EOS) against the labels
+# ORM and PRM: binary cross-entropy of the scores read at each step's end (the ORM: the EOS) against
+# the labels
 
 def verifier_expected(scalar, batches, kind, c):
     model, grads = copy.deepcopy(scalar), []
     for step, batch in enumerate(batches):
         total, n = 0.0, 0
-        for prompt, ids in batch:                                    # ids as sampled, their EOS last
+        for prompt, ids in batch:                                   # ids as sampled, their EOS last
             p, text = TOK.encode(prompt), plain(ids)
             seq = p + list(ids)
             if kind == "orm":
                 reads, labels = [len(seq) - 1], [task.reward(prompt, text)]
-            else:                                                    # each ',' and the EOS
-                reads = [len(p) + j for j, t in enumerate(ids) if TOK.decode([t]) == ","] + [len(seq) - 1]
+            else:                                                   # each ',' and the EOS
+                reads = [len(p) + j
+                         for j, t in enumerate(ids) if TOK.decode([t]) == ","] + [len(seq) - 1]
                 assert ids[-1] == EOS
                 labels = arithmetic.step_labels(prompt, text)
             assert len(reads) == len(labels)
@@ -1431,9 +1579,10 @@ def verifier_expected(scalar, batches, kind, c):
 @pytest.mark.parametrize("kind", ["orm", "prm"])
 def test_orm_and_prm_update(kind, tiny_sft, tmp_path):
     result = train("orm" if kind == "orm" else "prm",
-                   ["--init", tiny_sft, "--n_prompts", "8", "--samples_per_prompt", "2", "--batch_size", "8",
-                    "--epochs", "1", "--lr", "0.3", "--warmup", "1", "--grad_clip", "1e9"]
-                   + (["--train", "prm"] if kind == "prm" else []), str(tmp_path), kind)
+                   ["--init", tiny_sft, "--n_prompts", "8", "--samples_per_prompt", "2",
+                    "--batch_size", "8", "--epochs", "1", "--lr", "0.3", "--warmup", "1",
+                    "--grad_clip", "1e9"] + (["--train", "prm"] if kind == "prm" else []),
+                   str(tmp_path), kind)
     batches = [list(zip(e["prompts"], e["completions"])) for e in result.of("completion_batch")]
     assert [len(b) for b in batches] == [8, 8]
     scalar = f64(result.model, result.start)

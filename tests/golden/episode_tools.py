@@ -1,4 +1,5 @@
-"""The calculator as make_golden.py's TOOLS describes it (its golden episodes' tool), for tests/test_tools.py."""
+"""The calculator as make_golden.py's TOOLS describes it (its golden episodes' tool), for
+tests/test_tools.py."""
 from tasks import toolcalc
 
 

@@ -35,9 +35,10 @@ def weather(city: str, unit: Unit, days: int = 1, detailed: bool = False) -> dic
     return {}
 
 
-def search(query: str, limit: Optional[int] = None, tags: list[str] = (), order: Literal["new", "old"] = "new",
-           weights: dict[str, float] = None, span: tuple[int, int] = (0, 1), value: Union[int, str] = 0,
-           anything: Any = None, mode: str = "fast"):
+def search(query: str, limit: Optional[int] = None, tags: list[str] = (),
+           order: Literal["new", "old"] = "new", weights: dict[str, float] = None,
+           span: tuple[int, int] = (0, 1), value: Union[int, str] = 0, anything: Any = None,
+           mode: str = "fast"):
     """Search the archive.
 
     Args:
