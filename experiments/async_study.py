@@ -1,23 +1,28 @@
 """
-What asynchrony buys and what staleness costs: async_grpo.py against grpo.py on the same machine and budget, then
-async_grpo.py across --max_lag and --is_correction.
+What asynchrony buys and what staleness costs: async_grpo.py against grpo.py on the same machine and
+budget, then async_grpo.py across --max_lag and --is_correction.
 
-    throughput   grpo.py (one process, --threads torch threads) against async_grpo.py (1 actor + 1 learner, one
-                 thread each), the same 50 steps of 32 prompts x 8 samples from the same SFT policy: completions per
-                 second, held-out accuracy, and accuracy against wall-clock time (a figure).
-    staleness    async_grpo.py with --actors K (default 2: together they sample faster than the learner trains, so
-                 that admission, not speed, bounds the lag) at --max_lag 0, 1, 2, 4, 8 and --is_correction none,
-                 truncate, mask: the lag reached, the importance weights, the tokens outside [1/C, C], held-out
-                 accuracy (a table and a figure).
-    Both report the sampler/learner log-prob gap at lag 0 (the correction's other use: numerics alone).
+    throughput   grpo.py (one process, --threads torch threads) against async_grpo.py (1 actor + 1
+                 learner, one thread each), the same 50 steps of 32 prompts x 8 samples from the
+                 same SFT policy: completions per second, held-out accuracy, and accuracy against
+                 wall-clock time (a figure).
+    staleness    async_grpo.py with --actors K (default 2: together they sample faster than the
+                 learner trains, so that admission, not speed, bounds the lag) at --max_lag 0, 1, 2,
+                 4, 8 and --is_correction none, truncate, mask: the lag reached, the importance
+                 weights, the tokens outside [1/C, C], held-out accuracy (a table and a figure).
+    Both report the sampler/learner log-prob gap at lag 0 (the correction's other use: numerics
+    alone).
 
-Every run is a subprocess with its own folder under --out (re-running skips finished runs); the tables are printed
-and written, with the figures, to results/async/.
+Every run is a subprocess with its own folder under --out (re-running skips finished runs); the
+tables are printed and written, with the figures, to results/async/.
 
 Run:
-    python experiments/async_study.py --part throughput --seeds 0 1 2      # about 9 minutes on 2 idle CPU cores
-    python experiments/async_study.py --part staleness --seeds 0 1 2       # 15 runs a seed, about 30 minutes each
-    python experiments/async_study.py --table_only                         # re-print from the runs already there
+    # about 9 minutes on 2 idle CPU cores
+    python experiments/async_study.py --part throughput --seeds 0 1 2
+    # 15 runs a seed, about 30 minutes each
+    python experiments/async_study.py --part staleness --seeds 0 1 2
+    # re-print from the runs already there
+    python experiments/async_study.py --table_only
 """
 import argparse
 import json
@@ -40,7 +45,8 @@ def rows_of(out, script):
 def run(cmd, out, script, env, table_only):
     """The run's metrics rows, running it first unless it finished before."""
     if rows_of(out, script) is None and not table_only:
-        print(" ".join(f"{k}={v}" for k, v in env.items()) + " python " + " ".join(cmd[1:]), flush=True)
+        print(" ".join(f"{k}={v}" for k, v in env.items()) + " python " + " ".join(cmd[1:]),
+              flush=True)
         subprocess.run(cmd + ["--out", out], check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
                        env={**os.environ, **env})
     return rows_of(out, script)
@@ -55,8 +61,8 @@ def summary(rows):
             "seconds": steps[-1]["elapsed_s"], "samples": steps[-1]["samples"],
             "per_sec": steps[-1]["samples"] / steps[-1]["elapsed_s"],
             "curve": [(r.get("elapsed_s", 0.0), r["eval_accuracy"]) for r in evals],
-            **{k: mean(k) for k in ("lag_mean", "is_weight_mean", "rho_outside_band", "logp_gap_lag0",
-                                    "actor_busy", "learner_busy", "queue")},
+            **{k: mean(k) for k in ("lag_mean", "is_weight_mean", "rho_outside_band",
+                                    "logp_gap_lag0", "actor_busy", "learner_busy", "queue")},
             "lag_max": max((r.get("lag_max", 0) for r in steps), default=0)}
 
 
@@ -70,9 +76,9 @@ def fmt(values, f):
 
 
 def throughput(args):
-    # async_grpo.py with one thread per process gives each phase its own core; with two, the learner (the bottleneck)
-    # also uses the core the actor leaves idle while it waits for weights, at the price of oversubscribing the cores
-    # while both work.
+    # async_grpo.py with one thread per process gives each phase its own core; with two, the learner
+    # (the bottleneck) also uses the core the actor leaves idle while it waits for weights, at the
+    # price of oversubscribing the cores while both work.
     results = {"grpo.py": [], "async_grpo.py": [], "async_grpo.py --threads 2": []}
     for seed in args.seeds:
         common = ["--seed", str(seed), "--init", args.init, "--steps", str(args.steps)]
@@ -80,21 +86,26 @@ def throughput(args):
                 ("grpo.py", "grpo", "sync", args.threads, []),
                 ("async_grpo.py", "async_grpo", "async", 1, ["--threads", "1"]),
                 ("async_grpo.py --threads 2", "async_grpo", "async2", 2, ["--threads", "2"])):
-            rows = run([sys.executable, f"{script}.py", *common, *extra], f"{args.out}/{folder}-s{seed}", script,
-                       {"OMP_NUM_THREADS": str(threads)}, args.table_only)
-            if rows is not None:                                       # --table_only: the runs that are there
+            rows = run([sys.executable, f"{script}.py", *common, *extra],
+                       f"{args.out}/{folder}-s{seed}", script, {"OMP_NUM_THREADS": str(threads)},
+                       args.table_only)
+            if rows is not None:                             # --table_only: the runs that are there
                 results[name].append(summary(rows))
     results = {name: runs for name, runs in results.items() if runs}
-    lines = [f"seeds {args.seeds}, {args.steps} steps of 32 prompts x 8 samples from {args.init}; grpo.py with "
-             f"{args.threads} torch threads, async_grpo.py 1 actor + 1 learner with 1 (or 2) threads each", "",
-             "| script | completions / s | wall time s | held-out greedy, before -> after | lag mean (max) | "
-             "actor busy | learner busy | sampler/learner gap at lag 0 (nats/token) |",
+    lines = [f"seeds {args.seeds}, {args.steps} steps of 32 prompts x 8 samples "
+             f"from {args.init}; grpo.py with {args.threads} torch threads, async_grpo.py 1 "
+             f"actor + 1 learner with 1 (or 2) threads each", "",
+             "| script | completions / s | wall time s | held-out greedy, before -> after | "
+             "lag mean (max) | actor busy | learner busy | "
+             "sampler/learner gap at lag 0 (nats/token) |",
              "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
     for name, runs in results.items():
         c = lambda k, f: fmt([r[k] for r in runs], f)
-        lag = f"{c('lag_mean', '.2f')} ({max(r['lag_max'] for r in runs)})" if name != "grpo.py" else "0"
-        lines.append(f"| `{name}` | {c('per_sec', '.1f')} | {c('seconds', '.0f')} | {c('before', '.3f')} -> "
-                     f"**{c('after', '.3f')}** | {lag} | {c('actor_busy', '.2f')} | {c('learner_busy', '.2f')} | "
+        lag = (f"{c('lag_mean', '.2f')} ({max(r['lag_max'] for r in runs)})"
+               if name != "grpo.py" else "0")
+        lines.append(f"| `{name}` | {c('per_sec', '.1f')} | {c('seconds', '.0f')} | "
+                     f"{c('before', '.3f')} -> **{c('after', '.3f')}** | {lag} | "
+                     f"{c('actor_busy', '.2f')} | {c('learner_busy', '.2f')} | "
                      f"{c('logp_gap_lag0', '.1e')} |")
     figure(args, "throughput.png", {n: [r["curve"] for r in runs] for n, runs in results.items()},
            "wall-clock seconds (training only)", "held-out greedy accuracy")
@@ -102,21 +113,22 @@ def throughput(args):
 
 
 def staleness(args):
-    lines = [f"seeds {args.seeds}, {args.steps} steps of 32 prompts x 8 samples from {args.init}, --actors "
-             f"{args.actors}, one thread per process, C = 2", "",
-             "| --max_lag | --is_correction | lag reached, mean (max) | mean weight | tokens with rho outside "
-             "[1/C, C] | held-out greedy, before -> after |", "| ---: | --- | ---: | ---: | ---: | --- |"]
-    curves = {c: [] for c in CORRECTIONS}                      # per correction, per seed: [(lag, final accuracy)]
-    for seed in args.seeds:                                     # seed by seed, so that a cut-off sweep has whole seeds
+    lines = [f"seeds {args.seeds}, {args.steps} steps of 32 prompts x 8 samples "
+             f"from {args.init}, --actors {args.actors}, one thread per process, C = 2", "",
+             "| --max_lag | --is_correction | lag reached, mean (max) | mean weight | "
+             "tokens with rho outside [1/C, C] | held-out greedy, before -> after |",
+             "| ---: | --- | ---: | ---: | ---: | --- |"]
+    curves = {c: [] for c in CORRECTIONS}        # per correction, per seed: [(lag, final accuracy)]
+    for seed in args.seeds:                  # seed by seed, so that a cut-off sweep has whole seeds
         for correction in CORRECTIONS:
             curves[correction].append([])
         for lag in LAGS:
             for correction in CORRECTIONS:
                 folder = f"{args.out}/lag{lag}-{correction}" + (f"-s{seed}" if seed else "")
-                rows = run([sys.executable, "async_grpo.py", "--seed", str(seed), "--init", args.init, "--steps",
-                            str(args.steps), "--actors", str(args.actors), "--threads", "1", "--max_lag", str(lag),
-                            "--is_correction", correction], folder, "async_grpo", {"OMP_NUM_THREADS": "1"},
-                           args.table_only)
+                rows = run([sys.executable, "async_grpo.py", "--seed", str(seed), "--init",
+                            args.init, "--steps", str(args.steps), "--actors", str(args.actors),
+                            "--threads", "1", "--max_lag", str(lag), "--is_correction", correction],
+                           folder, "async_grpo", {"OMP_NUM_THREADS": "1"}, args.table_only)
                 if rows is not None:
                     curves[correction][-1].append((lag, summary(rows)))
     for lag in LAGS:
@@ -125,21 +137,26 @@ def staleness(args):
             if not runs:
                 continue
             c = lambda k, f: fmt([r[k] for r in runs], f)
-            lines.append(f"| {lag} | {correction} | {c('lag_mean', '.2f')} ({max(r['lag_max'] for r in runs)}) | "
-                         f"{c('is_weight_mean', '.3f')} | {c('rho_outside_band', '.4f')} | {c('before', '.3f')} -> "
-                         f"**{c('after', '.3f')}** |")
-    gaps = [r["logp_gap_lag0"] for runs in curves.values() for seed_runs in runs for _, r in seed_runs
-            if r["logp_gap_lag0"] == r["logp_gap_lag0"]]
+            lines.append(f"| {lag} | {correction} | {c('lag_mean', '.2f')} "
+                         f"({max(r['lag_max'] for r in runs)}) | {c('is_weight_mean', '.3f')} | "
+                         f"{c('rho_outside_band', '.4f')} | "
+                         f"{c('before', '.3f')} -> **{c('after', '.3f')}** |")
+    gaps = [r["logp_gap_lag0"] for runs in curves.values() for seed_runs in runs
+            for _, r in seed_runs if r["logp_gap_lag0"] == r["logp_gap_lag0"]]
     if gaps:
-        lines += ["", f"Sampler/learner log-prob gap at lag 0 (the same weights, float32): mean |log pi_learner - "
-                      f"log mu_sampler| per token {statistics.mean(gaps):.1e} nats ({len(gaps)} runs)"]
-    figure(args, "staleness.png", {c: [[(x, r["after"]) for x, r in seed_runs] for seed_runs in runs if seed_runs]
-                                   for c, runs in curves.items()}, "--max_lag", "held-out greedy accuracy")
+        lines += ["", f"Sampler/learner log-prob gap at lag 0 (the same weights, float32): mean "
+                      f"|log pi_learner - log mu_sampler| per token {statistics.mean(gaps):.1e} "
+                      f"nats ({len(gaps)} runs)"]
+    figure(args, "staleness.png", {c: [[(x, r["after"]) for x, r in seed_runs]
+                                       for seed_runs in runs if seed_runs]
+                                   for c, runs in curves.items()},
+           "--max_lag", "held-out greedy accuracy")
     return lines
 
 
 def figure(args, name, curves, xlabel, ylabel):
-    """One line per key (a list of runs, each a list of (x, y)); nothing when matplotlib is missing."""
+    """One line per key (a list of runs, each a list of (x, y)); nothing when matplotlib is
+    missing."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -164,8 +181,10 @@ def main():
     p.add_argument("--part", choices=["throughput", "staleness", "both"], default="both")
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="the seeds of every run")
     p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--actors", type=int, default=2, help="staleness: actors, together faster than the learner")
-    p.add_argument("--threads", type=int, default=2, help="throughput: grpo.py's torch threads (the cores)")
+    p.add_argument("--actors", type=int, default=2,
+                   help="staleness: actors, together faster than the learner")
+    p.add_argument("--threads", type=int, default=2,
+                   help="throughput: grpo.py's torch threads (the cores)")
     p.add_argument("--init", default="out/sft.pt")
     p.add_argument("--out", default="out/async_study")
     p.add_argument("--results", default="results/async", help="folder for the tables and figures")

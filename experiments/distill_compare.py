@@ -1,18 +1,22 @@
 """
-On-policy distillation against GRPO, from the same small student: which estimator of the per-token reverse KL learns
-most per completion sampled and per second, how far the student gets towards its teacher, and what the exact KL over
-the vocabulary costs against the sampled estimators, here (V = 258) and at a real vocabulary (V = 151936, Qwen2's).
+On-policy distillation against GRPO, from the same small student: which estimator of the per-token
+reverse KL learns most per completion sampled and per second, how far the student gets towards its
+teacher, and what the exact KL over the vocabulary costs against the sampled estimators, here (V =
+258) and at a real vocabulary (V = 151936, Qwen2's).
 
-Runs distill.py with each --estimator (exact, k1, k3, topk) and grpo.py --init <the student> (its defaults: the same
-small SFT policy, the verifier as the reward), each from the same seed, and reads their metrics.jsonl: held-out greedy
-accuracy against completions sampled and against wall time (evaluations excluded: training_seconds), the teacher's
-held-out accuracy as the ceiling. Then times the loss alone, forward and backward, for each
-estimator on random logits at V = 258 and V = 151936.
+Runs distill.py with each --estimator (exact, k1, k3, topk) and grpo.py --init <the student> (its
+defaults: the same small SFT policy, the verifier as the reward), each from the same seed, and reads
+their metrics.jsonl: held-out greedy accuracy against completions sampled and against wall time
+(evaluations excluded: training_seconds), the teacher's held-out accuracy as the ceiling. Then times
+the loss alone, forward and backward, for each estimator on random logits at V = 258 and V = 151936.
 
 Run:
-    python experiments/distill_compare.py                 # seed 0, about 12 minutes on 2 CPU cores (+ prerequisites)
-    python experiments/distill_compare.py --seeds 0 1     # more seeds
-    python experiments/distill_compare.py --table_only    # re-print the tables from the runs already there
+    # seed 0, about 12 minutes on 2 CPU cores (+ prerequisites)
+    python experiments/distill_compare.py
+    # more seeds
+    python experiments/distill_compare.py --seeds 0 1
+    # re-print the tables from the runs already there
+    python experiments/distill_compare.py --table_only
 Outputs: results/distill/results.md (the tables), results.json, distill.png (the figure).
 """
 import argparse
@@ -29,7 +33,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from distill import STUDENT_PATH, TEACHER_PATH, distillation_loss  # noqa: E402
 
-EVERY = ["--eval_every", "10"]   # distill.py evaluates as often as grpo.py (same training: evaluation draws nothing)
+# distill.py evaluates as often as grpo.py (same training: evaluation draws nothing)
+EVERY = ["--eval_every", "10"]
 RUNS = {  # name -> (script, flags beyond --seed, --out and the checkpoints)
     "distill exact": ("distill", ["--estimator", "exact", *EVERY]),
     "distill k1": ("distill", ["--estimator", "k1", *EVERY]),
@@ -40,12 +45,14 @@ RUNS = {  # name -> (script, flags beyond --seed, --out and the checkpoints)
 
 
 def training_seconds(rows):
-    """elapsed_s of each logged step less the evaluations so far: an evaluation's time is estimated as the median
-    length of a log interval that holds one less the median of those that do not (all of log_every steps)."""
+    """elapsed_s of each logged step less the evaluations so far: an evaluation's time is estimated
+    as the median length of a log interval that holds one less the median of those that do not (all
+    of log_every steps)."""
     steps = [r for r in rows if r["step"] > 0]
-    gaps = [(b["elapsed_s"] - a.get("elapsed_s", 0.0), "eval_accuracy" in b) for a, b in zip([rows[0]] + steps, steps)
-            if b["step"] - a["step"] == steps[0]["step"]]
-    eval_s = max(0.0, statistics.median([g for g, e in gaps if e]) - statistics.median([g for g, e in gaps if not e]))
+    gaps = [(b["elapsed_s"] - a.get("elapsed_s", 0.0), "eval_accuracy" in b)
+            for a, b in zip([rows[0]] + steps, steps) if b["step"] - a["step"] == steps[0]["step"]]
+    eval_s = max(0.0, statistics.median([g for g, e in gaps if e])
+                 - statistics.median([g for g, e in gaps if not e]))
     n_evals = [sum("eval_accuracy" in s for s in steps[:i + 1]) for i in range(len(steps))]
     return {r["step"]: r["elapsed_s"] - n * eval_s for r, n in zip(steps, n_evals)} | {0: 0.0}
 
@@ -53,21 +60,24 @@ def training_seconds(rows):
 def read(out, script):
     rows = [json.loads(line) for line in open(os.path.join(out, script, "metrics.jsonl"))]
     seconds = training_seconds(rows)
-    evals = [(r.get("samples", 0), seconds[r["step"]], r["eval_accuracy"]) for r in rows if "eval_accuracy" in r]
+    evals = [(r.get("samples", 0), seconds[r["step"]], r["eval_accuracy"])
+             for r in rows if "eval_accuracy" in r]
     last = rows[-1]
     return {"evals": evals, "samples": last["samples"], "seconds": seconds[last["step"]],
             "s_per_step": seconds[last["step"]] / last["step"]}
 
 
 def to_half_gap(evals, teacher):
-    """Completions and seconds at the first evaluation that closes half the gap to the teacher, or None."""
+    """Completions and seconds at the first evaluation that closes half the gap to the teacher, or
+    None."""
     before = evals[0][2]
     hit = [(n, s) for n, s, acc in evals if acc >= before + (teacher - before) / 2]
     return hit[0] if hit else (None, None)
 
 
 def bench_loss(V, N, repeats, device="cpu"):
-    """Seconds for one forward and backward of distillation_loss per estimator, N positions, vocabulary V."""
+    """Seconds for one forward and backward of distillation_loss per estimator, N positions,
+    vocabulary V."""
     g = torch.Generator().manual_seed(0)
     S, T = torch.randn(1, N, V, generator=g), torch.randn(1, N, V, generator=g)
     tokens, mask = torch.randint(0, V, (1, N), generator=g), torch.ones(1, N)
@@ -93,10 +103,11 @@ def fmt(values, f):
 
 
 def tables(results, teacher, seeds, loss_times):
-    lines = [f"Seeds {seeds}; teacher (--teacher) held-out greedy accuracy {teacher:.3f}. Seconds: wall time of "
-             f"training, evaluations excluded (training_seconds).", "",
-             "| run | held-out greedy accuracy, before -> after | best | gap to the teacher closed | completions to "
-             "close half the gap | seconds to close half the gap | completions sampled | seconds | s per step |",
+    lines = [f"Seeds {seeds}; teacher (--teacher) held-out greedy accuracy {teacher:.3f}. "
+             f"Seconds: wall time of training, evaluations excluded (training_seconds).", "",
+             "| run | held-out greedy accuracy, before -> after | best | "
+             "gap to the teacher closed | completions to close half the gap | "
+             "seconds to close half the gap | completions sampled | seconds | s per step |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, runs in results.items():
         col = lambda f, key: fmt([r[key] for r in runs], f)
@@ -104,11 +115,13 @@ def tables(results, teacher, seeds, loss_times):
         closed = [(a - b) / (teacher - b) for a, b in zip(after, before)]
         half = [to_half_gap(r["evals"], teacher) for r in runs]
         lines.append(f"| {name} | {fmt(before, '.3f')} -> **{fmt(after, '.3f')}** | "
-                     f"{fmt([max(e[2] for e in r['evals']) for r in runs], '.3f')} | {fmt(closed, '.0%')} | "
-                     f"{fmt([h[0] for h in half], ',.0f')} | {fmt([h[1] for h in half], '.0f')} | "
-                     f"{col(',.0f', 'samples')} | {col('.0f', 'seconds')} | {col('.2f', 's_per_step')} |")
-    lines += ["", "The loss alone, one forward and backward on random logits (median, 1 torch thread, CPU):", "",
-              "| estimator | " + " | ".join(f"V = {V}, N = {N} positions, ms" for V, N in loss_times) + " |",
+                     f"{fmt([max(e[2] for e in r['evals']) for r in runs], '.3f')} "
+                     f"| {fmt(closed, '.0%')} | {fmt([h[0] for h in half], ',.0f')} | "
+                     f"{fmt([h[1] for h in half], '.0f')} | {col(',.0f', 'samples')} | "
+                     f"{col('.0f', 'seconds')} | {col('.2f', 's_per_step')} |")
+    lines += ["", "The loss alone, one forward and backward on random logits (median, 1 torch "
+                  "thread, CPU):", "", "| estimator | "
+              + " | ".join(f"V = {V}, N = {N} positions, ms" for V, N in loss_times) + " |",
               "| --- | " + " | ".join("---:" for _ in loss_times) + " |"]
     for name in ("exact", "k1", "k3", "topk"):
         lines.append(f"| {name}{' 8' if name == 'topk' else ''} | "
@@ -127,7 +140,8 @@ def figure(results, teacher, path):
             axes[0].plot(n, acc, "o-", color=color, label=name if i == 0 else None, alpha=0.8)
             axes[1].plot(s, acc, "o-", color=color, label=name if i == 0 else None, alpha=0.8)
     start = statistics.mean(r["evals"][0][2] for runs in results.values() for r in runs)
-    for ax, xlabel in zip(axes, ("completions sampled", "wall time s of training (evaluations excluded)")):
+    for ax, xlabel in zip(axes, ("completions sampled",
+                                 "wall time s of training (evaluations excluded)")):
         ax.axhline(teacher, color="k", ls="--", lw=1, label=f"teacher {teacher:.3f}")
         ax.axhline(start + (teacher - start) / 2, color="gray", ls=":", lw=1, label="half the gap")
         ax.set(xlabel=xlabel, ylabel="held-out greedy accuracy")
@@ -141,13 +155,19 @@ def figure(results, teacher, path):
 
 
 def main():
-    parser = argparse.ArgumentParser(description="distill.py's estimators against GRPO from the same small student")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="seeds to run (one run per method and seed)")
-    parser.add_argument("--init", default=STUDENT_PATH, help="the student (distill.py builds the default if missing)")
-    parser.add_argument("--teacher", default=TEACHER_PATH, help="the teacher (built if missing, as distill.py does)")
+    parser = argparse.ArgumentParser(description="distill.py's estimators against GRPO from the "
+                                                 "same small student")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0],
+                        help="seeds to run (one run per method and seed)")
+    parser.add_argument("--init", default=STUDENT_PATH,
+                        help="the student (distill.py builds the default if missing)")
+    parser.add_argument("--teacher", default=TEACHER_PATH,
+                        help="the teacher (built if missing, as distill.py does)")
     parser.add_argument("--out", default="out/distill_compare", help="folder for the runs")
-    parser.add_argument("--results", default="results/distill", help="folder for the tables, numbers and figure")
-    parser.add_argument("--table_only", action="store_true", help="only print the tables of the runs already there")
+    parser.add_argument("--results", default="results/distill",
+                        help="folder for the tables, numbers and figure")
+    parser.add_argument("--table_only", action="store_true",
+                        help="only print the tables of the runs already there")
     args = parser.parse_args()
     if any(s < 0 for s in args.seeds):
         parser.error(f"--seeds {args.seeds}: seeds must be at least 0")
@@ -155,7 +175,8 @@ def main():
     for name, (script, flags) in RUNS.items():
         for seed in args.seeds:
             out = os.path.join(args.out, f"{name.replace(' ', '_')}-s{seed}")
-            cmd = [sys.executable, f"{script}.py", *flags, "--seed", str(seed), "--init", args.init, "--out", out]
+            cmd = [sys.executable, f"{script}.py", *flags, "--seed", str(seed), "--init", args.init,
+                   "--out", out]
             cmd += ["--teacher", args.teacher] if script == "distill" else []
             done = os.path.exists(os.path.join(ROOT, out, f"{script}.pt"))
             if not args.table_only and not done:
@@ -164,10 +185,12 @@ def main():
             if os.path.exists(os.path.join(ROOT, out, f"{script}.pt")):
                 results.setdefault(name, []).append(read(os.path.join(ROOT, out), script))
                 if script == "distill":
-                    ckpt = torch.load(os.path.join(ROOT, out, "distill.pt"), map_location="cpu", weights_only=True)
+                    ckpt = torch.load(os.path.join(ROOT, out, "distill.pt"), map_location="cpu",
+                                      weights_only=True)
                     teacher = ckpt["teacher_eval"]["eval_accuracy"]
     if not results or teacher is None:
-        raise SystemExit(f"error: no finished distill.py runs in {args.out}; run without --table_only first")
+        raise SystemExit(f"error: no finished distill.py runs in {args.out}; run without "
+                         f"--table_only first")
     torch.set_num_threads(1)
     loss_times = {(258, 1024): bench_loss(258, 1024, 5), (151936, 256): bench_loss(151936, 256, 2)}
     text = tables(results, teacher, args.seeds, loss_times)
@@ -177,7 +200,8 @@ def main():
         f.write(text)
     with open(os.path.join(folder, "results.json"), "w") as f:
         json.dump({"seeds": args.seeds, "teacher": teacher, "runs": results,
-                   "loss_seconds": {f"V{V}_N{N}": t for (V, N), t in loss_times.items()}}, f, indent=1)
+                   "loss_seconds": {f"V{V}_N{N}": t for (V, N), t in loss_times.items()}}, f,
+                  indent=1)
     figure(results, teacher, os.path.join(folder, "distill.png"))
     print("\n" + text)
     print(f"wrote {args.results}/results.md, results.json, distill.png")

@@ -1,42 +1,51 @@
 """
-Results you can trust: every algorithm's default command over several seeds, with mean, spread and learning curves.
+Results you can trust: every algorithm's default command over several seeds, with mean, spread and
+learning curves.
 
-For each seed s (default 0, 1 and 2) it trains the seed's own SFT policy, then runs every training script that starts
-from it, each with its default settings, all into one folder per seed, D = results/runs/seed<s>:
+For each seed s (default 0, 1 and 2) it trains the seed's own SFT policy, then runs every training
+script that starts from it, each with its default settings, all into one folder per seed,
+D = results/runs/seed<s>:
 
     python sft.py --seed s --out D
-    python reward_model.py --seed s --init D/sft.pt --out D                the reward model, for scripts with --rm
-    python X.py --seed s --init D/sft.pt --out D [--rm D/rm.pt]            every other algorithm X
+    python reward_model.py --seed s --init D/sft.pt --out D        the reward model (for --rm)
+    python X.py --seed s --init D/sft.pt --out D [--rm D/rm.pt]    every other algorithm X
 
-Which scripts: every top-level *.py whose parse_args has an --init flag defaulting to flags.SFT_PATH (it starts
-from the SFT policy), except prm.py and search.py (test-time tools with outputs of their own). A new algorithm file
-is picked up without editing this one. A script with an --rm flag is given the seed's reward model, which is trained
-first.
+Which scripts: every top-level *.py whose parse_args has an --init flag defaulting to flags.SFT_PATH
+(it starts from the SFT policy), except prm.py and search.py (test-time tools with outputs of their
+own). A new algorithm file is picked up without editing this one. A script with an --rm flag is
+given the seed's reward model, which is trained first.
 
-Resumable: a run is done when its checkpoint is at the script's step limit and its metrics log ends with an
-evaluation at that step; done runs are skipped. A run cut short (Ctrl-C, a kill, a crash) that left a checkpoint
-continues from it with the script's --resume (bit-exact on CPU); one that left none starts afresh. Ctrl-C stops the
-run in progress the way the scripts do (the step finishes, a checkpoint is written), then the sweep. If a seed's SFT
-policy is (re)trained, every run of that seed starts afresh from it.
+Resumable: a run is done when its checkpoint is at the script's step limit and its metrics log ends
+with an evaluation at that step; done runs are skipped. A run cut short (Ctrl-C, a kill, a crash)
+that left a checkpoint continues from it with the script's --resume (bit-exact on CPU); one that
+left none starts afresh. Ctrl-C stops the run in progress the way the scripts do (the step finishes,
+a checkpoint is written), then the sweep. If a seed's SFT policy is (re)trained, every run of that
+seed starts afresh from it.
 
-Reproducible on CPU: every run gets OMP_NUM_THREADS=--threads (default 1). On a CPU the thread count changes the
-order of float reductions, and an RL run that differs in one bit can end elsewhere: each row's command, with its
-thread count, reproduces its number. The thread count, device and torch version are recorded with every run.
+Reproducible on CPU: every run gets OMP_NUM_THREADS=--threads (default 1). On a CPU the thread count
+changes the order of float reductions, and an RL run that differs in one bit can end elsewhere: each
+row's command, with its thread count, reproduces its number. The thread count, device and torch
+version are recorded with every run.
 
 Outputs, in results/ (results/quick/ with --quick):
-    results.json              every run (its command, starting and final metrics, curve, wall and CPU time) and, per
-                              algorithm, mean, std, min and max over the seeds
+    results.json              every run (its command, starting and final metrics, curve, wall and
+                              CPU time) and, per algorithm, mean, std, min and max over the seeds
     results.md                the markdown table for the README
-    accuracy_vs_step.png      held-out greedy accuracy against step, one line per algorithm: the mean over seeds, the
-                              min-max range shaded
+    accuracy_vs_step.png      held-out greedy accuracy against step, one line per algorithm: the
+                              mean over seeds, the min-max range shaded
     accuracy_vs_samples.png   the same against completions sampled
-Each process's output goes to D/<name>.log; its wall and CPU time (all attempts) to D/<name>.time.json.
+Each process's output goes to D/<name>.log; its wall and CPU time (all attempts) to
+D/<name>.time.json.
 
 Run:
-    python experiments/results.py                          # 3 seeds x every script: about 40 minutes on 2 CPU cores
-    python experiments/results.py --seeds 0 --only grpo    # one seed, one script (and the SFT policy it starts from)
-    python experiments/results.py --table_only             # rebuild the table and figures from the runs already there
-    python experiments/results.py --quick                  # the pipeline on tiny settings, into results/quick/ (~3 min)
+    # 3 seeds x every script: about 40 minutes on 2 CPU cores
+    python experiments/results.py
+    # one seed, one script (and the SFT policy it starts from)
+    python experiments/results.py --seeds 0 --only grpo
+    # rebuild the table and figures from the runs already there
+    python experiments/results.py --table_only
+    # the pipeline on tiny settings, into results/quick/ (~3 min)
+    python experiments/results.py --quick
 """
 import argparse
 import importlib
@@ -52,16 +61,19 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-NOT_ALGORITHMS = {"prm", "search"}       # start from the SFT policy but are test-time tools, with outputs of their own
-ORDER = ["sft", "reward_model", "grpo", "async_grpo", "rloo", "reinforce", "trpo", "ppo", "expert_iteration", "dpo",
-         "ipo", "online_dpo", "kto", "simpo", "orpo"]
-LABELS = {"sft": "SFT", "reward_model": "Reward model", "grpo": "GRPO", "rloo": "RLOO", "reinforce": "REINFORCE++",
-          "trpo": "TRPO", "ppo": "PPO (reward model)", "expert_iteration": "Expert iteration", "dpo": "DPO",
-          "ipo": "IPO", "async_grpo": "Async GRPO (1 actor)", "online_dpo": "Online DPO", "kto": "KTO",
+# start from the SFT policy but are test-time tools, with outputs of their own
+NOT_ALGORITHMS = {"prm", "search"}
+ORDER = ["sft", "reward_model", "grpo", "async_grpo", "rloo", "reinforce", "trpo", "ppo",
+         "expert_iteration", "dpo", "ipo", "online_dpo", "kto", "simpo", "orpo"]
+LABELS = {"sft": "SFT", "reward_model": "Reward model", "grpo": "GRPO", "rloo": "RLOO",
+          "reinforce": "REINFORCE++", "trpo": "TRPO", "ppo": "PPO (reward model)",
+          "expert_iteration": "Expert iteration", "dpo": "DPO", "ipo": "IPO",
+          "async_grpo": "Async GRPO (1 actor)", "online_dpo": "Online DPO", "kto": "KTO",
           "simpo": "SimPO", "orpo": "ORPO"}
-FILES = {"reward_model": "rm"}           # the stem of a script's checkpoint and log, where it is not the script's name
-# --quick: tiny settings. The run flags every script has (flags.add_run_flags), then flags passed to the scripts that
-# declare them; the SFT policy is tiny too.
+# the stem of a script's checkpoint and log, where it is not the script's name
+FILES = {"reward_model": "rm"}
+# --quick: tiny settings. The run flags every script has (flags.add_run_flags), then flags passed to
+# the scripts that declare them; the SFT policy is tiny too.
 QUICK_RUN = ["--eval_n", "32", "--eval_every", "2", "--log_every", "2"]
 QUICK = {"--steps": "4", "--rounds": "2", "--epochs": "1", "--n_train": "128", "--n_pairs": "128",
          "--prompts_per_step": "8", "--prompts_per_round": "16", "--n_examples": "128"}
@@ -74,9 +86,10 @@ QUICK_SFT = ["--steps", "200", "--n_layer", "2", "--n_head", "2", "--n_embd", "6
 # Which scripts, and the command of each
 
 def discover(root=ROOT):
-    """{script name: imported module} of the algorithms to run, in ORDER and then alphabetically: sft, and every
-    top-level script whose parse_args has an --init flag defaulting to flags.SFT_PATH, except NOT_ALGORITHMS.
-    A file that fails to import is left out with a warning (it may be half-written)."""
+    """{script name: imported module} of the algorithms to run, in ORDER and then alphabetically:
+    sft, and every top-level script whose parse_args has an --init flag defaulting to
+    flags.SFT_PATH, except NOT_ALGORITHMS. A file that fails to import is left out with a warning
+    (it may be half-written)."""
     from flags import SFT_PATH
     found = {}
     for file in sorted(os.listdir(root)):
@@ -91,7 +104,8 @@ def discover(root=ROOT):
             module = importlib.import_module(name)
             init = getattr(module.parse_args([]), "init", None)
         except (Exception, SystemExit) as e:
-            print(f"warning: {file} left out: it does not import or parse ({type(e).__name__}: {e})", file=sys.stderr)
+            print(f"warning: {file} left out: it does not import or parse "
+                  f"({type(e).__name__}: {e})", file=sys.stderr)
             continue
         if name == "sft" or init == SFT_PATH:
             found[name] = module
@@ -108,11 +122,13 @@ def quick_flags(module, name):
     """The --quick flags this script takes."""
     if name == "sft":
         return list(QUICK_SFT)
-    return QUICK_RUN + [x for flag, value in QUICK.items() if has_flag(module, flag) for x in (flag, value)]
+    return QUICK_RUN + [x for flag, value in QUICK.items() if has_flag(module, flag)
+                        for x in (flag, value)]
 
 
 def command(module, name, seed, folder, quick=False, extra=()):
-    """The argv (after `python`) of one run; extra: this script's share of the sweep's --task and --flags."""
+    """The argv (after `python`) of one run; extra: this script's share of the sweep's --task and
+    --flags."""
     argv = [f"{name}.py", "--seed", str(seed), "--out", folder, *extra]
     if name != "sft":
         argv += ["--init", os.path.join(folder, "sft.pt")]
@@ -122,7 +138,8 @@ def command(module, name, seed, folder, quick=False, extra=()):
 
 
 def step_limit(module, argv):
-    """The script's number of steps (args.steps, derived by parse_args where it comes from other flags)."""
+    """The script's number of steps (args.steps, derived by parse_args where it comes from other
+    flags)."""
     return module.parse_args(argv[1:]).steps
 
 
@@ -130,7 +147,8 @@ def step_limit(module, argv):
 # Reading runs (pure functions, tested in tests/test_experiments.py)
 
 def read_metrics(path):
-    """The rows of a metrics.jsonl (a list of dicts); a last line cut short by a kill is dropped; [] if no file."""
+    """The rows of a metrics.jsonl (a list of dicts); a last line cut short by a kill is dropped; []
+    if no file."""
     rows = []
     if os.path.exists(path):
         with open(path) as f:
@@ -143,7 +161,8 @@ def read_metrics(path):
 
 
 def is_done(rows, checkpoint_step, steps):
-    """A run is done when its checkpoint is at the step limit and its log's last row is an evaluation at that step."""
+    """A run is done when its checkpoint is at the step limit and its log's last row is an
+    evaluation at that step."""
     if checkpoint_step != steps or not rows:
         return False
     last = rows[-1]
@@ -151,11 +170,13 @@ def is_done(rows, checkpoint_step, steps):
 
 
 def curve(rows):
-    """The evaluation rows of a log as a list of {step, samples, elapsed_s, eval_*} (samples 0 at step 0)."""
+    """The evaluation rows of a log as a list of {step, samples, elapsed_s, eval_*} (samples 0 at
+    step 0)."""
     out = []
     for r in rows:
         if any(k.startswith("eval_") for k in r):
-            point = {"step": r["step"], "samples": r.get("samples", 0), "elapsed_s": r.get("elapsed_s", 0.0)}
+            point = {"step": r["step"], "samples": r.get("samples", 0),
+                     "elapsed_s": r.get("elapsed_s", 0.0)}
             out.append({**point, **{k: v for k, v in r.items() if k.startswith("eval_")}})
     return out
 
@@ -164,7 +185,8 @@ def spread(values):
     """mean, std (the sample std, n - 1; 0 for one value), min, max and n of a list of numbers."""
     values = [float(v) for v in values]
     std = statistics.stdev(values) if len(values) > 1 else 0.0
-    return {"mean": statistics.fmean(values), "std": std, "min": min(values), "max": max(values), "n": len(values)}
+    return {"mean": statistics.fmean(values), "std": std, "min": min(values), "max": max(values),
+            "n": len(values)}
 
 
 def fmt_spread(s, f=".3f", range_=True):
@@ -176,7 +198,8 @@ def fmt_spread(s, f=".3f", range_=True):
 
 
 def mean_curve(curves, x="step", y="eval_accuracy"):
-    """Curves of several seeds -> (x mean, y mean, y min, y max) at the evaluation steps every seed has."""
+    """Curves of several seeds -> (x mean, y mean, y min, y max) at the evaluation steps every seed
+    has."""
     steps = sorted(set.intersection(*[{p["step"] for p in c} for c in curves]))
     at = [{p["step"]: p for p in c} for c in curves]
     xs, mean, lo, hi = [], [], [], []
@@ -190,34 +213,39 @@ def mean_curve(curves, x="step", y="eval_accuracy"):
 
 
 def summarise(runs):
-    """Runs of one algorithm (dicts with before, after, seconds, process_s, samples) -> per-metric spread over seeds."""
+    """Runs of one algorithm (dicts with before, after, seconds, process_s, samples) -> per-metric
+    spread over seeds."""
     keys = {k for r in runs for k in r["after"]}
     every = lambda part: {k: spread([r[part][k] for r in runs]) for k in sorted(keys)
                           if all(k in r[part] for r in runs)}
     out = {"after": every("after"), "before": every("before"),
-           "seconds": spread([r["seconds"] for r in runs]), "samples": spread([r["samples"] for r in runs]),
-           "seeds": [r["seed"] for r in runs]}
+           "seconds": spread([r["seconds"] for r in runs]),
+           "samples": spread([r["samples"] for r in runs]), "seeds": [r["seed"] for r in runs]}
     if all(r.get("process_s") is not None for r in runs):
         out["process_s"] = spread([r["process_s"] for r in runs])
     return out
 
 
 def table(summaries, labels, commands):
-    """The markdown table of the policies (summaries: {name: summarise(...)} of scripts evaluated by eval_accuracy)."""
-    lines = ["| algorithm | held-out greedy accuracy, before -> after | precedence after | pass@1 after | "
-             "wall time s (script / process) | completions sampled | seeds | command |",
-             "| --- | --- | --- | --- | --- | ---: | ---: | --- |"]
+    """The markdown table of the policies (summaries: {name: summarise(...)} of scripts evaluated by
+    eval_accuracy)."""
+    lines = ["| algorithm | held-out greedy accuracy, before -> after | precedence after | "
+             "pass@1 after | wall time s (script / process) | completions sampled | "
+             "seeds | command |", "| --- | --- | --- | --- | --- | ---: | ---: | --- |"]
     for name, s in summaries.items():
-        before = fmt_spread(s["before"]["eval_accuracy"], range_=False) if "eval_accuracy" in s["before"] else "-"
+        before = fmt_spread(s["before"]["eval_accuracy"],
+                            range_=False) if "eval_accuracy" in s["before"] else "-"
         after = s["after"]["eval_accuracy"]
         col = lambda key: fmt_spread(s["after"][key], range_=False) if key in s["after"] else "-"
         seconds = fmt_spread(s["seconds"], ".0f", range_=False)
         if "process_s" in s:
             seconds += f" / {fmt_spread(s['process_s'], '.0f', range_=False)}"
-        samples = f"{s['samples']['mean']:,.0f}" + (f" +- {s['samples']['std']:,.0f}" if s["samples"]["std"] else "")
+        samples = f"{s['samples']['mean']:,.0f}" + (
+            f" +- {s['samples']['std']:,.0f}" if s["samples"]["std"] else "")
         lines.append(f"| {labels[name]} | {before} -> **{fmt_spread(after, range_=False)}** "
-                     f"[{after['min']:.3f}, {after['max']:.3f}] | {col('eval_accuracy_precedence')} | "
-                     f"{col('eval_pass_at_1')} | {seconds} | {samples} | {len(s['seeds'])} | `{commands[name]}` |")
+                     f"[{after['min']:.3f}, {after['max']:.3f}] "
+                     f"| {col('eval_accuracy_precedence')} | {col('eval_pass_at_1')} | "
+                     f"{seconds} | {samples} | {len(s['seeds'])} | `{commands[name]}` |")
     return "\n".join(lines)
 
 
@@ -234,9 +262,9 @@ def checkpoint_step(path):
 
 
 def run_one(argv, log_path, time_path, resume, threads=1):
-    """Run `python argv` (plus --resume) with OMP_NUM_THREADS=threads, its output appended to log_path; add its wall
-    and CPU time to time_path. On Ctrl-C the script (which got the signal too) finishes its step and checkpoints; we
-    wait for it, then stop. Returns the exit status."""
+    """Run `python argv` (plus --resume) with OMP_NUM_THREADS=threads, its output appended to
+    log_path; add its wall and CPU time to time_path. On Ctrl-C the script (which got the signal
+    too) finishes its step and checkpoints; we wait for it, then stop. Returns the exit status."""
     argv = argv + (["--resume"] if resume else [])
     print(f"  OMP_NUM_THREADS={threads} python {' '.join(argv)}", flush=True)
     t0, c0 = time.time(), os.times()
@@ -244,15 +272,18 @@ def run_one(argv, log_path, time_path, resume, threads=1):
     with open(log_path, "a") as log:
         log.write(f"\n$ OMP_NUM_THREADS={threads} python {' '.join(argv)}\n")
         log.flush()
-        proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=log,
+                                stderr=subprocess.STDOUT, env=env)
         try:
             rc = proc.wait()
         except KeyboardInterrupt:
-            rc = proc.wait()                                           # the script writes its checkpoint and exits 130
+            rc = proc.wait()                        # the script writes its checkpoint and exits 130
             rc = 130 if rc == 0 else rc
     c1 = os.times()
-    timing = json.load(open(time_path)) if os.path.exists(time_path) else {"wall_s": 0.0, "cpu_s": 0.0, "attempts": []}
-    wall, cpu = time.time() - t0, (c1.children_user - c0.children_user) + (c1.children_system - c0.children_system)
+    timing = json.load(open(time_path)) if os.path.exists(time_path) else {
+        "wall_s": 0.0, "cpu_s": 0.0, "attempts": []}
+    wall, cpu = time.time() - t0, (c1.children_user - c0.children_user) + (c1.children_system
+                                                                           - c0.children_system)
     timing["wall_s"] += wall
     timing["cpu_s"] += cpu
     timing["attempts"].append({"argv": argv, "rc": rc, "wall_s": wall, "cpu_s": cpu})
@@ -260,15 +291,16 @@ def run_one(argv, log_path, time_path, resume, threads=1):
         json.dump(timing, f, indent=1)
     with open(log_path) as f:
         done = [line.strip() for line in f if line.startswith("done:")]
-    print(f"    {done[-1] if rc == 0 and done else f'exit status {rc} (output: {log_path})'} [{wall:.0f} s wall, "
-          f"{cpu:.0f} s CPU]", flush=True)
+    print(f"    {done[-1] if rc == 0 and done else f'exit status {rc} (output: {log_path})'} "
+          f"[{wall:.0f} s wall, {cpu:.0f} s CPU]", flush=True)
     return rc
 
 
 def sweep(scripts, seeds, runs_dir, only, quick, threads=1, extra=None):
     """Run what is not done yet, seed by seed. Returns the (seed, name) of the runs that failed."""
     needs_rm = lambda names: any(has_flag(scripts[n], "--rm") for n in names if n != "reward_model")
-    wanted = [n for n in scripts if only is None or n in only or n == "sft" or (n == "reward_model" and needs_rm(only))]
+    wanted = [n for n in scripts if only is None or n in only or n == "sft"
+              or (n == "reward_model" and needs_rm(only))]
     failed = []
     for seed in seeds:
         folder = os.path.join(os.path.relpath(runs_dir, ROOT), f"seed{seed}")
@@ -280,13 +312,16 @@ def sweep(scripts, seeds, runs_dir, only, quick, threads=1, extra=None):
             argv = command(module, name, seed, folder, quick, (extra or {}).get(name, ()))
             steps = step_limit(module, argv)
             step = checkpoint_step(os.path.join(ROOT, folder, f"{stem}.pt"))
-            if not fresh and is_done(read_metrics(os.path.join(ROOT, folder, stem, "metrics.jsonl")), step, steps):
+            if not fresh and is_done(read_metrics(os.path.join(ROOT, folder, stem,
+                                                               "metrics.jsonl")), step, steps):
                 print(f"  {name}: done (step {steps}), skipped", flush=True)
                 continue
-            missing = [p for p in ["sft"] + ["reward_model"] * (name != "reward_model" and has_flag(module, "--rm"))
-                       if (seed, p) in failed]
+            missing = [p for p in ["sft"]
+                       + ["reward_model"] * (name != "reward_model"
+                                             and has_flag(module, "--rm")) if (seed, p) in failed]
             if name != "sft" and missing:
-                print(f"  {name}: not run, {' and '.join(missing)} of seed {seed} failed", flush=True)
+                print(f"  {name}: not run, {' and '.join(missing)} of seed {seed} failed",
+                      flush=True)
                 continue
             resume = step is not None and 0 < step < steps and not fresh   # else: a fresh start
             os.makedirs(os.path.join(ROOT, folder), exist_ok=True)
@@ -304,16 +339,18 @@ def sweep(scripts, seeds, runs_dir, only, quick, threads=1, extra=None):
 # Collecting, table, figures
 
 def collect(scripts, seeds, runs_dir, quick, extra=None):
-    """{name: [run, ...]} for the done runs (by their logs); a run: seed, command, before, after, curve, seconds,
-    samples, process_s, cpu_s."""
+    """{name: [run, ...]} for the done runs (by their logs); a run: seed, command, before, after,
+    curve, seconds, samples, process_s, cpu_s."""
     results = {}
     for name, module in scripts.items():
         for seed in seeds:
             folder = os.path.join(os.path.relpath(runs_dir, ROOT), f"seed{seed}")
-            stem, argv = FILES.get(name, name), command(module, name, seed, folder, quick, (extra or {}).get(name, ()))
+            stem, argv = FILES.get(name, name), command(module, name, seed, folder, quick,
+                                                        (extra or {}).get(name, ()))
             rows = read_metrics(os.path.join(ROOT, folder, stem, "metrics.jsonl"))
             points = curve(rows)
-            if not rows or not points or points[-1]["step"] != step_limit(module, argv) or points[0]["step"] != 0:
+            if (not rows or not points or points[-1]["step"] != step_limit(module, argv)
+                    or points[0]["step"] != 0):
                 continue                                                 # not run, or not finished
             time_path = os.path.join(ROOT, folder, f"{stem}.time.json")
             timing = json.load(open(time_path)) if os.path.exists(time_path) else {}
@@ -330,17 +367,21 @@ def collect(scripts, seeds, runs_dir, quick, extra=None):
 
 def figures(results, labels, out_dir):
     """accuracy_vs_step.png (SFT on its own panel: its 1500 steps would squash the others) and
-    accuracy_vs_samples.png (SFT samples no completions: left out): the mean over seeds, min-max shaded."""
+    accuracy_vs_samples.png (SFT samples no completions: left out): the mean over seeds, min-max
+    shaded."""
     import matplotlib
     matplotlib.use("Agg")                                                # no display needed
     import matplotlib.pyplot as plt
     policies = {n: runs for n, runs in results.items() if "eval_accuracy" in runs[0]["after"]}
     written = []
     for x, file in (("step", "accuracy_vs_step.png"), ("samples", "accuracy_vs_samples.png")):
-        panels = [(["sft"], "SFT, from random init", "SFT step")] if x == "step" and "sft" in policies else []
+        panels = [(["sft"], "SFT, from random init",
+                   "SFT step")] if x == "step" and "sft" in policies else []
         panels.append(([n for n in policies if n != "sft"], "from the SFT policy",
-                       "step (an RL step, a DPO/IPO batch, an expert-iteration round)" if x == "step"
-                       else "completions sampled from a policy (DPO/IPO/RM: the pairs' 4 per prompt)"))
+                       "step (an RL step, a DPO/IPO batch, an "
+                       "expert-iteration round)" if x == "step" else "completions sampled from a "
+                                                                     "policy (DPO/IPO/RM: the "
+                                                                     "pairs' 4 per prompt)"))
         fig, axes = plt.subplots(1, len(panels), figsize=(5 + 5 * len(panels), 4.8), squeeze=False,
                                  gridspec_kw={"width_ratios": [1, 2][-len(panels):]})
         for ax, (names, title, xlabel) in zip(axes[0], panels):
@@ -352,8 +393,8 @@ def figures(results, labels, out_dir):
             ax.set(title=title, xlabel=xlabel, ylabel="held-out greedy accuracy")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8, loc="best")
-        fig.suptitle("held-out greedy accuracy: mean over seeds, min-max shaded (python experiments/results.py)",
-                     fontsize=10)
+        fig.suptitle("held-out greedy accuracy: mean over seeds, min-max shaded (python "
+                     "experiments/results.py)", fontsize=10)
         fig.tight_layout()
         path = os.path.join(out_dir, file)
         fig.savefig(path, dpi=120)
@@ -363,56 +404,66 @@ def figures(results, labels, out_dir):
 
 
 def setting(results, threads):
-    """What the numbers depend on beyond the flags: the thread count the harness set, and the device, thread count
-    and torch version each run recorded in its step-0 row (absent from runs made before the runs recorded it)."""
-    recorded = sorted({(r["setting"].get("device"), r["setting"].get("threads"), r["setting"].get("torch"))
-                       for runs in results.values() for r in runs if r.get("setting")}, key=str)
-    return {"threads": threads, "recorded": [dict(zip(("device", "threads", "torch"), x)) for x in recorded]}
+    """What the numbers depend on beyond the flags: the thread count the harness set, and the
+    device, thread count and torch version each run recorded in its step-0 row (absent from runs
+    made before the runs recorded it)."""
+    recorded = sorted({(r["setting"].get("device"), r["setting"].get("threads"),
+                        r["setting"].get("torch")) for runs in results.values()
+                       for r in runs if r.get("setting")}, key=str)
+    return {"threads": threads, "recorded": [dict(zip(("device", "threads", "torch"), x))
+                                             for x in recorded]}
 
 
 def report(scripts, seeds, runs_dir, out_dir, quick, threads=1, extra=None, regenerate=""):
     extra = extra or {}
     results = collect(scripts, seeds, runs_dir, quick, extra)
     if not results:
-        raise SystemExit(f"error: no finished runs in {runs_dir} for seeds {seeds}; run without --table_only first")
+        raise SystemExit(f"error: no finished runs in {runs_dir} for seeds {seeds}; run without "
+                         f"--table_only first")
     labels = {n: LABELS.get(n) or _label(scripts[n], n) for n in scripts}
-    commands = {n: f"OMP_NUM_THREADS={threads} python " + " ".join([f"{n}.py", *extra.get(n, ())]
-                                                                   + (quick_flags(scripts[n], n) if quick else []))
-                for n in scripts}
+    commands = {n: f"OMP_NUM_THREADS={threads} python "
+                + " ".join([f"{n}.py", *extra.get(n, ())]
+                           + (quick_flags(scripts[n], n) if quick else [])) for n in scripts}
     summaries = {n: summarise(runs) for n, runs in results.items()}
     policies = {n: s for n, s in summaries.items() if "eval_accuracy" in s["after"]}
     md = table(policies, labels, commands)
     notes = []
     for name, s in summaries.items():
         if name not in policies and "eval_pair_accuracy" in s["after"]:
-            notes.append(f"{labels[name]} (`{commands[name]}`, the reward model of the PPO row), over "
-                         f"{plural(len(s['seeds']), 'seed')}: held-out pair accuracy "
-                         f"{fmt_spread(s['after']['eval_pair_accuracy'])}, mean margin "
-                         f"{fmt_spread(s['after']['eval_margin'], '+.2f', range_=False)}, "
+            notes.append(f"{labels[name]} (`{commands[name]}`, the reward model of the PPO "
+                         f"row), over {plural(len(s['seeds']), 'seed')}: held-out pair "
+                         f"accuracy {fmt_spread(s['after']['eval_pair_accuracy'])}, mean "
+                         f"margin {fmt_spread(s['after']['eval_margin'], '+.2f', range_=False)}, "
                          f"{fmt_spread(s['seconds'], '.0f', range_=False)} s.")
-    with_rm = " and ".join(f"{n}.py" for n in results if n != "reward_model" and has_flag(scripts[n], "--rm"))
+    with_rm = " and ".join(f"{n}.py" for n in results if n != "reward_model"
+                           and has_flag(scripts[n], "--rm"))
     seeds_run = ", ".join(map(str, sorted({x for s in summaries.values() for x in s["seeds"]})))
     on = setting(results, threads)
-    seen = "; ".join(f"{r['device']}, {r['threads']} thread(s), torch {r['torch']}" for r in on["recorded"])
-    header = (f"Seeds {seeds_run}, each with its own SFT policy; mean +- std over seeds (sample std), [min, max] of "
-              f"the final accuracy. Each command ran as `OMP_NUM_THREADS={threads} python X.py "
-              f"{''.join(x + ' ' for x in extra.get('sft', ()))}--seed S --init "
-              f"D/sft.pt --out D`{f' ({with_rm} also `--rm D/rm.pt`)' if with_rm else ''} (sft.py: "
-              f"`--seed S --out D`), D = {os.path.relpath(runs_dir, ROOT)}/seedS: on a CPU the thread count "
-              f"changes the float reductions, so it is part of the command"
-              f"{f' (recorded by the runs: {seen})' if seen else ''}. Wall time: the "
-              f"script's own (first step to last evaluation) / the whole process (start-up and step-0 evaluation "
-              f"included; every attempt of a resumed run, while the script's own counts from its last resume). "
-              f"Regenerate: `python experiments/results.py{regenerate}`.")
+    seen = "; ".join(f"{r['device']}, {r['threads']} thread(s), torch {r['torch']}"
+                     for r in on["recorded"])
+    header = (f"Seeds {seeds_run}, each with its own SFT policy; mean +- std over seeds (sample "
+              f"std), [min, max] of the final accuracy. Each command ran as "
+              f"`OMP_NUM_THREADS={threads} python "
+              f"X.py {''.join(x + ' ' for x in extra.get('sft', ()))}--seed S --init D/sft.pt "
+              f"--out D`{f' ({with_rm} also `--rm D/rm.pt`)' if with_rm else ''} (sft.py: "
+              f"`--seed S --out D`), D = {os.path.relpath(runs_dir, ROOT)}/seedS: on a CPU the "
+              f"thread count changes the float reductions, so it is part of the "
+              f"command{f' (recorded by the runs: {seen})' if seen else ''}. Wall time: the "
+              f"script's own (first step to last evaluation) / the whole process (start-up and "
+              f"step-0 evaluation included; every attempt of a resumed run, while the script's "
+              f"own counts from its last resume). Regenerate: `python "
+              f"experiments/results.py{regenerate}`.")
     text = "\n\n".join([header, md] + notes) + "\n"
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write(text)
     with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump({"seeds": seeds, "setting": on, "runs": results, "summary": summaries}, f, indent=1)
+        json.dump({"seeds": seeds, "setting": on, "runs": results, "summary": summaries}, f,
+                  indent=1)
     written = figures(results, labels, out_dir)
     print("\n" + text)
-    print("wrote " + ", ".join([os.path.join(out_dir, "results.md"), os.path.join(out_dir, "results.json"), *written]))
+    print("wrote " + ", ".join([os.path.join(out_dir, "results.md"),
+                                os.path.join(out_dir, "results.json"), *written]))
 
 
 def plural(n, word):
@@ -426,33 +477,41 @@ def _label(module, name):
 
 
 def main():
-    parser = argparse.ArgumentParser(description="Every algorithm's default command over several seeds: a table with "
-                                                 "mean and spread, and learning curves")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds (each with its own SFT policy)")
-    parser.add_argument("--only", nargs="+", default=None, help="run only these scripts (names without .py; the SFT "
-                        "policy, and the reward model where needed, are trained too); the table shows every "
-                        "finished run")
+    parser = argparse.ArgumentParser(description="Every algorithm's default command over several "
+                                                 "seeds: a table with mean and spread, and "
+                                                 "learning curves")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
+                        help="seeds (each with its own SFT policy)")
+    parser.add_argument("--only", nargs="+", default=None,
+                        help="run only these scripts (names without .py; the SFT policy, and the "
+                             "reward model where needed, are trained too); the table shows every "
+                             "finished run")
     parser.add_argument("--table_only", action="store_true",
                         help="only rebuild the table and figures from the runs there")
     parser.add_argument("--quick", action="store_true",
                         help="tiny settings (a smoke test of the pipeline), in results/quick/")
-    parser.add_argument("--dir", default=None, help="output folder (default results/, or results/quick/ with --quick); "
-                        "the runs go to <dir>/runs/seed<s>/")
+    parser.add_argument("--dir", default=None,
+                        help="output folder (default results/, or results/quick/ with --quick); "
+                             "the runs go to <dir>/runs/seed<s>/")
     parser.add_argument("--task", default="arithmetic", choices=["arithmetic", "countdown"],
-                        help="the generated task every script runs on (their --task); default folder results/<task>/ "
-                             "for any but arithmetic")
-    parser.add_argument("--flags", default="", help="more flags for the --only scripts (every script without "
-                        "--only), as one string (e.g. --only grpo --flags '--steps 500'); they appear in the commands")
+                        help="the generated task every script runs on (their --task); default "
+                             "folder results/<task>/ for any but arithmetic")
+    parser.add_argument("--flags", default="",
+                        help="more flags for the --only scripts (every script without --only), "
+                             "as one string (e.g. --only grpo --flags '--steps 500'); they "
+                             "appear in the commands")
     parser.add_argument("--threads", type=int, default=1,
-                        help="OMP_NUM_THREADS of every run (1, as the README's table; it changes CPU results)")
+                        help="OMP_NUM_THREADS of every run (1, as the README's table; it changes "
+                             "CPU results)")
     args = parser.parse_args()
     if any(s < 0 or s >= 2**32 for s in args.seeds):
         parser.error(f"--seeds {args.seeds}: each seed must be in [0, 2**32)")
     if args.threads < 1:
         parser.error(f"--threads {args.threads}: at least 1")
     task = [] if args.task == "arithmetic" else [args.task]
-    out_dir = os.path.abspath(args.dir or os.path.join(ROOT, "results", *task, "quick" if args.quick else ""))
-    try:                                                                # a folder it cannot write: said now, not later
+    out_dir = os.path.abspath(args.dir or os.path.join(ROOT, "results", *task,
+                                                       "quick" if args.quick else ""))
+    try:                                             # a folder it cannot write: said now, not later
         os.makedirs(os.path.join(out_dir, "runs"), exist_ok=True)
         with open(os.path.join(out_dir, f".write_test{os.getpid()}"), "w"):
             pass
@@ -460,22 +519,25 @@ def main():
     except OSError as e:
         parser.error(f"--dir {out_dir}: cannot write there ({e.strerror or e})")
     scripts = discover()
-    flags = shlex.split(args.flags)                                    # for the --only scripts (all without it)
-    extra = {n: (["--task", args.task] if task else []) + (flags if args.only is None or n in args.only else [])
-             for n in scripts}
+    flags = shlex.split(args.flags)                        # for the --only scripts (all without it)
+    extra = {n: (["--task", args.task] if task else [])
+             + (flags if args.only is None or n in args.only else []) for n in scripts}
     if args.only is not None:
         unknown = sorted(set(args.only) - set(scripts))
         if unknown:
-            parser.error(f"--only {' '.join(unknown)}: not an algorithm script here; allowed: {', '.join(scripts)}")
+            parser.error(f"--only {' '.join(unknown)}: not an algorithm script here; "
+                         f"allowed: {', '.join(scripts)}")
     runs_dir = os.path.join(out_dir, "runs")
     print(f"scripts: {', '.join(scripts)}; seeds {args.seeds}; runs in {runs_dir}", flush=True)
-    failed = [] if args.table_only else sweep(scripts, args.seeds, runs_dir, args.only, args.quick, args.threads, extra)
+    failed = [] if args.table_only else sweep(scripts, args.seeds, runs_dir, args.only, args.quick,
+                                              args.threads, extra)
     regenerate = "".join([" --quick" * args.quick, f" --task {args.task}" * bool(task),
                           f" --only {' '.join(args.only)}" if args.only else "",
                           f" --flags {shlex.quote(args.flags)}" * bool(args.flags)])
     report(scripts, args.seeds, runs_dir, out_dir, args.quick, args.threads, extra, regenerate)
     if failed:
-        raise SystemExit(f"error: {len(failed)} run(s) failed: " + ", ".join(f"{n} (seed {s})" for s, n in failed)
+        raise SystemExit(f"error: {len(failed)} run(s) failed: "
+                         + ", ".join(f"{n} (seed {s})" for s, n in failed)
                          + "; their output is in <runs>/seed<s>/<name>.log")
 
 
