@@ -379,9 +379,8 @@ def report(records, info, plan):
             acc = " ; ".join(f"{name}: {b if b is None else f'{b:.3f}'} "
                              f"-> {a if a is None else f'{a:.3f}'}"
                              for name, (b, a, _) in sorted(r.get("metrics", {}).items())) or "-"
-            sampled = " ; ".join(f"{s:,}"
-                                 for _, (_, _,
-                                         s) in sorted(r.get("metrics", {}).items()) if s) or "-"
+            sampled = " ; ".join(f"{s:,}" for _, (_, _, s) in sorted(r.get("metrics", {}).items())
+                                 if s) or "-"
             lines.append(f"| {key[7:]} | `{r['command']}` | {r['returncode']} | "
                          f"{r['wall_s']:.0f} | {acc} | {sampled} |")
         lines.append("")
