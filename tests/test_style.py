@@ -1,9 +1,8 @@
-"""The shape the files keep, checked so that it stays: ruff (lines <= 120 characters, no unused
-imports, pyflakes); every top-level, tasks/, kernels/ and bench/ file at most 100 columns; a
-top-level file's module docstring at most 40 lines and its docstrings at most 0.3 lines per line of
-code; the shared modules importing downwards only, at their top; model.py a model (at most 560
-lines, kernels/ its only project import); README.md at most 200 lines, every file it links to
-present."""
+"""The shape the files keep, checked so that it stays: ruff (every file's lines <= 100 columns,
+no unused imports, pyflakes); a top-level file's module docstring at most 40 lines and its
+docstrings at most 0.3 lines per line of code; the shared modules importing downwards only, at their
+top; model.py a model (at most 560 lines, kernels/ its only project import); README.md at most 200
+lines, every file it links to present."""
 import ast
 import os
 import re
@@ -16,18 +15,16 @@ from conftest import ROOT
 
 # Every top-level file: the algorithms, and the shared modules they are read beside
 ALGORITHMS = sorted(f[:-3] for f in os.listdir(ROOT) if f.endswith(".py"))
-# and the files read beside them: the tasks' graders, the kernels and the benchmarks
-PRODUCT = ALGORITHMS + sorted(f"{d}/{f[:-3]}" for d in ("tasks", "kernels", "bench")
-                              for f in os.listdir(os.path.join(ROOT, d)) if f.endswith(".py"))
 
 
 def docstring_measure(path):
-    """(module docstring lines, all docstring lines / code lines): code lines are the non-blank lines that are
-    neither docstrings nor comments."""
+    """(module docstring lines, all docstring lines / code lines): code lines are the non-blank
+    lines that are neither docstrings nor comments."""
     source = open(path).read()
     doc_lines, module_doc = set(), 0
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.body:
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef,
+                             ast.ClassDef)) and node.body:
             first = node.body[0]
             constant = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
             if constant and isinstance(first.value.value, str):
@@ -40,8 +37,8 @@ def docstring_measure(path):
 
 
 def test_ruff_passes():
-    p = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=ROOT, capture_output=True,
-                       text=True)
+    p = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=ROOT,
+                       capture_output=True, text=True)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
 
 
@@ -62,8 +59,8 @@ def test_the_readme_is_a_first_page_and_its_links_resolve():
 
 # The shared modules, lowest first: each imports only modules before it (no cycle), at its top (no
 # import hidden in a function to dodge one)
-LAYERS = ["kernels", "tasks", "model", "lora", "chat", "tools", "tokenizer", "checkpoint", "sampler",
-          "task", "flags", "plumbing"]
+LAYERS = ["kernels", "tasks", "model", "lora", "chat", "tools", "tokenizer", "checkpoint",
+          "sampler", "task", "flags", "plumbing"]
 
 
 def project_imports(path):
@@ -89,13 +86,6 @@ def test_the_shared_modules_import_downwards_and_at_their_top(name):
         assert at_top, f"{name}.py imports {module} inside a function"
         assert module in LAYERS and LAYERS.index(module) < LAYERS.index(name), \
             f"{name}.py imports {module}, which is not below it ({' < '.join(LAYERS)})"
-
-
-@pytest.mark.parametrize("name", PRODUCT)
-def test_the_files_keep_to_100_columns(name):
-    long = [i for i, line in enumerate(open(os.path.join(ROOT, f"{name}.py")), 1)
-            if len(line.rstrip("\n")) > 100]
-    assert not long, f"{name}.py: lines {long[:10]} run past 100 columns"
 
 
 def test_model_py_is_a_model():
