@@ -199,7 +199,7 @@ def test_a_two_attempt_demonstration_trains_the_first_attempts_eos():
     assert tok.decode(ids) == first + "<|endoftext|>" + revise + second + "<|endoftext|>"
     targets = mask[0, len("37+12*46=") - 1:].tolist()                  # target t+1 of each position
     # the first EOS is a target
-    assert (targets[len(first)] == 1.0 and ids[len(first)] == tok.eos_id)
+    assert targets[len(first)] == 1.0 and ids[len(first)] == tok.eos_id
     assert targets[len(first) + 1:len(first) + 1 + len(revise)] == [0.0] * len(revise)
     assert targets[len(first) + 1 + len(revise)] == 1.0           # the second attempt's first token
 

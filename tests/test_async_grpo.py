@@ -156,7 +156,7 @@ def test_one_actor_and_a_learner_train_resume_and_respect_the_lag_bound(tiny_sft
     rows = rows_of(out)
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4] and rows[-1]["samples"] == 4 * 4 * 4
     # step 1: the first weights
-    assert (all(0 <= r["lag_max"] <= 1 for r in rows[1:]) and rows[1]["lag_max"] == 0)
+    assert all(0 <= r["lag_max"] <= 1 for r in rows[1:]) and rows[1]["lag_max"] == 0
     assert all(0 < r["is_weight_mean"] <= 2.0 for r in rows[1:])
     p = launch(SMALL + ["--steps", "6", "--max_lag", "1", "--resume", "--init", tiny_sft, "--out",
                         out])

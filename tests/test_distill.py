@@ -282,7 +282,7 @@ def test_script_runs_end_to_end_and_resumes(tiny_sft, tiny_student, tmp_path):
     assert p.returncode == 0, p.stderr
     teacher = [line for line in p.stdout.splitlines() if line.startswith("distillation:")][0]
     # the start-up line names the teacher's accuracy
-    assert ("held-out greedy" in teacher and tiny_sft in teacher)
+    assert "held-out greedy" in teacher and tiny_sft in teacher
     assert ("done: 2 steps" in p.stdout and "(teacher " in p.stdout
             and "of the gap closed" in p.stdout)
     rows = read_metrics(out)

@@ -227,7 +227,7 @@ def test_torchrun_grpo_writes_from_rank_0_and_resumes(tiny_sft, tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2] and rows[-1]["samples"] == 2 * 4 * 2
     _, ckpt = load_checkpoint(os.path.join(out, "grpo.pt"))
     # every rank's sampling stream is kept
-    assert (ckpt["step"] == 2 and len(ckpt["generators"]) == 2)
+    assert ckpt["step"] == 2 and len(ckpt["generators"]) == 2
     assert not torch.equal(ckpt["generators"][0], ckpt["generators"][1])
     p = finished(launch(flags + ["--steps", "3", "--resume"], nproc=2))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

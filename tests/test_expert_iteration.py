@@ -209,7 +209,7 @@ def test_reward_model_selection_keeps_one_per_prompt_and_counts_its_wrong_picks(
     assert "best-of-N" in p.stdout
     for r in read_metrics(out)[1:]:
         # the best of N = 4, for every prompt
-        assert (r["kept_per_prompt"] == 1.0 and r["kept_fraction"] == 0.25)
+        assert r["kept_per_prompt"] == 1.0 and r["kept_fraction"] == 0.25
         assert 0 <= r["kept_wrong"] <= 1 and r["missed_correct"] <= r["solved"]
     # a blind pick on a weak policy is often wrong
     assert any(r["kept_wrong"] > 0 for r in read_metrics(out)[1:])

@@ -132,7 +132,7 @@ def test_a_byte_tokenizer_model_becomes_gpt2_with_a_tokenizer_json_that_encodes_
     golden = json.load(open(os.path.join(GOLDEN, "gpt2", "config.json")))
     assert config["model_type"] == "gpt2" and set(config) - {"torch_dtype", "n_ctx"} <= set(golden)
     # exact GELU, as ours
-    assert (config["activation_function"] == "gelu" and config["vocab_size"] == 258)
+    assert config["activation_function"] == "gelu" and config["vocab_size"] == 258
     same_model(tmp_path / "hf", ckpt)
     ours, theirs = Tokenizer("bytes"), Tokenizer.from_pretrained(str(tmp_path / "hf"))
     for text in ["12+34*5=", "tabs\tand\nnewlines  ", "caf\u00e9 \u2192 \U0001f600",

@@ -137,7 +137,7 @@ def test_records_skip_finished_steps_and_the_report_has_every_command_and_figure
                  "| 64 |", "done: 2 steps in 1s", "exit 3", "| a | b |"):
         assert text in report, text
     # finished steps skipped, the failed one re-run
-    assert (gpu.main(args) == 1 and marker.read_text() == "x")
+    assert gpu.main(args) == 1 and marker.read_text() == "x"
     assert gpu.main(gpu.parse_args(["--out", str(runs), "--results", str(tmp_path / "gpu.md"),
                                     "--only", "fake", "--fresh"])) == 0
     assert marker.read_text() == "xx"

@@ -417,7 +417,7 @@ def test_script_runs_gspo_cispo_and_dapo_options(tiny_sft, tmp_path):
     for r in rows:
         assert r["groups_kept"] <= 4 and 4 <= r["groups_sampled"] <= 12 and r["samples"] % 16 == 0
         # the batch is full, or the rounds ran out
-        assert (r["groups_kept"] == 4 or r["groups_sampled"] == 12)
+        assert r["groups_kept"] == 4 or r["groups_sampled"] == 12
     p = run_script("grpo.py", common + ["--out", str(tmp_path / "b"), "--ratio_level", "sequence",
                                         "--std", "sample", "--clip_eps", "3e-4",
                                         "--eps_high", "4e-4"])

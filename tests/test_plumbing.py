@@ -143,7 +143,7 @@ def test_a_refused_run_leaves_the_folders_earlier_run_untouched(tiny_sft, tmp_pa
     p = run_script("grpo.py",
                    TINY_RL + ["--init", tiny_sft, "--resume", "--steps", "3", "--out", out])
     # the earlier run resumes
-    assert (p.returncode == 0 and steps_logged(out) == [0, 1, 2, 3]), p.stderr
+    assert p.returncode == 0 and steps_logged(out) == [0, 1, 2, 3], p.stderr
 
 
 def test_a_fresh_run_killed_before_its_first_checkpoint_leaves_no_older_checkpoint_beside_its_log(
@@ -229,7 +229,7 @@ def test_an_unavailable_device_is_one_line_about_the_device(script, tiny_sft, tm
     p = run_script(f"{script}.py", ["--device", "cuda", "--init", tiny_sft, "--out", str(tmp_path)])
     refused(p, "cuda is not available here")
     # a good checkpoint is never blamed
-    assert ("corrupt" not in p.stderr and "truncated" not in p.stderr)
+    assert "corrupt" not in p.stderr and "truncated" not in p.stderr
     refused(run_script(f"{script}.py", ["--device", "tpu", "--out", str(tmp_path)]), "'tpu'",
             "allowed: cuda, mps, cpu")
 
@@ -414,7 +414,7 @@ def test_the_learning_rate_schedule_warms_up_linearly_then_decays_by_a_cosine_to
             and lr(14, 1.0, 4, 14) == pytest.approx(0.1))           # decay starts at 1, ends at 0.1
     assert lr(9, 2.0, 4, 14) == pytest.approx(2.0 * (0.1 + 0.9 * 0.5))   # half way: cos(pi / 2) = 0
     assert lr(20, 1.0, 4, 14) == pytest.approx(0.1)                     # past the end: stays at 0.1
-    assert (lr(100, 3e-4, 0, None) == 3e-4 and lr(0, 3e-4, 0, 10) == 3e-4)  # no warm-up; constant
+    assert lr(100, 3e-4, 0, None) == 3e-4 and lr(0, 3e-4, 0, 10) == 3e-4  # no warm-up; constant
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])

@@ -281,7 +281,7 @@ def test_orpo_near_avg_logp_zero_is_finite_and_clamped():
         assert (x.grad[:4] == -1.0).all()                # the NLL term alone: d(-x)/dx
         assert (x.grad[5:] < -1.0).all()                 # below the clamp the odds term pushes too
         # log-odds rise as p -> 1
-        assert ((lo_w[5:] < lo_w[4]).all() and (torch.diff(lo_w[4:]) < 0).all())
+        assert (lo_w[5:] < lo_w[4]).all() and (torch.diff(lo_w[4:]) < 0).all()
     x, rejected = torch.tensor([-2e-6, -1e-4], **f64), torch.tensor([-0.2, -0.2], **f64)
     torch.testing.assert_close(orpo.orpo_loss(x, rejected)[0], orpo_reference(x, rejected, 0.1),
                                rtol=1e-13, atol=1e-13)

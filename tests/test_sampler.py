@@ -140,7 +140,7 @@ def test_all_rows_ending_early_stop_the_graph_and_the_columns_are_trimmed(device
     tokens, mask, truncated = runs[0]
     assert 1 < tokens.size(1) < sampler.SYNC_EVERY and not truncated.any()
     # the last column holds a real token
-    assert (mask[:, -1].any() and (tokens == 14).sum() == len(tokens))
+    assert mask[:, -1].any() and (tokens == 14).sum() == len(tokens)
 
 
 def test_the_samplers_bfloat16_copy_changes_no_number_and_follows_the_model():
@@ -383,7 +383,7 @@ def test_ids_past_the_tokenizer_are_never_sampled_and_the_trainer_scores_the_sam
                                              num_samples=4, temperature=20.0, generator=g,
                                              mode=mode, return_logprobs=True)
     # all over the support, never past
-    assert (tokens.max() < 30 and len(set(tokens[mask > 0].tolist())) > 20)
+    assert tokens.max() < 30 and len(set(tokens[mask > 0].tolist())) > 20
     P = prompt.repeat_interleave(4, 0), pmask.repeat_interleave(4, 0)
     with torch.no_grad():
         trainer = completion_logprobs(model, *P, tokens, mask, temperature=20.0)

@@ -187,7 +187,7 @@ def test_beam_search_ranks_a_finished_path_by_its_last_step_not_its_weakest(monk
     monkeypatch.setattr(search, "sample_steps", scripted(tok, script))
     picked, used = search.beam_search(None, None, tok, ["3+4*2="], 1, 2, 1.0, 24, None)
     # no level 2: none left
-    assert (tok.decode(picked[0]) == "4*2=8,3+8=11#11<|endoftext|>" and used == [16 + 6])
+    assert tok.decode(picked[0]) == "4*2=8,3+8=11#11<|endoftext|>" and used == [16 + 6]
 
 
 def test_best_of_n_with_no_samples_is_an_error_that_says_so():

@@ -45,7 +45,7 @@ def test_every_task_keeps_the_shared_interface(tmp_path, fmt):
         args.format = fmt
         task.use(args)
         held = task.eval_prompts()
-        assert (held == task.eval_prompts() and len(set(held)) == len(held) > 0)  # fixed, distinct
+        assert held == task.eval_prompts() and len(set(held)) == len(held) > 0  # fixed, distinct
         drawn = task.sample_prompts(random.Random(0), 200)
         assert not set(drawn) & set(held), args.task                          # never a held-out one
         for p in held[:40] + drawn[:40]:
@@ -109,7 +109,7 @@ def test_gsm8k_splits_and_demonstrates_its_file(tmp_path):
     task.use(task_args("gsm8k", data=[one]))
     held = task.eval_prompts()
     # the last tenth is held out
-    assert (len(held) == 4 and held[-1].startswith("Question: Ann has 39 pens"))
+    assert len(held) == 4 and held[-1].startswith("Question: Ann has 39 pens")
     p = held[0]
     assert task.demonstration(p) == " She has 36 + 38 = 74 pens. #### 74"          # <<...>> removed
     assert task.reward(p, "so #### 74.0 in all") == 1.0 and task.reward(p, "#### 1,000") == 0.0

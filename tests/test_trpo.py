@@ -70,7 +70,7 @@ def test_conjugate_gradient_solves_spd_systems_in_n_iterations(n):
         # exact in exact arithmetic; rounding remains
         x = conjugate_gradient(fvp, b, iters=n, residual_tol=0.0)
         # one product per iteration, no more
-        assert ((x - want).norm() < 1e-3 * want.norm() and fvp.calls <= n)
+        assert (x - want).norm() < 1e-3 * want.norm() and fvp.calls <= n
         x = conjugate_gradient(CountingProduct(F), b, iters=4 * n, residual_tol=1e-28)
         assert torch.allclose(x, want, rtol=1e-9, atol=1e-12)
 
@@ -147,7 +147,7 @@ def test_a_truncated_solve_still_lands_on_the_trust_region_boundary():
     step, expected = natural_gradient_step(g, CountingProduct(F), 0.02, cg_iters=3, stats=stats)
     assert (0.5 * step @ F @ step).item() == pytest.approx(0.02, rel=1e-10)
     # the exact solve gains the most
-    assert (expected > 0 and expected <= reference_step(F, g, 0.02)[1] + 1e-12)
+    assert expected > 0 and expected <= reference_step(F, g, 0.02)[1] + 1e-12
     x = step / math.sqrt(2 * 0.02 / stats["xFx"])
     assert stats["cg_residual"] == pytest.approx(((g - F @ x).norm() / g.norm()).item(), rel=1e-8)
     assert stats["cg_residual"] > 1e-3

@@ -455,7 +455,7 @@ def test_grpo_update_with_lora(tiny_sft, tmp_path):
     base = f64(load_checkpoint(tiny_sft)[0])
     start = result.start
     # B = 0
-    assert (len(start) == 2 * 4 * base.config.n_layer and all((b == 0).all() for b in start[1::2]))
+    assert len(start) == 2 * 4 * base.config.n_layer and all((b == 0).all() for b in start[1::2])
 
     def two_steps(gpt, c, moving_ref=False):
         """Two steps of mu passes; pi_ref the start (the adapters off), or with moving_ref the
@@ -1422,7 +1422,7 @@ def test_async_grpo_update(mode, tiny_sft, tmp_path):
                    str(tmp_path), lr=c["lr"])
     batches = result.of("async_batch")
     # lags 0, then 1
-    assert (len(batches) == 2 and all(v == 0 for b in batches for v in b["version"]))
+    assert len(batches) == 2 and all(v == 0 for b in batches for v in b["version"])
     gpt = f64(result.model, result.start)
     for batch in batches:                      # mu: the actor's log-probs are the starting weights'
         assert [r for _, _, r in async_rows(batch)] == batch["rewards"]
@@ -1436,7 +1436,7 @@ def test_async_grpo_update(mode, tiny_sft, tmp_path):
         model, grads, rhos = async_expected(gpt, batches, c)
     rho = torch.cat(rhos[1])                             # the second step's: pi after one step / mu
     # the correction acts on both sides
-    assert ((rho > c["cap"]).any() and (rho < 1 / c["cap"]).any())
+    assert (rho > c["cap"]).any() and (rho < 1 / c["cap"]).any()
     wrong = [("no correction", {"mode": "none"}), ("T = 1", {"T": 1.0}),
              ("beta 0.04", {"beta": 0.04}), ("a flipped KL sign", {"beta": -c["beta"]})]
     wrong += [("1/|o_i| over the kept tokens",
