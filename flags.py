@@ -285,9 +285,9 @@ def task_flags(args):
     """The task flags of `args`, to hand to a script that builds a missing prerequisite."""
     if getattr(args, "task", None) is None:
         return []
-    out = ["--task", args.task, "--format", args.format, "--countdown_numbers",
-           str(args.countdown_numbers), "--countdown_rule",
-           getattr(args, "countdown_rule", "exactly")]
+    out = ["--task", args.task, "--format", args.format,
+           "--countdown_numbers", str(args.countdown_numbers),
+           "--countdown_rule", getattr(args, "countdown_rule", "exactly")]
     out += ["--chat"] if getattr(args, "chat", False) else []
     out += ["--tools", args.tools] if getattr(args, "tools", None) else []
     return out + (["--data", *args.data] if args.data else [])

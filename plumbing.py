@@ -240,8 +240,8 @@ def build_missing(path, default, command, device=None):
     if os.path.abspath(path) != os.path.abspath(default):
         raise SystemExit(f"error: no checkpoint at {path}; train one with `python {command[0]}` or "
                          "pass another path")
-    cmd = [sys.executable, os.path.join(ROOT, command[0]), *command[1:], "--out",
-           os.path.dirname(path) or "."]
+    cmd = [sys.executable, os.path.join(ROOT, command[0]), *command[1:],
+           "--out", os.path.dirname(path) or "."]
     if device is not None:
         cmd += ["--device", device]
     print(f"{path} not found: building it first with `python {' '.join(command)}`", flush=True)

@@ -281,8 +281,8 @@ def steps(args):
                 [py, os.path.join(ROOT, "agent.py"), "--seed", "1", "--out", "out/agent_seed1"],
                 args.out))
     out.append(("ratio", "ratio", "Sampler/trainer agreement at the first update",
-                [py, "bench/gpu.py", "--measure_ratio", "--out", args.out, "--ratio_batches",
-                 str(args.ratio_batches)], ROOT))
+                [py, "bench/gpu.py", "--measure_ratio", "--out", args.out,
+                 "--ratio_batches", str(args.ratio_batches)], ROOT))
     for name, flags in (("memory", []),
                         ("memory:recipe", ["--rows", "32", "--completion_len", "1024",
                                            "--prompt_len", "256", "--grad_accum", "4"])):

@@ -238,8 +238,9 @@ def main():
     if not args.table_only:
         chat = ["--chat", "--tools", "calculator"] if args.part == "chat" else []
         sfts = [([sys.executable, "sft.py", "--task", "toolcalc", "--format", "plain",
-                  "--countdown_numbers", "3", *chat, "--seed", str(s), "--out",
-                  os.path.dirname(sft(s))], os.path.join(args.out, f"sft_{args.part}_seed{s}.log"))
+                  "--countdown_numbers", "3", *chat, "--seed", str(s),
+                  "--out", os.path.dirname(sft(s))],
+                 os.path.join(args.out, f"sft_{args.part}_seed{s}.log"))
                 for s in sorted({args.same_sft} if args.same_sft is not None else seeds)
                 if not os.path.exists(os.path.join(ROOT, sft(s)))]
         run_all(sfts, args.jobs)
@@ -251,8 +252,8 @@ def main():
                 if not finished(os.path.join(ROOT, out), flags):
                     resume = ["--resume"] if os.path.exists(os.path.join(ROOT, out,
                                                                          "agent.pt")) else []
-                    todo.append(([sys.executable, "agent.py", *flags, "--seed", str(s), "--init",
-                                  sft(s), "--out", out, *resume], out + ".log"))
+                    todo.append(([sys.executable, "agent.py", *flags, "--seed", str(s),
+                                  "--init", sft(s), "--out", out, *resume], out + ".log"))
         run_all(todo, args.jobs)
     results = {}
     for name, flags in runs.items():

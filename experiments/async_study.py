@@ -125,9 +125,10 @@ def staleness(args):
         for lag in LAGS:
             for correction in CORRECTIONS:
                 folder = f"{args.out}/lag{lag}-{correction}" + (f"-s{seed}" if seed else "")
-                rows = run([sys.executable, "async_grpo.py", "--seed", str(seed), "--init",
-                            args.init, "--steps", str(args.steps), "--actors", str(args.actors),
-                            "--threads", "1", "--max_lag", str(lag), "--is_correction", correction],
+                rows = run([sys.executable, "async_grpo.py", "--seed", str(seed),
+                            "--init", args.init, "--steps", str(args.steps),
+                            "--actors", str(args.actors), "--threads", "1", "--max_lag", str(lag),
+                            "--is_correction", correction],
                            folder, "async_grpo", {"OMP_NUM_THREADS": "1"}, args.table_only)
                 if rows is not None:
                     curves[correction][-1].append((lag, summary(rows)))

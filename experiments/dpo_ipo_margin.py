@@ -53,9 +53,10 @@ def main(args):
                 if os.path.exists(os.path.join(ROOT, "out",
                                                f)) and not os.path.exists(os.path.join(out, f)):
                     shutil.copy(os.path.join(ROOT, "out", f), os.path.join(out, f))
-            cmd = [sys.executable, f"{name}.py", "--steps", str(args.steps), "--batch_size",
-                   str(args.batch_size), "--lr", str(args.lr), coef, str(args.coef), "--log_every",
-                   "20", "--eval_every", str(args.steps), "--eval_n", "128", "--out", out]
+            cmd = [sys.executable, f"{name}.py", "--steps", str(args.steps),
+                   "--batch_size", str(args.batch_size), "--lr", str(args.lr), coef, str(args.coef),
+                   "--log_every", "20", "--eval_every", str(args.steps), "--eval_n", "128",
+                   "--out", out]
             print("$", " ".join(cmd[1:]), flush=True)
             subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     rows = {}

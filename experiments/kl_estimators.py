@@ -140,9 +140,9 @@ def train_checkpoints(args):
             last = step
             continue
         cmd = [sys.executable, "grpo.py", "--beta", "0", "--lr", str(args.lr), "--steps", str(step),
-               "--seed", str(args.seed), "--init", args.init, "--out", args.out, "--eval_every",
-               str(max(args.checkpoints)), "--log_every", "1",
-               "--eval_n", "32"] + (["--resume"] if last else [])
+               "--seed", str(args.seed), "--init", args.init, "--out", args.out,
+               "--eval_every", str(max(args.checkpoints)), "--log_every", "1", "--eval_n", "32"] + (
+                   ["--resume"] if last else [])
         print(" ".join(["python"] + cmd[1:]), flush=True)
         subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
         shutil.copyfile(os.path.join(out, "grpo.pt"), path)

@@ -54,9 +54,9 @@ def main():
     if args.steps < 1 or args.every < 1:
         parser.error(f"--steps = {args.steps}, --every = {args.every}; both must be at least 1")
     if not args.table_only:
-        cmd = [sys.executable, "ppo.py", "--beta", "0", "--steps", str(args.steps), "--eval_every",
-               str(args.every), "--log_every", str(args.every), "--eval_n", str(args.eval_n),
-               "--out", args.out, "--seed", str(args.seed)]
+        cmd = [sys.executable, "ppo.py", "--beta", "0", "--steps", str(args.steps),
+               "--eval_every", str(args.every), "--log_every", str(args.every),
+               "--eval_n", str(args.eval_n), "--out", args.out, "--seed", str(args.seed)]
         print(" ".join(cmd[1:]))
         subprocess.run(cmd, check=True, cwd=ROOT)
     path = os.path.join(ROOT, args.out, "ppo", "metrics.jsonl")

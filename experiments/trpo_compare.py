@@ -89,8 +89,9 @@ def train(name, args):
     for d in (straight, chained):
         shutil.rmtree(d, ignore_errors=True)
         os.makedirs(d)
-    run(common + ["--steps", str(args.updates), "--log_every", "1", "--eval_every",
-                  str(args.updates), "--out", straight], os.path.join(base, "straight.log"))
+    run(common + ["--steps", str(args.updates), "--log_every", "1",
+                  "--eval_every", str(args.updates), "--out", straight],
+        os.path.join(base, "straight.log"))
     for k in range(1, args.updates + 1):
         run(common + ["--steps", str(k), "--log_every", "1", "--eval_every", "1", "--eval_n", "1",
                       "--out", chained] + (["--resume"] if k > 1 else []),

@@ -69,9 +69,9 @@ def refused(p, *words):
         assert w in p.stderr, (w, p.stderr)
 
 
-TINY_SFT = ["--steps", "1200", "--batch_size", "32", "--n_layer", "2",
-            "--n_head", "2", "--n_embd", "64", "--lr", "3e-3", "--log_every",
-            "400", "--eval_every", "1200", "--eval_n", "128"]                    # tiny_sft's recipe
+TINY_SFT = ["--steps", "1200", "--batch_size", "32", "--n_layer", "2", "--n_head", "2",
+            "--n_embd", "64", "--lr", "3e-3", "--log_every", "400", "--eval_every", "1200",
+            "--eval_n", "128"]  # tiny_sft's recipe
 
 
 @pytest.fixture(scope="session")

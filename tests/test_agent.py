@@ -438,8 +438,8 @@ def test_the_parked_reference_is_away_while_sampling_and_updating_and_moves_no_n
 def test_script_runs_two_attempts_and_the_pitfall(tiny_tool_sft, tmp_path):
     out = str(tmp_path)
     p = run_script("agent.py", TINY + ["--steps", "2", "--turns", "2", "--train_on_env_tokens",
-                                       "--stage1_steps", "1", "--init", tiny_tool_sft, "--out",
-                                       out])
+                                       "--stage1_steps", "1", "--init", tiny_tool_sft,
+                                       "--out", out])
     assert p.returncode == 0, p.stderr
     assert "ENVIRONMENT TOKENS IN THE LOSS" in p.stdout and "second attempt" in p.stdout
     rows = read_metrics(out)
@@ -485,8 +485,8 @@ def test_lora_on_a_rotary_gelu_policy_and_the_two_attempt_length_refusal(tmp_pat
     refuses_all("agent.py", [(small + ["--turns", "2", "--max_new_tokens", str(allowed + 1)],
                               [f"--max_new_tokens {allowed + 1} does not fit", f"<= {allowed}"])],
                 tmp_path)
-    p = run_script("agent.py", small + ["--turns", "2", "--max_new_tokens", str(allowed), "--out",
-                                        str(tmp_path / "b")])
+    p = run_script("agent.py", small + ["--turns", "2", "--max_new_tokens", str(allowed),
+                                        "--out", str(tmp_path / "b")])
     assert p.returncode == 0, p.stderr[-2000:]
 
 

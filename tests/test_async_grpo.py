@@ -158,8 +158,8 @@ def test_one_actor_and_a_learner_train_resume_and_respect_the_lag_bound(tiny_sft
     # step 1: the first weights
     assert all(0 <= r["lag_max"] <= 1 for r in rows[1:]) and rows[1]["lag_max"] == 0
     assert all(0 < r["is_weight_mean"] <= 2.0 for r in rows[1:])
-    p = launch(SMALL + ["--steps", "6", "--max_lag", "1", "--resume", "--init", tiny_sft, "--out",
-                        out])
+    p = launch(SMALL + ["--steps", "6", "--max_lag", "1", "--resume", "--init", tiny_sft,
+                        "--out", out])
     stdout, stderr = p.communicate(timeout=300)
     assert p.returncode == 0, stdout[-2000:] + stderr[-2000:]
     assert "resuming from" in stdout and "done: 6 steps" in stdout
@@ -171,8 +171,8 @@ def test_max_lag_0_is_on_policy(tiny_sft, tmp_path):
     importance weight is 1 up to the sampler's numerics (its KV-cache decoding against the learner's
     full forward)."""
     out = str(tmp_path)
-    p = launch(SMALL + ["--steps", "3", "--max_lag", "0", "--is_correction", "none", "--init",
-                        tiny_sft, "--out", out])
+    p = launch(SMALL + ["--steps", "3", "--max_lag", "0", "--is_correction", "none",
+                        "--init", tiny_sft, "--out", out])
     stdout, stderr = p.communicate(timeout=300)
     assert p.returncode == 0, stdout[-2000:] + stderr[-2000:]
     for r in rows_of(out)[1:]:
@@ -191,8 +191,8 @@ def test_weights_published_every_second_step_within_a_lag_of_one(tiny_sft, tmp_p
     assert p.returncode == 0, stdout[-2000:] + stderr[-2000:]
     assert ([r["step"] for r in rows_of(out)] == [0, 1, 2, 3, 4]
             and all(r["lag_max"] <= 1 for r in rows_of(out)[1:]))
-    p = launch(SMALL + ["--max_lag", "0", "--sync_every", "2", "--init", tiny_sft, "--out",
-                        str(tmp_path / "no")])
+    p = launch(SMALL + ["--max_lag", "0", "--sync_every", "2", "--init", tiny_sft,
+                        "--out", str(tmp_path / "no")])
     stdout, stderr = p.communicate(timeout=60)
     assert (p.returncode == 2 and "allowed: --sync_every <= --max_lag + 1 = 1" in stderr
             and "Traceback" not in stderr)
@@ -208,8 +208,8 @@ def wait_for_rows(p, out, n):
 
 
 def test_a_killed_actor_stops_the_run_with_its_exit_code(tiny_sft, tmp_path):
-    p = launch(SMALL + ["--steps", "100000", "--eval_every", "1000", "--init", tiny_sft, "--out",
-                        str(tmp_path)])
+    p = launch(SMALL + ["--steps", "100000", "--eval_every", "1000", "--init", tiny_sft,
+                        "--out", str(tmp_path)])
     wait_for_rows(p, tmp_path, 3)
     actor_pid = children(p)[0]
     os.kill(actor_pid, signal.SIGKILL)
@@ -221,8 +221,8 @@ def test_a_killed_actor_stops_the_run_with_its_exit_code(tiny_sft, tmp_path):
 
 
 def test_ctrl_c_stops_every_process_and_says_how_to_resume(tiny_sft, tmp_path):
-    p = launch(SMALL + ["--steps", "100000", "--eval_every", "1000", "--init", tiny_sft, "--out",
-                        str(tmp_path)])
+    p = launch(SMALL + ["--steps", "100000", "--eval_every", "1000", "--init", tiny_sft,
+                        "--out", str(tmp_path)])
     wait_for_rows(p, tmp_path, 2)
     actors = children(p)
     assert len(actors) == 1
@@ -244,8 +244,8 @@ def test_ctrl_c_while_the_processes_start_ends_every_one_at_once(tiny_sft, tmp_p
     SIGINT ignored, as a background job of a script starts (Python then installs no Ctrl-C handler
     of its own): it used to lose the Ctrl-C and train on."""
     ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignored else None
-    p = launch(SMALL + ["--steps", "100000", "--eval_every", "1000", "--init", tiny_sft, "--out",
-                        str(tmp_path)], preexec_fn=ignore)
+    p = launch(SMALL + ["--steps", "100000", "--eval_every", "1000", "--init", tiny_sft,
+                        "--out", str(tmp_path)], preexec_fn=ignore)
     t = time.time()
     while not children(p):
         assert time.time() - t < 120 and p.poll() is None, p.communicate()
@@ -260,8 +260,8 @@ def test_ctrl_c_while_the_processes_start_ends_every_one_at_once(tiny_sft, tmp_p
 
 def test_a_killed_learner_leaves_the_actors_quietly(tiny_sft, tmp_path):
     """SIGKILL of the learner: every actor ends without a gloo traceback."""
-    p = launch(SMALL + ["--steps", "100000", "--eval_every", "1000", "--init", tiny_sft, "--out",
-                        str(tmp_path)])
+    p = launch(SMALL + ["--steps", "100000", "--eval_every", "1000", "--init", tiny_sft,
+                        "--out", str(tmp_path)])
     wait_for_rows(p, tmp_path, 2)
     actors = children(p)
     assert len(actors) == 1

@@ -168,8 +168,8 @@ def test_chat_refusals_are_one_line_before_any_work(tmp_path):
     assert not any(x.name.startswith("out") for x in tmp_path.iterdir())
     with pytest.raises(CheckpointError, match="has no chat template"):
         Tokenizer().use_chat()
-    p = run_script("sft.py", ["--chat", "--steps", "2", "--eval_n", "2", "--out",
-                              str(tmp_path / "sft")])
+    p = run_script("sft.py", ["--chat", "--steps", "2", "--eval_n", "2",
+                              "--out", str(tmp_path / "sft")])
     assert p.returncode == 0, p.stderr[-2000:]      # a new model: bytes-chat, its built-in template
     assert load_checkpoint(str(tmp_path / "sft" / "sft.pt"))[1]["tokenizer"] == "bytes-chat"
 

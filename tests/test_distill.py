@@ -262,9 +262,9 @@ TINY = ["--prompts_per_step", "8", "--log_every", "1", "--eval_every", "2", "--e
 def tiny_student(tmp_path_factory):
     """A student smaller than tiny_sft (1 layer, width 32) and barely trained (60 steps, ~5 s)."""
     out = str(tmp_path_factory.mktemp("tiny_student"))
-    p = run_script("sft.py", ["--steps", "60", "--batch_size", "16", "--n_layer", "1", "--n_head",
-                              "2", "--n_embd", "32", "--log_every", "60", "--eval_every", "60",
-                              "--eval_n", "8", "--out", out])
+    p = run_script("sft.py", ["--steps", "60", "--batch_size", "16", "--n_layer", "1",
+                              "--n_head", "2", "--n_embd", "32", "--log_every", "60",
+                              "--eval_every", "60", "--eval_n", "8", "--out", out])
     assert p.returncode == 0, p.stderr
     return os.path.join(out, "sft.pt")
 
@@ -275,9 +275,9 @@ def read_metrics(out):
 
 def test_script_runs_end_to_end_and_resumes(tiny_sft, tiny_student, tmp_path):
     out = str(tmp_path)
-    flags = TINY + ["--teacher", tiny_sft, "--init", tiny_student, "--out", out, "--estimator",
-                    "topk", "--topk", "4", "--reward_weight", "0.5", "--group_size", "2",
-                    "--grad_accum", "2"]
+    flags = TINY + ["--teacher", tiny_sft, "--init", tiny_student, "--out", out,
+                    "--estimator", "topk", "--topk", "4", "--reward_weight", "0.5",
+                    "--group_size", "2", "--grad_accum", "2"]
     p = run_script("distill.py", flags + ["--steps", "2"])
     assert p.returncode == 0, p.stderr
     teacher = [line for line in p.stdout.splitlines() if line.startswith("distillation:")][0]
@@ -309,9 +309,10 @@ def test_distillation_lowers_the_kl_to_the_teacher(tiny_sft, tiny_student, tmp_p
     steps' samples falls below 0.7 of the first 3's (seeds 0, 1, 2: 0.49, 0.46, 0.59 of it). A
     flipped sign, or a loss that moved the teacher instead of the student, would not."""
     out = str(tmp_path)
-    p = run_script("distill.py", ["--prompts_per_step", "16", "--log_every", "1", "--eval_every",
-                                  "100", "--eval_n", "8", "--steps", "15", "--lr", "1e-2",
-                                  "--teacher", tiny_sft, "--init", tiny_student, "--out", out])
+    p = run_script("distill.py", ["--prompts_per_step", "16", "--log_every", "1",
+                                  "--eval_every", "100", "--eval_n", "8", "--steps", "15",
+                                  "--lr", "1e-2", "--teacher", tiny_sft, "--init", tiny_student,
+                                  "--out", out])
     assert p.returncode == 0, p.stderr
     kl = [r["kl_exact"] for r in read_metrics(out)[1:]]
     assert sum(kl[-3:]) < 0.7 * sum(kl[:3]), kl

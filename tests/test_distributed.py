@@ -31,8 +31,9 @@ def launch(args, nproc, env=None):
     if nproc == 1:
         cmd = [sys.executable, *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node",
-               str(nproc), "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *args]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+               "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
+               "--master_port", str(free_port()), *args]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env)
 
@@ -58,8 +59,9 @@ def start_update(script, flags, out, nproc=1, grad_accum=1):
     # clipping out of the way (TRPO has none): a gradient wrong by a constant factor moves the
     # weights, not only the logged loss and norm
     no_clip = [] if script == "trpo" else ["--grad_clip", "1e9"]
-    p = launch([WORKER, script, *one_step, *no_clip, *flags, "--log_every", "1", "--eval_every",
-                "1", "--eval_n", "1", "--grad_accum", str(grad_accum), "--out", out], nproc,
+    p = launch([WORKER, script, *one_step, *no_clip, *flags, "--log_every", "1",
+                "--eval_every", "1", "--eval_n", "1", "--grad_accum", str(grad_accum),
+                "--out", out], nproc,
                env={"DDP_WORKER_INIT": start})
     return p, script, out
 
@@ -209,8 +211,9 @@ def test_a_nan_loss_on_one_rank_stops_every_rank(tiny_sft, tmp_path):
     """Rank 1 alone sees a NaN loss: both ranks stop at once with one message (a rank that left
     alone would leave the other waiting in the next all-reduce until the backend's timeout, here the
     test's)."""
-    p = finished(launch([WORKER, "grpo", *RL, "--steps", "2", "--init", tiny_sft, "--out",
-                         str(tmp_path)], nproc=2, env={"DDP_WORKER_NAN_RANK": "1"}), timeout=120)
+    p = finished(launch([WORKER, "grpo", *RL, "--steps", "2", "--init", tiny_sft,
+                         "--out", str(tmp_path)], nproc=2, env={"DDP_WORKER_NAN_RANK": "1"}),
+                 timeout=120)
     assert p.returncode != 0
     assert p.stderr.count("the loss is not finite on rank 1 of 2 at "
                           "step 1") == 1, p.stderr[-3000:]                          # rank 0 says it
@@ -238,7 +241,7 @@ def test_torchrun_grpo_writes_from_rank_0_and_resumes(tiny_sft, tmp_path):
 
 
 def test_a_batch_that_does_not_split_over_the_processes_is_refused(tiny_sft, tmp_path):
-    p = finished(launch(["grpo.py", "--prompts_per_step", "3", "--init", tiny_sft, "--out",
-                         str(tmp_path)], nproc=2))
+    p = finished(launch(["grpo.py", "--prompts_per_step", "3", "--init", tiny_sft,
+                         "--out", str(tmp_path)], nproc=2))
     assert (p.returncode != 0
             and "--prompts_per_step 3 must split evenly over 2 processes" in p.stdout + p.stderr)

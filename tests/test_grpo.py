@@ -407,8 +407,9 @@ def test_script_runs_end_to_end_and_resumes(tiny_sft, tmp_path):
 
 
 def test_script_runs_gspo_cispo_and_dapo_options(tiny_sft, tmp_path):
-    common = ["--prompts_per_step", "4", "--group_size", "4", "--log_every", "1", "--eval_every",
-              "100", "--eval_n", "8", "--steps", "2", "--mu", "2", "--init", tiny_sft]
+    common = ["--prompts_per_step", "4", "--group_size", "4", "--log_every", "1",
+              "--eval_every", "100", "--eval_n", "8", "--steps", "2", "--mu", "2",
+              "--init", tiny_sft]
     p = run_script("grpo.py", common + ["--out", str(tmp_path / "a"), "--loss_type", "cispo",
                                         "--loss_agg", "token", "--dynamic_sampling",
                                         "--max_sample_rounds", "3", "--overlong_buffer", "4"])

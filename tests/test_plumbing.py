@@ -270,8 +270,8 @@ def steps_logged(out, name="grpo"):
 def test_eval_every_is_honoured_on_its_own(tiny_sft, tmp_path):
     out = str(tmp_path)
     p = run_script("grpo.py", ["--prompts_per_step", "2", "--group_size", "2", "--eval_n", "4",
-                               "--log_every", "2", "--eval_every", "3", "--steps", "8", "--init",
-                               tiny_sft, "--out", out])
+                               "--log_every", "2", "--eval_every", "3", "--steps", "8",
+                               "--init", tiny_sft, "--out", out])
     assert p.returncode == 0, p.stderr
     rows = [json.loads(line) for line in open(os.path.join(out, "grpo", "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [0, 2, 3, 4, 6, 8]
@@ -354,8 +354,8 @@ def test_a_second_run_on_a_busy_output_folder_is_refused(tiny_sft, tmp_path):
     whatever the machine's load.)"""
     out = str(tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "grpo.py", *TINY_RL, "--steps", "100000", "--init", tiny_sft, "--out",
-           out]
+    cmd = [sys.executable, "grpo.py", *TINY_RL, "--steps", "100000", "--init", tiny_sft,
+           "--out", out]
     first = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True, env=env)
     t = time.time()
@@ -389,8 +389,8 @@ def test_resume_refuses_another_init_another_scripts_checkpoint_and_a_lower_step
     with torch.no_grad():
         model.wte.weight.add_(0.01)
     save_checkpoint(retrained, model, ckpt["tokenizer"], step=ckpt["step"])
-    assert run_script("grpo.py", TINY_RL + ["--out", str(tmp_path / "r2"), "--steps", "1", "--init",
-                                            retrained]).returncode == 0
+    assert run_script("grpo.py", TINY_RL + ["--out", str(tmp_path / "r2"), "--steps", "1",
+                                            "--init", retrained]).returncode == 0
     save_checkpoint(retrained, load_checkpoint(tiny_sft)[0], ckpt["tokenizer"], step=ckpt["step"])
     refused(run_script("grpo.py", TINY_RL
                        + ["--out", str(tmp_path / "r2"), "--steps", "2", "--init", retrained,

@@ -223,8 +223,8 @@ def test_scripts_take_a_hugging_face_folder_as_init_and_resume_from_what_they_wr
     assert p.returncode == 0 and "done: 2 steps" in p.stdout, p.stderr
     model, tok, ckpt = load_model(os.path.join(out, "grpo.pt"), "cpu")
     assert tok.name == "hf:" + qwen and model.config.pos == "rope" and model.config.kv_heads == 2
-    p = run_script("sft.py", ["--steps", "2", "--batch_size", "4", "--eval_n", "8", "--init",
-                              os.path.join(GOLDEN, "gpt2"), "--out", out])
+    p = run_script("sft.py", ["--steps", "2", "--batch_size", "4", "--eval_n", "8",
+                              "--init", os.path.join(GOLDEN, "gpt2"), "--out", out])
     assert p.returncode == 0, p.stderr
 
 

@@ -19,8 +19,8 @@ def test_the_recipe_runs_grpo_on_a_folder_whose_embedding_outgrows_its_tokenizer
     sampling, scoring and update."""
     out = tmp_path / "bench"
     p = run_script(os.path.join(ROOT, "bench", "recipe.py"),
-                   ["--device", "cpu", "--tiny", "--steps", "2", "--max_new_tokens", "6", "--out",
-                    str(out), "--json", str(tmp_path / "recipe.json")])
+                   ["--device", "cpu", "--tiny", "--steps", "2", "--max_new_tokens", "6",
+                    "--out", str(out), "--json", str(tmp_path / "recipe.json")])
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     result = json.load(open(tmp_path / "recipe.json"))
     assert [s["step"] for s in result["steps"]] == [1, 2] and "| 2 |" in p.stdout

@@ -116,8 +116,8 @@ TINY = ["--prompts_per_step", "4", "--group_size", "4", "--log_every", "1", "--e
 @pytest.mark.parametrize("baseline", ["reinforce_pp", "moving_average"])
 def test_script_runs_end_to_end_and_resumes(tiny_sft, tmp_path, baseline):
     out = str(tmp_path)
-    p = run_script("reinforce.py", TINY + ["--steps", "2", "--baseline", baseline, "--init",
-                                           tiny_sft, "--out", out])
+    p = run_script("reinforce.py", TINY + ["--steps", "2", "--baseline", baseline,
+                                           "--init", tiny_sft, "--out", out])
     assert p.returncode == 0, p.stderr
     assert "done: 2 steps" in p.stdout
     rows = [json.loads(line) for line in open(os.path.join(out, "reinforce", "metrics.jsonl"))]
@@ -125,8 +125,8 @@ def test_script_runs_end_to_end_and_resumes(tiny_sft, tmp_path, baseline):
     for key in ("reward_mean", "kl_exact", "kl_k1", "entropy", "completion_len", "grad_norm",
                 "tokens_per_sec"):
         assert key in rows[1] and math.isfinite(rows[1][key]), key
-    p = run_script("reinforce.py", TINY + ["--steps", "3", "--baseline", baseline, "--init",
-                                           tiny_sft, "--out", out, "--resume"])
+    p = run_script("reinforce.py", TINY + ["--steps", "3", "--baseline", baseline,
+                                           "--init", tiny_sft, "--out", out, "--resume"])
     assert p.returncode == 0, p.stderr
     assert "resuming from" in p.stdout
     _, ckpt = load_checkpoint(os.path.join(out, "reinforce.pt"))

@@ -14,9 +14,9 @@ pytest.importorskip("trl", reason="trl is not installed: bench/trl_grpo.py's TRL
 
 
 def test_trl_and_grpo_side_by_side_at_toy_shapes(tmp_path):
-    p = subprocess.run([sys.executable, "bench/trl_grpo.py", "--device", "cpu", "--tiny", "--steps",
-                        "2", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
-                       timeout=900)
+    p = subprocess.run([sys.executable, "bench/trl_grpo.py", "--device", "cpu", "--tiny",
+                        "--steps", "2", "--out", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     ours = re.search(r"\| this project, grpo.py \(bench/recipe.py\) \| ([0-9.]+), ([0-9.]+) \|",
                      p.stdout)

@@ -858,9 +858,10 @@ def trpo_step(model, ref, rows, c):
 
 TRPO = {"T": 0.7, "beta": 2.0, "kl": "k2", "max_kl": 0.02, "damping": 0.5, "cg_iters": 2,
         "backtracks": 4}
-TRPO_FLAGS = ["--steps", "2", "--prompts_per_step", "4", "--group_size", "4", "--precedence_share",
-              "1", "--temperature", "0.7", "--beta", "2.0", "--kl_estimator", "k2",
-              "--max_kl", "0.02", "--damping", "0.5", "--cg_iters", "2", "--backtracks", "4"]
+TRPO_FLAGS = ["--steps", "2", "--prompts_per_step", "4", "--group_size", "4",
+              "--precedence_share", "1", "--temperature", "0.7", "--beta", "2.0",
+              "--kl_estimator", "k2", "--max_kl", "0.02", "--damping", "0.5", "--cg_iters", "2",
+              "--backtracks", "4"]
 TRPO_LOGGED = ("grad_norm", "step_norm", "expected_improvement", "improvement", "kl_step")
 
 
@@ -1060,8 +1061,9 @@ def test_kto_update(tiny_sft, tmp_path):
     first batch (the examples and their order come from Python's random alone): there r = 0, so
     lambda_U's weight shows whatever the starting policy (an undesirable example seen only later can
     sit where its sigmoid is flat)."""
-    flags = ["--steps", "2", "--batch_size", "4", "--n_examples", "8", "--lr", "0.5", "--warmup",
-             "3", "--grad_clip", "1e9", "--beta", "0.5", "--lambda_u", "1.5", "--seed", "4"]
+    flags = ["--steps", "2", "--batch_size", "4", "--n_examples", "8", "--lr", "0.5",
+             "--warmup", "3", "--grad_clip", "1e9", "--beta", "0.5", "--lambda_u", "1.5",
+             "--seed", "4"]
     result = train("kto", ["--init", tiny_sft, *flags], str(tmp_path))
     batches = [(e["prompts"], e["completions"]) for e in result.of("completion_batch")]
     assert ([len(b[0]) for b in batches] == [4, 4]
@@ -1113,9 +1115,9 @@ def test_distill_update(tiny_sft, tmp_path):
             p.add_(0.05 * torch.randn(p.shape, generator=g))
     teacher_path = str(tmp_path / "teacher.pt")
     save_checkpoint(teacher_path, model, ckpt["tokenizer"])
-    flags = ["--steps", "2", "--prompts_per_step", "4", "--group_size", "2", "--precedence_share",
-             "1", "--temperature", "0.7", "--reward_weight", "0.5", "--grad_clip", "1e9",
-             "--teacher", teacher_path]
+    flags = ["--steps", "2", "--prompts_per_step", "4", "--group_size", "2",
+             "--precedence_share", "1", "--temperature", "0.7", "--reward_weight", "0.5",
+             "--grad_clip", "1e9", "--teacher", teacher_path]
     result = train("distill", ["--init", tiny_sft, *flags], str(tmp_path / "run"))
     # (not the log's)
     rollouts = [Rows.fixed(e["prompts"], 2) for e in result.of("rollout") if e["group_size"] == 2]
@@ -1237,8 +1239,8 @@ AGENT = {"T": 0.7, "beta": 0.3, "clip": 0.15, "cost": 0.3, "alpha": 0.5, "mu": 2
 AGENT_BUDGET = 34              # the longest planned attempt is 30 tokens; the run-on's 40 are cut
 AGENT_FLAGS = ["--steps", "2", "--mu", "2", "--prompts_per_step", "4", "--group_size", "4",
                "--precedence_share", "0.5", "--temperature", "0.7", "--beta", "0.3",
-               "--clip_eps", "0.15", "--call_cost", "0.3", "--shaping", "0.5", "--max_new_tokens",
-               str(AGENT_BUDGET), "--grad_clip", "1e9"]
+               "--clip_eps", "0.15", "--call_cost", "0.3", "--shaping", "0.5",
+               "--max_new_tokens", str(AGENT_BUDGET), "--grad_clip", "1e9"]
 # name: (flags, settings, the defaults of the flags under test and the planted mistakes)
 AGENT_CASES = {
     "one attempt": ([], {}, [{"T": 1.0}, {"beta": 0.04}, {"clip": 0.2}, {"cost": 0.1},
@@ -1402,10 +1404,10 @@ def async_expected(gpt, batches, c):
 
 
 ASYNC = {"T": 0.7, "beta": 0.3, "cap": 1.05, "lr": 0.1, "G": 4}
-ASYNC_FLAGS = ["--steps", "2", "--prompts_per_step", "4", "--group_size", "4", "--precedence_share",
-               "1", "--temperature", "0.7", "--beta", "0.3", "--is_cap", "1.05", "--max_lag", "1",
-               "--sync_every", "2", "--actors", "1", "--threads", "1", "--grad_clip", "1e9",
-               "--eval_every", "2"]
+ASYNC_FLAGS = ["--steps", "2", "--prompts_per_step", "4", "--group_size", "4",
+               "--precedence_share", "1", "--temperature", "0.7", "--beta", "0.3",
+               "--is_cap", "1.05", "--max_lag", "1", "--sync_every", "2", "--actors", "1",
+               "--threads", "1", "--grad_clip", "1e9", "--eval_every", "2"]
 
 
 @pytest.mark.parametrize("mode", ["truncate", "mask"])
