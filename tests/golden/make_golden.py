@@ -9,10 +9,13 @@ Qwen3 folder (query/key norms of weights apart from 1, head_dim apart from the w
 tokens added but not special, its embedding padded past its tokenizer) Qwen2.5's ChatML template
 (templates/); their golden.json also holds what apply_chat_template renders and encodes for fixed
 user messages, without and with a tool (for Qwen3 through templates/bare.jinja too: tags that '-'
-does not trim). Needs transformers and tokenizers, which are not in requirements.txt (the tests read
-only the files this writes); run from the repository root:
+does not trim, and templates/think.jinja, a reasoning template: a demonstration rendered whole). Every
+norm's weight (and GPT-2's biases) is random, so that a norm read into the wrong place shows in the
+logits. Needs transformers 5.24 or newer (its docstring parser, which tools.py follows) and
+tokenizers, which are not in requirements.txt (the tests read only the files this writes); run from
+the repository root:
 
-    pip install transformers && python tests/golden/make_golden.py [FAMILY ...]  # default: all
+    pip install 'transformers>=5.24' && python tests/golden/make_golden.py [FAMILY ...]  # all
     pip install peft && python tests/golden/make_golden.py --peft [FAMILY ...]    # peft.json
     python tests/golden/make_golden.py --tools   # tools.json: get_json_schema of tool_functions.py
 
@@ -25,6 +28,7 @@ import os
 import shutil
 
 import torch
+import transformers
 from safetensors.torch import save_file
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers import processors
@@ -130,12 +134,37 @@ def chat_goldens(tokenizer, **template):
     return out
 
 
+def randomise_norms(model):
+    """Every LayerNorm / RMSNorm weight uniform in [0.5, 1.5], every norm bias N(0, 0.1^2): at 1 and
+    0 (their initial values) a norm read into the wrong place, or skipped, would not show."""
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__.endswith("Norm"):
+                module.weight.uniform_(0.5, 1.5)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.normal_(0.0, 0.1)
+
+
+def think_golden(tokenizer):
+    """templates/think.jinja's rendering of a demonstration (a call, its reply, the answer) with
+    TOOLS, whole: what ChatTools.demonstration must cut into pieces."""
+    source = open(os.path.join(HERE, "templates", "think.jinja")).read()
+    messages = [{"role": "user", "content": "37+12*46="}, *TOOL_EPISODE[1:],
+                {"role": "assistant", "content": "#589"}]
+    kw = dict(tools=TOOLS, chat_template=source)
+    return {"messages": messages,
+            "rendered": tokenizer.apply_chat_template(messages, tokenize=False, **kw),
+            "ids": list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False,
+                                                      sanitize_control_tokens=True, **kw))}
+
+
 def make(name, model, tokenizer, template=None, eos_ids=None):
     """The folder tests/golden/<name>: the model and tokenizer as save_pretrained writes them, and
     the goldens. template: a chat template file in templates/ (written as chat_template.jinja);
     eos_ids: generation_config.json's eos_token_id (else that file is left out)."""
     folder = os.path.join(HERE, name)
     shutil.rmtree(folder, ignore_errors=True)
+    randomise_norms(model)
     model.eval()
     if template:
         tokenizer.chat_template = open(os.path.join(HERE, "templates", template)).read()
@@ -176,6 +205,7 @@ def make(name, model, tokenizer, template=None, eos_ids=None):
     if name == "qwen3":     # a template of bare and indented tags: Jinja's trim and lstrip settings
         source = open(os.path.join(HERE, "templates", "bare.jinja")).read()
         golden["chat_bare"] = chat_goldens(tokenizer, chat_template=source)
+        golden["chat_think"] = think_golden(tokenizer)
     with open(os.path.join(folder, "golden.json"), "w") as f:
         json.dump(golden, f, indent=0, ensure_ascii=False)
     print(f"{name}: "
@@ -229,11 +259,8 @@ def main(names):
         Qwen3Config(**{**common, "vocab_size": VOCAB + 16}, head_dim=16, rms_norm_eps=1e-6,
                     rope_theta=1000000.0, tie_word_embeddings=True,
                     bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"]))
-    with torch.no_grad():              # q/k norm weights apart from 1: the norm and the rotation do
-        for layer in model.model.layers:      # not commute then, so their order shows in the logits
-            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
-            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
-    if "qwen3" in names:
+    if "qwen3" in names:       # (q/k norm weights apart from 1: the norm and the rotation do not
+        # commute then, so their order shows in the logits)
         make("qwen3", model, tok, "chatml.jinja", [ids["<|im_end|>"], ids["<|endoftext|>"]])
 
 
@@ -278,6 +305,9 @@ def tools_golden():
 
 if __name__ == "__main__":
     import sys
+    if tuple(map(int, transformers.__version__.split(".")[:2])) < (5, 24):
+        raise SystemExit(f"transformers {transformers.__version__}: 5.24 or newer is needed (its "
+                         f"get_json_schema reads 'name (type):' docstring lines as tools.py does)")
     names = [a for a in sys.argv[1:] if a not in ("--peft", "--tools")] or [
         "gpt2", "llama", "qwen2", "llama3", "qwen3"]
     if "--tools" in sys.argv:                  # the tool schemas alone
