@@ -6,9 +6,9 @@ sanitize_control_tokens=True)` does.
 An instruct model was tuned on its template's text (Qwen2.5: "<|im_start|>user\n{prompt}
 <|im_end|>\n<|im_start|>assistant\n"). The template, a Jinja program from the checkpoint's folder,
 runs in Jinja's sandbox with what transformers gives it: trim/lstrip blocks, loop controls,
-raise_exception, strftime_now, a tojson keeping non-ASCII text, and `tools` and `documents` (None
-here). The special tokens it writes become special ids; none in a message can (each is wrapped in
-transformers' markers, U+F0000 and U+F0001, before rendering and encoded as text after).
+raise_exception, strftime_now, a tojson keeping non-ASCII text, and `tools` and `documents`. The
+special tokens it writes become special ids; none in a message or a tool's schema can (each is
+wrapped in transformers' markers, U+F0000 and U+F0001, before rendering and encoded as text after).
 `end_of_turn` finds what follows an assistant message (<|im_end|>, <|eot_id|>): the tokenizer
 stops on it, demonstrations end with it.
 
@@ -16,17 +16,20 @@ Where this differs from transformers:
 - strftime_now reads a date fixed per run (`date`, kept in the checkpoint), not the clock: Llama
   3.2's template writes "Today Date", and a run resumed on another day must see the prompts it
   trained on.
-- A downloaded template is untrusted input. A render gets RENDER_SECONDS (in the main thread) and
-  writes at most MAX_CHARS; a string, list or integer it builds past that size is refused before it
-  is built (`*`, `+`, `%`, `**`, a call or filter with an integer argument above MAX_INT); an
-  attribute the sandbox refuses raises instead of rendering as "". Every failure, a Python error
-  inside the template included, is one ChatTemplateError.
+- A downloaded template is untrusted code, compiled and rendered in a worker process
+  (sandbox.py: MEMORY of address space, killed at COMPILE_SECONDS or RENDER_SECONDS), never in
+  the run's. A source past MAX_SOURCE_CHARS is refused unread; a template that takes more than
+  PROBE_SECONDS to render one message at load, or whose renders take more than a minute plus a
+  tenth of the run's time (BUDGET), is refused. Renders are cached per distinct input. Inside
+  the worker, a string, list or integer built past MAX_CHARS or MAX_INT is refused where it can
+  be seen before it is built, and an attribute the sandbox refuses raises instead of rendering
+  as "". Every failure, a Python error inside the template included, is one ChatTemplateError.
 """
 import functools
+import hashlib
 import json
 import re
-import signal
-import threading
+import time
 from datetime import datetime
 
 import jinja2
@@ -35,20 +38,27 @@ import jinja2.nodes
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+import sandbox
+
 START, END = "\U000f0000", "\U000f0001"   # transformers' markers around a message's control token
 PROBE = "\U000f0002"                     # a message's content while end_of_turn looks past it
-RENDER_SECONDS = 5.0                     # one render's time (a real template takes a millisecond)
+MAX_SOURCE_CHARS = 256 * 1024            # the longest template compiled (real ones: 1 to 20 KB)
+COMPILE_SECONDS = 5.0                    # compiling it (a real one: a few milliseconds)
+RENDER_SECONDS = 5.0                     # one render's time (a real one: a millisecond)
+PROBE_SECONDS = 0.5                      # one message's render at load
+BUDGET = (60.0, 0.1)                     # all renders: at most 60 s plus this share of the run
+MEMORY = 2 ** 30                         # the worker's address space
 MAX_CHARS = 1_000_000                    # the longest text, list or rendering a template may build
 MAX_INT = 100_000                        # the largest integer argument (Jinja's range cap)
+CACHE = 4096                             # renders kept, per template
 
 
 class ChatTemplateError(ValueError):
     pass
 
 
-class Timeout(BaseException):              # not an Exception: nothing inside Jinja catches it
-    pass
-
+# -----------------------------------------------------------------------------
+# The worker's side (sandbox.py runs these): transformers' Jinja sandbox, sizes bounded
 
 class _Generation(jinja2.ext.Extension):
     """{% generation %} (transformers' tag around the assistant's tokens): renders its body."""
@@ -140,78 +150,115 @@ class _Environment(ImmutableSandboxedEnvironment):
                             f"object is unsafe")
 
 
+_TEMPLATES = {}                          # in the worker: key -> (template, variables)
+
+
+def _compile(key, source, variables, date):
+    """Compile `source` under `key`; the literal texts it writes (where its control tokens are)."""
+    env = _Environment(trim_blocks=True, lstrip_blocks=True,
+                       extensions=[_Generation, jinja2.ext.loopcontrols])
+    env.filters = {name: _bounded(f, name == "format") for name, f in env.filters.items()}
+    env.filters["tojson"] = _bounded(_tojson)
+    when = datetime.fromisoformat(date)
+
+    def strftime_now(fmt):
+        if not isinstance(fmt, str):
+            raise TypeError(f"strftime_now takes a format string, not {type(fmt).__name__}")
+        return when.strftime(fmt)
+    env.globals.update(raise_exception=_raise, strftime_now=strftime_now,
+                       lipsum=_bounded(env.globals["lipsum"]))
+    ast = env.parse(source)
+    _TEMPLATES[key] = (env.from_string(source), variables)
+    return sorted({n.data for n in ast.find_all(jinja2.nodes.TemplateData)}
+                  | {n.value for n in ast.find_all(jinja2.nodes.Const) if isinstance(n.value, str)})
+
+
+def _render(key, messages, add_generation_prompt, kwargs):
+    template, variables = _TEMPLATES[key]
+    pieces, n = [], 0
+    for piece in template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                   **{**variables, **kwargs}):
+        pieces.append(piece)
+        n += len(piece)
+        if n > MAX_CHARS:
+            raise SecurityError(f"the template writes more than {MAX_CHARS:,} characters")
+    return "".join(pieces)
+
+
+WORKER_OPS = {"compile": _compile, "render": _render}
+
+
+# -----------------------------------------------------------------------------
+# The run's side
+
 class ChatTemplate:
     """source: the Jinja text; added: {text: id} of the added tokens, special: the special ones;
     variables: bos_token, eos_token, ...; date: what strftime_now formats (a datetime, or an ISO
     date; None: today)."""
 
     def __init__(self, source, added, special, variables, date=None):
-        env = _Environment(trim_blocks=True, lstrip_blocks=True,
-                           extensions=[_Generation, jinja2.ext.loopcontrols])
-        env.filters = {name: _bounded(f, name == "format") for name, f in env.filters.items()}
-        env.filters["tojson"] = _bounded(_tojson)
+        if len(source) > MAX_SOURCE_CHARS:
+            raise ChatTemplateError(f"the chat template is {len(source):,} characters long (at "
+                                    f"most {MAX_SOURCE_CHARS:,}; a real one: 1 to 20 thousand)")
         if isinstance(date, str):
             date = datetime.fromisoformat(date)
         self.date = date or datetime.now()
-        env.globals.update(raise_exception=_raise, strftime_now=self.strftime_now,
-                           lipsum=_bounded(env.globals["lipsum"]))
+        setup = {"source": source, "variables": variables, "date": self.date.isoformat()}
+        self.key = hashlib.sha256(json.dumps(setup, sort_keys=True).encode()).hexdigest()
         try:
-            ast = env.parse(source)
-            self.template = env.from_string(source)
-        except Exception as e:                         # a syntax error, or the parser's recursion
-            raise ChatTemplateError(f"the chat template does not compile ({type(e).__name__}: "
-                                    f"{e})") from None
-        literals = "\0".join({n.data for n in ast.find_all(jinja2.nodes.TemplateData)}
-                             | {n.value for n in ast.find_all(jinja2.nodes.Const)
-                                if isinstance(n.value, str)})
+            literals = _worker().setup("compile", {"key": self.key, **setup}, COMPILE_SECONDS)
+        except sandbox.Timeout:
+            raise ChatTemplateError(f"the chat template did not compile within "
+                                    f"{COMPILE_SECONDS:g} s") from None
+        except (sandbox.Failed, sandbox.Died) as e:    # a syntax error, the parser's recursion
+            raise ChatTemplateError(f"the chat template does not compile ({e})") from None
+        literals = "\0".join(literals)
         control = [t for t in added if t in special or (t in literals and not t.isspace())]
         longest_first = "|".join(map(re.escape, sorted(control, key=len, reverse=True))) or "(?!)"
         self.control_re = re.compile(longest_first)
         self.marked_re = re.compile(f"{START}({longest_first}){END}|[{START}{END}]")
-        self.variables = variables
-
-    def strftime_now(self, fmt):
-        if not isinstance(fmt, str):
-            raise TypeError(f"strftime_now takes a format string, not {type(fmt).__name__}")
-        return self.date.strftime(fmt)
+        self.cache, self.spent, self.born = {}, 0.0, time.monotonic()
 
     def render(self, messages, add_generation_prompt=True, **kwargs):
         """The template's text for `messages` ([{"role", "content"}]); kwargs reach the template
-        (date_string=...)."""
-        variables = {"tools": None, "documents": None, **self.variables, **kwargs}
+        (tools=..., date_string=...)."""
+        kwargs = {"tools": None, "documents": None, **kwargs}
+        key = json.dumps([messages, add_generation_prompt, kwargs])
+        if key in self.cache:
+            return self.cache[key]
+        elapsed = time.monotonic() - self.born
+        if self.spent > BUDGET[0] + BUDGET[1] * elapsed:
+            raise ChatTemplateError(f"the chat template has spent {self.spent:.0f} s rendering in "
+                                    f"{elapsed:.0f} s (at most {BUDGET[0]:g} s plus "
+                                    f"{BUDGET[1]:.0%} of the run; a real one takes milliseconds)")
+        t = time.monotonic()
         try:
-            return in_time(lambda: self._render(messages, add_generation_prompt, variables),
-                           RENDER_SECONDS)
-        except Timeout:
+            text = _worker().request("render", {"key": self.key, "messages": messages,
+                                                "add_generation_prompt": add_generation_prompt,
+                                                "kwargs": kwargs}, RENDER_SECONDS)
+        except sandbox.Timeout:
             raise ChatTemplateError(f"the chat template did not finish rendering within "
                                     f"{RENDER_SECONDS:g} s") from None
-        except Exception as e:                         # TemplateError, SecurityError, Python's
-            why = str(e).splitlines()[0][:200] if str(e) else ""
-            raise ChatTemplateError(f"the chat template fails to render ({type(e).__name__}: "
-                                    f"{why})") from None
-
-    def _render(self, messages, add_generation_prompt, variables):
-        pieces, n = [], 0
-        for piece in self.template.generate(messages=messages,
-                                            add_generation_prompt=add_generation_prompt,
-                                            **variables):
-            pieces.append(piece)
-            n += len(piece)
-            if n > MAX_CHARS:
-                raise SecurityError(f"the template writes more than {MAX_CHARS:,} characters")
-        return "".join(pieces)
+        except (sandbox.Failed, sandbox.Died) as e:    # TemplateError, SecurityError, Python's
+            raise ChatTemplateError(f"the chat template fails to render ({e})") from None
+        finally:
+            self.spent += time.monotonic() - t
+        if len(self.cache) >= CACHE:
+            del self.cache[next(iter(self.cache))]      # the oldest
+        self.cache[key] = text
+        return text
 
     def encode(self, messages, encode, encode_text, add_generation_prompt=True, **kwargs):
         """Token ids of the rendered messages; encode: text -> ids with special tokens, encode_text:
         plain text."""
-        text = self.render(self._mark(messages), add_generation_prompt, **kwargs)
+        text = self.render(self._mark(messages), add_generation_prompt, **self._mark(kwargs))
         return self._ids(text, encode, encode_text)
 
     def encode_after_turn(self, messages, encode, encode_text, **kwargs):
         """The ids the template writes after the end of the assistant turn whose content is PROBE,
         through the next generation prompt: what an environment writes after the model's turn
         (its tool messages, a user's next message), the model's own end of turn excluded."""
-        text = self.render(self._mark(messages), True, **kwargs)
+        text = self.render(self._mark(messages), True, **self._mark(kwargs))
         at, end = text.find(PROBE), self.end_of_turn()
         m = self.control_re.search(text, at + 1) if at >= 0 else None
         if m is None or m.group(0) != end:
@@ -220,7 +267,8 @@ class ChatTemplate:
         return self._ids(text[m.end():], encode, encode_text)
 
     def _mark(self, x):
-        """Every string in the messages with its control tokens wrapped in the markers."""
+        """Every string in x (messages, tools' schemas) with its control tokens wrapped in the
+        markers."""
         if isinstance(x, dict):
             return {k: self._mark(v) for k, v in x.items()}
         if isinstance(x, (list, tuple)):
@@ -248,26 +296,18 @@ class ChatTemplate:
         return m.group(0) if m else None
 
     def check(self):
-        """ChatTemplateError unless a user message renders, with its text in what the template
-        writes."""
+        """ChatTemplateError unless a user message renders, within PROBE_SECONDS, with its text in
+        what the template writes."""
+        t = time.monotonic()
         text = self.render([{"role": "user", "content": PROBE}])
+        took = time.monotonic() - t
+        if took > PROBE_SECONDS:
+            raise ChatTemplateError(f"the chat template takes {took:.1f} s to render one message "
+                                    f"(at most {PROBE_SECONDS:g} s; a real one takes milliseconds)")
         if PROBE not in text:
             raise ChatTemplateError(f"the chat template does not write the user's message (a "
                                     f"probe message rendered as {text[:80]!r})")
 
 
-def in_time(fn, seconds):
-    """fn() stopped by Timeout after `seconds`, where a timer can interrupt it (the main thread;
-    elsewhere fn() runs unbounded). Also bounds a tool's run (tools.py)."""
-    if threading.current_thread() is not threading.main_thread():
-        return fn()
-
-    def expire(signum, frame):
-        raise Timeout
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        return fn()
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+def _worker():
+    return sandbox.worker("chat", MEMORY)

@@ -458,7 +458,7 @@ def _advance(e, sampled, tokenizer, env, closes, revise, turns, budget, tool=Tru
     if e.used >= budget:                                  # out of tokens: the episode ends
         _unclosed_call(e, tokenizer, env)
         e.done = e.truncated = True
-        e.policy_turns += not e.queue                     # a turn cut (not a reply)
+        e.policy_turns += not e.queue and e.who[-1] == _POLICY   # a turn it began, cut
     return e.ids[-1]
 
 

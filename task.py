@@ -56,7 +56,7 @@ class InUse(NamedTuple):
     format: str = "plain"             # --format
     chat: bool = False                # --chat: prompts through the checkpoint's chat template
     max_calls: int = toolcalc.MAX_CALLS   # tool calls answered per episode (agent.py --max_calls)
-    tools: dict | None = None         # --tools: {name: function}, called in the chat protocol
+    tools: dict | None = None         # --tools: {name: tools.Tool}, called in the chat protocol
 
 
 _in_use = InUse(arithmetic.task())   # the default
@@ -107,7 +107,7 @@ def uses_tools():
 
 
 @functools.lru_cache(maxsize=4)
-def _chat_tools(tokenizer, named):          # named: ((name, function), ...), hashable
+def _chat_tools(tokenizer, named):          # named: ((name, tools.Tool), ...), hashable
     return tools.ChatTools(tokenizer, dict(named))
 
 

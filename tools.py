@@ -1,40 +1,50 @@
 """
 Tools a policy can call. Any Python function with type hints and a Google-style docstring is a
 tool: its JSON schema is built as transformers' `get_json_schema` builds it (the form a chat
-template's `tools` renders); a model's calls are parsed in the form its template teaches; a call
-runs with bounds, and whatever goes wrong is an error text the model reads as the tool's reply,
-never a crash and never a silent reward.
+template's `tools` renders); a model's calls are parsed as the served model's parser (vLLM's
+hermes or llama3_json) reads them; a call runs in a worker process (sandbox.py), and whatever
+goes wrong is an error text the model reads as the tool's reply, never a crash and never a
+silent reward.
 
-    schemas = [json_schema(calculator)]             # apply_chat_template(..., tools=schemas)
-    calls = parse_calls(text, "hermes")             # [Call(name, arguments)] or an error text each
-    reply = run_call({"calculator": calculator}, calls[0])
+    table = resolve("calculator,mymodule:lookup")    # {name: Tool}; imported in the worker
+    calls = parse_calls(text, "hermes")              # [Call(name, arguments)] or an error text each
+    reply = run_call(table, calls[0])                # Reply(text, failed)
 
-Call forms (STYLES):
+Call forms (STYLES), each as vLLM's parser of that name, but that a broken call is answered with
+its error (vLLM drops every call of the turn and reads it as the answer):
     hermes   Qwen2.5, Qwen3, Hermes: <tool_call>{"name": ..., "arguments": {...}}</tool_call>,
-             one or more in a turn
-    llama3   Llama 3.x: the whole turn is one JSON object {"name": ..., "parameters": {...}}
-             (after <|python_tag|> where the model writes one)
+             one or more in a turn; a last one left unclosed runs to the turn's end
+    llama3   Llama 3.x: JSON objects {"name": ..., "parameters": {...}} anywhere in the turn
+             (after <|python_tag|> where the model writes one), several separated by anything;
+             a turn whose JSON does not parse, or whose object has no name, is the answer
+"arguments" given as a JSON string of an object is that object. With a reasoning template
+(Qwen3's <think>), calls written inside the reasoning are not run, as vLLM's reasoning parser.
 
-Bounds: a call's text MAX_CALL_CHARS, calls in a turn MAX_CALLS, a run RUN_SECONDS (a timer, in
-the main thread), a reply MAX_REPLY_CHARS (cut, and said so).
+Bounds: a call's text MAX_CALL_CHARS, calls in a turn MAX_CALLS, a run RUN_SECONDS (the worker is
+killed past it), a reply MAX_REPLY_CHARS (cut, and said so), the worker's memory MEMORY.
 """
 import enum
 import importlib
 import inspect
 import json
 import re
+import sys
 import types
 import typing
 from typing import Any, Literal, NamedTuple, Union
 
-from chat import PROBE, Timeout, in_time
+import sandbox
+from chat import PROBE, ChatTemplateError
 from tasks import toolcalc
 
 STYLES = ("hermes", "llama3")
 MAX_CALL_CHARS = 4096        # a call's JSON
 MAX_CALLS = 4                # calls parsed in one turn; the rest: one error
 RUN_SECONDS = 2.0            # one run of a tool
+LOAD_SECONDS = 20.0          # importing a tool's module
 MAX_REPLY_CHARS = 1024       # what the model reads back
+MEMORY = 4 * 2 ** 30         # the worker's address space
+TOOL_PROBE = "\U000f0003"    # a tool message's content while ChatTools checks the template
 
 
 class Call(NamedTuple):
@@ -112,7 +122,8 @@ def _schema_of(hint):
 def json_schema(fn):
     """{"type": "function", "function": {name, description, parameters[, return]}} of `fn`, from
     its type hints and its Google-style docstring (every argument described; "(choices: [...])"
-    at the end of a description becomes an enum). SchemaError otherwise."""
+    at the end of a description becomes an enum). SchemaError otherwise, and for a torch.Tensor or
+    an image hint, which transformers writes as "audio" and "image": JSON cannot give either."""
     name = getattr(fn, "__name__", "operation")
     doc = inspect.getdoc(fn)
     if not doc:
@@ -171,31 +182,60 @@ def json_schema(fn):
 
 
 # -----------------------------------------------------------------------------
-# Calls, as a chat template teaches the model to write them
+# Calls, as the served model's parser reads them
 
-def parse_calls(text, style):
+def parse_calls(text, style, reasoning=False):
     """The calls in one assistant turn's text: a Call each, or an error text (the tool's reply
-    the model then reads) for a call that is malformed; [] when the turn calls nothing."""
+    the model then reads) for a call that is malformed; [] when the turn calls nothing (it is the
+    answer). reasoning: a <think>...</think> block is the model's reasoning, its calls never run."""
     if style not in STYLES:
         raise ValueError(f"call style {style!r}; allowed: {', '.join(STYLES)}")
-    if style == "llama3":
-        body = text.strip().removeprefix("<|python_tag|>").strip()
-        return [_call(body, "parameters")] if body.startswith("{") else []
-    out, pos = [], 0
-    while (start := text.find("<tool_call>", pos)) >= 0:
-        end = text.find("</tool_call>", start)
-        inner = text.find("<tool_call>", start + len("<tool_call>"))
-        if end < 0:
-            out.append("error: a <tool_call> that is never closed")
-            break
-        if 0 <= inner < end:
-            out.append("error: a <tool_call> inside another")
-            pos = end + len("</tool_call>")
-            continue
-        out.append(_call(text[start + len("<tool_call>"):end].strip(), "arguments"))
-        pos = end + len("</tool_call>")
+    thought = text.partition("<think>")[2]
+    if reasoning and "</think>" in thought:
+        text = thought.partition("</think>")[2]
+    out = _llama3_calls(text) if style == "llama3" else _hermes_calls(text)
     if len(out) > MAX_CALLS:
         out = out[:MAX_CALLS] + [f"error: at most {MAX_CALLS} calls a turn"]
+    return out
+
+
+def _hermes_calls(text):
+    out, pos, tag, end_tag = [], 0, "<tool_call>", "</tool_call>"
+    while (start := text.find(tag, pos)) >= 0:
+        end = text.find(end_tag, start)
+        inner = text.find(tag, start + len(tag))
+        if 0 <= inner and (end < 0 or inner < end):
+            out.append("error: a <tool_call> inside another")
+            if end < 0:
+                break
+        elif end < 0:                      # the last one, unclosed: it runs to the turn's end
+            call = _call(text[start + len(tag):].strip(), "arguments")
+            out.append(call if isinstance(call, Call) else
+                       "error: a <tool_call> that is never closed")
+            break
+        else:
+            out.append(_call(text[start + len(tag):end].strip(), "arguments"))
+        pos = end + len(end_tag)
+    return out
+
+
+def _llama3_calls(text):
+    """Each JSON object from a '{' outside the ones read before; any that does not parse, or has
+    no "name" (a string) and "parameters" or "arguments": no call at all, the turn is the answer
+    (vLLM's llama3_json: a KeyError or a decoding error makes the turn content)."""
+    out, end, decoder = [], 0, json.JSONDecoder()
+    for m in re.finditer(r"\{", text):
+        if m.start() < end:                # inside the object read before
+            continue
+        try:
+            data, end = decoder.raw_decode(text, m.start())
+        except (ValueError, RecursionError):
+            return []
+        if not isinstance(data.get("name"), str) or not {"parameters", "arguments"} & set(data):
+            return []
+        size = end - m.start()
+        out.append(_fields(data, "parameters") if size <= MAX_CALL_CHARS else
+                   f"error: a call of {size:,} characters (at most {MAX_CALL_CHARS:,})")
     return out
 
 
@@ -208,16 +248,28 @@ def _call(body, key):
     except (ValueError, RecursionError) as e:
         why = "nested too deeply" if isinstance(e, RecursionError) else str(e).split(":")[0]
         return f"error: the call is not JSON ({why})"
+    return _fields(data, key)
+
+
+def _fields(data, key):
+    """A Call from a parsed call, its arguments under `key` (or the other name of the two), a
+    JSON object or a string holding one (OpenAI's form); else an error text."""
     if not isinstance(data, dict) or not isinstance(data.get("name"), str):
         return 'error: a call is a JSON object with a "name"'
-    arguments = data.get(key, data.get("arguments" if key != "arguments" else "parameters", {}))
+    other = "parameters" if key == "arguments" else "arguments"
+    arguments = data.get(key, data.get(other, {}))
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except (ValueError, RecursionError):
+            pass
     if not isinstance(arguments, dict):
         return f'error: the call\'s "{key}" is not a JSON object'
     return Call(data["name"], arguments)
 
 
 # -----------------------------------------------------------------------------
-# Running a call, bounded
+# Running a call in the worker
 
 _JSON_TYPES = {"integer": int, "number": (int, float), "string": str, "boolean": bool,
                "array": list, "object": dict, "null": type(None)}
@@ -230,9 +282,49 @@ def _is(value, kind):
     return kind not in _JSON_TYPES or isinstance(value, _JSON_TYPES[kind])
 
 
+def _fits(value, schema):
+    """Whether a JSON value fits a schema json_schema built: its type, null where nullable, its
+    enum, a list's items (or each place of a tuple), a dict's values, one of a Union's."""
+    if value is None and schema.get("nullable"):
+        return True
+    if "anyOf" in schema:
+        return any(_fits(value, s) for s in schema["anyOf"])
+    kinds = schema.get("type", [])
+    kinds = [kinds] if isinstance(kinds, str) else kinds
+    if kinds and not any(_is(value, k) for k in kinds) or \
+            "enum" in schema and value not in schema["enum"]:
+        return False
+    if isinstance(value, list) and "prefixItems" in schema:
+        places = schema["prefixItems"]
+        return len(value) == len(places) and all(map(_fits, value, places))
+    if isinstance(value, list) and "items" in schema:
+        return all(_fits(v, schema["items"]) for v in value)
+    if isinstance(value, dict) and "additionalProperties" in schema:
+        return all(_fits(v, schema["additionalProperties"]) for v in value.values())
+    return True
+
+
+def _allowed(schema):
+    """What a schema allows, in words: 'integer', "one of ['a', 'b']", 'array of string or null'."""
+    if "anyOf" in schema:
+        text = " or ".join(_allowed(s) for s in schema["anyOf"])
+    elif "enum" in schema:
+        text = f"one of {schema['enum']}"
+    else:
+        kinds = schema.get("type", "any")
+        text = kinds if isinstance(kinds, str) else "/".join(kinds)
+        if "prefixItems" in schema:
+            text += f" of [{', '.join(_allowed(s) for s in schema['prefixItems'])}]"
+        elif "items" in schema:
+            text += f" of {_allowed(schema['items'])}"
+        elif "additionalProperties" in schema:
+            text += f" of {_allowed(schema['additionalProperties'])} values"
+    return text + (" or null" if schema.get("nullable") else "")
+
+
 def check_arguments(schema, arguments):
-    """An error text for arguments the schema refuses (missing, unknown, a wrong JSON type, not
-    one of its choices), or None."""
+    """An error text for arguments the schema refuses (missing, unknown, not what its type
+    allows, not one of its choices), or None."""
     parameters = schema["function"]["parameters"]
     properties = parameters.get("properties", {})
     missing = [a for a in parameters.get("required", []) if a not in arguments]
@@ -241,43 +333,55 @@ def check_arguments(schema, arguments):
     for name, value in arguments.items():
         if name not in properties:
             return f"error: no argument {name!r}; allowed: {', '.join(properties) or 'none'}"
-        kinds = properties[name].get("type", [])
-        kinds = [kinds] if isinstance(kinds, str) else kinds
-        choices = properties[name].get("enum")
-        if kinds and not any(_is(value, k) for k in kinds) or choices and value not in choices:
+        try:
+            fits = _fits(value, properties[name])
+        except RecursionError:
+            fits = False
+        if not fits:
             shown = json.dumps(value, ensure_ascii=False)[:80]
-            allowed = f"one of {choices}" if choices else "/".join(kinds)
-            return f"error: argument {name!r} = {shown}; allowed: {allowed}"
+            return f"error: argument {name!r} = {shown}; allowed: {_allowed(properties[name])}"
     return None
 
 
+class Tool(NamedTuple):
+    spec: str                 # what --tools named: calculator, or module:function
+    schema_text: str          # its JSON schema as JSON text (a Tool is hashable)
+
+    @property
+    def schema(self):
+        return json.loads(self.schema_text)
+
+
+class Reply(NamedTuple):
+    text: str                 # what the model reads back
+    failed: bool              # an error: a malformed call, refused arguments, an unknown tool,
+                              # the tool's exception or its timeout, past the calls allowed
+
+
 def run_call(tools, call):
-    """The text the model reads back for `call` (a Call, or parse_calls' error text): the tool's
-    result as text, cut at MAX_REPLY_CHARS, or an error text (an unknown tool, arguments the
-    schema refuses, a tool that raises or runs past RUN_SECONDS)."""
+    """The Reply to `call` (a Call, or parse_calls' error text) with `tools` ({name: Tool}): the
+    tool's result as text, cut at MAX_REPLY_CHARS, or an error text."""
     if isinstance(call, str):
-        return call
+        return Reply(call, True)
     if call.name not in tools:
-        return f"error: no tool named {call.name[:80]!r}; tools: {', '.join(tools)}"
-    fn = tools[call.name]
-    problem = check_arguments(json_schema(fn), call.arguments)
+        return Reply(f"error: no tool named {call.name[:80]!r}; tools: {', '.join(tools)}", True)
+    problem = check_arguments(tools[call.name].schema, call.arguments)
     if problem:
-        return problem
+        return Reply(problem, True)
     try:
-        result = in_time(lambda: fn(**call.arguments), RUN_SECONDS)
-    except Timeout:
-        return f"error: {call.name} ran past {RUN_SECONDS:g} s"
-    except Exception as e:                              # the tool's own failure: the model reads it
-        return f"error: {type(e).__name__}: {str(e)[:200]}"
-    text = result if isinstance(result, str) else json.dumps(result, ensure_ascii=False,
-                                                               default=str)
-    if len(text) > MAX_REPLY_CHARS:
-        text = text[:MAX_REPLY_CHARS] + f" ... ({len(text):,} characters, cut)"
-    return text
+        text = _worker().request("call", {"spec": tools[call.name].spec,
+                                          "arguments": call.arguments}, RUN_SECONDS)
+        return Reply(text, False)
+    except sandbox.Timeout:
+        return Reply(f"error: {call.name} ran past {RUN_SECONDS:g} s", True)
+    except sandbox.Died as e:
+        return Reply(f"error: {call.name} ended its process ({e})", True)
+    except sandbox.Failed as e:                # the tool's own failure: the model reads it
+        return Reply(f"error: {e}", True)
 
 
 # -----------------------------------------------------------------------------
-# Built in
+# Built in, and --tools
 
 def calculator(expression: str) -> str:
     """Evaluate an arithmetic expression exactly: integers, + - * and parentheses.
@@ -285,7 +389,10 @@ def calculator(expression: str) -> str:
     Args:
         expression: The expression, e.g. 12*(3+4)
     """
-    return toolcalc.calculator(expression)
+    value = toolcalc.calculator(expression)
+    if value.startswith("error: "):                     # a failed call, as any tool's exception
+        raise ValueError(value.removeprefix("error: "))
+    return value
 
 
 BUILT_IN = {"calculator": calculator}
@@ -293,30 +400,88 @@ BUILT_IN = {"calculator": calculator}
 
 def resolve(spec):
     """--tools: comma-separated names, built in (BUILT_IN) or module:function (a function of an
-    importable module) -> {name: function}, each checked for a JSON schema. ValueError naming the
-    one that is wrong and what is allowed."""
+    importable module) -> {name: Tool}, each imported and given its JSON schema in the worker.
+    ValueError naming the one that is wrong and what is allowed."""
     out = {}
     for name in [s.strip() for s in spec.split(",")]:
-        if ":" in name:
-            module, _, attr = name.partition(":")
-            try:
-                fn = getattr(importlib.import_module(module), attr)
-            except Exception as e:                  # the user's module: any failure, one line
-                raise ValueError(f"--tools {name}: cannot import it ({type(e).__name__}: "
-                                 f"{e})") from None
-        elif name in BUILT_IN:
-            fn = BUILT_IN[name]
-        else:
+        if ":" not in name and name not in BUILT_IN:
             raise ValueError(f"--tools {name or repr(spec)}: allowed: {', '.join(BUILT_IN)} (built "
                              f"in) or module:function")
         try:
-            json_schema(fn)
-        except SchemaError as e:
+            schema = _worker().setup("load", {"key": name, "spec": name, "path": sys.path},
+                                     LOAD_SECONDS)
+        except sandbox.Timeout:
+            raise ValueError(f"--tools {name}: its module did not load within "
+                             f"{LOAD_SECONDS:g} s") from None
+        except sandbox.Died as e:
+            raise ValueError(f"--tools {name}: loading it ended its process ({e})") from None
+        except sandbox.Failed as e:
             raise ValueError(f"--tools {name}: {e}") from None
-        except Exception as e:                      # e.g. a type hint that names nothing defined
-            raise ValueError(f"--tools {name}: no JSON schema ({type(e).__name__}: {e})") from None
-        out[fn.__name__] = fn
+        tool = Tool(name, json.dumps(schema))
+        called = schema["function"]["name"]
+        if called in out and out[called].spec != name:
+            raise ValueError(f"--tools {spec}: two tools named {called} ({out[called].spec} and "
+                             f"{name}); allowed: one tool of each name")
+        out[called] = tool
     return out
+
+
+def _worker():
+    return sandbox.worker("tools", MEMORY)
+
+
+_LOADED = {}                            # in the worker: spec -> function
+
+
+def _worker_load(key, spec, path):
+    """In the worker: the tool `spec` imported, checked and kept; its JSON schema."""
+    sys.path[:] = path
+    if ":" in spec:
+        module, _, attr = spec.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module), attr)
+        except BaseException as e:      # the user's module: SystemExit too
+            raise sandbox.Failed(f"cannot import it ({sandbox.describe(e)})") from None
+    else:
+        fn = BUILT_IN[spec]
+    if not (inspect.isfunction(fn) or inspect.ismethod(fn) or inspect.isbuiltin(fn)):
+        what = "class" if inspect.isclass(fn) else type(fn).__name__
+        raise sandbox.Failed(f"a {what}, not a function (a tool is a function called with JSON "
+                             f"arguments)")
+    try:
+        kinds = {p.kind for p in inspect.signature(fn).parameters.values()}
+    except (TypeError, ValueError):
+        kinds = set()
+    for kind, what in ((inspect.Parameter.VAR_POSITIONAL, "*args"),
+                       (inspect.Parameter.VAR_KEYWORD, "**kwargs"),
+                       (inspect.Parameter.POSITIONAL_ONLY, "positional-only arguments")):
+        if kind in kinds:
+            raise sandbox.Failed(f"its {what} cannot be given by name from a JSON call")
+    try:
+        schema = json_schema(fn)
+    except SchemaError as e:
+        raise sandbox.Failed(str(e)) from None
+    except Exception as e:              # e.g. a type hint that names nothing defined
+        raise sandbox.Failed(f"no JSON schema ({sandbox.describe(e)})") from None
+    _LOADED[spec] = fn
+    return schema
+
+
+def _worker_call(spec, arguments):
+    """In the worker: the tool's result as text (cut at MAX_REPLY_CHARS)."""
+    fn = _LOADED[spec]
+    result = fn(**arguments)
+    try:
+        text = str.__str__(result) if isinstance(result, str) else \
+            json.dumps(result, ensure_ascii=False, default=str)
+    except BaseException as e:          # 10**5000, a cycle, a __str__ that raises
+        raise sandbox.Failed(f"the result of {fn.__name__} cannot be shown as text "
+                             f"({sandbox.describe(e)})") from None
+    n = len(text)
+    return text if n <= MAX_REPLY_CHARS else f"{text[:MAX_REPLY_CHARS]} ... ({n:,} characters, cut)"
+
+
+WORKER_OPS = {"load": _worker_load, "call": _worker_call}
 
 
 # -----------------------------------------------------------------------------
@@ -336,18 +501,39 @@ class ChatTools:
     """Episodes in a chat template's protocol (sampler.episodes, env.chat): the prompt rendered
     with the tools' schemas; a finished assistant turn's calls parsed and run; the replies
     rendered as the template's tool messages, then its next generation prompt: the environment's
-    ids, from just after the model's end of turn (the model's own ids stay as it sampled them)."""
+    ids, from just after the model's end of turn (the model's own ids stay as it sampled them).
+    Refused in one line (ValueError): a template that teaches no call form or cannot write a
+    tool message. `note`: where the template is not prefix-stable, what that means (said once)."""
 
     def __init__(self, tokenizer, tools):
         self.tok, self.chat, self.tools = tokenizer, tokenizer.chat, tools
-        self.schemas = [json_schema(fn) for fn in tools.values()]
-        self.style = call_style(tokenizer.template[0])
+        self.schemas = [t.schema for t in tools.values()]
+        source, where = tokenizer.template[0], tokenizer.name.removeprefix("hf:")
+        self.style = call_style(source)
         if self.style is None:
-            where = tokenizer.name.removeprefix("hf:")
             raise ValueError(f"{where}: its chat template teaches no call form read here "
                              f"(<tool_call> JSON as Qwen2.5, or Llama 3.x's JSON with "
                              f"\"parameters\")")
         self.opener = "<tool_call>" if self.style == "hermes" else "<|python_tag|>"
+        self.reasoning = "</think>" in source            # Qwen3's: calls in <think> never run
+        try:
+            alone = self.tok.decode(self.after_turn([{"role": "tool", "content": TOOL_PROBE}]))
+            then = self.tok.decode(self.after_turn([{"role": "tool", "content": TOOL_PROBE},
+                                                    {"role": "assistant", "content": PROBE}]))
+        except ChatTemplateError as e:
+            raise ValueError(f"{where}: its chat template cannot write a tool message "
+                             f"({e})") from None
+        if TOOL_PROBE not in alone:
+            raise ValueError(f"{where}: its chat template does not write a tool message (the "
+                             f"tools' replies would never reach the model); it cannot run "
+                             f"--tools")
+        self.note = None
+        if not then.startswith(alone):
+            at = next(i for i, (a, b) in enumerate(zip(alone, then)) if a != b)
+            self.note = (f"note: {where}: its chat template writes a tool message differently "
+                         f"once another message follows it ({alone[at:at + 30]!r} against "
+                         f"{then[at:at + 30]!r}): an episode's ids are what the model read at "
+                         f"each turn, not a re-render of the whole conversation")
 
     def _encode(self, messages, **kwargs):
         return self.chat.encode(messages, self.tok.encode_special, self.tok.encode,
@@ -366,51 +552,46 @@ class ChatTools:
                                            tools=self.schemas)
 
     def reply(self, text, calls_before, max_calls, enabled=True):
-        """A finished assistant turn's text -> None where it calls nothing (it is the answer),
-        else (calls, errors, the environment's ids): each call run (past max_calls an episode,
-        or with the tools disabled, an error text instead), each reply a tool message."""
-        calls = parse_calls(text, self.style)
+        """A finished assistant turn's text -> None where it calls nothing, or with the tools
+        disabled (it is the answer), else (calls, failed, the environment's ids): each call run
+        (past max_calls an episode, an error text instead), each reply a tool message."""
+        calls = parse_calls(text, self.style, self.reasoning) if enabled else []
         if not calls:
             return None
-        replies = []
-        for i, call in enumerate(calls):
-            if not enabled:
-                replies.append("error: no tools in this episode")
-            elif calls_before + i >= max_calls:
-                replies.append(f"error: at most {max_calls} calls an episode")
-            else:
-                replies.append(run_call(self.tools, call))
-        errors = sum(r.startswith("error") for r in replies)
-        return len(calls), errors, self.after_turn([{"role": "tool", "content": r}
-                                                    for r in replies])
+        replies = [Reply(f"error: at most {max_calls} calls an episode", True)
+                   if calls_before + i >= max_calls else run_call(self.tools, call)
+                   for i, call in enumerate(calls)]
+        return len(calls), sum(r.failed for r in replies), self.after_turn(
+            [{"role": "tool", "content": r.text} for r in replies])
 
     def unfinished(self, text):
-        """(calls, errors) of a turn cut by the budget: every call in it an error, never run."""
-        calls = parse_calls(text, self.style)
+        """(calls, failed) of a turn cut by the budget: every call in it failed, never run; a
+        call opened and cut before its end counts as one."""
+        calls = parse_calls(text, self.style, self.reasoning)
         if not calls and self.opener in text:
             return 1, 1
         return len(calls), len(calls)
 
     def demonstration(self, prompt, messages):
-        """(prompt ids, [(ids, written by the environment)]) of a demonstration: each assistant
-        message as the template writes it, its end of turn last; each run of tool messages as
-        after_turn writes it. For templates that write an assistant message alike wherever it
-        stands (ChatML, "bytes-chat")."""
-        user, pieces, i = {"role": "user", "content": prompt}, [], 0
-        opening = self._encode([user])
-        while i < len(messages):
-            if messages[i]["role"] == "assistant":
-                full = self._encode([user, messages[i]], add_generation_prompt=False)
-                turn = full[len(opening):]
-                if full[:len(opening)] != opening or self.tok.eos_id not in turn:
-                    raise ValueError(f"{self.tok.name}: its template writes an assistant "
-                                     f"message differently after a generation prompt")
-                pieces.append((turn[:turn.index(self.tok.eos_id) + 1], False))
-                i += 1
-            else:
-                j = i
-                while j < len(messages) and messages[j]["role"] != "assistant":
-                    j += 1
-                pieces.append((self.after_turn(messages[i:j]), True))
-                i = j
-        return opening, pieces
+        """(prompt ids, [(ids, written by the environment)]) of a demonstration: the whole
+        conversation as the template renders it (transformers' apply_chat_template), cut where
+        each assistant turn begins (after the generation prompt the template writes there) and
+        ends (its end of turn, the last id of its piece). ValueError for a template whose
+        conversation does not begin with that generation prompt."""
+        user, pieces = {"role": "user", "content": prompt}, []
+        full = self._encode([user, *messages], add_generation_prompt=False)
+        opening = at = len(self._encode([user]))
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            head = self._encode([user, *messages[:i]])
+            if full[:len(head)] != head or self.tok.eos_id not in full[len(head):]:
+                raise ValueError(f"{self.tok.name}: its template writes an assistant message "
+                                 f"differently after a generation prompt")
+            if len(head) > at:
+                pieces.append((full[at:len(head)], True))
+            at = full.index(self.tok.eos_id, len(head)) + 1
+            pieces.append((full[len(head):at], False))
+        if at < len(full) and messages and messages[-1]["role"] != "assistant":
+            pieces.append((full[at:], True))
+        return full[:opening], pieces

@@ -455,12 +455,15 @@ def test_script_rejects_bad_settings_with_a_message(tmp_path):
                              (["--call_cost", "-1"], ["--call_cost", "-1"]),
                              (["--max_new_tokens", "60", "--turns", "2"], ["--max_new_tokens"]),
                              (["--stage1_steps", "5"], ["--stage1_steps", "5", "--turns 2"]),
-                             (["--turns", "2", "--stage1_steps", "5", "--steps", "2"],
-                              ["--stage1_steps 5 is longer than the run (--steps 2)"]),
+                             (["--turns", "2", "--stage1_steps", "3", "--steps", "2"],
+                              ["--stage1_steps 3 is longer than the run (--steps 2)",
+                               "allowed: --stage1_steps <= --steps"]),
                              (["--scale_rewards", "median"], ["--scale_rewards", "median"])],
                 tmp_path)
     assert all(not os.path.exists(tmp_path / f"out{i}")
                or os.listdir(tmp_path / f"out{i}") in ([], ["agent"]) for i in range(6))
+    import agent                                           # at the limit: accepted
+    assert agent.parse_args(["--turns", "2", "--stage1_steps", "2", "--steps", "2"]).steps == 2
 
 
 def test_lora_on_a_rotary_gelu_policy_and_the_two_attempt_length_refusal(tmp_path):
@@ -524,5 +527,8 @@ def test_the_chat_protocol_with_a_tool_on_every_task(name, extra, tmp_path):
                                   ["--tools abacus", "allowed: calculator"]),
                                  (["--tools", "calculator"], ["--tools calculator", "add --chat"]),
                                  (["--chat"], ["--task toolcalc --chat", "--tools calculator"]),
+                                 (["--tools", "os:system", "--chat"],
+                                  ["--tools os:system", "no type hint"]),
                                  (["--tools", "json:loads", "--chat"],
-                                  ["--tools json:loads", "no type hint"])], tmp_path)
+                                  ["--tools json:loads", "**kwargs cannot be given by name"])],
+                    tmp_path)

@@ -245,3 +245,103 @@ def test_a_hostile_template_is_refused_by_the_scripts_and_sigterm_stops_a_loadin
     # render's own time limit would have ended it with a refusal
     assert "SIGTERM while loading" in stdout and "Traceback" not in stderr, stderr
     assert not out.exists()
+
+
+# Templates that, rendered in the run's process, allocate gigabytes before any size check can see
+# the value, or hold the CPU in one C-level call that no timer inside the process can interrupt
+# (the outside review's R1 and R2). In the worker each is one error in bounded time, and this
+# process's memory does not move.
+HEAVY = {
+    "join": "{{ range(100000)|join('x'*40000) }}",
+    "%": "{{ ('%999999s' * 4000) % (('x',) * 4000) }}",
+    "str.format": "{{ ('{0:>999999}' * 4000).format('x') }}",
+    "replace": "{{ ('a'*40000)|replace('a', 'b'*100000) }}",
+    "tojson(indent)": "{{ range(40000)|list|tojson(indent=100000) }}",
+    "~": "{% set ns = namespace(s='a'*1000000) %}{% for i in range(40) %}"
+         "{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+    "a list membership test": "{% set z = [0]*1000000 %}{% set L = [z]*100000 %}"
+                              "{{ ((z[:-1] + [1]) in L)|string|length * '' }}",
+    "a quadratic sum": "{% set z = [0]*1000000 %}{{ ([z]*150)|sum(start=[])|length }}",
+}
+
+
+@pytest.mark.parametrize("case", list(HEAVY))
+def test_a_template_that_allocates_or_holds_the_cpu_is_stopped_in_its_worker(case, monkeypatch):
+    import resource
+
+    import chat
+    monkeypatch.setattr(chat, "RENDER_SECONDS", 2.0)
+    template = ChatTemplate(HEAVY[case] + "{{ messages[0]['content'] }}", {}, set(), {})
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    started = time.time()
+    with pytest.raises(chat.ChatTemplateError, match="the chat template (fails to render|did not "
+                                                     "finish rendering within 2 s)"):
+        template.render([{"role": "user", "content": "hi"}])
+    assert time.time() - started < 6
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 100_000      # KB
+
+
+def test_compiling_rendering_and_a_runs_renders_are_bounded(monkeypatch):
+    """A source past MAX_SOURCE_CHARS is refused unread, a slow compile stops at COMPILE_SECONDS, a
+    rendering past MAX_CHARS stops at once (not at the timer), a template slow to render one message
+    is refused at load (PROBE_SECONDS), and one whose renders add up past BUDGET stops the run."""
+    import chat
+    with pytest.raises(chat.ChatTemplateError, match="262,145 characters long .at most 262,144"):
+        ChatTemplate("x" * (chat.MAX_SOURCE_CHARS + 1), {}, set(), {})
+    monkeypatch.setattr(chat, "COMPILE_SECONDS", 0.3)
+    with pytest.raises(chat.ChatTemplateError, match="did not compile within 0.3 s"):
+        ChatTemplate("{% if 1 %}x{% endif %}" * 10_000, {}, set(), {})
+    writes = ChatTemplate("{% for i in range(20000) %}{{ 'x' * 99 }}{% endfor %}", {}, set(), {})
+    started = time.time()
+    with pytest.raises(chat.ChatTemplateError, match="writes more than 1,000,000 characters"):
+        writes.render([{"role": "user", "content": "hi"}])
+    assert time.time() - started < 1.0
+    slow = ("{% for i in range(3000) %}{% for j in range(100) %}{% endfor %}{% endfor %}"
+            "{{ messages[0]['content'] }}")
+    one = time.time()
+    ChatTemplate(slow, {}, set(), {}).render([{"role": "user", "content": "x"}])
+    one = time.time() - one                               # one render of it, here
+    monkeypatch.setattr(chat, "PROBE_SECONDS", one / 4)
+    with pytest.raises(chat.ChatTemplateError, match="to render one message .at most"):
+        ChatTemplate(slow, {}, set(), {}).check()
+    monkeypatch.setattr(chat, "BUDGET", (2.5 * one, 0.0))
+    template, n = ChatTemplate(slow, {}, set(), {}), 0
+    with pytest.raises(chat.ChatTemplateError, match="has spent .* rendering in"):
+        for n in range(10):
+            template.render([{"role": "user", "content": str(n)}])
+    assert 2 <= n <= 4
+    assert template.render([{"role": "user", "content": "0"}])       # a render it has: cached
+
+
+def test_a_control_token_in_a_tools_schema_is_text(monkeypatch):
+    """A tool whose description shows the call syntax: its <tool_call> is text, as transformers'
+    sanitize_control_tokens marks `tools` too; the prompt holds only the template's own."""
+    monkeypatch.syspath_prepend(GOLDEN)
+    folder = os.path.join(GOLDEN, "qwen3")
+    tag = Tokenizer.from_pretrained(folder).encode_special("<tool_call>")
+    assert len(tag) == 1
+    counts = []
+    for spec in ("episode_tools:calculator", "hostile_tools:tagged"):
+        task.use(task_args("arithmetic", chat=True, tools=spec))
+        tok = Tokenizer.from_pretrained(folder).use_chat("2024-07-26")
+        ids = task.chat_tools(tok).prompt("37+12*46=")
+        counts.append(ids.count(tag[0]))
+    assert counts[0] == counts[1] == 2                    # the template's: the example and its
+    task.use(task_args("arithmetic"))                     # instruction's tags
+
+
+def test_a_template_that_fails_mid_run_stops_it_with_one_line(tmp_path):
+    """A template that renders its probes but raises on the task's prompts (at the starting
+    evaluation): one line naming it and that no checkpoint exists yet, no traceback, nothing left
+    on disk."""
+    folder = tmp_path / "picky"
+    shutil.copytree(os.path.join(GOLDEN, "qwen3"), folder)
+    (folder / "chat_template.jinja").write_text(
+        "{% if '=' in messages[0]['content'] %}{{ raise_exception('no equations') }}{% endif %}"
+        "<|im_start|>user\n{{ messages[0]['content'] }}<|im_end|>\n<|im_start|>assistant\n")
+    p = run_script("grpo.py", ["--init", str(folder), "--chat", "--steps", "1", "--eval_n", "2",
+                               "--out", str(tmp_path / "out")])
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert p.stderr.strip() == ("error: --chat: the chat template fails to render "
+                                "(TemplateError: no equations); no checkpoint was written yet")
+    assert not (tmp_path / "out").exists()

@@ -9,9 +9,9 @@ Qwen3 folder (query/key norms of weights apart from 1, head_dim apart from the w
 tokens added but not special, its embedding padded past its tokenizer) Qwen2.5's ChatML template
 (templates/); their golden.json also holds what apply_chat_template renders and encodes for fixed
 user messages, without and with a tool (for Qwen3 through templates/bare.jinja too: tags that '-'
-does not trim, and templates/think.jinja, a reasoning template: a demonstration rendered whole). Every
-norm's weight (and GPT-2's biases) is random, so that a norm read into the wrong place shows in the
-logits. Needs transformers 5.24 or newer (its docstring parser, which tools.py follows) and
+does not trim; and templates/think.jinja, a reasoning template: a demonstration rendered whole).
+Every norm's weight (and GPT-2's biases) is random, so that a norm read into the wrong place shows
+in the logits. Needs transformers 5.24 or newer (its docstring parser, which tools.py follows) and
 tokenizers, which are not in requirements.txt (the tests read only the files this writes); run from
 the repository root:
 

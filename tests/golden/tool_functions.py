@@ -58,4 +58,17 @@ def search(query: str, limit: Optional[int] = None, tags: list[str] = (),
     return []
 
 
-FUNCTIONS = [calculator, weather, search]
+def unions(a: Union[str, int], b: Union[list[int], dict[str, int]], c: Optional[Union[float, bool]],
+           d: Union[dict[str, int], list[str], None] = None) -> str:
+    """Unions in declared order: scalars (a type list), and others (anyOf), nullable or not.
+
+    Args:
+        a: a name or a number
+        b: numbers, as a list or by name
+        c: a fraction or a flag, or null
+        d: by name or a list of names, or null
+    """
+    return ""
+
+
+FUNCTIONS = [calculator, weather, search, unions]
