@@ -12,6 +12,7 @@ A folder is untrusted input: its config is checked key by key, its tensors' shap
 with those of a model built on the meta device (nothing allocated) before any weight is used,
 and a missing, unused, mis-shaped or non-finite tensor is one error line naming it.
 """
+import contextlib
 import math
 import os
 from dataclasses import asdict, fields
@@ -32,8 +33,9 @@ __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "fingerprint
 
 def save_checkpoint(path, model, tokenizer_name, optimizer=None, step=0, args=None, **extra):
     """Write {model, kind, config, tokenizer, optimizer, step, args, ...} to `path` through a
-    temporary file and a rename: a crash never leaves half a checkpoint under the real name. A
-    model with LoRA adapters is saved with them and their settings ("lora")."""
+    temporary file, synced, and a rename: a crash never leaves half a checkpoint under the real
+    name. A model with LoRA adapters is saved with them and their settings ("lora"). A write that
+    fails (a full disk) is one CheckpointError, the earlier file at `path` untouched."""
     ckpt = {
         "model": model.state_dict(),
         "kind": "scalar" if isinstance(model, ScalarGPT) else "gpt",
@@ -47,8 +49,17 @@ def save_checkpoint(path, model, tokenizer_name, optimizer=None, step=0, args=No
     }
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(ckpt, tmp)
-    os.replace(tmp, path)  # atomic on POSIX and Windows
+    try:
+        with open(tmp, "wb") as f:                   # a file object: a full disk is an OSError
+            torch.save(ckpt, f)
+            f.flush()
+            os.fsync(f.fileno())                     # on disk before it takes the real name
+        os.replace(tmp, path)  # atomic on POSIX and Windows
+    except (OSError, RuntimeError) as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        why = e.strerror if isinstance(e, OSError) and e.strerror else " ".join(str(e).split())
+        raise CheckpointError(f"cannot write {path} ({why[:200]})") from None
 
 
 def load_checkpoint(path, device="cpu", kind=None, tokenizer=None):

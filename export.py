@@ -30,6 +30,7 @@ import signal
 import sys
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from checkpoint import (CheckpointError, from_pretrained, hf_tensors, load_checkpoint,
@@ -380,9 +381,10 @@ def export(args):
         if os.path.isdir(out):
             os.rmdir(out)                                     # empty: checked
         os.replace(tmp, out)
-    except OSError as e:
+    except (OSError, SafetensorError) as e:                  # safetensors': a full disk too
         shutil.rmtree(tmp, ignore_errors=True)
-        raise SystemExit(f"error: cannot write {args.out} ({e.strerror or e})") from None
+        why = e.strerror if isinstance(e, OSError) and e.strerror else " ".join(str(e).split())
+        raise SystemExit(f"error: cannot write {args.out} ({why[:200]})") from None
     except BaseException:                                     # Ctrl-C, SIGTERM: nothing left
         shutil.rmtree(tmp, ignore_errors=True)
         raise

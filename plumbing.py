@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import task
+from chat import ChatTemplateError
 from checkpoint import (CheckpointError, fingerprint, from_pretrained, is_pretrained_folder,
                         load_checkpoint, pretrained_config, save_checkpoint)
 from flags import RM_PATH, SFT_PATH, default_path, task_flags
@@ -54,6 +55,9 @@ from tasks.toolcalc import CHAT_BLOCK_SIZE
 from tokenizer import Tokenizer
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+# what a collective raises when another process of the run is gone (gloo, NCCL)
+PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+             "NCCL communicator was aborted", "remote process exited or there was a network error")
 # -----------------------------------------------------------------------------
 # Device and seeds
 
@@ -345,7 +349,7 @@ class OutputLock:
               "started": time.ctime()}
         for _ in range(2):
             try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)   # atomic: one creates it
+                self._create(path, json.dumps(me))
             except FileExistsError:
                 owner = self._owner()
                 if owner is not None and self._alive(owner):
@@ -358,12 +362,36 @@ class OutputLock:
                 except FileNotFoundError:
                     pass
                 continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
             self.held = True
             return
         raise SystemExit(f"error: could not take the lock {path}; delete it if no run is using "
                          "this folder")
+
+    @staticmethod
+    def _create(path, text):
+        """Create `path` holding `text`, or FileExistsError; atomic, one process creates it: a file
+        written whole, then linked (so no reader finds it empty), or where the file system has no
+        hard links, created and then written."""
+        tmp = f"{path}.tmp{os.getpid()}"
+        try:
+            with open(tmp, "w") as f:
+                f.write(text)
+            try:
+                return os.link(tmp, path)
+            except FileExistsError:
+                raise
+            except OSError:
+                pass                                         # no hard links here
+        finally:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+        except OSError:
+            os.remove(path)
+            raise
 
     def _owner(self):
         try:
@@ -483,17 +511,27 @@ class Run:
                 os.makedirs(os.path.dirname(self.metrics_path), exist_ok=True)
                 self.lock = OutputLock(os.path.join(args.out, f"{name}.lock"))
             except OSError as e:
+                for folder in self.made:                              # innermost first
+                    with contextlib.suppress(OSError):
+                        os.rmdir(folder)
                 raise SystemExit(f"error: cannot write to --out {args.out} "
                                  f"({e.strerror})") from None
             atexit.register(self.close)                      # released however the process ends
-            for f in os.listdir(args.out):                   # orphans of a save that was killed
-                if f.startswith(f"{os.path.basename(self.ckpt_path)}.tmp"):
-                    os.remove(os.path.join(args.out, f))
+            for folder, stem in ((args.out, os.path.basename(self.ckpt_path)),
+                                 (args.out, os.path.basename(self.lock.path)),
+                                 (os.path.dirname(self.metrics_path), "metrics.jsonl")):
+                for f in os.listdir(folder):                 # orphans of a save or a cut killed
+                    if f.startswith(f"{stem}.tmp"):
+                        os.remove(os.path.join(folder, f))
             # The log is not touched here: a fresh run replaces the folder's earlier run in
             # log_start, once every check has passed; a resumed run cuts it back in resume.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._stop)
+        sys.excepthook = self._uncaught
         self.print(self.task)
+        if getattr(args, "offload_optimizer", False) and not self.device.startswith("cuda"):
+            self.print(f"note: --offload_optimizer parks AdamW's moments in host memory on CUDA "
+                       f"only; on {self.device} nothing moves")
 
     # ---- checks before any work, prerequisites and models
 
@@ -518,6 +556,7 @@ class Run:
                                  "larger limit to train on")
             if hasattr(args, "lora_rank"):
                 self._check_lora_resume(self.resume_ckpt.get("lora"))
+            self._check_task_resume(self.resume_ckpt.get("args") or {})
         if getattr(args, "chat", False) and hasattr(args, "init"):
             init = args.init
             built = getattr(args, "tokenizer", None) == "bytes-chat" if init is None else \
@@ -557,6 +596,23 @@ class Run:
                 raise SystemExit(f"error: {e}") from None
 
 
+    def _check_task_resume(self, saved):
+        """--resume with the flags that make the prompts (the task, its format, the chat template,
+        the tools, the data) as the checkpoint has them, or one line naming the flag that differs:
+        a run whose prompts changed midway would compare two tasks in its summary."""
+        args = self.args
+        names = ["task", "format", "chat", "tools"] + {
+            "countdown": ["countdown_numbers", "countdown_rule"], "gsm8k": ["data"]}.get(
+                saved.get("task"), [])
+        show = lambda flag, v: f"no --{flag}" if v is None or v is False else f"--{flag}" \
+            if v is True else f"--{flag} {' '.join(v) if isinstance(v, list) else v}"
+        for flag in names:
+            if flag in saved and hasattr(args, flag) and getattr(args, flag) != saved[flag]:
+                raise SystemExit(f"error: {show(flag, getattr(args, flag))}, but "
+                                 f"{self.ckpt_path} was trained with {show(flag, saved[flag])}; "
+                                 f"resume with {show(flag, saved[flag])}, or start afresh "
+                                 f"without --resume")
+
     def _check_lora_resume(self, saved):
         """--resume with the LoRA settings the checkpoint was trained with, or one line naming the
         flag that differs."""
@@ -583,6 +639,10 @@ class Run:
         """load_model on this run's device, remembering what was loaded (resume checks it). Returns
         (model, tok)."""
         model, tok, ckpt = load_model(path, self.device, kind, expect, self.chat_date)
+        protocol = task.chat_tools(tok) if tok.chat is not None else None
+        if protocol is not None and protocol.note and not getattr(self, "noted", False):
+            self.print(protocol.note)                   # a template not prefix-stable: said once
+            self.noted = True
         recompute = getattr(self.args, "grad_checkpoint", False)
         getattr(model, "backbone", model).grad_checkpoint = recompute     # GPT.run_blocks
         self.sources[os.path.abspath(path)] = fingerprint(model)
@@ -718,6 +778,7 @@ class Run:
             raise SystemExit(f"error: {self.ckpt_path} does not fit this run's models "
                              f"({why[:200]}); start afresh without --resume") from None
         self.step, self.before = ckpt["step"], ckpt.get("eval_before")
+        self.saved_step = self.step                          # the checkpoint on disk
         self.samples = ckpt.get("samples", 0)
         state = ckpt["rng"]
         self.rng.setstate((state[0], tuple(state[1]), state[2]))
@@ -853,14 +914,25 @@ class Run:
             dist.all_gather_object(generators, self.gen.get_state().cpu())
         if self.is_main:
             kept = {"chat_date": self.chat_date, "tokenizer_files": self.tokenizer_files}
-            with self.moments:                               # on the device while it is written
-                save_checkpoint(self.ckpt_path, model, self.tokenizer_name, optimizer, self.step,
-                                self.args, script=self.script, sources=self.sources,
-                                rng=list(self.rng.getstate()), generator=generators[0],
-                                generators=generators, eval_before=self.before,
-                                samples=self.samples, **{k: v for k, v in kept.items() if v},
-                                **extra)
+            try:
+                with self.moments:                           # on the device while it is written
+                    save_checkpoint(self.ckpt_path, model, self.tokenizer_name, optimizer,
+                                    self.step, self.args, script=self.script,
+                                    sources=self.sources, rng=list(self.rng.getstate()),
+                                    generator=generators[0], generators=generators,
+                                    eval_before=self.before, samples=self.samples,
+                                    **{k: v for k, v in kept.items() if v}, **extra)
+            except CheckpointError as e:
+                step = self.last_saved()
+                last = "no checkpoint was written yet" if step is None else \
+                    f"{self.ckpt_path} is still step {step}"
+                raise SystemExit(f"error: {e}; {last}") from None
         self.saved_step = self.step
+
+    def last_saved(self):
+        """The step of this run's checkpoint on disk (saved, or resumed from), or None."""
+        step = getattr(self, "saved_step", None)
+        return step if step is not None and os.path.exists(self.ckpt_path) else None
 
     def finish(self, model, tok, optimizer=None, summary=None, **extra):
         """After the loop: on Ctrl-C, checkpoint and say how to resume; else the summary line
@@ -946,6 +1018,26 @@ class Run:
         when = f"after step {self.current}" if self.current else "before the first step"
         self.print(f"\n{signal.Signals(signum).name}: stopping {when} and writing a checkpoint "
                    f"(Ctrl-C again to abort without one)")
+
+    def _uncaught(self, kind, error, traceback):
+        """An error a step cannot go on from, found deep inside it, as one line with the last
+        checkpoint and how to resume: a chat template that fails mid-run, or under torchrun another
+        process gone (the collective's connection reset; rank 0 says it, the others leave quietly).
+        Anything else as Python prints it."""
+        if isinstance(error, ChatTemplateError):
+            what = f"--chat: {error}"
+        elif self.world > 1 and isinstance(error, RuntimeError) and \
+                any(words in str(error) for words in PEER_GONE):
+            what = "another process of this run stopped"
+        else:
+            return sys.__excepthook__(kind, error, traceback)
+        if self.is_main:
+            step = self.last_saved()
+            argv = [a for a in sys.argv[1:] if a != "--resume"] + ["--resume"]
+            last = "no checkpoint was written yet" if step is None else (
+                f"the last checkpoint is {self.ckpt_path} (step {step}); continue with: "
+                f"{self.launcher()} {self.script}.py {shlex.join(argv)}")
+            print(f"error: {what}; {last}", file=sys.stderr, flush=True)
 
     def check_finite(self, loss, hint):
         """A NaN or infinite loss stops the run with one line (the last checkpoint is kept). Under

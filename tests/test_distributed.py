@@ -245,3 +245,33 @@ def test_a_batch_that_does_not_split_over_the_processes_is_refused(tiny_sft, tmp
                          "--out", str(tmp_path)], nproc=2))
     assert (p.returncode != 0
             and "--prompts_per_step 3 must split evenly over 2 processes" in p.stdout + p.stderr)
+
+
+def test_a_killed_rank_stops_the_others_with_one_line_naming_the_checkpoint(tiny_sft, tmp_path):
+    """kill -9 of rank 1 mid-run: rank 0 stops within seconds with one line naming the last
+    checkpoint (intact) and the resume command, no backend traceback, the lock released."""
+    import re
+    import signal
+    import time
+    out = str(tmp_path)
+    p = launch(["grpo.py", "--prompts_per_step", "4", "--group_size", "2", "--eval_every", "1",
+                "--eval_n", "4", "--steps", "500", "--init", tiny_sft, "--out", out], nproc=2)
+    ckpt, started = os.path.join(out, "grpo.pt"), time.time()
+    while not os.path.exists(ckpt) and time.time() - started < 120 and p.poll() is None:
+        time.sleep(0.1)
+    time.sleep(1.0)
+    ranks = {}
+    for pid in open(f"/proc/{p.pid}/task/{p.pid}/children").read().split():
+        environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        ranks[next(e for e in environ if e.startswith(b"RANK="))] = int(pid)
+    os.kill(ranks[b"RANK=1"], signal.SIGKILL)
+    killed = time.time()
+    p = finished(p, timeout=60)
+    assert p.returncode != 0 and time.time() - killed < 20
+    line = re.search(r"error: another process of this run stopped; the last checkpoint is (\S+) "
+                     r"\(step (\d+)\); continue with: torchrun --standalone --nproc_per_node 2 "
+                     r"grpo.py .*--resume\n", p.stderr)
+    assert line and line.group(1) == ckpt, p.stderr[-3000:]
+    assert "pair.cc" not in p.stderr and "[rank0]" not in p.stderr, p.stderr[-3000:]
+    assert load_checkpoint(ckpt)[1]["step"] == int(line.group(2))
+    assert not os.path.exists(os.path.join(out, "grpo.lock"))

@@ -290,6 +290,15 @@ def test_the_source_folder_must_hold_the_tokenizer_the_checkpoint_was_trained_wi
                     tokenizer_files=tokenizer_files(str(source)))
     save_checkpoint(str(old), model, "hf:" + str(source))
     assert export(ckpt, tmp_path / "a").returncode == 0
+    for name, change in (("tokenizer_config.json", lambda p: p.write_text(
+            p.read_text().replace('"model_max_length"', '"model_max_length" '))),
+                         ("chat_template.jinja", lambda p: p.write_text("{{ messages }}"))):
+        kept = (source / name).read_bytes() if (source / name).exists() else None
+        change(source / name)                                  # every tokenizer file counts
+        refused(export(ckpt, tmp_path / "b"), str(source), f"{name} changed since")
+        (source / name).write_bytes(kept) if kept is not None else os.remove(source / name)
+    assert export(ckpt, tmp_path / "a2").returncode == 0
+    shutil.rmtree(tmp_path / "a2")
     # same size, other ids
     shutil.copy(os.path.join(GOLDEN, "gpt2", "tokenizer.json"), source / "tokenizer.json")
     refused(export(ckpt, tmp_path / "b"), str(source), "tokenizer.json changed since")
@@ -360,3 +369,22 @@ def test_an_interrupted_export_leaves_nothing_and_a_killed_ones_leftovers_are_cl
     umask = os.umask(0)
     os.umask(umask)
     assert {os.stat(out / n).st_mode & 0o777 for n in os.listdir(out)} == {0o666 & ~umask}
+
+
+def test_a_full_disk_while_the_weights_are_written_is_one_line_and_leaves_nothing(tmp_path,
+                                                                                   monkeypatch):
+    """safetensors reports a full disk as its own SafetensorError, not an OSError: still one line
+    naming the destination and the reason, the temporary folder removed."""
+    from safetensors import SafetensorError
+    ckpt, out = trained("qwen2", tmp_path), tmp_path / "out"
+
+    def full(tensors, path, metadata=None):
+        open(path, "wb").close()
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os "
+                              "error 28)")
+    monkeypatch.setattr(export_py, "save_file", full)
+    with pytest.raises(SystemExit) as e:
+        export_py.main([str(ckpt), str(out)])
+    assert e.value.code == (f"error: cannot write {out} (Error while serializing: I/O error: No "
+                            f"space left on device (os error 28))")
+    assert sorted(os.listdir(tmp_path)) == ["qwen2.pt"]

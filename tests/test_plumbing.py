@@ -512,9 +512,16 @@ def test_parked_moments_are_on_the_device_only_inside_the_step_and_change_no_num
     every = [id(p) for p in models[1].parameters()]
     per_step = len(chunks) // 3
     assert per_step > 3 and len(moments(optimizers[1])) == 2 * len(every)
+    nbytes = {id(p): p.nbytes for p in models[1].parameters()}
+    order = {i: n for n, i in enumerate(every)}
     for i in range(3):                                  # each parameter in one chunk of each step
         step = chunks[i * per_step:(i + 1) * per_step]
         assert sorted(p for c in step for p in c) == sorted(every)
+        sizes = [sum(nbytes[p] for p in c) for c in step]    # packed: at most 4096 bytes a chunk
+        assert all(s <= 4096 or len(c) == 1 for s, c in zip(sizes, step))    # (a bigger one alone)
+        for a, b in zip(step, step[1:]):                # and full: the next one's first did not fit
+            first = min(b, key=order.get)
+            assert sum(nbytes[p] for p in a) + nbytes[first] > 4096
     assert same(models[0].parameters(), models[1].parameters())
     assert all(h.is_pinned() == (device == "cuda") for h in parked.host.values())
     with parked:
@@ -555,3 +562,102 @@ def test_offloaded_moments_are_away_outside_the_step_and_a_resumed_run_moves_no_
     sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
     assert sa.keys() == sb.keys()
     assert all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
+
+
+# A disk that fills up: from the n-th checkpoint written, torch.save's bytes go to /dev/full (the
+# kernel's ENOSPC), its file made first as the real write would; with `lock`, the lock file's too.
+FULL_DISK = """
+import builtins, os, runpy, sys
+import torch
+saves, real_save, real_open = [], torch.save, os.open
+def save(obj, f, *a, **k):
+    name = f if isinstance(f, (str, os.PathLike)) else getattr(f, "name", "")
+    if ".pt.tmp" in str(name):
+        saves.append(name)
+        if len(saves) >= {n} and isinstance(f, (str, os.PathLike)):
+            open(f, "wb").close()
+            return real_save(obj, "/dev/full")
+        if len(saves) >= {n}:
+            with open("/dev/full", "wb") as full:
+                return real_save(obj, full)
+    return real_save(obj, f, *a, **k)
+def lock(path, flags, *a, **k):
+    fd = real_open(path, flags, *a, **k)
+    if {lock} and ".lock" in str(path):
+        os.dup2(real_open("/dev/full", os.O_WRONLY), fd)
+    return fd
+def text(path, mode="r", *a, **k):
+    if {lock} and ".lock" in str(path) and "w" in mode:
+        builtin_open(path, mode).close()
+        return builtin_open("/dev/full", mode)
+    return builtin_open(path, mode, *a, **k)
+builtin_open = builtins.open
+torch.save, os.open, builtins.open = save, lock, text
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_a_full_disk_at_a_checkpoint_or_at_the_start_is_one_line_and_loses_nothing(tiny_sft,
+                                                                                 tmp_path):
+    out = tmp_path / "run"
+    argv = ["grpo.py", *TINY_RL, "--init", tiny_sft, "--eval_every", "1", "--out", str(out)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", FULL_DISK.format(n=2, lock=False), *argv,
+                        "--steps", "3"], cwd=ROOT, capture_output=True, text=True, env=env)
+    ckpt = out / "grpo.pt"
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert p.stderr.strip() == (f"error: cannot write {ckpt} (No space left on device); {ckpt} "
+                                f"is still step 1")
+    assert load_checkpoint(str(ckpt))[1]["step"] == 1
+    assert sorted(os.listdir(out)) == ["grpo", "grpo.pt"]            # no temporary file, no lock
+    p = run_script("grpo.py", argv[1:] + ["--steps", "3", "--resume"])   # space again
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = [json.loads(line) for line in open(out / "grpo" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    fresh = tmp_path / "fresh" / "deeper"
+    p = subprocess.run([sys.executable, "-c", FULL_DISK.format(n=1, lock=True), *argv[:-1],
+                        str(fresh), "--steps", "1"], cwd=ROOT, capture_output=True, text=True,
+                       env=env)
+    assert p.stderr.strip() == (f"error: cannot write to --out {fresh} (No space left on "
+                                f"device)"), p.stderr[-2000:]
+    assert not (tmp_path / "fresh").exists()                 # no folder, no lock
+
+
+def test_resume_refuses_other_prompts_and_offloading_on_a_cpu_says_it_does_nothing(tiny_sft,
+                                                                                  tmp_path):
+    """--resume with another --task, --format or --chat than the checkpoint's is one line naming the
+    flag and both values (the prompts would change midway); --offload_optimizer on a CPU says in one
+    line that nothing moves."""
+    out = str(tmp_path / "run")
+    common = TINY_RL + ["--init", tiny_sft, "--out", out]
+    p = run_script("grpo.py", common + ["--steps", "1", "--offload_optimizer"])
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert ("note: --offload_optimizer parks AdamW's moments in host memory on CUDA only; on cpu "
+            "nothing moves") in p.stdout
+    for flags_, words in ((["--task", "countdown"], "--task countdown, but"),
+                          (["--format", "r1"], "--format r1, but"),
+                          (["--chat"], "--chat, but")):
+        refused(run_script("grpo.py", common + ["--steps", "2", "--resume", *flags_]), words,
+                "was trained with", "resume with", "without --resume")
+    p = run_script("grpo.py", common + ["--steps", "2", "--resume"])
+    assert p.returncode == 0, p.stderr[-2000:]
+
+
+def test_resume_refuses_other_tools_or_no_chat(tmp_path):
+    """The flags as the checkpoint has them: a saved run with --chat --tools calculator, resumed
+    with other tools or without --chat."""
+    from types import SimpleNamespace
+    run = plumbing.Run.__new__(plumbing.Run)
+    run.ckpt_path = "out/agent.pt"
+    saved = {"task": "toolcalc", "format": "plain", "chat": True, "tools": "calculator"}
+    for changed, words in (({"tools": "specs:calculator"},
+                            "error: --tools specs:calculator, but out/agent.pt was trained with "
+                            "--tools calculator; resume with --tools calculator, or start afresh "
+                            "without --resume"),
+                           ({"chat": False, "tools": None}, "error: no --chat, but")):
+        run.args = SimpleNamespace(**{**saved, **changed})
+        with pytest.raises(SystemExit, match=words.replace("(", r"\(")):
+            run._check_task_resume(saved)
+    run.args = SimpleNamespace(**saved)
+    run._check_task_resume(saved)
