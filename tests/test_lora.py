@@ -244,9 +244,14 @@ def test_a_compact_base_holds_half_its_bytes_and_moves_no_number(device, tmp_pat
         copies = [list(sampler.sampling_copy(m, torch.bfloat16).parameters())
                   for m in (full, small)]
     assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(*copies))
-    # float32 numbers bfloat16 would round
+    # float32 numbers bfloat16 would round: all of them, or one weight of one base
     rounded = randomize_b(add_adapters(tiny(LLAMA), rank=4, alpha=16.0))
     assert not compact(rounded) and all(p.dtype == torch.float32 for p in rounded.parameters())
+    one = copy.deepcopy(full).cpu()
+    last = [m.base.weight for m in one.modules() if isinstance(m, LoRALinear)][-1]
+    with torch.no_grad():
+        last[0, 0] = torch.nextafter(last[0, 0], torch.tensor(math.inf))   # 1 ulp of float32
+    assert not compact(one) and all(p.dtype == torch.float32 for p in one.parameters())
 
 
 # -----------------------------------------------------------------------------

@@ -362,6 +362,11 @@ HOSTILE_FOLDERS = {   # (what the case does to a copy of the qwen2 folder, what 
     "an infinite rms_norm_eps": (
         lambda f: edit_json(f, "config.json", lambda c: c.update(rms_norm_eps=float("inf"))),
         "rms_norm_eps = inf"),
+    "a tied head shipped apart": (
+        lambda f: save_file({**load_file(os.path.join(f, "model.safetensors")),
+                             "lm_head.weight": torch.ones(320, 32)},
+                            os.path.join(f, "model.safetensors")),
+        "tensor lm_head.weight differs from the token embedding, but config.json ties them"),
     "tie_word_embeddings as text": (
         lambda f: edit_json(f, "config.json", lambda c: c.update(tie_word_embeddings="false")),
         "tie_word_embeddings = 'false'; it must be true or false"),
