@@ -58,7 +58,8 @@ from flags import SFT_PATH, TEMPERATURE, Float, Int, add_run_flags, parser
 from kernels import kl_penalty
 from lora import merge, trainable
 from model import completion_logprobs
-from plumbing import Run, autocast, load_model, pick_device
+from loading import autocast, load_model, pick_device
+from plumbing import Run
 
 CHUNK, WEIGHTS = 1, 2      # message tags: actor -> learner groups, learner -> actor weights
 GROUPS, GOODBYE, STOP = 1.0, 2.0, -1.0

@@ -47,7 +47,8 @@ from flags import TEMPERATURE, Float, Int, add_run_flags, default_path, parser, 
 from kernels import entropy, kl, logprobs
 from lora import trainable
 from model import completion_logits, masked_mean
-from plumbing import Run, build_missing, read_checkpoint
+from loading import build_missing, read_checkpoint
+from plumbing import Run
 
 TEACHER_PATH = os.path.join("out", "expert_iteration.pt")  # the best RL policy of the results table
 STUDENT_PATH = os.path.join("out", "sft_small", "sft.pt")  # sft.py with the flags below

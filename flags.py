@@ -128,7 +128,7 @@ def add_run_flags(parser, script, log_every, eval_every):
     add("--offload_optimizer", action="store_true",
         help="CUDA: keep AdamW's two moments (twice the trainable weights' memory, 3.7 GiB at "
              "Qwen2.5-0.5B) in host memory, on the device only for the optimizer's step, a chunk "
-             "of parameters at a time (plumbing.ParkedMoments): the same numbers, two copies over "
+             "of parameters at a time (parking.ParkedMoments): the same numbers, two copies over "
              "PCIe a step; nothing moves on another device")
     if script not in ("rm", "{orm,prm}"):                     # the scripts that train a policy
         add("--lora_rank", type=Int(ge=0), default=0,

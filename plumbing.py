@@ -3,25 +3,23 @@ The run plumbing every training script shares, written once so that each algorit
 algorithm and nothing else. No math lives here: a first reading of grpo.py can skip every `run.`
 line and lose nothing of GRPO. Its flags are parsed in flags.py.
 
-What it holds:
-- the device (an unavailable one is one line, before anything loads) and the seeds;
-- one run per output folder: a lock file, taken over when the process that left it is dead;
-- building a missing prerequisite checkpoint (the SFT policy, the reward model) where it is then
-  loaded from; loading a checkpoint or a Hugging Face folder with one error line for any problem;
+Run holds the run's life:
 - every check that can run before the first expensive step runs there (a --resume without a usable
   checkpoint, a missing or unreadable checkpoint flag, lengths against the model to be built);
 - resume: weights, optimiser, step, random states, and the checks that the checkpoint is the one
-  this run would have written (same script, same --init, same LoRA, --steps not below its step);
+  this run would have written (same script, same --init, same LoRA and prompts, --steps not below
+  its step);
 - the metrics log kept consistent with the checkpoint: nothing on disk is removed or rewritten
   until every check has passed; a fresh run then replaces the folder's earlier checkpoint and log
   together; a step's metrics are written before the checkpoint that covers it; on resume the log
   is cut back to the checkpoint's step;
 - Ctrl-C (or SIGTERM): the step in progress finishes, a checkpoint is written, and one line says
-  how to resume (SIGTERM while the run still loads: it stops at once);
-- device memory: a frozen reference (Parked) and, with --offload_optimizer, AdamW's moments
-  (ParkedMoments) wait in host memory where they are not used;
-- held-out evaluation and the summary line;
-- torch.distributed set-up for torchrun (rank 0 alone locks, prints, logs and saves).
+  how to resume (SIGTERM while the run still loads: it stops at once); an error a step cannot go
+  on from is one line naming the last checkpoint;
+- held-out evaluation and the summary line.
+The rest has rooms of its own: the device, seeds and loading (loading.py, whose Models a Run is),
+the output folder's lock (lock.py), torch.distributed (distributed.py, whose Distributed a Run
+is), device memory parking (parking.py).
 """
 import atexit
 import contextlib
@@ -32,188 +30,24 @@ import os
 import random
 import shlex
 import signal
-import socket
-import subprocess
 import sys
 import time
 from dataclasses import asdict
 
-import numpy as np
 import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 import task
 from chat import ChatTemplateError
-from checkpoint import (CheckpointError, fingerprint, from_pretrained, is_pretrained_folder,
-                        load_checkpoint, pretrained_config, save_checkpoint)
-from flags import RM_PATH, SFT_PATH, default_path, task_flags
-from lora import add_adapters, base_model, compact, trainable
+from checkpoint import CheckpointError, save_checkpoint
+from distributed import Distributed
+from flags import RM_PATH, SFT_PATH, default_path
+from lock import OutputLock
+from loading import Models, autocast, pick_device, read_checkpoint, seed_everything
+from lora import add_adapters
 from model import GPT, GPTConfig
-from tasks import arithmetic
-from tasks.toolcalc import CHAT_BLOCK_SIZE
-from tokenizer import Tokenizer
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
-# what a collective raises when another process of the run is gone (gloo, NCCL)
-PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
-             "NCCL communicator was aborted", "remote process exited or there was a network error")
 # -----------------------------------------------------------------------------
-# Device and seeds
-
-def pick_device(requested=None):
-    """cuda, then mps, then cpu; a requested device that this machine lacks is an error that says
-    so."""
-    available = {"cpu": True, "cuda": torch.cuda.is_available(),
-                 "mps": getattr(torch.backends, "mps", None) is not None
-                 and torch.backends.mps.is_available()}
-    if requested is None:
-        return next(d for d in ("cuda", "mps", "cpu") if available[d])
-    kind = requested.split(":")[0]
-    if kind not in available:
-        raise SystemExit(f"error: --device {requested!r} is not a device this project runs on; "
-                         "allowed: cuda, mps, cpu")
-    if not available[kind]:
-        raise SystemExit(f"error: {kind} is not available here; run with --device cpu, or without "
-                         f"--device to use the first available ({pick_device()})")
-    return requested
-
-
-def autocast(device):
-    """The precision every script computes in on `device`: bfloat16 autocast on a GPU, nothing
-    elsewhere. Its cache of cast weights is off: with it, a forward without gradient (or under
-    --grad_checkpoint) holds a bfloat16 copy of every weight until the context ends (scoring's
-    peak at Qwen2.5-0.5B: 0.68 GiB more, results/gpu.md); without it each copy is freed after its
-    layer. Each weight is used once a forward, so the casts and the numbers are the same."""
-    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda"),
-                          cache_enabled=False)
-
-
-def bf16_linears(model):
-    """Keeps the linear layers of the model's blocks in bfloat16, the numbers bfloat16 autocast
-    multiplies in anyway: the same outputs under it (tests/test_grpo.py), half their memory (0.67
-    GB of a frozen reference at Qwen2.5-0.5B). The embedding, the head and the norms stay as
-    they are. Only for a model every forward of which runs under autocast."""
-    for m in model.blocks.modules():
-        if isinstance(m, torch.nn.Linear):
-            m.to(torch.bfloat16)
-    return model
-
-
-class Parked:
-    """A frozen model's weights in device memory only inside `with parked:`; outside it they wait
-    in host memory (pinned, for a CUDA device), as verl's ref.fsdp_config.param_offload. The
-    tensors stay: their storage shrinks to nothing and grows back (sampler.release_copy), so the
-    numbers are the same bit for bit. One host-to-device copy each time (1.17 GB at
-    Qwen2.5-0.5B with bf16_linears), in exchange for that memory through sampling and update."""
-
-    def __init__(self, model):
-        storages = {}
-        for p in model.parameters():
-            storages.setdefault(p.untyped_storage().data_ptr(), p.untyped_storage())
-        self.storages = list(storages.values())                   # a tied weight's once
-        pin = self.storages[0].device.type == "cuda" if self.storages else False
-        self.host = [torch.empty(s.nbytes(), dtype=torch.uint8, pin_memory=pin)
-                     for s in self.storages]
-        for s, h in zip(self.storages, self.host):
-            h.untyped_storage().copy_(s)
-        self.__exit__()
-
-    def __enter__(self):
-        for s, h in zip(self.storages, self.host):
-            s.resize_(h.numel())
-            s.copy_(h.untyped_storage(), non_blocking=True)      # ordered before the stream's use
-        return self
-
-    def __exit__(self, *exc):
-        for s in self.storages:
-            s.resize_(0)
-
-
-class ParkedMoments:
-    """An optimizer's state (AdamW's two moments, twice the trainable weights) in host memory
-    (pinned for a CUDA device) outside its step (--offload_optimizer), as verl's actor
-    optimizer_offload: on the device its storage shrinks to nothing. optimizer.step, replaced by
-    self.step, runs a chunk of parameters at a time (about chunk_bytes): a chunk's moments are
-    copied in, stepped and copied out before the next chunk's come in, so at most one chunk's
-    moments and AdamW's temporaries are on the device. `with` brings them all back (a checkpoint).
-    AdamW's update is elementwise: the same numbers bit for bit. Two copies a step (3.7 GiB each way
-    at Qwen2.5-0.5B); on one stream each is ordered before any later use of that memory, so the host
-    never waits."""
-
-    def __init__(self, optimizer, chunk_bytes=2**28):
-        self.optimizer, self.chunk_bytes, self.host, self.away = optimizer, chunk_bytes, {}, {}
-        self.real_step, optimizer.step = optimizer.step, self.step
-        self.leave()                                      # a resumed run's moments leave now
-
-    def step(self, closure=None):
-        """The optimizer's own step (its hooks too) once a chunk, the other parameters hidden."""
-        if closure is not None:
-            raise ValueError("--offload_optimizer steps without a closure")
-        groups = self.optimizer.param_groups
-        every = [g["params"] for g in groups]
-        try:
-            for chunk in self.chunks(every):
-                for g, params in zip(groups, every):
-                    g["params"] = [p for p in params if id(p) in chunk]
-                self.come_back(chunk)
-                self.real_step()
-                self.leave(chunk)
-        finally:
-            for g, params in zip(groups, every):
-                g["params"] = params
-
-    def chunks(self, every):
-        chunk, size = set(), 0
-        for p in (p for params in every for p in params):
-            if chunk and size + p.nbytes > self.chunk_bytes:
-                yield chunk
-                chunk, size = set(), 0
-            chunk.add(id(p))
-            size += p.nbytes
-        if chunk:
-            yield chunk
-
-    def __enter__(self):
-        self.come_back()
-        return self
-
-    def __exit__(self, *exc):
-        self.leave()
-
-    def come_back(self, chunk=None):
-        for key, (p, t, h) in list(self.away.items()):
-            if chunk is None or id(p) in chunk:
-                del self.away[key]
-                if self.optimizer.state.get(p, {}).get(key[1]) is t:   # not replaced (cleared)
-                    t.untyped_storage().resize_(h.numel())
-                    t.untyped_storage().copy_(h.untyped_storage(), non_blocking=True)
-
-    def leave(self, chunk=None):
-        for p, state in self.optimizer.state.items():
-            if chunk is not None and id(p) not in chunk:
-                continue
-            for k, t in state.items():                    # AdamW: exp_avg, exp_avg_sq (not step)
-                if not torch.is_tensor(t) or t.dim() == 0 or not t.untyped_storage().nbytes():
-                    continue                              # a step count, or away already
-                if not t.untyped_storage().resizable():  # e.g. loaded from a file on the CPU
-                    state[k] = t = t.clone()
-                s = t.untyped_storage()
-                h = self.host.get((id(p), k))
-                if h is None or h.numel() != s.nbytes():
-                    h = torch.empty(s.nbytes(), dtype=torch.uint8,
-                                    pin_memory=s.device.type == "cuda")
-                    self.host[id(p), k] = h
-                h.untyped_storage().copy_(s, non_blocking=True)
-                s.resize_(0)
-                self.away[id(p), k] = (p, t, h)
-
-
-def seed_everything(seed):
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
+# The learning rate
 
 def lr_schedule(step, lr, warmup, total=None):
     """Learning rate at `step` (0-based): linear warm-up over `warmup` steps, then a cosine decay to
@@ -229,202 +63,10 @@ def lr_schedule(step, lr, warmup, total=None):
 # -----------------------------------------------------------------------------
 # Checkpoints: built when missing, loaded with one error line for any problem
 
-TORCHRUN_VARIABLES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                      "GROUP_WORLD_SIZE",
-                      "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT"}
-
-
-def build_missing(path, default, command, device=None):
-    """If `path` is missing and is the flag's `default`, build it by running `command` (a script and
-    its flags, in this working directory) with --out set to the folder of `path`, so it is written
-    exactly where it is then loaded from. A missing path that is not the default is an error naming
-    the script that makes it."""
-    if os.path.exists(path):
-        return
-    if os.path.abspath(path) != os.path.abspath(default):
-        raise SystemExit(f"error: no checkpoint at {path}; train one with `python {command[0]}` or "
-                         "pass another path")
-    cmd = [sys.executable, os.path.join(ROOT, command[0]), *command[1:],
-           "--out", os.path.dirname(path) or "."]
-    if device is not None:
-        cmd += ["--device", device]
-    print(f"{path} not found: building it first with `python {' '.join(command)}`", flush=True)
-    # one process: a child that inherited torchrun's variables would wait forever for its group
-    env = {k: v for k, v in os.environ.items()
-           if k not in TORCHRUN_VARIABLES and not k.startswith("TORCHELASTIC_")}
-    if subprocess.run(cmd, env=env).returncode != 0 or not os.path.exists(path):
-        raise SystemExit(f"error: building {path} with {command[0]} failed (its output is above)")
-
-
-def read_checkpoint(path, flag):
-    """The checkpoint dict at `path` (read on the CPU), or one error line naming the flag and the
-    problem: for the checks a script runs before any work."""
-    if not os.path.exists(path):
-        hint = "; run without --resume" if flag == "--resume" else ""
-        raise SystemExit(f"error: {flag}, but there is no checkpoint at {path}{hint}")
-    try:
-        if is_pretrained_folder(path):              # a Hugging Face folder: its config checked here
-            return {"kind": "gpt", "config": asdict(pretrained_config(path)), "step": 0}
-        return load_checkpoint(path, "cpu")[1]
-    except (CheckpointError, ValueError) as e:
-        raise SystemExit(f"error: {flag}: {e}") from None
-
-
-def check_fits(longest, max_new_tokens, block_size, turns=1, extra=0):
-    """The longest prompt plus `turns` completions of max_new_tokens (and `extra` tokens between
-    them: a revision prompt) must fit the model's context, or one error line naming --max_new_tokens
-    and what is allowed."""
-    allowed = (block_size - longest - extra) // turns
-    what = f"{turns} attempts of it and {extra} tokens between them" if turns > 1 else "it"
-    if allowed < 1:
-        raise SystemExit(f"error: the longest prompt of the task has {longest} "
-                         f"tokens{f' and {extra} more come between attempts' if extra else ''}, "
-                         f"and the model's context (block_size) is {block_size}: no completion "
-                         "fits; train a model with a larger block_size (sft.py --block_size) or "
-                         "use one with a longer context")
-    if max_new_tokens > allowed:
-        raise SystemExit(f"error: --max_new_tokens {max_new_tokens} does not fit: the longest "
-                         f"prompt has {longest} tokens, {what} must follow, and the model's "
-                         f"context (block_size) is {block_size}; allowed: --max_new_tokens <= "
-                         f"{allowed}")
-
-
-def load_model(path, device, kind="gpt", expect=None, chat_date=None):
-    """(model in eval mode, tokenizer, checkpoint dict); any problem with the file is one error
-    line. kind: "gpt" or "scalar"; expect: {key: value} the checkpoint must hold (e.g. {"script":
-    "prm"}); chat_date: the day a --chat template's strftime_now writes (default: the checkpoint's,
-    else today). Eval mode means no dropout, so that scoring sees the distribution the sampler drew
-    from."""
-    try:
-        if is_pretrained_folder(path):              # a Hugging Face folder: GPT-2, Llama, Qwen
-            if kind != "gpt" or expect:
-                raise CheckpointError(f"{path} is a language model's folder; a checkpoint of this "
-                                      f"project's {expect or kind} is needed here")
-            model, tok = from_pretrained(path).to(device), Tokenizer.from_pretrained(path)
-            if tok.vocab_size > model.config.vocab_size:
-                raise CheckpointError(f"vocabulary mismatch: {path} has vocab_size "
-                                      f"{model.config.vocab_size} but its tokenizer.json has "
-                                      f"{tok.vocab_size} tokens")
-            tok = tok.use_chat(chat_date) if task.chat() else tok
-            task.chat_tools(tok)                    # --tools: a template with a call form
-            return model, tok, {"kind": "gpt", "tokenizer": tok.name, "step": 0}
-        model, ckpt = load_checkpoint(path, device, kind=kind)
-        tok = Tokenizer(ckpt["tokenizer"])
-        saved = ckpt.get("tokenizer_files")
-        if saved is not None and tok.files != saved:   # the folder's tokenizer changed since
-            differ = sorted(k for k in {*saved, *tok.files} if saved.get(k) != tok.files.get(k))
-            raise CheckpointError(f"checkpoint {path} was trained with the tokenizer of "
-                                  f"{ckpt['tokenizer'][3:]}, whose {', '.join(differ)} changed "
-                                  "since (edited, added or removed); restore the folder as it was")
-        c = model.config
-        if tok.name.startswith("hf:") and not c.tokenizer_vocab and tok.vocab_size <= c.vocab_size:
-            pass                                    # an older checkpoint of a padded real model
-        elif tok.vocab_size != c.support:
-            raise CheckpointError(f"vocabulary mismatch: checkpoint {path} has vocab_size "
-                                  f"{model.config.vocab_size} but its tokenizer "
-                                  f"{ckpt['tokenizer']!r} has {tok.vocab_size}")
-        for key, value in (expect or {}).items():
-            if ckpt.get(key) != value:
-                raise CheckpointError(f"checkpoint {path} holds {key} {ckpt.get(key)!r}; {key} "
-                                      f"{value!r} is needed here")
-        if task.chat():
-            tok.use_chat(chat_date or ckpt.get("chat_date"))
-            task.chat_tools(tok)
-    except (CheckpointError, ValueError) as e:
-        raise SystemExit(f"error: {e}") from None
-    return model.eval(), tok, ckpt
-
-
-# -----------------------------------------------------------------------------
-# One run per output folder
-
-class OutputLock:
-    """A lock file <out>/<script>.lock holding the owner's pid, host and command. A second run on
-    the same folder is refused with a message naming the first; a lock left by a dead process is
-    taken over."""
-
-    def __init__(self, path):
-        self.path, self.held = path, False
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv),
-              "started": time.ctime()}
-        for _ in range(2):
-            try:
-                self._create(path, json.dumps(me))
-            except FileExistsError:
-                owner = self._owner()
-                if owner is not None and self._alive(owner):
-                    raise SystemExit("error: another run is using this output folder: pid "
-                                     f"{owner['pid']} on {owner['host']} since {owner['started']} "
-                                     f"({owner['command']}); wait for it, stop it, or pass another "
-                                     f"--out (lock file: {path})")
-                try:
-                    os.remove(path)                                # its owner died: take it over
-                except FileNotFoundError:
-                    pass
-                continue
-            self.held = True
-            return
-        raise SystemExit(f"error: could not take the lock {path}; delete it if no run is using "
-                         "this folder")
-
-    @staticmethod
-    def _create(path, text):
-        """Create `path` holding `text`, or FileExistsError; atomic, one process creates it: a file
-        written whole, then linked (so no reader finds it empty), or where the file system has no
-        hard links, created and then written."""
-        tmp = f"{path}.tmp{os.getpid()}"
-        try:
-            with open(tmp, "w") as f:
-                f.write(text)
-            try:
-                return os.link(tmp, path)
-            except FileExistsError:
-                raise
-            except OSError:
-                pass                                         # no hard links here
-        finally:
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-        except OSError:
-            os.remove(path)
-            raise
-
-    def _owner(self):
-        try:
-            with open(self.path) as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            return None                                    # unreadable: half-written, then killed
-
-    @staticmethod
-    def _alive(owner):
-        if owner.get("host") != socket.gethostname():
-            return True                                    # another machine's: assumed alive
-        try:
-            os.kill(int(owner["pid"]), 0)
-        except ProcessLookupError:
-            return False
-        except (PermissionError, ValueError, KeyError, TypeError):
-            return True
-        return True
-
-    def release(self):
-        if self.held:
-            self.held = False
-            try:
-                os.remove(self.path)
-            except FileNotFoundError:
-                pass
-
-
 # -----------------------------------------------------------------------------
 # The run
 
-class Run:
+class Run(Distributed, Models):
     """The bookkeeping of one training run: where it writes, its random states, its step, its log.
     It never owns the loop: the script calls it (`run.log`, `run.save`, ...) where it needs it.
 
@@ -452,11 +94,7 @@ class Run:
         self.script, self.args, name = script, args, name or script
         self.total_steps = args.steps
         self.moments = contextlib.nullcontext()   # the optimizer's, where resume parks them
-        # torchrun sets WORLD_SIZE, RANK and LOCAL_RANK; `python script.py` is one process, rank 0
-        self.world, self.rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-        if solo:
-            self.world, self.rank = 1, 0
-        self.is_main = self.rank == 0
+        self.processes(solo)                      # world, rank, is_main (distributed.py)
         if batch_flag is not None:
             n, k = getattr(args, batch_flag), getattr(args, "grad_accum", 1)
             if n % self.world or n // self.world < k:
@@ -477,12 +115,7 @@ class Run:
         self.metrics_path = os.path.join(args.out, name, "metrics.jsonl")
         # before anything is built, locked or written
         self._check_inputs()
-        if self.world > 1:
-            if self.device.startswith("cuda"):
-                self.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-                torch.cuda.set_device(self.device)
-            if not dist.is_initialized():
-                dist.init_process_group("nccl" if self.device.startswith("cuda") else "gloo")
+        self.join()                               # under torchrun: the process group
         # bf16 on GPU
         self.autocast = autocast(self.device)
         seed_everything(args.seed)
@@ -635,101 +268,6 @@ class Run:
                                  f"{show(theirs)}; resume with {flag} {show(theirs)}, or start "
                                  "afresh without --resume")
 
-    def load(self, path, kind="gpt", expect=None):
-        """load_model on this run's device, remembering what was loaded (resume checks it). Returns
-        (model, tok)."""
-        model, tok, ckpt = load_model(path, self.device, kind, expect, self.chat_date)
-        protocol = task.chat_tools(tok) if tok.chat is not None else None
-        if protocol is not None and protocol.note and not getattr(self, "noted", False):
-            self.print(protocol.note)                   # a template not prefix-stable: said once
-            self.noted = True
-        recompute = getattr(self.args, "grad_checkpoint", False)
-        getattr(model, "backbone", model).grad_checkpoint = recompute     # GPT.run_blocks
-        self.sources[os.path.abspath(path)] = fingerprint(model)
-        self.tokenizer_name = self.tokenizer_name or ckpt["tokenizer"]
-        self.tokenizer_files = self.tokenizer_files or tok.files
-        return model, tok
-
-    def load_policy(self, path):
-        """(policy, tokenizer) from an SFT checkpoint; out/sft.pt is built first if it is the
-        missing default."""
-        if not os.path.exists(path) and hasattr(self.args, "max_new_tokens"):  # before building
-            chat = getattr(self.args, "tools", None)             # sft.py's bytes-chat model
-            tok = Tokenizer("bytes-chat").use_chat() if chat else Tokenizer()
-            check_fits(task.max_prompt_tokens(tok), self.args.max_new_tokens,
-                       CHAT_BLOCK_SIZE if chat else GPTConfig().block_size)
-        if self.is_main:
-            build_missing(path, default_path(SFT_PATH, self.args),
-                          ["sft.py", *task_flags(self.args)],
-                          self.args.device)
-        self.barrier()
-        policy, tok = self.load(path, "gpt")
-        policy.sampler_mode = "compile" if self.args.compile else None   # None: by device
-        return self.adapt(policy), tok
-
-    def adapt(self, model):
-        """--lora_rank r: every weight of `model` frozen, adapters on its projections
-        (lora.add_adapters), on a GPU the frozen ones under them in bfloat16 where that is exact
-        (lora.compact); without it the model as it is. A target the model lacks or a rank it
-        cannot have is one error line."""
-        r = getattr(self.args, "lora_rank", 0)
-        if not r:
-            return model
-        try:
-            model = add_adapters(model, r, self.args.lora_alpha, self.args.lora_targets)
-        except ValueError as e:
-            raise SystemExit(f"error: {e}") from None
-        if self.device.startswith("cuda"):
-            compact(model)
-        n = sum(p.numel() for p in trainable(model))
-        self.print(f"LoRA: rank {r}, alpha {self.args.lora_alpha:g} on "
-                   f"{', '.join(model.lora['targets'])}: {n / 1e6:.3f}M of "
-                   f"{model.num_params() / 1e6:.2f}M parameters train")
-        return model
-
-    def reference(self, path, policy, bf16=False):
-        """pi_ref, frozen: with --lora_rank the policy without its adapters, sharing its frozen
-        weights (no second copy: lora.base_model); else a copy of `path` (the policy's start).
-        bf16 (a caller that runs it under self.autocast only): on a GPU its linear layers are kept
-        in bfloat16 (bf16_linears)."""
-        if getattr(policy, "lora", None):
-            return base_model(policy)
-        ref, _ = self.load(path, "gpt")
-        ref.sampler_mode = policy.sampler_mode
-        if bf16 and self.device.startswith("cuda"):
-            bf16_linears(ref)
-        return ref.requires_grad_(False)
-
-    def parked(self, ref, policy):
-        """`with run.parked(ref, policy):` around the phase that uses a frozen model (the reference,
-        a reward model): on a GPU its weights are on the device only there (Parked); elsewhere,
-        where it shares the policy's weights (LoRA) or where there is none (None), nothing
-        moves."""
-        shared = {p.untyped_storage().data_ptr() for p in policy.parameters()}
-        if ref is None or not self.device.startswith("cuda") or any(
-                p.untyped_storage().data_ptr() in shared for p in ref.parameters()):
-            return contextlib.nullcontext()
-        return Parked(ref)
-
-    def load_reward_model(self, path, init):
-        """The Bradley-Terry reward model; out/rm.pt is built first (from `init`) if it is the
-        missing default."""
-        if self.is_main:
-            build_missing(path, default_path(RM_PATH, self.args),
-                          ["reward_model.py", "--init", os.path.abspath(init),
-                           *task_flags(self.args)],
-                          self.args.device)
-        self.barrier()
-        return self.load(path, "scalar", expect={"script": "reward_model"})[0]
-
-    def check_lengths(self, model, tok, max_new_tokens, parenthesised=False, turns=1, extra=0):
-        """The longest prompt plus max_new_tokens (turns times, extra tokens between) must fit the
-        model's context: checked before any work. parenthesised: the run also uses the parenthesised
-        problems (longer prompts)."""
-        longest = (arithmetic.max_prompt_tokens(tok, True) if parenthesised
-                   else task.max_prompt_tokens(tok))
-        check_fits(longest, max_new_tokens, model.config.block_size, turns, extra)
-
     # ---- resume
 
     def resume(self, model, optimizer=None, **modules):
@@ -742,12 +280,6 @@ class Run:
         if optimizer is not None:
             self.moments = self.parked_moments(optimizer)
         return ckpt
-
-    def parked_moments(self, optimizer):
-        """With --offload_optimizer on a GPU, ParkedMoments(optimizer); elsewhere nothing moves."""
-        if getattr(self.args, "offload_optimizer", False) and self.device.startswith("cuda"):
-            return ParkedMoments(optimizer)
-        return contextlib.nullcontext()
 
     def _load(self, model, optimizer=None, **modules):
         args = self.args
@@ -908,10 +440,7 @@ class Run:
     def save(self, model, optimizer=None, **extra):
         """Checkpoint <out>/<script>.pt atomically: weights, optimiser, step, flags, random states
         (every rank's sampling stream), `extra`. Every rank calls it; rank 0 writes."""
-        generators = [self.gen.get_state()]
-        if self.world > 1:
-            generators = [None] * self.world
-            dist.all_gather_object(generators, self.gen.get_state().cpu())
+        generators = self.gather(self.gen.get_state().cpu())
         if self.is_main:
             kept = {"chat_date": self.chat_date, "tokenizer_files": self.tokenizer_files}
             try:
@@ -972,23 +501,9 @@ class Run:
                    f"| wrote {self.ckpt_path}")
         self.close(finished=True)
 
-    def launcher(self):
-        """The command that started this process: python, or torchrun with its process counts."""
-        if self.world == 1:
-            return "python"
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
-        if local == self.world:
-            return f"torchrun --standalone --nproc_per_node {local}"
-        return (f"torchrun --nnodes {self.world // local} --nproc_per_node {local} <this run's "
-                f"rendezvous flags>")
-
     def close(self, finished=False, code=0):
-        """Release the lock and, under torchrun, tear the process group down. finished: every rank
-        is here, so they first wait for each other (none destroys the group while another still uses
-        it), and then each rank leaves at once with `code`, everything written and flushed: the DDP
-        wrapper keeps the gloo process group alive past destroy_process_group, and its threads'
-        teardown at interpreter exit can abort a finished run ("terminate called without an active
-        exception", 3 runs in 7 here)."""
+        """Release the lock and, under torchrun, tear the process group down (Distributed.leave:
+        finished, every rank is here and leaves at once with `code`)."""
         if self.lock is not None:
             self.lock.release()
             self.lock = None
@@ -996,14 +511,7 @@ class Run:
                 with contextlib.suppress(OSError):
                     if os.path.isdir(folder) and not os.listdir(folder):
                         os.rmdir(folder)
-        if self.world > 1 and dist.is_initialized():
-            if finished:
-                dist.barrier()
-            dist.destroy_process_group()
-            if finished:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
+        self.leave(finished, code)
 
     def _stop(self, signum, frame):
         """First Ctrl-C (or SIGTERM): finish the step, checkpoint, exit. A second Ctrl-C aborts at
@@ -1026,8 +534,7 @@ class Run:
         Anything else as Python prints it."""
         if isinstance(error, ChatTemplateError):
             what = f"--chat: {error}"
-        elif self.world > 1 and isinstance(error, RuntimeError) and \
-                any(words in str(error) for words in PEER_GONE):
+        elif self.peer_gone(error):
             what = "another process of this run stopped"
         else:
             return sys.__excepthook__(kind, error, traceback)
@@ -1056,78 +563,3 @@ class Run:
             value = f" {loss.item()}" if ranks[0] == 0 else " not finite"
             raise SystemExit(f"error: the loss is{value}{where} at step {self.step + 1}; {hint} "
                              f"(the last checkpoint, if any, is {self.ckpt_path})")
-
-    # ---- more than one process (torchrun): shares, global sums, DDP, micro-batches
-
-    def shard(self, items):
-        """This rank's contiguous share of `items`, a list every rank drew identically (all of it in
-        one process): a group of completions never spans two ranks."""
-        n = len(items) // self.world
-        return items[self.rank * n:(self.rank + 1) * n]
-
-    def all_sum(self, x):
-        """x (a tensor or a number) summed over the ranks, as a tensor on this run's device; x
-        itself in one process. Every global quantity goes through it: normalisers, batch means and
-        std, logged metrics."""
-        x = x if torch.is_tensor(x) else torch.tensor(float(x), device=self.device)
-        if self.world == 1:
-            return x
-        x = x.detach().clone()
-        dist.all_reduce(x)
-        return x
-
-    def mean(self, x, mask=None):
-        """For logged metrics, a float: the mean of x's elements over every rank's x (x.mean() in
-        one process), or with a mask, of the elements where mask is 1 (model.masked_mean(x, mask) in
-        one process)."""
-        if mask is None:
-            return (self.all_sum(x.sum()) / self.all_sum(x.numel())).item()
-        total = self.all_sum(torch.where(mask > 0, x, 0.0).sum())
-        return (total / self.all_sum(mask.sum()).clamp(min=1)).item()
-
-    def std(self, x):
-        """The population std of x's elements over every rank's x (x.std(unbiased=False) in one
-        process)."""
-        if self.world == 1:
-            return x.std(unbiased=False).item()
-        return math.sqrt(self.mean((x - self.mean(x)) ** 2))
-
-    def ddp(self, model):
-        """The model wrapped in DistributedDataParallel, for the training forward and backward, or
-        the model itself in one process. Its gradient is the SUM of the ranks' gradients, not their
-        mean: each rank's loss is its share of the whole batch's loss (normalised by all_sum
-        counts), so the shares add up to exactly one batch's gradient."""
-        if self.world == 1:
-            return model
-        wrapped = DistributedDataParallel(model)
-        wrapped.register_comm_hook(None, _allreduce_sum)
-        return wrapped
-
-    def micro_batches(self, n, *ddp_models):
-        """The row indices of each --grad_accum micro-batch of an n-row batch, one at a time:
-
-            for rows in run.micro_batches(B, train_policy):
-                loss = ...(train_policy(x[rows]) ...)       # forward and backward both inside the
-                loop body loss.backward()
-
-        Under torchrun, the gradients of `ddp_models` are summed over ranks once, after the last
-        micro-batch: every earlier one runs inside their no_sync(). The forward must be inside it
-        too, not only the backward: DDP decides at forward time whether the backward that follows
-        all-reduces. Without models (scoring under no_grad) it only splits the rows."""
-        parts = torch.tensor_split(torch.arange(n, device=self.device), self.args.grad_accum)
-        for i, rows in enumerate(parts):
-            with contextlib.ExitStack() as stack:
-                if self.world > 1 and i < len(parts) - 1:
-                    for m in ddp_models:
-                        stack.enter_context(m.no_sync())
-                yield rows
-
-    def barrier(self):
-        if self.world > 1:
-            dist.barrier()
-
-
-def _allreduce_sum(state, bucket):
-    """DDP communication hook: sum a gradient bucket over ranks (DDP's default averages)."""
-    work = dist.all_reduce(bucket.buffer(), async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])

@@ -156,13 +156,40 @@ def token_values(critic, seq, seq_mask, Tp, autocast):
 
 
 @torch.no_grad()
-def rm_score_greedy(policy, rm, rm_weights, tok, prompts, device, autocast):
-    """The reward model's mean score of the policy's greedy completions (the proxy beside the
-    verifier); rm_weights: its weights' context (run.parked)."""
+def rm_score_greedy(run, policy, rm, rm_weights, tok):
+    """The reward model's mean score of the policy's greedy completions of the held-out prompts
+    (the proxy beside the verifier; rank 0's evaluation, None elsewhere or without a reward
+    model); rm_weights: its weights' context (run.parked)."""
+    if rm is None or not run.is_main:
+        return None
+    prompts = task.eval_prompts()[:run.args.eval_n]
     seq, seq_mask, *_ = rollout(policy, tok, prompts, 0.0, task.default_max_new_tokens(), None,
-                                device, autocast)
-    with autocast, rm_weights:
+                                run.device, run.autocast)
+    with run.autocast, rm_weights:
         return rm.score(seq, seq_mask).float().mean().item()
+
+
+def load_models(run, args):
+    """pi_theta and pi_ref (the SFT policy, trained and frozen), the reward model (where --reward
+    or --critic_init needs it, frozen) and the critic V (from the SFT policy or the reward model);
+    every model in eval mode: no dropout."""
+    policy, tok = run.load_policy(args.init)        # pi_theta starts as pi_ref ...
+    ref = run.reference(args.init, policy)          # ... the SFT policy, frozen
+    rm = (run.load_reward_model(args.rm, args.init) if "rm" in (args.reward, args.critic_init)
+          else None)
+    critic = (ScalarGPT.from_policy(ref) if args.critic_init == "sft"
+              else ScalarGPT(rm.config).to(run.device))
+    if args.critic_init == "rm":
+        critic.load_state_dict(rm.state_dict())
+    if rm is not None:
+        rm.requires_grad_(False)
+    return policy, tok, ref, rm, critic.eval()
+
+
+def explained_variance(run, returns, values, mask):
+    """1 - Var(R - V) / Var(R) over every rank's completion tokens (population variances)."""
+    var = lambda x: run.mean((x - run.mean(x, mask)) ** 2, mask)
+    return 1 - var(returns - values) / max(var(returns), 1e-8)
 
 
 # -----------------------------------------------------------------------------
@@ -242,20 +269,10 @@ def main(args):
         raise SystemExit(f"error: --batch_size {args.batch_size} over {run.world} process(es) "
                          f"leaves fewer than --minibatches {args.minibatches} x "
                          f"--grad_accum {args.grad_accum} completions per process")
-    policy, tok = run.load_policy(args.init)        # pi_theta starts as pi_ref ...
-    ref = run.reference(args.init, policy)          # ... the SFT policy, frozen
-    rm = (run.load_reward_model(args.rm, args.init) if "rm" in (args.reward, args.critic_init)
-          else None)
-    critic = (ScalarGPT.from_policy(ref) if args.critic_init == "sft"
-              else ScalarGPT(rm.config).to(run.device))
-    if args.critic_init == "rm":
-        critic.load_state_dict(rm.state_dict())
-    critic.eval()                                   # every model in eval mode: no dropout
+    policy, tok, ref, rm, critic = load_models(run, args)
     # pi_ref in host memory outside step 2 (a GPU), once copied
     ref_weights = run.parked(ref, policy)
     rm_weights = run.parked(rm, policy)             # the RM outside step 1 and evaluations (a GPU)
-    if rm is not None:
-        rm.requires_grad_(False)
     run.check_lengths(policy, tok, args.max_new_tokens)
     optimizer = torch.optim.AdamW([{"params": trainable(policy), "lr": args.lr},
                                    {"params": critic.parameters(), "lr": args.critic_lr}],
@@ -263,20 +280,13 @@ def main(args):
     ckpt = run.resume(policy, optimizer, critic=critic)
     train_policy, train_critic = run.ddp(policy), run.ddp(critic)   # DDP under torchrun
     beta, temp = (ckpt["beta"] if ckpt else args.beta), args.temperature
-    eval_set = task.eval_prompts()[:args.eval_n]
-    run.print(f"{'A2C (--a2c: 1 epoch, 1 minibatch, no clipping)' if args.a2c else 'PPO'}: "
-              f"policy {policy.num_params() / 1e6:.2f}M parameters on {run.device}, "
-              f"reward {args.reward}, critic from {args.critic_init}, {args.steps} steps "
-              f"of {args.batch_size} prompts, beta {beta}"
-              f"{f' (adaptive, target KL {args.kl_target})' if args.adaptive_kl else ''}")
+    run.print(f"{'A2C (--a2c: 1 epoch, 1 minibatch, no clipping)' if args.a2c else 'PPO'}: policy "
+              f"{policy.num_params() / 1e6:.2f}M parameters on {run.device}, reward {args.reward}, "
+              f"critic from {args.critic_init}, {args.steps} steps of {args.batch_size} prompts, "
+              f"beta {beta}{f' (adaptive to KL {args.kl_target})' if args.adaptive_kl else ''}")
     if not args.resume:                             # a fresh run: the starting policy is step 0
-        e = run.evaluate(policy, tok)
-        if rm is not None and run.is_main:
-            e["eval_rm_score"] = rm_score_greedy(policy, rm, rm_weights, tok, eval_set, run.device,
-                                                 run.autocast)
-        else:
-            e["eval_rm_score"] = None
-        run.log_start(e)
+        run.log_start({**run.evaluate(policy, tok), "eval_rm_score": rm_score_greedy(
+            run, policy, rm, rm_weights, tok)})
 
     while run.training():
         # 1. rollout: one completion for each of this rank's prompts, scored by the reward model and
@@ -370,23 +380,18 @@ def main(args):
 
         # 5. log, evaluate, checkpoint (every number over all ranks)
         if run.log_due():
-            ret_mean = run.mean(returns, mask)
-            err_mean = run.mean(returns - old_values, mask)
-            # population variance over all ranks
-            var = lambda x, mean: run.mean((x - mean) ** 2, mask)
-            explained = 1 - var(returns - old_values, err_mean) / max(var(returns, ret_mean), 1e-8)
             metrics = {"rm_score": run.mean(rm_score) if rm is not None else None,
                        "gold_accuracy": run.mean(gold), "kl": kl_mean,
                        "kl_k1": run.mean(torch.where(mask > 0, old_logp - ref_logp, 0.0).sum(1)),
-                       "beta": beta, "explained_variance": explained,
+                       "beta": beta,
+                       "explained_variance": explained_variance(run, returns, old_values, mask),
                        "completion_len": run.mean(mask.sum(1)),
                        "truncated": run.mean(truncated.float()), "epochs_done": epoch + 1,
                        **{k: float(np.mean(v)) for k, v in stats.items()}}
             if run.eval_due():
                 metrics.update(run.evaluate(policy, tok))
-                if rm is not None and run.is_main:
-                    metrics["eval_rm_score"] = rm_score_greedy(policy, rm, rm_weights, tok,
-                                                               eval_set, run.device, run.autocast)
+                score = rm_score_greedy(run, policy, rm, rm_weights, tok)
+                metrics.update({"eval_rm_score": score} if score is not None else {})
             run.log(metrics, f"rm {metrics['rm_score'] if rm is not None else float('nan'):+.2f} | "
                              f"gold {metrics['gold_accuracy']:.3f} | kl {kl_mean:.3f} | "
                              f"clip {metrics['clip_frac']:.3f} | "

@@ -47,7 +47,8 @@ import sampler
 import task
 from flags import SFT_PATH, TEMPERATURE, Float, Int, add_run_flags, parser, require_arithmetic
 from model import ScalarGPT, scores_at
-from plumbing import Run, load_model, lr_schedule
+from loading import load_model
+from plumbing import Run, lr_schedule
 from task import left_pad, pad_steps
 from tasks import arithmetic
 

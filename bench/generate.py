@@ -30,7 +30,7 @@ import sampler  # noqa: E402
 import task  # noqa: E402
 from checkpoint import from_pretrained  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from plumbing import pick_device  # noqa: E402
+from loading import pick_device  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
 parser = argparse.ArgumentParser(description="sampling speed: the sampler's modes, recompute, "

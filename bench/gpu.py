@@ -169,10 +169,10 @@ def off_share(deviation, tol=TOL):
 
 def measure_ratio(args):
     """Step 5: print the tables (markdown)."""
-    import plumbing
+    import loading
     sft = os.path.join(args.out, "out", "sft.pt")
-    plumbing.build_missing(sft, sft, ["sft.py"], "cuda")           # python sft.py --out out/gpu/out
-    policy, tok, _ = plumbing.load_model(sft, "cuda")
+    loading.build_missing(sft, sft, ["sft.py"], "cuda")           # python sft.py --out out/gpu/out
+    policy, tok, _ = loading.load_model(sft, "cuda")
     rng, gen = random.Random(0), torch.Generator(device="cuda").manual_seed(0)
     batches = []
     with torch.autocast("cuda", dtype=torch.bfloat16):                 # the scripts sample under it

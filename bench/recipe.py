@@ -17,7 +17,7 @@ layout, 151643 ordinary ids and 22 special ones from 151643 on (<|endoftext|>, <
 Then it runs grpo.main on that folder with the recipe's flags (README, Real checkpoints) and times,
 each step:
 - sampling: grpo.rollout (the sampler and the verifier), with completion tokens per second;
-- scoring: step 2, the reference's weights brought back to the GPU (plumbing.Parked), both models'
+- scoring: step 2, the reference's weights brought back to the GPU (parking.Parked), both models'
   forwards and their log-probs (and the exact KL and entropy on logged steps: grpo.py logs every 5th
   step and the last, so the last step here is one);
 - update: the rest of the step (step 4's forward, backward and AdamW's step), evaluation and
@@ -43,6 +43,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import checkpoint  # noqa: E402
 import grpo  # noqa: E402
+import parking  # noqa: E402
 import plumbing  # noqa: E402
 import sampler  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
@@ -267,7 +268,7 @@ def run(args):
     real_advantages = grpo.grpo_advantages
     real_load, real_reference = plumbing.Run.load_policy, plumbing.Run.reference
     real_cache, cache_attr = sampler.KVCache.preallocated, sampler.KVCache.__dict__["preallocated"]
-    real_enter, real_parked_step = plumbing.Parked.__enter__, plumbing.ParkedMoments.step
+    real_enter, real_parked_step = parking.Parked.__enter__, parking.ParkedMoments.step
 
     def rollout(run, policy, tok, a):
         batch, rounds = real_rollout(run, policy, tok, a)
@@ -326,8 +327,8 @@ def run(args):
     grpo.completion_hidden = timer.wrap("scoring", grpo.completion_hidden)
     grpo.grpo_advantages = advantages
     plumbing.Run.load_policy, plumbing.Run.reference = load_policy, reference
-    plumbing.Parked.__enter__ = enter
-    plumbing.ParkedMoments.step = optimizer_step(real_parked_step)
+    parking.Parked.__enter__ = enter
+    parking.ParkedMoments.step = optimizer_step(real_parked_step)
     grpo.kl_entropy = timer.wrap("scoring", grpo.kl_entropy)
     GPT.head_logprobs = timer.wrap("scoring", GPT.head_logprobs, when=no_grad)
     plumbing.Run.evaluate = timer.wrap("other", plumbing.Run.evaluate)
@@ -355,8 +356,8 @@ def run(args):
     finally:
         torch.optim.AdamW, sampler.KVCache.preallocated = real_adamw, cache_attr
         grpo.grpo_advantages, plumbing.Run.load_policy = real_advantages, real_load
-        plumbing.Run.reference, plumbing.Parked.__enter__ = real_reference, real_enter
-        plumbing.ParkedMoments.step = real_parked_step
+        plumbing.Run.reference, parking.Parked.__enter__ = real_reference, real_enter
+        parking.ParkedMoments.step = real_parked_step
     with torch.device("meta"):                            # the parameter count, without the weights
         params = GPT(GPTConfig(**(TINY if args.tiny else QWEN))).num_params()
     ledger.mark("between")

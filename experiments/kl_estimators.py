@@ -57,7 +57,7 @@ from flags import SFT_PATH  # noqa: E402
 from kernels import kl_penalty                              # noqa: E402  the estimators under test
 from kernels import kl                                      # noqa: E402  the exact per-position KL
 from model import completion_logits  # noqa: E402
-from plumbing import load_model  # noqa: E402
+from loading import load_model  # noqa: E402
 
 ESTIMATORS = ("k1", "k2", "k3")
 

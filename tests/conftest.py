@@ -130,6 +130,7 @@ def offloaded_runs(module, argv, out, monkeypatch, plain=(), offloaded=((),)):
     torch thread (the sums in one order). Asserts that AdamW's moments hold no memory whenever the
     sampler runs or a backward pass does, and that both folders log the same metrics (times aside).
     Returns the ParkedMoments made, one a run."""
+    import parking
     import plumbing
     import sampler
     parks, real_backward = [], torch.Tensor.backward
@@ -137,7 +138,7 @@ def offloaded_runs(module, argv, out, monkeypatch, plain=(), offloaded=((),)):
 
     def park(self, optimizer):
         parks.append(parked_moments(self, optimizer))
-        assert isinstance(parks[-1], plumbing.ParkedMoments)
+        assert isinstance(parks[-1], parking.ParkedMoments)
         return parks[-1]
 
     def spy(fn):                                         # sampling, the update's backward passes
@@ -153,7 +154,7 @@ def offloaded_runs(module, argv, out, monkeypatch, plain=(), offloaded=((),)):
         torch.manual_seed(0)
         module.main(module.parse_args([*argv, *plain, "--out", str(out / "plain")]))
         monkeypatch.setattr(plumbing.Run, "parked_moments", park)
-        monkeypatch.setattr(plumbing.ParkedMoments.__init__, "__defaults__", (4096,))  # chunks
+        monkeypatch.setattr(parking.ParkedMoments.__init__, "__defaults__", (4096,))  # chunks
         monkeypatch.setattr(torch.Tensor, "backward", spy(real_backward))
         monkeypatch.setattr(sampler, "generate", spy(sampler.generate))
         for more in offloaded:
@@ -169,7 +170,7 @@ def offloaded_runs(module, argv, out, monkeypatch, plain=(), offloaded=((),)):
 
 def parked_runs(module, argv, out, monkeypatch):
     """module.main(argv) twice, one torch thread (the sums in one order): as it runs on the CPU, and
-    with its frozen models (the reference; ppo's reward model) parked as on a GPU (plumbing.Parked,
+    with its frozen models (the reference; ppo's reward model) parked as on a GPU (parking.Parked,
     here on the CPU). Asserts that a parked model holds all its memory at each of its forwards and
     every parked model none whenever the sampler runs or a backward pass does, and that both runs
     log the same metrics (times aside). Returns the number of forwards of each parked model, in the
@@ -177,6 +178,7 @@ def parked_runs(module, argv, out, monkeypatch):
     import plumbing
     import sampler
     from model import GPT
+    from parking import Parked
     parks = []                                           # [Parked, the model, its forwards]
     real_parked = on_a_gpu(plumbing.Run.parked)
     real_hidden, real_backward = GPT.hidden, torch.Tensor.backward
@@ -184,7 +186,7 @@ def parked_runs(module, argv, out, monkeypatch):
     def parked(self, ref, policy):
         parking = real_parked(self, ref, policy)
         if ref is not None:
-            assert isinstance(parking, plumbing.Parked)
+            assert isinstance(parking, Parked)
             parks.append([parking, getattr(ref, "backbone", ref), 0])   # a ScalarGPT: its GPT
         return parking
 

@@ -472,14 +472,14 @@ def test_grpo_raises_the_training_reward(tiny_sft, tmp_path):
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_bf16_reference_scores_as_its_float32_self_under_autocast(device):
-    """plumbing.bf16_linears (grpo.py's reference on a GPU): under bfloat16 autocast the hidden
+    """loading.bf16_linears (grpo.py's reference on a GPU): under bfloat16 autocast the hidden
     states and log-probs are its float32 self's, bit for bit (autocast multiplies in bfloat16
     anyway); casting the embedding too would change them (the control)."""
     import copy
     import warnings
 
     from model import GPT, GPTConfig, completion_hidden
-    from plumbing import bf16_linears
+    from loading import bf16_linears
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA here")
     torch.manual_seed(0)

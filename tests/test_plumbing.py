@@ -19,6 +19,8 @@ import pytest
 import torch
 
 import flags
+import loading
+import parking
 import plumbing
 from checkpoint import load_checkpoint, save_checkpoint
 from conftest import ROOT, refused, run_script, run_scripts
@@ -215,11 +217,11 @@ def test_a_prerequisite_is_built_as_one_process_under_torchrun(monkeypatch, tmp_
                  "MASTER_ADDR": "x", "MASTER_PORT": "1", "TORCHELASTIC_RUN_ID": "r",
                  "GROUP_RANK": "0", "ROLE_WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr(plumbing.subprocess, "run", fake_run)
+    monkeypatch.setattr(loading.subprocess, "run", fake_run)
     path = str(tmp_path / "sft.pt")
-    plumbing.build_missing(path, path, ["sft.py"])
+    loading.build_missing(path, path, ["sft.py"])
     assert seen["env"] is not None and "PATH" in seen["env"]
-    assert not [k for k in seen["env"] if k in plumbing.TORCHRUN_VARIABLES
+    assert not [k for k in seen["env"] if k in loading.TORCHRUN_VARIABLES
                 or k.startswith("TORCHELASTIC_")]
 
 
@@ -419,7 +421,7 @@ def test_the_learning_rate_schedule_warms_up_linearly_then_decays_by_a_cosine_to
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_parked_weights_hold_memory_only_inside_with_and_come_back_bit_for_bit(device):
-    """plumbing.Parked (the on-policy scripts' reference on a GPU): outside `with` no parameter
+    """parking.Parked (the on-policy scripts' reference on a GPU): outside `with` no parameter
     holds memory where it lives; inside, the model computes what it did before, every time; a tied
     weight is parked once; on a GPU the host copy is pinned."""
     from model import GPT, GPTConfig
@@ -430,7 +432,7 @@ def test_parked_weights_hold_memory_only_inside_with_and_come_back_bit_for_bit(d
     x = torch.randint(0, 40, (2, 9), device=device)
     with torch.no_grad():
         before = model(x)[0]
-    parked = plumbing.Parked(model.requires_grad_(False))
+    parked = parking.Parked(model.requires_grad_(False))
     assert len(parked.storages) == len(list(model.parameters()))
     assert sum(h.numel() for h in parked.host) == sum(p.nbytes for p in model.parameters())
     assert all(h.is_pinned() == (device == "cuda") for h in parked.host)
@@ -451,7 +453,7 @@ def test_a_reference_is_parked_only_on_a_gpu_and_never_when_it_shares_the_policy
     policy, _ = load_checkpoint(tiny_sft)
     ref, _ = load_checkpoint(tiny_sft)
     assert isinstance(plumbing.Run.parked(types.SimpleNamespace(device="cuda"), ref, policy),
-                      plumbing.Parked)
+                      parking.Parked)
     assert all(p.untyped_storage().size() == 0 for p in ref.parameters())
     cpu = plumbing.Run.parked(types.SimpleNamespace(device="cpu"), policy, ref)
     assert isinstance(cpu, contextlib.nullcontext)
@@ -475,7 +477,7 @@ def test_the_parked_reference_is_away_while_sampling_and_updating_and_moves_no_n
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_parked_moments_are_on_the_device_only_inside_the_step_and_change_no_number(device):
-    """plumbing.ParkedMoments (--offload_optimizer on a GPU): between AdamW's steps its moments hold
+    """parking.ParkedMoments (--offload_optimizer on a GPU): between AdamW's steps its moments hold
     no memory where they live; the step runs a chunk of parameters at a time, each chunk's moments
     alone on the device while it is stepped, every parameter once; three steps leave the weights and
     the moments bit for bit as plain AdamW's, and so does a step after the state is cleared; `with`
@@ -489,7 +491,7 @@ def test_parked_moments_are_on_the_device_only_inside_the_step_and_change_no_num
     models[1].load_state_dict(models[0].state_dict())
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1)
                   for m in models]
-    parked = plumbing.ParkedMoments(optimizers[1], chunk_bytes=4096)
+    parked = parking.ParkedMoments(optimizers[1], chunk_bytes=4096)
     moments = lambda opt: [t for st in opt.state.values() for k, t in st.items() if k != "step"]
     away = lambda opt: all(t.untyped_storage().size() == 0 for t in moments(opt))
     same = lambda a, b: all(torch.equal(x, y) for x, y in zip(a, b))
@@ -535,7 +537,7 @@ def test_parked_moments_are_on_the_device_only_inside_the_step_and_change_no_num
         opt.step()
     assert same(models[0].parameters(), models[1].parameters())
     optimizers[0].load_state_dict(state)                # a resumed run's: away once parked
-    plumbing.ParkedMoments(optimizers[0])
+    parking.ParkedMoments(optimizers[0])
     assert away(optimizers[0])
 
 

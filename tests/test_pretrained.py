@@ -213,7 +213,7 @@ def test_a_checkpoint_that_does_not_fit_is_one_error_naming_what(tmp_path, edit,
 
 def test_scripts_take_a_hugging_face_folder_as_init_and_resume_from_what_they_wrote(tmp_path):
     from conftest import run_script
-    from plumbing import load_model
+    from loading import load_model
     out, qwen = str(tmp_path), os.path.join(GOLDEN, "qwen2")
     small = ["--prompts_per_step", "4", "--group_size", "4", "--eval_n", "16", "--init", qwen,
              "--out", out]

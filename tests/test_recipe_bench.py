@@ -46,7 +46,7 @@ def test_the_memory_ledger_counts_each_owner_once():
     import sys
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import recipe
-    import plumbing
+    import parking
     import sampler
     from lora import add_adapters, base_model, trainable
     from model import GPT, GPTConfig
@@ -78,11 +78,11 @@ def test_the_memory_ledger_counts_each_owner_once():
         sampler.release_copy(policy)
         assert "sampler copy" not in ledger.owners()
         if not lora:                                        # a parked reference: only inside `with`
-            parked = plumbing.Parked(ref)
+            parked = parking.Parked(ref)
             assert "reference" not in ledger.owners()
             with parked:
                 assert abs(ledger.owners()["reference"] - want["reference"]) < 1e-12
-        moments = plumbing.ParkedMoments(optimizer)                # --offload_optimizer: the same
+        moments = parking.ParkedMoments(optimizer)                # --offload_optimizer: the same
         assert "adamw" not in ledger.owners()
         with moments:
             assert abs(ledger.owners()["adamw"] - want["adamw"]) < 1e-12

@@ -198,7 +198,7 @@ def test_best_of_n_with_no_samples_is_an_error_that_says_so():
 def test_beam_search_of_width_one_is_sampling(tiny_sft):
     """beam 1 x expand 1 keeps every step it samples: it draws what model.generate draws with the
     same generator."""
-    from plumbing import load_model
+    from loading import load_model
     policy, tok, _ = load_model(tiny_sft, "cpu")
     prm = ScalarGPT.from_policy(policy).eval()
     prompts = task.eval_prompts()[:6]

@@ -1,0 +1,289 @@
+"""
+What a run starts from, each problem one line before any work: the device (cuda, then mps, then
+cpu; one this machine lacks is refused) and the precision every script computes in on it; the
+seeds; a checkpoint or a Hugging Face folder read and loaded (with its tokenizer, and with --chat
+its template and tools); a missing prerequisite checkpoint (the SFT policy, the reward model)
+built where it is then loaded from; the longest prompt and its completions checked against the
+model's context.
+"""
+import contextlib
+import os
+import random
+import subprocess
+import sys
+from dataclasses import asdict
+
+import numpy as np
+import torch
+
+import task
+from checkpoint import (CheckpointError, fingerprint, from_pretrained, is_pretrained_folder,
+                        load_checkpoint, pretrained_config)
+from flags import RM_PATH, SFT_PATH, default_path, task_flags
+from lora import add_adapters, base_model, compact, trainable
+from model import GPTConfig
+from parking import Parked, ParkedMoments
+from tasks import arithmetic
+from tasks.toolcalc import CHAT_BLOCK_SIZE
+from tokenizer import Tokenizer
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def pick_device(requested=None):
+    """cuda, then mps, then cpu; a requested device that this machine lacks is an error that says
+    so."""
+    available = {"cpu": True, "cuda": torch.cuda.is_available(),
+                 "mps": getattr(torch.backends, "mps", None) is not None
+                 and torch.backends.mps.is_available()}
+    if requested is None:
+        return next(d for d in ("cuda", "mps", "cpu") if available[d])
+    kind = requested.split(":")[0]
+    if kind not in available:
+        raise SystemExit(f"error: --device {requested!r} is not a device this project runs on; "
+                         "allowed: cuda, mps, cpu")
+    if not available[kind]:
+        raise SystemExit(f"error: {kind} is not available here; run with --device cpu, or without "
+                         f"--device to use the first available ({pick_device()})")
+    return requested
+
+
+def autocast(device):
+    """The precision every script computes in on `device`: bfloat16 autocast on a GPU, nothing
+    elsewhere. Its cache of cast weights is off: with it, a forward without gradient (or under
+    --grad_checkpoint) holds a bfloat16 copy of every weight until the context ends (scoring's
+    peak at Qwen2.5-0.5B: 0.68 GiB more, results/gpu.md); without it each copy is freed after its
+    layer. Each weight is used once a forward, so the casts and the numbers are the same."""
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda"),
+                          cache_enabled=False)
+
+
+def bf16_linears(model):
+    """Keeps the linear layers of the model's blocks in bfloat16, the numbers bfloat16 autocast
+    multiplies in anyway: the same outputs under it (tests/test_grpo.py), half their memory (0.67
+    GB of a frozen reference at Qwen2.5-0.5B). The embedding, the head and the norms stay as
+    they are. Only for a model every forward of which runs under autocast."""
+    for m in model.blocks.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.to(torch.bfloat16)
+    return model
+
+
+def seed_everything(seed):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+TORCHRUN_VARIABLES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                      "GROUP_WORLD_SIZE",
+                      "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT"}
+
+
+def build_missing(path, default, command, device=None):
+    """If `path` is missing and is the flag's `default`, build it by running `command` (a script and
+    its flags, in this working directory) with --out set to the folder of `path`, so it is written
+    exactly where it is then loaded from. A missing path that is not the default is an error naming
+    the script that makes it."""
+    if os.path.exists(path):
+        return
+    if os.path.abspath(path) != os.path.abspath(default):
+        raise SystemExit(f"error: no checkpoint at {path}; train one with `python {command[0]}` or "
+                         "pass another path")
+    cmd = [sys.executable, os.path.join(ROOT, command[0]), *command[1:],
+           "--out", os.path.dirname(path) or "."]
+    if device is not None:
+        cmd += ["--device", device]
+    print(f"{path} not found: building it first with `python {' '.join(command)}`", flush=True)
+    # one process: a child that inherited torchrun's variables would wait forever for its group
+    env = {k: v for k, v in os.environ.items()
+           if k not in TORCHRUN_VARIABLES and not k.startswith("TORCHELASTIC_")}
+    if subprocess.run(cmd, env=env).returncode != 0 or not os.path.exists(path):
+        raise SystemExit(f"error: building {path} with {command[0]} failed (its output is above)")
+
+
+def read_checkpoint(path, flag):
+    """The checkpoint dict at `path` (read on the CPU), or one error line naming the flag and the
+    problem: for the checks a script runs before any work."""
+    if not os.path.exists(path):
+        hint = "; run without --resume" if flag == "--resume" else ""
+        raise SystemExit(f"error: {flag}, but there is no checkpoint at {path}{hint}")
+    try:
+        if is_pretrained_folder(path):              # a Hugging Face folder: its config checked here
+            return {"kind": "gpt", "config": asdict(pretrained_config(path)), "step": 0}
+        return load_checkpoint(path, "cpu")[1]
+    except (CheckpointError, ValueError) as e:
+        raise SystemExit(f"error: {flag}: {e}") from None
+
+
+def check_fits(longest, max_new_tokens, block_size, turns=1, extra=0):
+    """The longest prompt plus `turns` completions of max_new_tokens (and `extra` tokens between
+    them: a revision prompt) must fit the model's context, or one error line naming --max_new_tokens
+    and what is allowed."""
+    allowed = (block_size - longest - extra) // turns
+    what = f"{turns} attempts of it and {extra} tokens between them" if turns > 1 else "it"
+    if allowed < 1:
+        raise SystemExit(f"error: the longest prompt of the task has {longest} "
+                         f"tokens{f' and {extra} more come between attempts' if extra else ''}, "
+                         f"and the model's context (block_size) is {block_size}: no completion "
+                         "fits; train a model with a larger block_size (sft.py --block_size) or "
+                         "use one with a longer context")
+    if max_new_tokens > allowed:
+        raise SystemExit(f"error: --max_new_tokens {max_new_tokens} does not fit: the longest "
+                         f"prompt has {longest} tokens, {what} must follow, and the model's "
+                         f"context (block_size) is {block_size}; allowed: --max_new_tokens <= "
+                         f"{allowed}")
+
+
+def load_model(path, device, kind="gpt", expect=None, chat_date=None):
+    """(model in eval mode, tokenizer, checkpoint dict); any problem with the file is one error
+    line. kind: "gpt" or "scalar"; expect: {key: value} the checkpoint must hold (e.g. {"script":
+    "prm"}); chat_date: the day a --chat template's strftime_now writes (default: the checkpoint's,
+    else today). Eval mode means no dropout, so that scoring sees the distribution the sampler drew
+    from."""
+    try:
+        if is_pretrained_folder(path):              # a Hugging Face folder: GPT-2, Llama, Qwen
+            if kind != "gpt" or expect:
+                raise CheckpointError(f"{path} is a language model's folder; a checkpoint of this "
+                                      f"project's {expect or kind} is needed here")
+            model, tok = from_pretrained(path).to(device), Tokenizer.from_pretrained(path)
+            if tok.vocab_size > model.config.vocab_size:
+                raise CheckpointError(f"vocabulary mismatch: {path} has vocab_size "
+                                      f"{model.config.vocab_size} but its tokenizer.json has "
+                                      f"{tok.vocab_size} tokens")
+            tok = tok.use_chat(chat_date) if task.chat() else tok
+            task.chat_tools(tok)                    # --tools: a template with a call form
+            return model, tok, {"kind": "gpt", "tokenizer": tok.name, "step": 0}
+        model, ckpt = load_checkpoint(path, device, kind=kind)
+        tok = Tokenizer(ckpt["tokenizer"])
+        saved = ckpt.get("tokenizer_files")
+        if saved is not None and tok.files != saved:   # the folder's tokenizer changed since
+            differ = sorted(k for k in {*saved, *tok.files} if saved.get(k) != tok.files.get(k))
+            raise CheckpointError(f"checkpoint {path} was trained with the tokenizer of "
+                                  f"{ckpt['tokenizer'][3:]}, whose {', '.join(differ)} changed "
+                                  "since (edited, added or removed); restore the folder as it was")
+        c = model.config
+        if tok.name.startswith("hf:") and not c.tokenizer_vocab and tok.vocab_size <= c.vocab_size:
+            pass                                    # an older checkpoint of a padded real model
+        elif tok.vocab_size != c.support:
+            raise CheckpointError(f"vocabulary mismatch: checkpoint {path} has vocab_size "
+                                  f"{model.config.vocab_size} but its tokenizer "
+                                  f"{ckpt['tokenizer']!r} has {tok.vocab_size}")
+        for key, value in (expect or {}).items():
+            if ckpt.get(key) != value:
+                raise CheckpointError(f"checkpoint {path} holds {key} {ckpt.get(key)!r}; {key} "
+                                      f"{value!r} is needed here")
+        if task.chat():
+            tok.use_chat(chat_date or ckpt.get("chat_date"))
+            task.chat_tools(tok)
+    except (CheckpointError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
+    return model.eval(), tok, ckpt
+
+
+class Models:
+    """A run's models (Run is one): loaded on its device and remembered for resume's checks, built
+    first where a default prerequisite is missing, adapted for LoRA, frozen for a reference, and
+    parked on a GPU where a phase does not use them. Needs Run's device, args, is_main, sources,
+    tokenizer_name and tokenizer_files, chat_date, print and barrier."""
+
+    def load(self, path, kind="gpt", expect=None):
+        """load_model on this run's device, remembering what was loaded (resume checks it). Returns
+        (model, tok)."""
+        model, tok, ckpt = load_model(path, self.device, kind, expect, self.chat_date)
+        protocol = task.chat_tools(tok) if tok.chat is not None else None
+        if protocol is not None and protocol.note and not getattr(self, "noted", False):
+            self.print(protocol.note)                   # a template not prefix-stable: said once
+            self.noted = True
+        recompute = getattr(self.args, "grad_checkpoint", False)
+        getattr(model, "backbone", model).grad_checkpoint = recompute     # GPT.run_blocks
+        self.sources[os.path.abspath(path)] = fingerprint(model)
+        self.tokenizer_name = self.tokenizer_name or ckpt["tokenizer"]
+        self.tokenizer_files = self.tokenizer_files or tok.files
+        return model, tok
+
+    def load_policy(self, path):
+        """(policy, tokenizer) from an SFT checkpoint; out/sft.pt is built first if it is the
+        missing default."""
+        if not os.path.exists(path) and hasattr(self.args, "max_new_tokens"):  # before building
+            chat = getattr(self.args, "tools", None)             # sft.py's bytes-chat model
+            tok = Tokenizer("bytes-chat").use_chat() if chat else Tokenizer()
+            check_fits(task.max_prompt_tokens(tok), self.args.max_new_tokens,
+                       CHAT_BLOCK_SIZE if chat else GPTConfig().block_size)
+        if self.is_main:
+            build_missing(path, default_path(SFT_PATH, self.args),
+                          ["sft.py", *task_flags(self.args)],
+                          self.args.device)
+        self.barrier()
+        policy, tok = self.load(path, "gpt")
+        policy.sampler_mode = "compile" if self.args.compile else None   # None: by device
+        return self.adapt(policy), tok
+
+    def adapt(self, model):
+        """--lora_rank r: every weight of `model` frozen, adapters on its projections
+        (lora.add_adapters), on a GPU the frozen ones under them in bfloat16 where that is exact
+        (lora.compact); without it the model as it is. A target the model lacks or a rank it
+        cannot have is one error line."""
+        r = getattr(self.args, "lora_rank", 0)
+        if not r:
+            return model
+        try:
+            model = add_adapters(model, r, self.args.lora_alpha, self.args.lora_targets)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
+        if self.device.startswith("cuda"):
+            compact(model)
+        n = sum(p.numel() for p in trainable(model))
+        self.print(f"LoRA: rank {r}, alpha {self.args.lora_alpha:g} on "
+                   f"{', '.join(model.lora['targets'])}: {n / 1e6:.3f}M of "
+                   f"{model.num_params() / 1e6:.2f}M parameters train")
+        return model
+
+    def reference(self, path, policy, bf16=False):
+        """pi_ref, frozen: with --lora_rank the policy without its adapters, sharing its frozen
+        weights (no second copy: lora.base_model); else a copy of `path` (the policy's start).
+        bf16 (a caller that runs it under self.autocast only): on a GPU its linear layers are kept
+        in bfloat16 (bf16_linears)."""
+        if getattr(policy, "lora", None):
+            return base_model(policy)
+        ref, _ = self.load(path, "gpt")
+        ref.sampler_mode = policy.sampler_mode
+        if bf16 and self.device.startswith("cuda"):
+            bf16_linears(ref)
+        return ref.requires_grad_(False)
+
+    def parked(self, ref, policy):
+        """`with run.parked(ref, policy):` around the phase that uses a frozen model (the reference,
+        a reward model): on a GPU its weights are on the device only there (Parked); elsewhere,
+        where it shares the policy's weights (LoRA) or where there is none (None), nothing
+        moves."""
+        shared = {p.untyped_storage().data_ptr() for p in policy.parameters()}
+        if ref is None or not self.device.startswith("cuda") or any(
+                p.untyped_storage().data_ptr() in shared for p in ref.parameters()):
+            return contextlib.nullcontext()
+        return Parked(ref)
+
+    def load_reward_model(self, path, init):
+        """The Bradley-Terry reward model; out/rm.pt is built first (from `init`) if it is the
+        missing default."""
+        if self.is_main:
+            build_missing(path, default_path(RM_PATH, self.args),
+                          ["reward_model.py", "--init", os.path.abspath(init),
+                           *task_flags(self.args)],
+                          self.args.device)
+        self.barrier()
+        return self.load(path, "scalar", expect={"script": "reward_model"})[0]
+
+    def check_lengths(self, model, tok, max_new_tokens, parenthesised=False, turns=1, extra=0):
+        """The longest prompt plus max_new_tokens (turns times, extra tokens between) must fit the
+        model's context: checked before any work. parenthesised: the run also uses the parenthesised
+        problems (longer prompts)."""
+        longest = (arithmetic.max_prompt_tokens(tok, True) if parenthesised
+                   else task.max_prompt_tokens(tok))
+        check_fits(longest, max_new_tokens, model.config.block_size, turns, extra)
+
+    def parked_moments(self, optimizer):
+        """With --offload_optimizer on a GPU, ParkedMoments(optimizer); elsewhere nothing moves."""
+        if getattr(self.args, "offload_optimizer", False) and self.device.startswith("cuda"):
+            return ParkedMoments(optimizer)
+        return contextlib.nullcontext()
