@@ -31,17 +31,22 @@ __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "fingerprint
 # -----------------------------------------------------------------------------
 # This project's checkpoints: one dict
 
-def save_checkpoint(path, model, tokenizer_name, optimizer=None, step=0, args=None, **extra):
+def save_checkpoint(path, model, tokenizer_name, optimizer=None, step=0, args=None, state=None,
+                    **extra):
     """Write {model, kind, config, tokenizer, optimizer, step, args, ...} to `path` through a
     temporary file, synced, and a rename: a crash never leaves half a checkpoint under the real
-    name. A model with LoRA adapters is saved with them and their settings ("lora"). A write that
-    fails (a full disk) is one CheckpointError, the earlier file at `path` untouched."""
+    name. A model with LoRA adapters is saved with them and their settings ("lora"). optimizer:
+    one, or its state_dict; state: the model's state_dict, if not model's own (an FSDP run's,
+    gathered). A write that fails (a full disk) is one CheckpointError, the earlier file at `path`
+    untouched."""
+    if optimizer is not None and not isinstance(optimizer, dict):
+        optimizer = optimizer.state_dict()
     ckpt = {
-        "model": model.state_dict(),
+        "model": model.state_dict() if state is None else state,
         "kind": "scalar" if isinstance(model, ScalarGPT) else "gpt",
         "config": asdict(model.config),
         "tokenizer": tokenizer_name,
-        "optimizer": None if optimizer is None else optimizer.state_dict(),
+        "optimizer": optimizer,
         "step": step,
         "args": vars(args) if hasattr(args, "__dict__") else args,
         **({"lora": model.lora} if getattr(model, "lora", None) else {}),

@@ -188,14 +188,14 @@ def main(args):
     # device, seeds, lock, log, resume: plumbing.py
     run = DistillRun("distill", args, batch_flag="prompts_per_step")
     policy, tok, teacher = load_models(run, args)
-    optimizer = torch.optim.AdamW(trainable(policy), lr=args.lr, weight_decay=args.weight_decay,
-                                  betas=(0.9, 0.99))
+    train_policy = run.ddp(policy)  # DDP or --fsdp's shards under torchrun, else the policy
+    optimizer = torch.optim.AdamW(trainable(train_policy), lr=args.lr,
+                                  weight_decay=args.weight_decay, betas=(0.9, 0.99))
     # the teacher's held-out accuracy, once per run (before resume: run.evaluate records the step it
     # evaluated)
     teacher_eval = (run.resume_ckpt.get("teacher_eval", {}) if args.resume
                     else run.evaluate(teacher, tok))
     run.resume(policy, optimizer)
-    train_policy = run.ddp(policy)                  # DDP under torchrun, else the policy itself
     P, G, temp = args.prompts_per_step, args.group_size, args.temperature
     run.print(f"distillation: student {policy.num_params() / 1e6:.2f}M parameters "
               f"({args.init}), teacher {teacher.num_params() / 1e6:.2f}M ({args.teacher}, "
@@ -247,7 +247,7 @@ def main(args):
                 kl_exact += torch.where(real, kl(s, teacher_logits, temp), 0.0).sum() / n_tokens
                 kl_forward += torch.where(real, kl(teacher_logits, s, temp), 0.0).sum() / n_tokens
                 ent += torch.where(real, entropy(s, temp), 0.0).sum() / n_tokens
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
+        grad_norm = run.clip_grad_norm(train_policy, args.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         run.step += 1

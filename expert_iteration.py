@@ -225,12 +225,12 @@ def main(args):
           else None)
     rm_weights = run.parked(rm, policy)             # in host memory outside step 2 (a GPU)
     run.check_lengths(policy, tok, args.max_new_tokens)
-    optimizer = torch.optim.AdamW(trainable(policy), lr=args.lr, weight_decay=args.weight_decay,
-                                  betas=(0.9, 0.99))
+    train_policy = run.ddp(policy)  # DDP or --fsdp's shards under torchrun, else the policy
+    optimizer = torch.optim.AdamW(trainable(train_policy), lr=args.lr,
+                                  weight_decay=args.weight_decay, betas=(0.9, 0.99))
     ckpt = run.resume(policy, optimizer)
     # --restart trains on all of it
     kept_so_far = [(p, tuple(c)) for p, c in ckpt["kept_so_far"]] if ckpt else []
-    train_policy = run.ddp(policy)                  # DDP under torchrun, else the policy itself
     P, N = args.prompts_per_round, args.samples_per_prompt
     which = "the verifier-accepted" if args.select == "verifier" else "the reward model's best-of-N"
     start = ("from the SFT weights on all data so far (--restart)" if args.restart
@@ -304,7 +304,7 @@ def main(args):
                 run.check_finite(part, f"lower --lr (now {args.lr})")
                 part.backward()
                 loss = loss + part.detach()
-            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
+            grad_norm = run.clip_grad_norm(train_policy, args.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             losses.append(run.all_sum(loss).item())

@@ -130,6 +130,10 @@ def add_run_flags(parser, script, log_every, eval_every):
              "Qwen2.5-0.5B) in host memory, on the device only for the optimizer's step, a chunk "
              "of parameters at a time (parking.ParkedMoments): the same numbers, two copies over "
              "PCIe a step; nothing moves on another device")
+    add("--fsdp", action="store_true",
+        help="shard the weights, gradients and AdamW moments of what trains over the torchrun "
+             "processes (FSDP2; distributed.py): each holds 1/world of them, one block whole at a "
+             "time, and a whole copy for sampling; in one process a single shard")
     if script not in ("rm", "{orm,prm}"):                     # the scripts that train a policy
         add("--lora_rank", type=Int(ge=0), default=0,
             help="LoRA (lora.py): train rank-r adapters on the projections, every weight frozen; "

@@ -275,10 +275,10 @@ def main(args):
     ref = run.reference(args.init, policy, bf16=True)   # ... frozen as the reference (bf16 on GPU)
     ref_weights = run.parked(ref, policy)               # ... in host memory outside step 2 (GPU)
     run.check_lengths(policy, tok, args.max_new_tokens)
-    optimizer = torch.optim.AdamW(trainable(policy), lr=args.lr, weight_decay=args.weight_decay,
-                                  betas=(0.9, 0.99))
+    train_policy = run.ddp(policy)  # DDP or --fsdp's shards under torchrun, else the policy
+    optimizer = torch.optim.AdamW(trainable(train_policy), lr=args.lr,
+                                  weight_decay=args.weight_decay, betas=(0.9, 0.99))
     run.resume(policy, optimizer)
-    train_policy = run.ddp(policy)                      # DDP under torchrun, else the policy
     P, G, temp = args.prompts_per_step, args.group_size, args.temperature
     run.print(f"GRPO: {policy.num_params() / 1e6:.2f}M parameters on {run.device}, {args.steps} "
               f"steps of {P} prompts x {G} samples, beta {args.beta} ({args.kl_estimator}), "
@@ -345,7 +345,7 @@ def main(args):
                 part.backward()
                 loss = loss + part.detach()
                 stats = {k: stats.get(k, 0.0) + v for k, v in part_stats.items()}
-            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
+            grad_norm = run.clip_grad_norm(train_policy, args.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)     # the gradients freed until the next backward
         run.step += 1

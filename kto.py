@@ -199,10 +199,10 @@ def main(args):
     run = Run("kto", args, batch_flag="batch_size")
     model, tok = run.load_policy(args.init)         # the policy starts as the SFT policy ...
     reference = run.reference(args.init, model)     # ... which stays frozen as pi_ref
-    optimizer = torch.optim.AdamW(trainable(model), lr=args.lr, weight_decay=args.weight_decay,
-                                  betas=(0.9, 0.99))
+    train_model = run.ddp(model)  # DDP or --fsdp's shards under torchrun, else the model
+    optimizer = torch.optim.AdamW(trainable(train_model), lr=args.lr,
+                                  weight_decay=args.weight_decay, betas=(0.9, 0.99))
     run.resume(model, optimizer)
-    train_model = run.ddp(model)                    # DDP under torchrun, else the model itself
     # The data: one completion per training prompt, sampled from the reference policy with its own
     # seed (the same on every process and on --resume), labelled by the verifier; their reference
     # log-probs, computed once. The held-out pairs are task.preference_dataset's (its cache), for
@@ -281,7 +281,7 @@ def main(args):
             loss = loss + part.detach()
             parts.append((policy_logp.detach(), rewards.detach()))
         policy_logp, rewards = (torch.cat(t) for t in zip(*parts))          # (B,)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        grad_norm = run.clip_grad_norm(train_model, args.grad_clip)
         optimizer.step()
         run.step += 1
         run.tokens += args.batch_size

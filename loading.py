@@ -231,8 +231,8 @@ class Models:
             model = add_adapters(model, r, self.args.lora_alpha, self.args.lora_targets)
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
-        if self.device.startswith("cuda"):
-            compact(model)
+        if self.device.startswith("cuda") and not getattr(self.args, "fsdp", False):
+            compact(model)                     # (FSDP shards each block's tensors in one dtype)
         n = sum(p.numel() for p in trainable(model))
         self.print(f"LoRA: rank {r}, alpha {self.args.lora_alpha:g} on "
                    f"{', '.join(model.lora['targets'])}: {n / 1e6:.3f}M of "

@@ -160,6 +160,7 @@ def adapters(model):
 
 def trainable(model):
     """The parameters that train: the adapters where the model has them, else every parameter."""
+    model = getattr(model, "module", model)                 # DistributedDataParallel's
     return adapters(model) if getattr(model, "lora", None) else list(model.parameters())
 
 

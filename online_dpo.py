@@ -198,10 +198,10 @@ def main(args):
     rm = (run.load_reward_model(args.rm, args.init).requires_grad_(False) if args.judge == "rm"
           else None)
     run.check_lengths(model, tok, args.max_new_tokens)
-    optimizer = torch.optim.AdamW(trainable(model), lr=args.lr, weight_decay=args.weight_decay,
-                                  betas=(0.9, 0.99))
+    train_model = run.ddp(model)  # DDP or --fsdp's shards under torchrun, else the model
+    optimizer = torch.optim.AdamW(trainable(train_model), lr=args.lr,
+                                  weight_decay=args.weight_decay, betas=(0.9, 0.99))
     run.resume(model, optimizer)
-    train_model = run.ddp(model)                    # DDP under torchrun, else the model itself
     # The held-out pairs: task.preference_dataset's (its cache), as dpo.py's for comparable metrics
     eval_pairs = task.preference_pairs(task.eval_prompts(), reference, tok, seed=args.seed + 1,
                                        cache=os.path.join(args.out, "pairs_eval.json")
@@ -262,7 +262,7 @@ def main(args):
                           rejected_rewards.detach()))
         policy_chosen, policy_rejected, chosen_rewards, rejected_rewards = (
             torch.cat(x) for x in zip(*parts))                                  # (P',) each
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        grad_norm = run.clip_grad_norm(train_model, args.grad_clip)
         if n_pairs > 0:                                             # all ties everywhere: no update
             optimizer.step()
         run.step += 1

@@ -162,10 +162,10 @@ def main(args):
     run = Run("orpo", args, batch_flag="batch_size")
     model, tok = run.load_policy(args.init)         # the policy starts as the SFT policy ...
     reference = run.reference(args.init, model)     # ... frozen: the held-out KL, never the loss
-    optimizer = torch.optim.AdamW(trainable(model), lr=args.lr, weight_decay=args.weight_decay,
-                                  betas=(0.9, 0.99))
+    train_model = run.ddp(model)  # DDP or --fsdp's shards under torchrun, else the model
+    optimizer = torch.optim.AdamW(trainable(train_model), lr=args.lr,
+                                  weight_decay=args.weight_decay, betas=(0.9, 0.99))
     run.resume(model, optimizer)
-    train_model = run.ddp(model)                    # DDP under torchrun, else the model itself
     # The data: pairs sampled from the SFT policy (cached on disk); no reference log-probs (the
     # reward needs none).
     train_pairs, eval_pairs = task.preference_dataset(reference, tok, n_train=args.n_pairs,
@@ -210,7 +210,7 @@ def main(args):
                           chosen_log_odds.detach(), rejected_log_odds.detach()))
         policy_chosen, policy_rejected, chosen_log_odds, rejected_log_odds = (
             torch.cat(x) for x in zip(*parts))                                  # (B,) each
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        grad_norm = run.clip_grad_norm(train_model, args.grad_clip)
         optimizer.step()
         run.step += 1
         run.tokens += 2 * args.batch_size

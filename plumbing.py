@@ -102,6 +102,7 @@ class Run(Distributed, Models):
                                  f"processes and then into --grad_accum {k} micro-batches; "
                                  f"allowed: a multiple of {self.world} of at least "
                                  f"{self.world * k}")
+        self._check_fsdp()
         try:
             self.task = task.use(args)   # --task: what every task.* call draws from
         except ValueError as e:
@@ -229,6 +230,25 @@ class Run(Distributed, Models):
                 raise SystemExit(f"error: {e}") from None
 
 
+    def _check_fsdp(self):
+        """--fsdp with what it cannot serve: one line, before anything loads."""
+        if not getattr(self.args, "fsdp", False):
+            return
+        why = {"trpo": "its update is a natural-gradient step over one flat vector of every "
+                       "weight (conjugate gradients, a line search), which shards do not form",
+               "async_grpo": "its learner is one process (the actors sample apart)"}
+        if self.script in why:
+            raise SystemExit(f"error: --fsdp: {self.script}.py cannot shard: {why[self.script]}; "
+                             f"run it without --fsdp")
+        if getattr(self.args, "offload_optimizer", False):
+            raise SystemExit("error: --fsdp with --offload_optimizer: the moments are sharded "
+                             "over the processes already; choose one")
+        try:
+            from torch.distributed.fsdp import fully_shard  # noqa: F401
+        except ImportError:
+            raise SystemExit(f"error: --fsdp needs torch 2.6 or later (FSDP2's fully_shard); "
+                             f"this is torch {torch.__version__}") from None
+
     def _check_task_resume(self, saved):
         """--resume with the flags that make the prompts (the task, its format, the chat template,
         the tools, the data) as the checkpoint has them, or one line naming the flag that differs:
@@ -279,6 +299,7 @@ class Run(Distributed, Models):
         ckpt = self._load(model, optimizer, **modules)
         if optimizer is not None:
             self.moments = self.parked_moments(optimizer)
+            self.follow(optimizer)         # --fsdp: the whole models refreshed after each step
         return ckpt
 
     def _load(self, model, optimizer=None, **modules):
@@ -300,11 +321,9 @@ class Run(Distributed, Models):
         changed = [f"--{k} {saved[k]} -> {v}" for k, v in vars(args).items()
                    if k in saved and k not in ignore and saved[k] != v]
         try:
-            model.load_state_dict(ckpt["model"])
-            if optimizer is not None:
-                optimizer.load_state_dict(ckpt["optimizer"])
+            self.load_whole(model, ckpt["model"], optimizer, ckpt["optimizer"])
             for name, module in modules.items():
-                module.load_state_dict(ckpt[name])
+                self.load_whole(module, ckpt[name])
         except (RuntimeError, ValueError, KeyError) as e:
             why = " ".join(str(e).split())                   # one line, however torch words it
             raise SystemExit(f"error: {self.ckpt_path} does not fit this run's models "
@@ -441,12 +460,17 @@ class Run(Distributed, Models):
         """Checkpoint <out>/<script>.pt atomically: weights, optimiser, step, flags, random states
         (every rank's sampling stream), `extra`. Every rank calls it; rank 0 writes."""
         generators = self.gather(self.gen.get_state().cpu())
+        # --fsdp: the whole state gathered to rank 0 a tensor at a time (every rank takes part)
+        state = self.whole_state(model)
+        moments = None if optimizer is None else self.whole_optimizer_state(optimizer)
+        extra = {k: self.whole_state(v) if isinstance(v, torch.nn.Module) else v
+                 for k, v in extra.items()}
         if self.is_main:
             kept = {"chat_date": self.chat_date, "tokenizer_files": self.tokenizer_files}
             try:
                 with self.moments:                           # on the device while it is written
-                    save_checkpoint(self.ckpt_path, model, self.tokenizer_name, optimizer,
-                                    self.step, self.args, script=self.script,
+                    save_checkpoint(self.ckpt_path, model, self.tokenizer_name, moments,
+                                    self.step, self.args, state=state, script=self.script,
                                     sources=self.sources, rng=list(self.rng.getstate()),
                                     generator=generators[0], generators=generators,
                                     eval_before=self.before, samples=self.samples,

@@ -274,11 +274,12 @@ def main(args):
     ref_weights = run.parked(ref, policy)
     rm_weights = run.parked(rm, policy)             # the RM outside step 1 and evaluations (a GPU)
     run.check_lengths(policy, tok, args.max_new_tokens)
-    optimizer = torch.optim.AdamW([{"params": trainable(policy), "lr": args.lr},
-                                   {"params": critic.parameters(), "lr": args.critic_lr}],
+    # DDP or --fsdp's shards under torchrun, else the models themselves
+    train_policy, train_critic = run.ddp(policy), run.ddp(critic)
+    optimizer = torch.optim.AdamW([{"params": trainable(train_policy), "lr": args.lr},
+                                   {"params": train_critic.parameters(), "lr": args.critic_lr}],
                                   weight_decay=0.0, betas=(0.9, 0.95))
     ckpt = run.resume(policy, optimizer, critic=critic)
-    train_policy, train_critic = run.ddp(policy), run.ddp(critic)   # DDP under torchrun
     beta, temp = (ckpt["beta"] if ckpt else args.beta), args.temperature
     run.print(f"{'A2C (--a2c: 1 epoch, 1 minibatch, no clipping)' if args.a2c else 'PPO'}: policy "
               f"{policy.num_params() / 1e6:.2f}M parameters on {run.device}, reward {args.reward}, "
@@ -363,8 +364,8 @@ def main(args):
                                      ("clip_frac", masked_mean(clip_taken.float(), m, n_mb)),
                                      ("vf_clip_frac", masked_mean(vf_clipped, m, n_mb))):
                             mb_stats[k] += v.detach()
-                torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
-                torch.nn.utils.clip_grad_norm_(critic.parameters(), args.grad_clip)
+                run.clip_grad_norm(train_policy, args.grad_clip)
+                run.clip_grad_norm(train_critic, args.grad_clip)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 for k, v in mb_stats.items():
@@ -400,8 +401,8 @@ def main(args):
                              f"ev {metrics['explained_variance']:+.2f} | "
                              f"ent {metrics['entropy']:.3f}")
         if run.eval_due():
-            run.save(policy, optimizer, critic=critic.state_dict(), beta=beta)
-    run.finish(policy, tok, optimizer, critic=critic.state_dict(), beta=beta)
+            run.save(policy, optimizer, critic=critic, beta=beta)
+    run.finish(policy, tok, optimizer, critic=critic, beta=beta)
 
 
 if __name__ == "__main__":

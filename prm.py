@@ -310,10 +310,10 @@ def train(args, kind):
     run = Run("prm", args, name=kind, batch_flag="batch_size")
     sft, tok = run.load_policy(args.init)
     model = ScalarGPT.from_policy(sft)  # backbone = the SFT policy, head = 0: every p starts at 1/2
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
-                                  betas=(0.9, 0.99))
+    train_model = run.ddp(model)  # DDP or --fsdp's shards under torchrun, else the model
+    optimizer = torch.optim.AdamW(train_model.parameters(), lr=args.lr,
+                                  weight_decay=args.weight_decay, betas=(0.9, 0.99))
     run.resume(model, optimizer)
-    train_model = run.ddp(model)                        # DDP under torchrun, else the model itself
     # the data, the same in every run with this seed (its own generator: a resumed run draws it
     # again identically)
     gen = torch.Generator(device=run.device).manual_seed(args.seed)
@@ -389,7 +389,7 @@ def train(args, kind):
             hit = (logits.detach() > 0) == (labels[rows] > 0.5)         # p > 1/2 where the label is
             loss, right = (loss + part.item(),
                            right + torch.where(step_mask[rows] > 0, hit.float(), 0.0).sum())
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        grad_norm = run.clip_grad_norm(train_model, args.grad_clip)
         optimizer.step()
         run.step += 1
 

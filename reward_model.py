@@ -111,10 +111,10 @@ def main(args):
     run = Run("reward_model", args, name="rm", batch_flag="batch_size")
     sft, tok = run.load_policy(args.init)
     model = ScalarGPT.from_policy(sft)              # backbone = the SFT policy, head = 0
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
-                                  betas=(0.9, 0.99))
+    train_model = run.ddp(model)  # DDP or --fsdp's shards under torchrun, else the model
+    optimizer = torch.optim.AdamW(train_model.parameters(), lr=args.lr,
+                                  weight_decay=args.weight_decay, betas=(0.9, 0.99))
     run.resume(model, optimizer)
-    train_model = run.ddp(model)                    # DDP under torchrun, else the model itself
     train_pairs, eval_pairs = task.preference_dataset(sft, tok, n_train=args.n_train,
                                                       seed=args.seed, cache_dir=args.out)
     eval_pairs = eval_pairs[:args.eval_n]
@@ -158,7 +158,7 @@ def main(args):
             run.check_finite(part, f"lower --lr (now {args.lr})")
             part.backward()
             loss, margins = loss + part.item(), margins + [(r_c - r_r).detach()]
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        grad_norm = run.clip_grad_norm(train_model, args.grad_clip)
         optimizer.step()
         run.step += 1
 

@@ -101,10 +101,10 @@ def main(args):
                               n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
                               pos=args.pos)).to(run.device)
     model.grad_checkpoint = args.grad_checkpoint
-    optimizer = torch.optim.AdamW(trainable(model), lr=args.lr, weight_decay=args.weight_decay,
-                                  betas=(0.9, 0.99))
+    train_model = run.ddp(model)     # DDP or --fsdp's shards under torchrun, else the model
+    optimizer = torch.optim.AdamW(trainable(train_model), lr=args.lr,
+                                  weight_decay=args.weight_decay, betas=(0.9, 0.99))
     run.resume(model, optimizer)
-    train_model = run.ddp(model)     # DistributedDataParallel under torchrun, else the model itself
     run.print(f"SFT: {model.num_params() / 1e6:.2f}M parameters on {run.device}, {args.steps} "
               f"steps of {args.batch_size}")
     if not args.resume:                             # a fresh run: random init (or --init) is step 0
@@ -135,7 +135,7 @@ def main(args):
             run.check_finite(part, f"lower --lr (now {args.lr})")
             part.backward()
             loss += part.item()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        grad_norm = run.clip_grad_norm(train_model, args.grad_clip)
         optimizer.step()
         run.step += 1
         run.tokens += int(run.all_sum(attn.sum()))

@@ -45,6 +45,13 @@ SHAPES = {   # config.json of each family's checkpoint, as model.pretrained_conf
                          tie_embeddings=True),
     "gpt2": dict(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768,
                  gelu="tanh"),
+    "qwen2.5-7b": dict(vocab_size=152064, block_size=32768, n_layer=28, n_head=28, n_kv_head=4,
+                       n_embd=3584, mlp_hidden=18944, norm="rmsnorm", norm_eps=1e-6, pos="rope",
+                       rope_theta=1e6, mlp="swiglu", bias=False, qkv_bias=True,
+                       tie_embeddings=False),
+    "llama-3.1-8b": dict(vocab_size=128256, block_size=131072, n_layer=32, n_head=32, n_kv_head=8,
+                         n_embd=4096, mlp_hidden=14336, norm="rmsnorm", norm_eps=1e-5, pos="rope",
+                         rope_theta=5e5, mlp="swiglu", bias=False, tie_embeddings=False),
 }
 # (log-prob path, checkpointing)
 CONFIGS = [("logits", False), ("logits", True), ("fused", False), ("fused", True)]
@@ -146,6 +153,76 @@ def update(policy, optimizer, prompt, prompt_mask, tokens, mask, old_logp, ref_l
     optimizer.step()
 
 
+# -----------------------------------------------------------------------------
+# --ledger: GRPO full fine-tuning's peak per GPU on paper, DDP against --fsdp (distributed.py)
+
+def counts(shape):
+    """Parameter counts of a shape, from the model built on the meta device (no memory): all, the
+    blocks' linear layers (bfloat16 in the whole copy and the reference), the root's (embedding,
+    final norm, head: one FSDP unit, whole through forward and backward) and the largest block."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**SHAPES[shape]))
+    n = lambda ps: sum(p.numel() for p in ps)
+    blocks = list(model.blocks)
+    return {"all": model.num_params(),
+            "linear": n(m.weight for b in blocks for m in b.modules()
+                        if isinstance(m, torch.nn.Linear)),
+            "root": model.num_params() - n(p for b in blocks for p in b.parameters()),
+            "block": max(n(b.parameters()) for b in blocks), "config": model.config}
+
+
+def ledger_rows(shape, world, rows, tokens, sample_rows):
+    """{phase: (GiB per GPU, formula)} for `world` GPUs under DDP and --fsdp: setup (both models
+    read whole before the reference drops to bfloat16 and the policy is sharded), sampling (step 1),
+    scoring (step 2: the reference on the device), update (step 4, --grad_checkpoint, the fused
+    log-prob path, micro-batches of `rows` x `tokens`). P all parameters, L the linear ones, R the
+    root's, K one block's, W the world; the activations: the checkpointed block inputs (float32
+    residual stream) and one block recomputed in bfloat16 (its projections' outputs and the
+    MLP's three), twice over for its backward; the KV cache bfloat16."""
+    c, G = counts(shape), 2**30
+    P, L, R, K, cfg = c["all"], c["linear"], c["root"], c["block"], c["config"]
+    copy = 2 * L + 4 * (P - L)                          # bf16 linears, float32 the rest
+    acts = (cfg.n_layer * rows * tokens * cfg.n_embd * 4
+            + 2 * rows * tokens * (8 * cfg.n_embd + 3 * cfg.mlp_hidden) * 2)
+    kv = sample_rows * tokens * cfg.n_layer * 2 * cfg.kv_heads * cfg.head_size * 2
+    ddp = 16 * P                                        # float32 weights, gradients, m, v
+    fsdp = 16 * P / world                               # the same, 1/W of each
+    gathered = 4 * R * 2 + 4 * K * 3                    # root weights + grads, 2 blocks + 1 grad
+    setup = (8 * P, "8P (policy and reference read in float32)")
+    out = {"ddp": {"setup": setup, "sample": (ddp + kv, "16P + KV"),
+                   "score": (ddp + copy, "16P + ref(2L + 4(P-L))"),
+                   "update": (ddp + acts, "16P + activations")},
+           "fsdp": {"setup": setup, "sample": (fsdp + copy + kv, "16P/W + copy(2L + 4(P-L)) + KV"),
+                    "score": (fsdp + 2 * copy, "16P/W + copy + ref"),
+                    "update": (fsdp + copy + gathered + acts,
+                               "16P/W + copy + 8R + 12K + activations")}}
+    return {k: {ph: (b / G, f) for ph, (b, f) in v.items()} for k, v in out.items()}, c
+
+
+def ledger(args):
+    print(f"GRPO full fine-tuning, per GPU of {args.gpu_gib:g} GiB, on paper (bench/memory.py "
+          f"--ledger): update micro-batches of {args.rows} rows x {args.tokens} tokens "
+          f"(--grad_checkpoint, fused log-probs), sampling {args.sample_rows} rows' KV cache")
+    print("| model | params | GPUs | engine | setup GiB | sampling GiB | scoring GiB | update GiB "
+          "| peak GiB | fits |")
+    print("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |")
+    formulas = {}
+    for shape in ("qwen2.5-7b", "llama-3.1-8b"):
+        for world in (4, 8):
+            rows, c = ledger_rows(shape, world, args.rows, args.tokens, args.sample_rows)
+            for engine in ("ddp", "fsdp"):
+                phases = rows[engine]
+                peak = max(g for g, _ in phases.values())
+                formulas[engine] = {ph: f for ph, (_, f) in phases.items()}
+                print(f"| {shape} | {c['all'] / 1e9:.2f}B | {world} | "
+                      f"{'DDP' if engine == 'ddp' else '--fsdp'} | "
+                      + " | ".join(f"{phases[ph][0]:.1f}"
+                                   for ph in ("setup", "sample", "score", "update"))
+                      + f" | {peak:.1f} | {'yes' if peak <= args.gpu_gib else 'no'} |")
+    for engine, fs in formulas.items():
+        print(f"{engine}: " + "; ".join(f"{ph} {f}" for ph, f in fs.items()))
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
     p.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
@@ -157,6 +234,13 @@ def parse_args(argv=None):
     p.add_argument("--grad_accum", type=int, default=1, help="micro-batches of each phase")
     p.add_argument("--lora_rank", type=int, default=0,
                    help="compare full fine-tuning with LoRA of this rank")
+    p.add_argument("--ledger", action="store_true",
+                   help="the per-GPU peak of 7B-8B full fine-tuning under DDP and --fsdp, on paper")
+    p.add_argument("--gpu_gib", type=float, default=80.0, help="--ledger: a GPU's memory")
+    p.add_argument("--tokens", type=int, default=1280,
+                   help="--ledger: prompt + completion tokens of a row")
+    p.add_argument("--sample_rows", type=int, default=64,
+                   help="--ledger: rows sampled at once on a GPU (their KV cache)")
     p.add_argument("--config", default=None,
                    help="internal: one phase, 'phase,path,checkpointing,lora'")
     args = p.parse_args(argv)
@@ -186,6 +270,9 @@ def child(flags, phase, path, checkpointing, lora=0):
 
 
 def main(args):
+    if args.ledger:
+        ledger(args)
+        return
     if args.config:                                    # a child: one phase, one JSON line
         phase, path, checkpointing, lora = args.config.split(",")
         print(json.dumps(one_phase(args, phase, path, checkpointing == "1", int(lora))))

@@ -264,9 +264,14 @@ def recording_randperm():
 
 
 def save_init(params):
+    """The starting weights to $DDP_WORKER_INIT (rank 0); --fsdp's shards made whole first (every
+    rank takes part)."""
     path = os.environ.get("DDP_WORKER_INIT")
-    if path and int(os.environ.get("RANK", 0)) == 0 and not os.path.exists(path):
-        torch.save([p.detach().cpu().clone() for p in params], path)
+    if not path:
+        return
+    whole = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in params]
+    if int(os.environ.get("RANK", 0)) == 0 and not os.path.exists(path):
+        torch.save([p.detach().cpu().clone() for p in whole], path)
 
 
 class SGD(torch.optim.SGD):

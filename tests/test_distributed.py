@@ -3,6 +3,7 @@ prompts and two processes with P/2 each in --grad_accum 2 micro-batches must mak
 the same weights after it, and the same loss and pre-clip gradient norm (both scale with the
 normalisers, which AdamW's first step does not: a wrong token count would still give nearly the same
 weights). Then a real torchrun run of grpo.py, and its resume."""
+import argparse
 import json
 import os
 import socket
@@ -12,10 +13,16 @@ import sys
 import pytest
 import torch
 
+import task
 from checkpoint import load_checkpoint, save_checkpoint
-from conftest import ROOT
+from conftest import ROOT, task_args
+from model import GPT, GPTConfig
+from tokenizer import Tokenizer
 
 WORKER = os.path.join(ROOT, "tests", "ddp_worker.py")
+
+
+DONE = object()                         # update((DONE, ...)): a run already waited for
 
 
 def free_port():
@@ -69,8 +76,9 @@ def start_update(script, flags, out, nproc=1, grad_accum=1):
 def update(started):
     """The started update's result: (the change of every weight, the last step's logged metrics)."""
     p, script, out = started
-    p = finished(p)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    if p is not DONE:
+        p = finished(p)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     name = "rm" if script == "reward_model" else script
     model, _ = load_checkpoint(os.path.join(out, f"{name}.pt"))
     rows = [json.loads(line) for line in open(os.path.join(out, name, "metrics.jsonl"))]
@@ -207,6 +215,112 @@ def test_two_processes_and_grad_accum_make_the_same_update_as_one_process(case, 
         assert one[1]["informative"] == 0.75 and one[1]["ties"] == 2
 
 
+@pytest.fixture(scope="module")
+def tool_init(tmp_path_factory):
+    """A random policy for the tool task (agent.py's planned episodes need no skill)."""
+    task.use(task_args("toolcalc"))
+    torch.manual_seed(0)
+    path = str(tmp_path_factory.mktemp("tool_init") / "init.pt")
+    tok = Tokenizer()
+    save_checkpoint(path, GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=96, n_layer=2,
+                                        n_head=2, n_embd=32)), tok.name)
+    task.use(task_args())
+    return path
+
+
+# --fsdp against DDP, both on 2 processes x 2 micro-batches: grpo over two steps of two passes (the
+# second step's rollouts scored by the whole copy, refreshed from the shards), ppo's two models in
+# one optimizer, dpo, sft, the agent and grpo's LoRA adapters
+FSDP_CASES = {
+    "grpo": ("grpo", RL + ["--mu", "2", "--steps", "2"], ["loss", "grad_norm", "kl_exact",
+                                                          "approx_kl", "clip_frac"]),
+    "grpo --lora_rank 2": ("grpo", RL + ["--lora_rank", "2"],
+                           ["loss", "grad_norm", "kl_exact"]),
+    "ppo": CASES["ppo"],
+    "dpo": CASES["dpo"],
+    "sft": CASES["sft"],
+    "agent": ("agent", ["--steps", "2", "--mu", "2", "--prompts_per_step", "4", "--group_size", "4",
+                        "--precedence_share", "0.5", "--max_new_tokens", "34", "--init", "TOOL"],
+              ["loss", "grad_norm", "kl_exact", "reward_mean"]),
+}
+
+
+@pytest.mark.parametrize("case", list(FSDP_CASES))
+def test_fsdp_makes_the_same_update_as_ddp(case, tiny_sft, tmp_path, request):
+    """2 processes with --fsdp (FSDP2 shards, summed reduce-scatters, the global-norm clip, the
+    whole state gathered into the checkpoint) and 2 with DDP: the same weights after the update
+    (within 1e-5) and the same logged metrics. A block left out of the shards would train on rank
+    0's gradient alone, and a reduce-scatter that averages would halve the step."""
+    script, flags, keys = FSDP_CASES[case]
+    flags = [request.getfixturevalue("tool_init") if f == "TOOL" else f for f in flags]
+    flags = flags + (["--init", tiny_sft] if script not in ("sft", "agent") else [])
+    if script != "sft":
+        flags += ["--grad_clip", "0.5"]             # the clip acts: its norm must be the whole one
+    runs = [start_update(script, flags, str(tmp_path / "ddp"), nproc=2, grad_accum=2),
+            start_update(script, flags + ["--fsdp"], str(tmp_path / "fsdp"), nproc=2,
+                         grad_accum=2)]
+    for p, _, _ in runs:
+        p = finished(p)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    (wa, ma), (wb, mb) = [(load_checkpoint(os.path.join(out, f"{script}.pt"))[1]["model"],
+                           [json.loads(line) for line in
+                            open(os.path.join(out, script, "metrics.jsonl"))][-1])
+                          for _, _, out in runs]
+    if "--lora_rank" in flags:                                   # B starts at 0
+        moved = max(v.abs().max().item() for k, v in wa.items() if "lora_B" in k)
+        assert moved > 1e-3
+    else:                               # the updates relative to their size (sft's are 2e-5)
+        assert_same_update(*[update((DONE, script, out)) for _, _, out in runs], keys)
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=1e-5, msg=k)
+    for k in keys:
+        assert mb[k] == pytest.approx(ma[k], rel=1e-5, abs=1e-7), (k, ma[k], mb[k])
+
+
+def test_fsdp_shards_every_block_then_the_root_and_sums_the_gradients():
+    """In a group of one: every block its own FSDP unit, then the root; every parameter of the twin
+    sharded (a DTensor), none of the whole model's; the twin's gradient summed (divide factor 1);
+    the whole copy follows the optimizer, and whole_state is the copy's state in float32."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from distributed import Distributed
+    from model import Block
+
+    run = Distributed()
+    run.args, run.device = argparse.Namespace(fsdp=True, grad_accum=1), "cpu"
+    run.processes()
+    run.join()
+    try:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=16))
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        twin = run.ddp(model)
+        blocks = [m for m in twin.modules() if isinstance(m, Block)]
+        assert len(blocks) == 3 and all(isinstance(b, FSDPModule) for b in blocks)
+        assert isinstance(twin, FSDPModule)
+        assert all(isinstance(p, DTensor) for p in twin.parameters())
+        assert not any(isinstance(p, DTensor) for p in model.parameters())
+        optimizer = torch.optim.SGD(twin.parameters(), lr=1.0)
+        run.follow(optimizer)
+        idx = torch.randint(0, 64, (2, 8))
+        twin(idx, targets=idx[:, 1:]).sum().backward()
+        grad = {k: p.grad.full_tensor().clone() for k, p in twin.named_parameters()}
+        reference = GPT(model.config)
+        reference.load_state_dict(before)
+        reference(idx, targets=idx[:, 1:]).sum().backward()
+        for k, p in reference.named_parameters():          # the sum over the one rank: itself
+            torch.testing.assert_close(grad[k], p.grad, rtol=1e-5, atol=1e-6, msg=k)
+        optimizer.step()
+        state = run.whole_state(model)
+        for k, v in model.state_dict().items():            # the copy moved with the shards
+            torch.testing.assert_close(v, before[k] - dict(reference.named_parameters()).get(
+                k, reference.lm_head.weight).grad, msg=k)
+            assert torch.equal(state[k], v)
+    finally:
+        run.leave()
+
+
 def test_a_nan_loss_on_one_rank_stops_every_rank(tiny_sft, tmp_path):
     """Rank 1 alone sees a NaN loss: both ranks stop at once with one message (a rank that left
     alone would leave the other waiting in the next all-reduce until the backend's timeout, here the
@@ -240,6 +354,65 @@ def test_torchrun_grpo_writes_from_rank_0_and_resumes(tiny_sft, tmp_path):
     assert load_checkpoint(os.path.join(out, "grpo.pt"))[1]["step"] == 3
 
 
+def test_an_fsdp_checkpoint_is_one_processs_and_resumes_on_another_number_of_processes(
+        tiny_sft, tmp_path):
+    """torchrun --fsdp on 2 processes writes what one process writes (whole tensors, the optimizer
+    state by index), resumes in one process without --fsdp, and that one's checkpoint resumes on
+    2 processes with --fsdp again."""
+    out = str(tmp_path)
+    flags = ["grpo.py", "--prompts_per_step", "4", "--group_size", "2", "--log_every", "1",
+             "--eval_every", "2", "--eval_n", "4", "--init", tiny_sft, "--out", out]
+    p = finished(launch(flags + ["--steps", "2", "--fsdp"], nproc=2))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    model, ckpt = load_checkpoint(os.path.join(out, "grpo.pt"))
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    assert {k: v.shape for k, v in ckpt["model"].items()} == shapes
+    moments = ckpt["optimizer"]["state"]
+    assert [moments[i]["exp_avg"].shape for i in range(len(moments))] == \
+        [p.shape for p in model.parameters()]
+    p = finished(launch(flags + ["--steps", "3", "--resume"], nproc=1))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "resuming from" in p.stdout and "written by 2 process(es)" in p.stdout
+    p = finished(launch(flags + ["--steps", "4", "--resume", "--fsdp"], nproc=2))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert [json.loads(line)["step"]
+            for line in open(os.path.join(out, "grpo", "metrics.jsonl"))] == [0, 1, 2, 3, 4]
+
+
+def test_two_machines_are_two_torchrun_launches_and_make_one_machines_run(tiny_sft, tmp_path):
+    """Two torchrun launches as two nodes of one process each (--nnodes 2, --node_rank, a localhost
+    rendezvous), with --fsdp: the same metrics as 2 processes on one node."""
+    flags = ["grpo.py", "--fsdp", "--steps", "2", "--prompts_per_step", "4", "--group_size", "2",
+             "--log_every", "1", "--eval_n", "4", "--init", tiny_sft]
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
+           "OMP_NUM_THREADS": "1"}
+    port = str(free_port())
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                               "--nproc_per_node", "1", "--node_rank", str(rank), "--master_addr",
+                               "127.0.0.1", "--master_port", port, *flags, "--out",
+                               str(tmp_path / "nodes")], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for rank in (0, 1)]
+    one = launch(flags + ["--out", str(tmp_path / "one")], nproc=2)
+    for p in [*nodes, one]:
+        p = finished(p)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    timing = ("elapsed_s", "tokens_per_sec")
+    rows = [[{k: v for k, v in json.loads(line).items() if k not in timing}
+             for line in open(tmp_path / out / "grpo" / "metrics.jsonl")]
+            for out in ("nodes", "one")]
+    assert len(rows[0]) == 3 and rows[0] == rows[1]
+
+
+def test_fsdp_with_what_it_cannot_serve_is_one_line_before_anything_is_written(tiny_sft, tmp_path):
+    for argv, words in ((["trpo.py", "--fsdp"], "--fsdp: trpo.py cannot shard"),
+                        (["grpo.py", "--fsdp", "--offload_optimizer"],
+                         "--fsdp with --offload_optimizer")):
+        out = str(tmp_path / "out")
+        p = finished(launch(argv + ["--init", tiny_sft, "--out", out], nproc=1))
+        assert p.returncode != 0 and words in p.stderr and p.stderr.count("\n") == 1, p.stderr
+        assert not os.path.exists(out)
+
+
 def test_a_batch_that_does_not_split_over_the_processes_is_refused(tiny_sft, tmp_path):
     p = finished(launch(["grpo.py", "--prompts_per_step", "3", "--init", tiny_sft,
                          "--out", str(tmp_path)], nproc=2))
@@ -247,7 +420,9 @@ def test_a_batch_that_does_not_split_over_the_processes_is_refused(tiny_sft, tmp
             and "--prompts_per_step 3 must split evenly over 2 processes" in p.stdout + p.stderr)
 
 
-def test_a_killed_rank_stops_the_others_with_one_line_naming_the_checkpoint(tiny_sft, tmp_path):
+@pytest.mark.parametrize("engine", [[], ["--fsdp"]], ids=["ddp", "fsdp"])
+def test_a_killed_rank_stops_the_others_with_one_line_naming_the_checkpoint(engine, tiny_sft,
+                                                                             tmp_path):
     """kill -9 of rank 1 mid-run: rank 0 stops within seconds with one line naming the last
     checkpoint (intact) and the resume command, no backend traceback, the lock released."""
     import re
@@ -255,7 +430,8 @@ def test_a_killed_rank_stops_the_others_with_one_line_naming_the_checkpoint(tiny
     import time
     out = str(tmp_path)
     p = launch(["grpo.py", "--prompts_per_step", "4", "--group_size", "2", "--eval_every", "1",
-                "--eval_n", "4", "--steps", "500", "--init", tiny_sft, "--out", out], nproc=2)
+                "--eval_n", "4", "--steps", "500", "--init", tiny_sft, "--out", out, *engine],
+               nproc=2)
     ckpt, started = os.path.join(out, "grpo.pt"), time.time()
     while not os.path.exists(ckpt) and time.time() - started < 120 and p.poll() is None:
         time.sleep(0.1)
