@@ -105,6 +105,13 @@ class Distributed:
         dist.all_reduce(x)
         return x
 
+    def max(self, x):
+        """The largest of x's elements over every rank, a float."""
+        x = x.detach().max().clone()
+        if self.world > 1:
+            dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        return x.item()
+
     def mean(self, x, mask=None):
         """The mean of x's elements over every rank (where mask is 1), a float: for metrics."""
         if mask is None:

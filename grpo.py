@@ -240,32 +240,37 @@ def parse_args(argv=None):
 
 
 def rollout(run, policy, tok, args):
-    """Step 1, G completions for each of this rank's prompts, scored: (task.Rollout, rounds).
-    --dynamic_sampling: keep dynamic_sampling_keep's groups, sampling again (at most
-    --max_sample_rounds) until every rank has its share of P of them. A rank that keeps none trains
-    on its last round, each reward set to its group's mean (A = 0)."""
+    """Step 1, G completions for each of this rank's prompts, scored: (task.Rollout, the log-probs
+    the sampler drew each token with (B, Tn), rounds). --dynamic_sampling: keep
+    dynamic_sampling_keep's groups, sampling again (at most --max_sample_rounds) until every rank
+    has its share of P of them. A rank that keeps none trains on its last round, each reward set to
+    its group's mean (A = 0)."""
     kept, rounds = [], 0
     while True:
         prompts = run.shard(task.sample_prompts(run.rng, args.prompts_per_step,
                                                 args.precedence_share))
         with run.autocast:
-            batch = task.rollout(policy, tok, prompts, args.group_size, args.temperature,
-                                 args.max_new_tokens, args.format_weight, run.gen)
+            batch, logp = task.rollout(policy, tok, prompts, args.group_size, args.temperature,
+                                       args.max_new_tokens, args.format_weight, run.gen,
+                                       return_logprobs=True)
         rounds += 1
         if not args.dynamic_sampling:
-            return batch, rounds
+            return batch, logp, rounds
         keep = dynamic_sampling_keep(batch.correct, args.group_size)   # (B,) bool
-        kept.append(task.Rollout(*(x[keep] for x in batch)))
+        kept.append((task.Rollout(*(x[keep] for x in batch)), logp[keep]))
         rows = len(prompts) * args.group_size
         # any rank short
-        short = run.all_sum(float(sum(len(b.rewards) for b in kept) < rows)).item() > 0
+        short = run.all_sum(float(sum(len(b.rewards) for b, _ in kept) < rows)).item() > 0
         if not short or rounds == args.max_sample_rounds:
             break
-    if sum(len(b.rewards) for b in kept) == 0:
+    if sum(len(b.rewards) for b, _ in kept) == 0:
         # nothing informative: the last round, its rewards set to their group's mean (A = 0)
         mean = batch.rewards.view(-1, args.group_size).mean(1)
-        return batch._replace(rewards=mean.repeat_interleave(args.group_size)), rounds
-    return task.Rollout(*(x[:rows] for x in task.concat_rollouts(kept, tok.pad_id))), rounds
+        return batch._replace(rewards=mean.repeat_interleave(args.group_size)), logp, rounds
+    batch = task.concat_rollouts([b for b, _ in kept], tok.pad_id)
+    Tn = batch.tokens.size(1)                     # every round's log-probs padded as its tokens
+    logp = torch.cat([torch.nn.functional.pad(lp, (0, Tn - lp.size(1))) for _, lp in kept])
+    return task.Rollout(*(x[:rows] for x in batch)), logp[:rows], rounds
 
 
 def main(args):
@@ -290,7 +295,7 @@ def main(args):
     while run.training():
         # 1. rollout: G completions per prompt, scored by the verifier (DAPO's dynamic sampling
         #    inside)
-        batch, rounds = rollout(run, policy, tok, args)
+        batch, sampler_logp, rounds = rollout(run, policy, tok, args)
         # (B, Tp), (B, Tn), (B,); B = P*G
         prompt, prompt_mask, tokens, mask, truncated, rewards, _ = batch
         if args.overlong_buffer > 0:                                    # DAPO's overlong punishment
@@ -320,6 +325,9 @@ def main(args):
                         kl_t, ent_t = kl_entropy(policy, ref, h, h_ref, mask[rows], temp)
                         kl_exact += kl_t.sum() / n_tokens                         # KL(pi || ref)
                         ent += ent_t.sum() / n_tokens
+
+        # how far the trainer's log-probs are from those the sampler drew with (same weights)
+        sampler_diff = run.max(torch.where(mask > 0, (sampler_logp - old_logp).abs(), 0.0).max())
 
         # 3. advantages: the group is the baseline
         # (B,)
@@ -365,7 +373,8 @@ def main(args):
                        **stats,
                        "completion_len": run.mean(mask.sum(1)),
                        "truncated": run.mean(truncated.float()),
-                       "grad_norm": grad_norm.item(), "groups_sampled": rounds * P,
+                       "grad_norm": grad_norm.item(), "sampler_logp_diff": sampler_diff,
+                       "groups_sampled": rounds * P,
                        "groups_kept": kept}
             if run.eval_due():
                 metrics.update(run.evaluate(policy, tok))

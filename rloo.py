@@ -127,8 +127,8 @@ def main(args):
         # this rank's share
         prompts = run.shard(task.sample_prompts(run.rng, P, args.precedence_share))
         with run.autocast:
-            batch = task.rollout(policy, tok, prompts, G, temp, args.max_new_tokens,
-                                 args.format_weight, run.gen)
+            batch, sampler_logp = task.rollout(policy, tok, prompts, G, temp, args.max_new_tokens,
+                                               args.format_weight, run.gen, return_logprobs=True)
         # (B, Tp), (B, Tn), (B,); B = P*G
         prompt, prompt_mask, tokens, mask, truncated, rewards, _ = batch
         run.samples += P * G
@@ -155,6 +155,9 @@ def main(args):
                         kl_t, ent_t = kl_entropy(policy, ref, h, h_ref, mask[rows], temp)
                         kl_exact += kl_t.sum() / n_tokens                         # KL(pi || ref)
                         ent += ent_t.sum() / n_tokens
+
+        # how far the trainer's log-probs are from those the sampler drew with (same weights)
+        sampler_diff = run.max(torch.where(mask > 0, (sampler_logp - old_logp).abs(), 0.0).max())
 
         # 3. advantages: KL to the reference in the reward, the other k - 1 samples are the baseline
         kl_t = kl_penalty(old_logp, ref_logp, args.kl_estimator)                     # (B, Tn)
@@ -190,6 +193,7 @@ def main(args):
                        f"kl_{args.kl_estimator}": run.mean(kl_t, mask),
                        "entropy": run.all_sum(ent).item(), "completion_len": run.mean(mask.sum(1)),
                        "truncated": run.mean(truncated.float()), "grad_norm": grad_norm.item(),
+                       "sampler_logp_diff": sampler_diff,
                        "seq_logp": run.all_sum(stats["seq_logp"]).item()}
             if run.eval_due():
                 metrics.update(run.evaluate(policy, tok))

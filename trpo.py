@@ -262,8 +262,8 @@ def main(args):
         # this rank's share
         prompts = run.shard(task.sample_prompts(run.rng, P, args.precedence_share))
         with run.autocast:
-            batch = task.rollout(policy, tok, prompts, G, temp, args.max_new_tokens,
-                                 args.format_weight, run.gen)
+            batch, sampler_logp = task.rollout(policy, tok, prompts, G, temp, args.max_new_tokens,
+                                               args.format_weight, run.gen, return_logprobs=True)
         mask, rewards = batch.mask, batch.rewards                                  # (B, Tn), (B,)
         run.samples += P * G
         t_rollout = time.perf_counter() - t_start
@@ -285,6 +285,9 @@ def main(args):
             # KL(pi || pi_ref)
             kl_ref += torch.where(b.mask > 0, kl(logits, ref_logits, temp), 0.0).sum() / n_tokens
             ent += torch.where(b.mask > 0, entropy(logits, temp), 0.0).sum() / n_tokens
+
+        # how far the trainer's log-probs are from those the sampler drew with (same weights)
+        sampler_diff = run.max(torch.where(mask > 0, (sampler_logp - old_logp).abs(), 0.0).max())
 
         # 3. advantages: KL to the reference in the reward, the other k - 1 samples are the baseline
         kl_t = kl_penalty(old_logp, ref_logp, args.kl_estimator)                     # (B, Tn)
@@ -367,6 +370,7 @@ def main(args):
                        "expected_improvement": frac * expected,                       # g . (frac s)
                        "improve_ratio": ls.gain / (frac * expected) if frac * expected > 0 else 0.0,
                        "cg_residual": stats["cg_residual"], "grad_norm": g.norm().item(),
+                       "sampler_logp_diff": sampler_diff,
                        "step_norm": frac * full_step.norm().item(),
                        "kl_exact": run.all_sum(kl_ref).item(),
                        f"kl_{args.kl_estimator}": run.mean(kl_t, mask),

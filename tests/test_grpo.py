@@ -393,6 +393,8 @@ def test_script_runs_end_to_end_and_resumes(tiny_sft, tmp_path):
                 "zero_var_groups", "grad_norm", "clip_frac", "approx_kl", "tokens_per_sec"):
         assert key in rows[1] and math.isfinite(rows[1][key]), key
     assert rows[1]["kl_exact"] >= 0 and 0 <= rows[1]["reward_mean"] <= 1
+    # the sampler's log-probs against the trainer's, same weights: float32 rounding apart
+    assert all(0 <= r["sampler_logp_diff"] < 1e-4 for r in rows[1:])
     _, ckpt = load_checkpoint(os.path.join(out, "grpo.pt"), kind="gpt")
     assert ckpt["step"] == 2
 
@@ -419,6 +421,7 @@ def test_script_runs_gspo_cispo_and_dapo_options(tiny_sft, tmp_path):
         assert r["groups_kept"] <= 4 and 4 <= r["groups_sampled"] <= 12 and r["samples"] % 16 == 0
         # the batch is full, or the rounds ran out
         assert r["groups_kept"] == 4 or r["groups_sampled"] == 12
+        assert 0 <= r["sampler_logp_diff"] < 1e-4       # each kept row's own log-probs, aligned
     p = run_script("grpo.py", common + ["--out", str(tmp_path / "b"), "--ratio_level", "sequence",
                                         "--std", "sample", "--clip_eps", "3e-4",
                                         "--eps_high", "4e-4"])

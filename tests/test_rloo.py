@@ -97,6 +97,7 @@ def test_script_runs_end_to_end_and_resumes(tiny_sft, tmp_path):
     for key in ("reward_mean", "reward_std", "kl_exact", "kl_k1", "entropy", "completion_len",
                 "zero_var_groups", "grad_norm", "tokens_per_sec"):
         assert key in rows[1] and math.isfinite(rows[1][key]), key
+    assert all(0 <= r["sampler_logp_diff"] < 1e-4 for r in rows[1:])   # the sampler's, aligned
     p = run_script("rloo.py", TINY + ["--steps", "3", "--init", tiny_sft, "--out", out, "--resume"])
     assert p.returncode == 0, p.stderr
     assert "resuming from" in p.stdout

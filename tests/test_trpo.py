@@ -432,6 +432,7 @@ def test_script_runs_end_to_end_within_the_trust_region_and_resumes_bit_exactly(
         else:
             assert r["improvement"] == 0 and r["kl_step"] == 0
         assert r["samples"] == 16 * r["step"]
+        assert 0 <= r["sampler_logp_diff"] < 1e-4           # the sampler's log-probs, aligned
     assert any(r["accepted"] for r in rows[1:])
 
     p = run_script("trpo.py", TINY + ["--steps", "2", "--init", tiny_sft, "--out", split], env=one)
