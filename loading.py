@@ -1,10 +1,10 @@
 """
 What a run starts from, each problem one line before any work: the device (cuda, then mps, then
 cpu; one this machine lacks is refused) and the precision every script computes in on it; the
-seeds; a checkpoint or a Hugging Face folder read and loaded (with its tokenizer, and with --chat
-its template and tools); a missing prerequisite checkpoint (the SFT policy, the reward model)
-built where it is then loaded from; the longest prompt and its completions checked against the
-model's context.
+seeds; --fsdp and --batch_invariant where they can serve; a checkpoint or a Hugging Face folder
+read and loaded (with its tokenizer, and with --chat its template and tools); a missing
+prerequisite checkpoint (the SFT policy, the reward model) built where it is then loaded from; the
+longest prompt and its completions checked against the model's context.
 """
 import contextlib
 import os
@@ -20,6 +20,7 @@ import task
 from checkpoint import (CheckpointError, fingerprint, from_pretrained, is_pretrained_folder,
                         load_checkpoint, pretrained_config)
 from flags import RM_PATH, SFT_PATH, default_path, task_flags
+from kernels import invariant
 from lora import add_adapters, base_model, compact, trainable
 from model import GPTConfig
 from parking import Parked, ParkedMoments
@@ -78,6 +79,40 @@ def seed_everything(seed):
 TORCHRUN_VARIABLES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                       "GROUP_WORLD_SIZE",
                       "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT"}
+
+
+def check_modes(script, args):
+    """--fsdp and --batch_invariant where they cannot serve: one line each, before anything
+    loads; then --batch_invariant's mode, for the whole run (kernels.invariant)."""
+    if getattr(args, "fsdp", False):
+        why = {"trpo": "its update is a natural-gradient step over one flat vector of every "
+                       "weight (conjugate gradients, a line search), which shards do not form",
+               "async_grpo": "its learner is one process (the actors sample apart)"}
+        if script in why:
+            raise SystemExit(f"error: --fsdp: {script}.py cannot shard: {why[script]}; run it "
+                             f"without --fsdp")
+        if getattr(args, "offload_optimizer", False):
+            raise SystemExit("error: --fsdp with --offload_optimizer: the moments are sharded "
+                             "over the processes already; choose one")
+        try:
+            from torch.distributed.fsdp import fully_shard  # noqa: F401
+        except ImportError:
+            raise SystemExit(f"error: --fsdp needs torch 2.6 or later (FSDP2's fully_shard); "
+                             f"this is torch {torch.__version__}") from None
+    if not getattr(args, "batch_invariant", False):
+        return
+    served = ("grpo", "rloo", "reinforce", "trpo")
+    if script not in served:
+        raise SystemExit(f"error: --batch_invariant: {script}.py does not compare its sampler "
+                         f"with its trainer yet; it serves {', '.join(served)}")
+    device = pick_device(args.device)
+    if device != "cpu":
+        raise SystemExit(f"error: --batch_invariant runs on the CPU so far (--device {device}: "
+                         f"its fixed-tile GPU kernels are not built); add --device cpu")
+    for flag in ("fsdp", "compile"):
+        if getattr(args, flag, False):
+            raise SystemExit(f"error: --batch_invariant with --{flag}: not exact yet; choose one")
+    invariant.enable()
 
 
 def build_missing(path, default, command, device=None):

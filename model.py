@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from kernels import entropy, kl, linear_logprobs, logprobs
+from kernels import entropy, invariant, kl, linear_logprobs, logprobs
 
 FUSED_VOCAB = 8192   # log-probs fuse the LM head and the log-softmax above this many ids
 
@@ -435,7 +435,9 @@ class GPT(nn.Module):
         last Tn positions predict targets. fused (default: a support above FUSED_VOCAB): through
         kernels.linear_logprobs, no logits written; else the logits, then kernels.logprobs."""
         Tn = targets.size(1)
-        if not (self.config.support > FUSED_VOCAB if fused is None else fused):
+        fused = (self.config.support > FUSED_VOCAB and not invariant.active() if fused is None
+                 else fused)                              # --batch_invariant: the sampler's path
+        if not fused:
             return logprobs(self.logits(h)[:, h.size(1) - Tn:], targets, temperature)
         w = self.head_weight()                                    # (V, C) bfloat16 under autocast
         with autocast_off(h.device.type):                         # float32 sums in the kernel

@@ -42,7 +42,8 @@ from checkpoint import CheckpointError, save_checkpoint
 from distributed import Distributed
 from flags import RM_PATH, SFT_PATH, default_path
 from lock import OutputLock
-from loading import Models, autocast, pick_device, read_checkpoint, seed_everything
+from loading import (Models, autocast, check_modes, pick_device, read_checkpoint,
+                     seed_everything)
 from lora import add_adapters
 from model import GPT, GPTConfig
 
@@ -102,7 +103,7 @@ class Run(Distributed, Models):
                                  f"processes and then into --grad_accum {k} micro-batches; "
                                  f"allowed: a multiple of {self.world} of at least "
                                  f"{self.world * k}")
-        self._check_fsdp()
+        check_modes(script, args)                 # --fsdp, --batch_invariant: one line each
         try:
             self.task = task.use(args)   # --task: what every task.* call draws from
         except ValueError as e:
@@ -229,25 +230,6 @@ class Run(Distributed, Models):
             except ValueError as e:
                 raise SystemExit(f"error: {e}") from None
 
-
-    def _check_fsdp(self):
-        """--fsdp with what it cannot serve: one line, before anything loads."""
-        if not getattr(self.args, "fsdp", False):
-            return
-        why = {"trpo": "its update is a natural-gradient step over one flat vector of every "
-                       "weight (conjugate gradients, a line search), which shards do not form",
-               "async_grpo": "its learner is one process (the actors sample apart)"}
-        if self.script in why:
-            raise SystemExit(f"error: --fsdp: {self.script}.py cannot shard: {why[self.script]}; "
-                             f"run it without --fsdp")
-        if getattr(self.args, "offload_optimizer", False):
-            raise SystemExit("error: --fsdp with --offload_optimizer: the moments are sharded "
-                             "over the processes already; choose one")
-        try:
-            from torch.distributed.fsdp import fully_shard  # noqa: F401
-        except ImportError:
-            raise SystemExit(f"error: --fsdp needs torch 2.6 or later (FSDP2's fully_shard); "
-                             f"this is torch {torch.__version__}") from None
 
     def _check_task_resume(self, saved):
         """--resume with the flags that make the prompts (the task, its format, the chat template,

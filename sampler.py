@@ -38,6 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kernels import invariant, logprobs
 from lora import LoRALinear
 from model import FUSED_VOCAB, KVCache, operand_dtype
 
@@ -115,7 +116,7 @@ def draw(logits, temperature, top_k, generator, want_logp=False):
     torch.multinomial's draw."""
     if temperature == 0:
         return logits.argmax(-1), None
-    logits = logits / temperature
+    raw, logits = logits, logits / temperature
     if top_k is not None:                                               # the k largest; the rest: 0
         kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -124,6 +125,8 @@ def draw(logits, temperature, top_k, generator, want_logp=False):
     nxt = (probs / race).argmax(-1)                                     # (N,) argmax_v p_v / E_v
     if not want_logp:
         return nxt, None
+    if invariant.active():                     # the trainer's own function (kernels.logprobs)
+        return nxt, logprobs(raw[:, None], nxt[:, None], temperature)[:, 0]
     return nxt, F.log_softmax(logits, dim=-1).gather(1, nxt[:, None]).squeeze(1)
 
 
@@ -150,6 +153,8 @@ def check_finite(logits):
 def last_logits(model, h, head=None):
     # the logits (N, V) of each row's last position: up to FUSED_VOCAB from every position's (the
     # computation every earlier CPU result was made with), above it from the last position alone
+    if invariant.active():                     # the trainer's logits: one head, tiled rows
+        return model.logits(h[:, -1])
     if model.config.support > FUSED_VOCAB:
         head = model.head_weight(pad=True) if head is None else head
         return model.logits(h[:, -1], head, fast=True)

@@ -103,8 +103,8 @@ def fixed_rollout(policy, tokenizer, prompts, group_size, temperature, max_new_t
     batch = task.Rollout(prompt, prompt_mask, tokens, mask, truncated, rewards, correct)
     if not return_logprobs:
         return batch
-    # (P*G, WIDTH)
-    logp = completion_logprobs(policy, prompt, prompt_mask, tokens, mask, temperature)
+    with torch.no_grad():                                                     # (P*G, WIDTH)
+        logp = completion_logprobs(policy, prompt, prompt_mask, tokens, mask, temperature)
     return batch, torch.where(mask > 0, logp, 0.0)
 
 

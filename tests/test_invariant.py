@@ -1,0 +1,200 @@
+"""--batch_invariant (kernels/invariant.py): the tiled products and attention against float64
+references; the sampler's cached decode and the trainer's whole-sequence forward equal bit for bit
+over random batch compositions, model families and LoRA, and unequal when any one piece is made
+batch-variant again; grpo.py --batch_invariant logs sampler_logp_diff 0.0, repeats itself and
+resumes bit for bit."""
+import json
+import os
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sampler
+import task
+from checkpoint import from_pretrained
+from conftest import ROOT, run_script
+from kernels import invariant
+from lora import add_adapters
+from model import GPT, GPTConfig, completion_logprobs
+from tokenizer import Tokenizer
+
+GOLDEN = os.path.join(ROOT, "tests", "golden")
+
+
+def test_tiled_linear_is_f_linear_and_gives_a_row_the_same_bits_in_any_batch():
+    torch.manual_seed(0)
+    x, w, b = torch.randn(150, 48, requires_grad=True), torch.randn(40, 48), torch.randn(40)
+    y = invariant.linear(x, w, b)
+    torch.testing.assert_close(y.double(), x.double() @ w.double().t() + b.double(),
+                               rtol=1e-5, atol=1e-5)
+    for n in (1, 3, 64, 65, 150):                       # the first n rows, alone
+        assert torch.equal(invariant.linear(x[:n], w, b), y[:n])
+    assert torch.equal(torch.cat([invariant.linear(x[i:i + 1], w, b) for i in range(150)]), y)
+    y.sum().backward()                                  # the gradient: F.linear's, rounding apart
+    torch.testing.assert_close(x.grad, (torch.ones(150, 40) @ w), rtol=1e-5, atol=1e-5)
+
+
+def reference_attention(q, k, v, mask):
+    s = (q.double() @ k.double().transpose(-1, -2)) / q.size(-1) ** 0.5
+    return torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ v.double()
+
+
+@pytest.mark.parametrize("Tq,S", [(1, 1), (1, 37), (5, 5), (70, 70), (130, 130)])
+def test_tiled_attention_is_attention_and_its_gradient(Tq, S):
+    torch.manual_seed(Tq + S)
+    q, k, v = (torch.randn(2, 3, n, 8, requires_grad=True) for n in (Tq, S, S))
+    mask = torch.rand(2, 1, Tq, S) > 0.4
+    mask[..., 0] = True                                 # every query reads a key
+    out = invariant.attention(q, k, v, mask)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]    # float64 throughout
+    ref = reference_attention(*leaves, mask)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad((out * g).sum(), (q, k, v))
+    expected = torch.autograd.grad((ref * g.double()).sum(), leaves)
+    for a, e in zip(grads, expected):
+        torch.testing.assert_close(a.double(), e, rtol=1e-4, atol=1e-5)
+
+
+def test_a_query_alone_over_the_cache_is_the_same_query_in_the_whole_sequence():
+    """Query t against keys 0..t (an appending cache) and against all T slots, the later ones masked
+    (a static cache): bit for bit its row of the whole causal forward, across key tiles."""
+    torch.manual_seed(0)
+    T = 150
+    q, k, v = (torch.randn(2, 2, T, 16) for _ in range(3))
+    causal = torch.ones(T, T, dtype=torch.bool).tril()[None, None].expand(2, 1, T, T)
+    full = invariant.attention(q, k, v, causal)
+    for t in (0, 1, 63, 64, 65, 127, 128, 149):
+        alone = invariant.attention(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1],
+                                    causal[:, :, t:t + 1, :t + 1])
+        static = invariant.attention(q[:, :, t:t + 1], k, v, causal[:, :, t:t + 1])
+        assert torch.equal(alone[:, :, 0], full[:, :, t]) and torch.equal(static, alone), t
+
+
+def tiny(kind):
+    """A policy of each family: this project's GPT, Llama's (rotary, RMSNorm, SwiGLU, grouped
+    queries), the real-checkpoint goldens, and LoRA on the first."""
+    torch.manual_seed(0)
+    if kind in ("llama3", "qwen2", "qwen3"):
+        return from_pretrained(os.path.join(GOLDEN, kind)), Tokenizer.from_pretrained(
+            os.path.join(GOLDEN, kind))
+    tok = Tokenizer()
+    config = dict(vocab_size=tok.vocab_size, block_size=96, n_layer=2, n_head=4, n_embd=32)
+    if kind == "rope":
+        config.update(pos="rope", norm="rmsnorm", mlp="swiglu", n_kv_head=2, bias=False)
+    model = GPT(GPTConfig(**config))
+    if kind == "lora":
+        model = add_adapters(model, 2, 4.0)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.1)
+    return model, tok
+
+
+def sampled_and_scored(model, tok, rng, temperature):
+    """Sample a random batch (2 to 5 prompts x 1 to 3 samples, up to 24 tokens) with the
+    sampler's own log-probs, then score it whole and as random sub-batches: (sampler's, whole's,
+    parts', mask)."""
+    prompts = task.sample_prompts(rng, rng.randint(2, 5))
+    idx, idx_mask = tok.encode_batch(prompts, "cpu")
+    n = rng.randint(1, 3)
+    g = torch.Generator().manual_seed(rng.randint(0, 999))
+    tokens, mask, _, logp = sampler.generate(model, idx, idx_mask, rng.randint(4, 24),
+                                             tok.stop_ids, tok.pad_id, num_samples=n,
+                                             temperature=temperature, generator=g,
+                                             return_logprobs=True)
+    prompt, prompt_mask = idx.repeat_interleave(n, 0), idx_mask.repeat_interleave(n, 0)
+    with torch.no_grad():
+        whole = completion_logprobs(model, prompt, prompt_mask, tokens, mask, temperature)
+        order = torch.randperm(len(tokens), generator=g)
+        parts = torch.zeros_like(whole)
+        for rows in torch.tensor_split(order, rng.randint(1, len(tokens))):
+            parts[rows] = completion_logprobs(model, prompt[rows], prompt_mask[rows],
+                                              tokens[rows], mask[rows], temperature)
+    return logp, whole, parts, mask
+
+
+def largest_gap(model, tok, temperature, trials=4):
+    rng, gap = random.Random(0), 0.0
+    for _ in range(trials):
+        logp, whole, parts, mask = sampled_and_scored(model, tok, rng, temperature)
+        real = mask > 0
+        gap = max(gap, (logp - whole).abs()[real].max().item(),
+                  (parts - whole).abs()[real].max().item())
+    return gap
+
+
+@pytest.mark.parametrize("kind", ["gpt", "rope", "lora", "llama3", "qwen2", "qwen3"])
+def test_the_sampler_and_the_trainer_agree_bit_for_bit_in_any_batch(kind):
+    model, tok = tiny(kind)
+    with invariant.BatchInvariant():
+        assert largest_gap(model, tok, 0.7) == 0.0
+    assert largest_gap(model, tok, 0.7) > 0.0           # without the mode they differ
+
+
+@pytest.mark.parametrize("variant", ["a plain product in the decode", "a split inner sum",
+                                     "another key tile in the decode", "SDPA's attention"])
+def test_any_one_piece_made_batch_variant_again_breaks_the_agreement(variant, monkeypatch):
+    model, tok = tiny("rope")
+    tiled_mm, attention = invariant.tiled_mm, invariant.attention
+    if variant == "a plain product in the decode":       # one row: a plain product
+        monkeypatch.setattr(invariant, "tiled_mm", lambda x, w: x @ w.to(x.dtype) if
+                            x.reshape(-1, x.size(-1)).size(0) <= 16 else tiled_mm(x, w))
+    elif variant == "a split inner sum":                 # K in two halves, summed: split-K
+        def split(x, w):
+            k = x.size(-1) // 2
+            if x.reshape(-1, x.size(-1)).size(0) > 16:
+                return tiled_mm(x, w)
+            return tiled_mm(x[..., :k], w[:k]) + tiled_mm(x[..., k:], w[k:])
+        monkeypatch.setattr(invariant, "tiled_mm", split)
+    elif variant == "another key tile in the decode":
+        def tile(q, k, *a, **kw):                        # the decode: fewer queries than keys
+            monkeypatch.setattr(invariant, "ROWS", 8 if q.size(2) < k.size(2) else 64)
+            return attention(q, k, *a, **kw)
+        monkeypatch.setattr(invariant, "attention", tile)
+    else:
+        monkeypatch.setattr(invariant, "attention", F.scaled_dot_product_attention)
+    with invariant.BatchInvariant():
+        assert largest_gap(model, tok, 1.0, trials=6) > 0.0
+
+
+def metrics(out, evaluations=True):
+    """metrics.jsonl's rows, times aside (and the evaluations: a run that stops evaluates)."""
+    return [{k: v for k, v in json.loads(line).items() if k not in ("elapsed_s", "tokens_per_sec")
+             and (evaluations or not k.startswith("eval_"))}
+            for line in open(os.path.join(out, "grpo", "metrics.jsonl"))]
+
+
+def test_grpo_batch_invariant_is_exactly_on_policy_repeats_itself_and_resumes(tiny_sft, tmp_path):
+    """sampler_logp_diff 0.0 and the first pass's ratio exactly 1 (approx_kl and clip_frac 0) at
+    every step, with micro-batches and a temperature; two runs the same metrics; 2 steps and a
+    resume to 3, the 3 steps' metrics."""
+    flags = ["--batch_invariant", "--prompts_per_step", "6", "--group_size", "4", "--grad_accum",
+             "2", "--temperature", "0.7", "--log_every", "1", "--eval_every", "100", "--eval_n",
+             "4", "--init", tiny_sft]
+    env = {"OMP_NUM_THREADS": "1"}
+    for out in ("a", "b"):
+        p = run_script("grpo.py", flags + ["--steps", "3", "--out", str(tmp_path / out)], env=env)
+        assert p.returncode == 0, p.stderr[-2000:]
+    rows = metrics(str(tmp_path / "a"))
+    assert all(r["sampler_logp_diff"] == 0.0 and r["approx_kl"] == 0.0 and r["clip_frac"] == 0.0
+               for r in rows[1:]) and len(rows) == 4
+    assert all(r["grad_norm"] > 0 for r in rows[1:])               # every step moved the policy
+    assert rows == metrics(str(tmp_path / "b"))
+    split = str(tmp_path / "split")
+    for steps, more in (("2", []), ("3", ["--resume"])):
+        p = run_script("grpo.py", flags + ["--steps", steps, "--out", split, *more], env=env)
+        assert p.returncode == 0, p.stderr[-2000:]
+    assert metrics(split, evaluations=False) == metrics(str(tmp_path / "a"), evaluations=False)
+
+
+def test_batch_invariant_where_it_cannot_serve_is_one_line(tiny_sft, tmp_path):
+    for argv, words in ((["dpo.py"], "--batch_invariant: dpo.py does not compare"),
+                        (["grpo.py", "--fsdp"], "--batch_invariant with --fsdp")):
+        out = str(tmp_path / "out")
+        p = run_script(argv[0], argv[1:] + ["--batch_invariant", "--init", tiny_sft, "--out", out])
+        assert p.returncode != 0 and words in p.stderr and p.stderr.count("\n") == 1, p.stderr
+        assert not os.path.exists(out)
