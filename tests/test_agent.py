@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -17,7 +18,7 @@ import sampler
 import task
 from agent import agent_loss, batch_std, episode_rewards, grpo_advantages
 from checkpoint import load_checkpoint
-from conftest import refuses_all, run_script, task_args
+from conftest import ROOT, refuses_all, run_script, task_args
 from kernels import logprobs
 from model import GPT, GPTConfig, completion_logits
 from plumbing import Run
@@ -379,14 +380,13 @@ def test_loss_and_gradient_match_a_float64_reference():
 @pytest.fixture(scope="session")
 def tiny_tool_sft(tmp_path_factory):
     """A small SFT policy on the tool task (2 layers, width 64, 400 steps): it has learned the
-    format, calls and all."""
-    out = str(tmp_path_factory.mktemp("tiny_tool_sft"))
-    p = run_script("sft.py", ["--task", "toolcalc", "--steps", "400", "--batch_size", "32",
-                              "--n_layer", "2", "--n_head", "2", "--n_embd", "64", "--lr", "3e-3",
-                              "--log_every", "400", "--eval_every", "400", "--eval_n", "16",
-                              "--out", out])
-    assert p.returncode == 0, p.stderr
-    return os.path.join(out, "sft.pt")
+    format, calls and all. Trained once (sft.py --task toolcalc --steps 400 --batch_size 32
+    --n_layer 2 --n_head 2 --n_embd 64 --lr 3e-3, torch 2.13, 2 CPU threads; its optimiser state
+    dropped) and kept in the repository (tests/fixtures/tiny_tool_sft.pt), as conftest's tiny_sft:
+    54 s of every test run, and the same weights on every machine."""
+    out = tmp_path_factory.mktemp("tiny_tool_sft")
+    shutil.copy(os.path.join(ROOT, "tests", "fixtures", "tiny_tool_sft.pt"), out / "sft.pt")
+    return str(out / "sft.pt")
 
 
 TINY = ["--prompts_per_step", "4", "--group_size", "4", "--log_every", "1", "--eval_every", "2",

@@ -203,9 +203,17 @@ def test_two_processes_and_grad_accum_make_the_same_update_as_one_process(case, 
             start_update(script, flags, str(tmp_path / "two_accum"), nproc=2, grad_accum=2)]
     if case in ("sft", "grpo seq"):
         runs.append(start_update(script, flags, str(tmp_path / "accum"), grad_accum=2))
+    if case in FSDP_TOO:                                # and --fsdp: DDP's weights within 1e-5
+        runs.append(start_update(script, flags + ["--fsdp"], str(tmp_path / "fsdp"), nproc=2,
+                                 grad_accum=2))
     one, *others = [update(r) for r in runs]
     for other in others:
         assert_same_update(one, other, keys)
+    if case in FSDP_TOO:
+        ddp, fsdp = (load_checkpoint(os.path.join(r[2], f"{script}.pt"))[1]["model"]
+                     for r in (runs[1], runs[-1]))
+        for k in ddp:
+            torch.testing.assert_close(fsdp[k], ddp[k], rtol=0, atol=1e-5, msg=k)
     if script == "kto":                                 # the mismatched pairs' estimate is compared
         assert abs(one[1]["kl_estimate"]) > 1e-3 and one[1]["z0"] == max(0.0, one[1]["kl_estimate"])
     if script == "online_dpo":
@@ -228,17 +236,16 @@ def tool_init(tmp_path_factory):
     return path
 
 
-# --fsdp against DDP, both on 2 processes x 2 micro-batches: grpo over two steps of two passes (the
-# second step's rollouts scored by the whole copy, refreshed from the shards), ppo's two models in
-# one optimizer, dpo, sft, the agent and grpo's LoRA adapters
+# --fsdp against DDP, both on 2 processes x 2 micro-batches: above, for sft, ppo (two models in one
+# optimizer) and dpo; here grpo over two steps of two passes with the clip acting (the second
+# step's rollouts scored by the whole copy, refreshed from the shards), grpo's LoRA adapters and the
+# agent
+FSDP_TOO = ("sft", "ppo", "dpo")
 FSDP_CASES = {
     "grpo": ("grpo", RL + ["--mu", "2", "--steps", "2"], ["loss", "grad_norm", "kl_exact",
                                                           "approx_kl", "clip_frac"]),
     "grpo --lora_rank 2": ("grpo", RL + ["--lora_rank", "2"],
                            ["loss", "grad_norm", "kl_exact"]),
-    "ppo": CASES["ppo"],
-    "dpo": CASES["dpo"],
-    "sft": CASES["sft"],
     "agent": ("agent", ["--steps", "2", "--mu", "2", "--prompts_per_step", "4", "--group_size", "4",
                         "--precedence_share", "0.5", "--max_new_tokens", "34", "--init", "TOOL"],
               ["loss", "grad_norm", "kl_exact", "reward_mean"]),

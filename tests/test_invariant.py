@@ -170,20 +170,18 @@ def metrics(out, evaluations=True):
 
 def test_grpo_batch_invariant_is_exactly_on_policy_repeats_itself_and_resumes(tiny_sft, tmp_path):
     """sampler_logp_diff 0.0 and the first pass's ratio exactly 1 (approx_kl and clip_frac 0) at
-    every step, with micro-batches and a temperature; two runs the same metrics; 2 steps and a
-    resume to 3, the 3 steps' metrics."""
+    every step, with micro-batches and a temperature; 2 steps and a resume to 3 (another process:
+    new buffers, other addresses), the 3 steps' metrics bit for bit."""
     flags = ["--batch_invariant", "--prompts_per_step", "6", "--group_size", "4", "--grad_accum",
              "2", "--temperature", "0.7", "--log_every", "1", "--eval_every", "100", "--eval_n",
              "4", "--init", tiny_sft]
     env = {"OMP_NUM_THREADS": "1"}
-    for out in ("a", "b"):
-        p = run_script("grpo.py", flags + ["--steps", "3", "--out", str(tmp_path / out)], env=env)
-        assert p.returncode == 0, p.stderr[-2000:]
+    p = run_script("grpo.py", flags + ["--steps", "3", "--out", str(tmp_path / "a")], env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
     rows = metrics(str(tmp_path / "a"))
     assert all(r["sampler_logp_diff"] == 0.0 and r["approx_kl"] == 0.0 and r["clip_frac"] == 0.0
                for r in rows[1:]) and len(rows) == 4
     assert all(r["grad_norm"] > 0 for r in rows[1:])               # every step moved the policy
-    assert rows == metrics(str(tmp_path / "b"))
     split = str(tmp_path / "split")
     for steps, more in (("2", []), ("3", ["--resume"])):
         p = run_script("grpo.py", flags + ["--steps", steps, "--out", split, *more], env=env)
