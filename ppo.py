@@ -274,8 +274,7 @@ def main(args):
     ref_weights = run.parked(ref, policy)
     rm_weights = run.parked(rm, policy)             # the RM outside step 1 and evaluations (a GPU)
     run.check_lengths(policy, tok, args.max_new_tokens)
-    # DDP or --fsdp's shards under torchrun, else the models themselves
-    train_policy, train_critic = run.ddp(policy), run.ddp(critic)
+    train_policy, train_critic = run.ddp(policy), run.ddp(critic)   # DDP or --fsdp's shards
     optimizer = torch.optim.AdamW([{"params": trainable(train_policy), "lr": args.lr},
                                    {"params": train_critic.parameters(), "lr": args.critic_lr}],
                                   weight_decay=0.0, betas=(0.9, 0.95))
