@@ -155,8 +155,11 @@ class Distributed:
         twin.to_empty(device=self.device)
         for m in twin.modules():
             if isinstance(m, FSDPModule):           # reduce-scatter sums, as DDP's hook does
-                m.set_gradient_divide_factor(1.0)
-                m.set_force_sum_reduction_for_comms(True)     # a plain SUM (gloo has no other)
+                divide = getattr(m, "set_gradient_divide_factor", None) or \
+                    m.set_reduce_scatter_divide_factor                  # (its name before 2.8)
+                divide(1.0)
+                if hasattr(m, "set_force_sum_reduction_for_comms"):     # a plain SUM: gloo's only
+                    m.set_force_sum_reduction_for_comms(True)
         load_sharded(twin, model.state_dict())
         if self.device.startswith("cuda") and not getattr(model, "lora", None):
             for block in [m for m in model.modules() if isinstance(m, Block)]:
