@@ -199,7 +199,7 @@ def main(args):
                         ent += ent_t.sum() / n_tokens
 
         # how far the trainer's log-probs are from those the sampler drew with (same weights)
-        sampler_diff = run.max(torch.where(mask > 0, (sampler_logp - old_logp).abs(), 0.0).max())
+        sampler_diff = run.max(torch.where(mask > 0, (sampler_logp - old_logp).abs(), 0.0))
 
         # 3. advantages: KL to the reference in the reward, minus the baseline (statistics over
         #    all ranks)
