@@ -6,8 +6,7 @@ token of a completion the same advantage: its reward standardised within the gro
 better it did than its siblings. That group baseline replaces PPO's value network. The loss is
 PPO's clipped surrogate on those advantages plus a KL penalty to the SFT reference. With one
 optimisation pass per batch (mu = 1, the default, as in DeepSeek-R1) the ratio is exactly 1 and
-the clip never acts: the update is a group-baselined policy gradient, A * grad log pi. The clip
-matters with --mu > 1.
+the clip never acts: the update is a group-baselined policy gradient, A * grad log pi.
 
 Shao et al. 2024, "DeepSeekMath", arXiv 2402.03300, eq. 3 as a loss to minimise; DeepSeek-AI
 2025, "DeepSeek-R1", arXiv 2501.12948, for verifiable rewards. Completion i of a group, token t:
@@ -15,12 +14,14 @@ Shao et al. 2024, "DeepSeekMath", arXiv 2402.03300, eq. 3 as a loss to minimise;
     L = 1/G sum_i 1/|o_i| sum_t [ -min(rho_it A_i, clip(rho_it, 1-eps, 1+eps) A_i) + beta KL_it ]
     rho_it = pi_theta(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t);   KL_it: k3 (kernels.kl_penalty)
 
-The family, as flags: --std sample (TRL, verl, OpenRLHF); Dr. GRPO (Liu et al. 2025, arXiv
-2503.20783): --loss_agg dr_grpo --no_std_scaling; DAPO (Yu et al. 2025, arXiv 2503.14476):
---loss_agg token, --eps_high, --dynamic_sampling, --overlong_buffer, --beta 0; GSPO (Zheng et al.
-2025, arXiv 2507.18071): --ratio_level sequence; CISPO (MiniMax 2025, arXiv 2506.13585):
---loss_type cispo. At mu = 1 GSPO's ratio and CISPO's weight are 1, so both give GRPO's gradient;
-the others change it at any mu (experiments/README.md compares them at --mu 4).
+The family, as flags: --std sample (TRL, verl, OpenRLHF); Dr. GRPO (arXiv 2503.20783): --loss_agg
+dr_grpo --no_std_scaling; DAPO (arXiv 2503.14476): --loss_agg token, --eps_high,
+--dynamic_sampling, --overlong_buffer, --beta 0; GSPO (arXiv 2507.18071): --ratio_level sequence;
+CISPO (arXiv 2506.13585): --loss_type cispo; SAPO (arXiv 2511.20347): --loss_type sapo, a soft
+gate in place of the clip; DPPO (arXiv 2602.04879): --loss_type dppo, a trust region on the
+divergence of the sampled token's probability; MaxRL (arXiv 2602.02710): --maxrl, advantages
+divided by the group's mean reward. At mu = 1 the ratio is 1 and GSPO, CISPO, SAPO and DPPO
+give GRPO's gradient; experiments/README.md compares them at --mu 4.
 
 Deviations and choices the papers leave open:
 - mu passes over the whole batch (no minibatches); the old log-probs are scored once per batch
@@ -29,13 +30,12 @@ Deviations and choices the papers leave open:
 - The reward is the task's verifier (1 correct, 0 otherwise; --format_weight adds a format bonus).
 - Small scale: a 0.8M-parameter policy, AdamW at a constant learning rate.
 
-Shapes: P prompts, G completions per prompt, B = P*G rows; T time (Tp prompt, Tn completion
-tokens); V vocabulary.
+Shapes: P prompts, G completions each, B = P*G rows; T time (Tp prompt, Tn completion); V vocab.
 
 Run:
     python grpo.py                  # from out/sft.pt (built first if missing); ~1 min on 2 CPUs
     python grpo.py --resume         # continue from out/grpo.pt up to --steps
-    python grpo.py --mu 4 ...       # DAPO, GSPO, CISPO: experiments/README.md's flags
+    python grpo.py --mu 4 ...       # the family: experiments/README.md's flags
 Metrics: out/grpo/metrics.jsonl (docs/metrics.md says what each means); checkpoint out/grpo.pt.
 """
 import torch
@@ -75,17 +75,40 @@ def grpo_advantages(rewards, group_size, eps=1e-6, scale_by_std=True, std="popul
     return torch.where(all_equal, torch.zeros_like(advantages), advantages).view(-1)  # (P*G,)
 
 
+def maxrl_advantages(rewards, group_size, eps=1e-6):
+    """MaxRL (Tajwar et al. 2026, "Maximum Likelihood Reinforcement Learning", arXiv 2602.02710):
+    rewards (P*G,) >= 0 -> advantages (P*G,), the group's mean as baseline and as the scale. With
+    0/1 rewards, K successes of G, mean_g A_i grad log pi_i = 1/K sum_{correct} grad log pi_i -
+    1/G sum_i grad log pi_i (the second term a zero-mean control variate): the paper's estimate
+    of grad log p(correct), truncated at G samples, where GRPO follows grad p(correct); a prompt
+    of pass rate p weighs 1/p. 0 for a group whose rewards are all equal."""
+    if group_size < 1 or rewards.dim() != 1 or rewards.numel() % group_size:
+        raise ValueError(f"rewards of shape {tuple(rewards.shape)} cannot be split into groups "
+                         f"of group_size = {group_size}; need a flat tensor whose length is a "
+                         f"multiple of it (>= 1)")
+    if (rewards < 0).any():
+        raise ValueError(f"MaxRL divides by the group's mean reward: rewards must be >= 0, got "
+                         f"{rewards.min().item()}")
+    r = rewards.view(-1, group_size)                                   # (P, G)
+    mean = r.mean(dim=1, keepdim=True)                                 # (P, 1) pass rate p
+    advantages = (r - mean) / (mean + eps)                             # A_i = (r_i - p) / p
+    all_equal = (r == r[:, :1]).all(dim=1, keepdim=True)               # (P, 1) no signal
+    return torch.where(all_equal, torch.zeros_like(advantages), advantages).view(-1)  # (P*G,)
+
+
 def grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps=0.2, beta=0.04,
               kl_estimator="k3", num_seqs=None, num_tokens=None, eps_high=None, kl_clamp=None,
-              ratio_level="token", loss_type="clip", loss_agg="seq", max_tokens=None):
+              ratio_level="token", loss_type="clip", loss_agg="seq", max_tokens=None,
+              tau_pos=1.0, tau_neg=1.05, divergence="tv", delta=None):
     """The GRPO loss (DeepSeekMath eq. 3, negated) and its metrics (detached tensors). logp (B, T)
     log pi_theta of the sampled tokens (with grad); old_logp (B, T) at sampling time; ref_logp
     (B, T) under the frozen reference; advantages (B,); mask (B, T) 1.0 on completion tokens (values
     elsewhere are never read). num_seqs, num_tokens: the whole step's counts when this batch is a
     part of it (a micro-batch, a rank's share), so that the parts' losses add up to the step's;
     default: this batch's. The family: eps_high, DAPO's clip-higher (default clip_eps); kl_clamp,
-    see kernels.kl_penalty; ratio_level "sequence" is GSPO; loss_type "cispo" is CISPO; loss_agg and
-    max_tokens, see aggregate."""
+    see kernels.kl_penalty; ratio_level "sequence" is GSPO; loss_type "cispo" is CISPO, "sapo"
+    SAPO (tau_pos, tau_neg: sapo_terms), "dppo" DPPO (divergence, delta: dppo_terms); loss_agg
+    and max_tokens, see aggregate."""
     eps_high = clip_eps if eps_high is None else eps_high
     real = mask > 0                                              # (B, T) bool
     logp, old_logp, ref_logp = (torch.where(real, x, 0.0)        # padding never leaks
@@ -106,8 +129,16 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps=0.2, beta=0.0
             raise ValueError("loss_type 'cispo' weights token log-probs by token ratios; use "
                              "ratio_level 'token'")
         pg, clipped = cispo_terms(logp, ratio, A, clip_eps, eps_high)
+    elif loss_type == "sapo":
+        pg, clipped = sapo_terms(ratio, A, tau_pos, tau_neg)
+    elif loss_type == "dppo":
+        if ratio_level != "token":
+            raise ValueError("loss_type 'dppo' bounds each token's divergence; use ratio_level "
+                             "'token'")
+        pg, clipped = dppo_terms(logp, old_logp, ratio, A, divergence, delta)
     else:
-        raise ValueError(f"loss_type {loss_type!r} is unknown; allowed: 'clip', 'cispo'")
+        raise ValueError(f"loss_type {loss_type!r} is unknown; allowed: 'clip', 'cispo', 'sapo', "
+                         f"'dppo'")
     kl_t = kl_penalty(logp, ref_logp, kl_estimator, kl_clamp)          # (B, T) KL_it
     per_token = torch.where(real, pg + beta * kl_t, 0.0)               # (B, T)
     loss = aggregate(per_token, mask, loss_agg, num_seqs, num_tokens, max_tokens)
@@ -133,6 +164,44 @@ def cispo_terms(logp, ratio, A, clip_eps, eps_high):
     terms and where the weight was cut."""
     weight = torch.clamp(ratio, 1 - clip_eps, 1 + eps_high).detach()   # sg(clip(rho))
     return -weight * A * logp, (ratio > 1 + eps_high) | (ratio < 1 - clip_eps)
+
+
+def sapo_terms(ratio, A, tau_pos=1.0, tau_neg=1.05):
+    """SAPO's soft gate (Qwen 2025, "Soft Adaptive Policy Optimization", arXiv 2511.20347,
+    the objective as a loss): -f(rho) A per token, f(x) = sigmoid(tau (x - 1)) 4 / tau, tau =
+    tau_pos where A > 0, else tau_neg (the paper's 1.0 and 1.05: negative tokens fade faster). Its
+    gradient is w A grad rho, w = 4 sigmoid (1 - sigmoid): exactly GRPO's at rho = 1, fading
+    smoothly as rho leaves 1 where the clip cuts at once. Returns the (B, T) terms and where w
+    fell below one half."""
+    tau = torch.where(A > 0, A.new_tensor(tau_pos), A.new_tensor(tau_neg))   # by the sign of A
+    gate = torch.sigmoid(tau * (ratio - 1))                            # sigma(tau (rho - 1))
+    f = gate * 4 / tau                                                 # f(rho) = sigma(.) 4 / tau
+    weight = 4 * gate * (1 - gate)                                     # df/drho
+    return -f * A, weight.detach() < 0.5
+
+
+def dppo_terms(logp, old_logp, ratio, A, divergence="tv", delta=None):
+    """DPPO's divergence mask (Qi et al. 2026, "Rethinking the Trust Region in LLM Reinforcement
+    Learning", arXiv 2602.04879, eq. 11 as a loss, the binary approximations, eqs. 13-14): -M rho A
+    per token, M = 0 where the sampled token's probability p = pi_theta(y_t) has moved from q =
+    pi_old(y_t) by a divergence D > delta in the direction A pushes it (up for A > 0, down for
+    A < 0), else 1; no clip. D over the two outcomes {y_t, not y_t}:
+        tv   D = |p - q|                                                   (delta: paper 0.15)
+        kl   D = q log(q / p) + (1 - q) log((1 - q) / (1 - p)),  KL(q || p)  (delta: paper 0.05)
+    pi_old is the paper's rollout policy mu: the weights that sampled (the same bits as the
+    sampler's with --batch_invariant). Returns the (B, T) terms and the mask's zeros."""
+    if divergence not in ("tv", "kl"):
+        raise ValueError(f"divergence {divergence!r} is unknown; allowed: 'tv', 'kl'")
+    delta = (0.15 if divergence == "tv" else 0.05) if delta is None else delta
+    lp, lq = logp.detach(), old_logp                                   # (B, T) log p, log q
+    p, q = lp.exp(), lq.exp()
+    if divergence == "tv":
+        D = (p - q).abs()
+    else:                                # 1 - p as -expm1(log p): exact near p = 1; 0 log 0 = 0
+        p1, q1 = -torch.expm1(lp), -torch.expm1(lq)
+        D = q * (lq - lp) + torch.xlogy(q1, q1) - torch.xlogy(q1, p1)
+    masked = (D > delta) & (((A > 0) & (p > q)) | ((A < 0) & (p < q)))   # M_t = 0
+    return -torch.where(masked, 0.0, ratio * A), masked
 
 
 def aggregate(per_token, mask, loss_agg="seq", num_seqs=None, num_tokens=None, max_tokens=None):
@@ -201,8 +270,19 @@ def parse_args(argv=None):
                    help="std over G (population) or G-1 (sample: TRL, verl, OpenRLHF)")
     g.add_argument("--ratio_level", default="token", choices=["token", "sequence"],
                    help="one ratio per token, or per completion (GSPO)")
-    g.add_argument("--loss_type", default="clip", choices=["clip", "cispo"],
-                   help="PPO's clipped surrogate, or CISPO's clipped weight")
+    g.add_argument("--loss_type", default="clip", choices=["clip", "cispo", "sapo", "dppo"],
+                   help="PPO's clipped surrogate, CISPO's clipped weight, SAPO's soft gate or "
+                        "DPPO's divergence mask")
+    g.add_argument("--tau_pos", type=Float(gt=0), default=None,
+                   help="SAPO's gate temperature where A > 0 (default 1.0, the paper's)")
+    g.add_argument("--tau_neg", type=Float(gt=0), default=None,
+                   help="SAPO's gate temperature where A < 0 (default 1.05, the paper's)")
+    g.add_argument("--divergence", default=None, choices=["tv", "kl"],
+                   help="DPPO's binary divergence: total variation (default) or KL")
+    g.add_argument("--delta", type=Float(gt=0), default=None,
+                   help="DPPO's divergence bound (default the paper's: 0.15 tv, 0.05 kl)")
+    g.add_argument("--maxrl", action="store_true",
+                   help="MaxRL's advantages: (r - mean) / mean in each group")
     g.add_argument("--overlong_buffer", type=Int(ge=0), default=0,
                    help="DAPO's overlong penalty over the last N tokens of the budget (0: off)")
     g.add_argument("--format_weight", type=Float(ge=0), default=0.0,
@@ -233,6 +313,20 @@ def parse_args(argv=None):
     g.add_argument("--init", default=SFT_PATH,
                    help="SFT checkpoint: the starting policy and the frozen reference")
     args = p.parse_args(argv)
+    for flags, loss in ((("tau_pos", "tau_neg"), "sapo"), (("divergence", "delta"), "dppo")):
+        for flag in flags:
+            if getattr(args, flag) is not None and args.loss_type != loss:
+                p.error(f"--{flag} is {loss.upper()}'s; it needs --loss_type {loss} (now "
+                        f"{args.loss_type})")
+    if args.loss_type in ("cispo", "dppo") and args.ratio_level != "token":
+        p.error(f"--loss_type {args.loss_type} weighs each token by its own ratio; allowed with "
+                f"--ratio_level token only (now {args.ratio_level})")
+    if args.maxrl and (args.no_std_scaling or args.std != "population" or args.overlong_buffer):
+        p.error("--maxrl divides by the group's mean reward: not with --no_std_scaling, --std "
+                "or --overlong_buffer (its rewards go negative)")
+    args.tau_pos = 1.0 if args.tau_pos is None else args.tau_pos
+    args.tau_neg = 1.05 if args.tau_neg is None else args.tau_neg
+    args.divergence = args.divergence or "tv"
     if args.overlong_buffer > args.max_new_tokens:
         p.error(f"--overlong_buffer {args.overlong_buffer} exceeds "
                 f"--max_new_tokens {args.max_new_tokens}")
@@ -288,7 +382,8 @@ def main(args):
     run.print(f"GRPO: {policy.num_params() / 1e6:.2f}M parameters on {run.device}, {args.steps} "
               f"steps of {P} prompts x {G} samples, beta {args.beta} ({args.kl_estimator}), "
               f"mu {args.mu}, {args.ratio_level} ratio, {args.loss_type} "
-              f"loss{', dynamic sampling' if args.dynamic_sampling else ''}")
+              f"loss{', dynamic sampling' if args.dynamic_sampling else ''}"
+              f"{', MaxRL advantages' if args.maxrl else ''}")
     if not args.resume:                                 # a fresh run: the starting policy is step 0
         run.log_start(run.evaluate(policy, tok))
 
@@ -335,9 +430,10 @@ def main(args):
         if args.batch_invariant:
             old_logp = sampler_logp                                  # equal, bit for bit
 
-        # 3. advantages: the group is the baseline
+        # 3. advantages: the group is the baseline (--maxrl: and the scale)
         # (B,)
-        advantages = grpo_advantages(rewards, G, scale_by_std=not args.no_std_scaling, std=args.std)
+        advantages = maxrl_advantages(rewards, G) if args.maxrl else \
+            grpo_advantages(rewards, G, scale_by_std=not args.no_std_scaling, std=args.std)
 
         # 4. mu passes of the loss, each over the --grad_accum micro-batches, normalised by the
         #    whole step's counts: the parts add up to one batch's loss. At mu = 1 its value is about
@@ -354,7 +450,9 @@ def main(args):
                                              args.kl_estimator, n_seqs, n_tokens,
                                              eps_high=args.eps_high, kl_clamp=args.kl_clamp,
                                              ratio_level=args.ratio_level, loss_type=args.loss_type,
-                                             loss_agg=args.loss_agg, max_tokens=args.max_new_tokens)
+                                             loss_agg=args.loss_agg, max_tokens=args.max_new_tokens,
+                                             tau_pos=args.tau_pos, tau_neg=args.tau_neg,
+                                             divergence=args.divergence, delta=args.delta)
                 run.check_finite(part, f"lower --lr (now {args.lr})")
                 part.backward()
                 loss = loss + part.detach()

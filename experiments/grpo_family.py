@@ -1,20 +1,23 @@
 """
 GRPO and the variants people ask for, side by side on our task: GRPO, GSPO (sequence-level ratio),
-CISPO (clipped importance weight, every token keeps its gradient) and DAPO (token-level mean,
-clip-higher, dynamic sampling, overlong penalty, no KL), all with --mu 4 (four passes over each
-batch, so that the ratio moves away from 1 and the clip or the weight truncation acts), the same
-seed and the same number of steps.
+CISPO (clipped importance weight, every token keeps its gradient), DAPO (token-level mean,
+clip-higher, dynamic sampling, overlong penalty, no KL), and 2026's SAPO (a soft gate for the
+clip), DPPO (a mask on each token's probability shift) and MaxRL (advantages over the group's mean
+reward), all with --mu 4 (four passes over each batch, so that the ratio moves away from 1 and the
+clip, gate or mask acts), the same seed and the same number of steps.
 
 For each run it reads out/grpo_family/<variant>-s<seed>/grpo/metrics.jsonl and prints a markdown
-table: held-out greedy accuracy before -> after, the clip fraction (mean over logged steps: for
-GRPO, GSPO and DAPO the share of tokens whose gradient the clip removed; for CISPO the share whose
-weight was truncated), completions sampled (DAPO's dynamic sampling draws more), and wall time.
+table: held-out greedy accuracy before -> after, the clip fraction (mean over logged steps; what it
+counts for each loss: docs/metrics.md), completions sampled (DAPO's dynamic sampling draws more),
+and wall time.
 
 Run:
-    # seed 0, about 6 minutes on 2 CPU cores (+ SFT if missing)
+    # seed 0, about 10 minutes on 2 CPU cores (+ SFT if missing)
     python experiments/grpo_family.py
-    # mean and spread over three seeds
-    python experiments/grpo_family.py --seeds 0 1 2
+    # mean and spread over three seeds, two runs at a time
+    python experiments/grpo_family.py --seeds 0 1 2 --jobs 2
+    # some variants, at another --mu (its own folders)
+    python experiments/grpo_family.py --only GRPO MaxRL --mu 1 --seeds 0 1 2
     # re-print the table from the runs already there
     python experiments/grpo_family.py --table_only
 """
@@ -35,6 +38,11 @@ VARIANTS = {
               "--beta", "0"],
     "DAPO": ["--loss_agg", "token", "--eps_high", "0.28", "--beta", "0", "--dynamic_sampling",
              "--overlong_buffer", "4"],
+    # 2026: only the trust region or the advantage changes from GRPO's row (the papers' defaults:
+    # SAPO's temperatures 1.0 and 1.05, DPPO's binary TV bound 0.15)
+    "SAPO": ["--loss_type", "sapo"],
+    "DPPO": ["--loss_type", "dppo"],
+    "MaxRL": ["--maxrl"],
 }
 
 
@@ -55,8 +63,8 @@ def fmt(values, f):
 
 
 def main():
-    parser = argparse.ArgumentParser(description="GRPO, GSPO, CISPO and DAPO at --mu 4 on the "
-                                                 "same seed and budget")
+    parser = argparse.ArgumentParser(description="GRPO and its family at --mu 4 on the same seed "
+                                                 "and budget")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0],
                         help="seeds to run (one run per variant and seed)")
     parser.add_argument("--steps", type=int, default=50, help="grpo.py --steps for every variant")
@@ -65,25 +73,39 @@ def main():
                         help="the SFT policy every variant starts from")
     parser.add_argument("--table_only", action="store_true",
                         help="only print the table of the runs already there")
+    parser.add_argument("--only", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                        help="these variants alone")
+    parser.add_argument("--mu", type=int, default=4, help="grpo.py --mu for every variant")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once (1 torch thread each)")
     args = parser.parse_args()
-    if args.steps < 1 or any(s < 0 for s in args.seeds):
-        parser.error(f"--steps {args.steps}, --seeds {args.seeds}: steps must be at least 1 and "
-                     f"seeds at least 0")
-    results = {}
-    for name, flags in VARIANTS.items():
+    if args.steps < 1 or args.mu < 1 or args.jobs < 1 or any(s < 0 for s in args.seeds):
+        parser.error(f"--steps {args.steps}, --mu {args.mu}, --jobs {args.jobs}, --seeds "
+                     f"{args.seeds}: steps, mu and jobs must be at least 1 and seeds at least 0")
+    runs, todo = [], []
+    for name in args.only:
         for seed in args.seeds:
-            out = os.path.join(args.out, f"{name.lower()}-s{seed}")
+            tag = "" if args.mu == 4 else f"-mu{args.mu}"          # --mu 4's folders as before
+            out = os.path.join(args.out, f"{name.lower()}{tag}-s{seed}")
             path = os.path.join(ROOT, out, "grpo", "metrics.jsonl")
-            cmd = [sys.executable, "grpo.py", "--mu", "4", *flags, "--steps", str(args.steps),
-                   "--seed", str(seed), "--init", args.init, "--out", out]
-            done = os.path.exists(path) and os.path.exists(os.path.join(ROOT, out, "grpo.pt"))
-            if not args.table_only and not done:
-                print(" ".join(["python"] + cmd[1:]), flush=True)
-                subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-            if os.path.exists(path):
-                results.setdefault(name, []).append(read(path))
-    print(f"\nseeds {args.seeds}, {args.steps} steps of 32 prompts x 8 samples, --mu 4\n")
-    print("| variant | flags (with --mu 4) | held-out greedy accuracy, before -> after | "
+            cmd = [sys.executable, "grpo.py", "--mu", str(args.mu), *VARIANTS[name], "--steps",
+                   str(args.steps), "--seed", str(seed), "--init", args.init, "--out", out]
+            runs.append((name, path))
+            if not (os.path.exists(path) and os.path.exists(os.path.join(ROOT, out, "grpo.pt"))):
+                todo.append(cmd)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for i in range(0, 0 if args.table_only else len(todo), args.jobs):
+        procs = []
+        for cmd in todo[i:i + args.jobs]:
+            print(" ".join(["python"] + cmd[1:]), flush=True)
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, env=env))
+        if any(p.wait() for p in procs):
+            raise SystemExit("a run failed; its command is printed above")
+    results = {}
+    for name, path in runs:
+        if os.path.exists(path):
+            results.setdefault(name, []).append(read(path))
+    print(f"\nseeds {args.seeds}, {args.steps} steps of 32 prompts x 8 samples, --mu {args.mu}\n")
+    print(f"| variant | flags (with --mu {args.mu}) | held-out greedy accuracy, before -> after | "
           "clip fraction | groups kept / sampled | completions sampled | wall time s |")
     print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
     for name, runs in results.items():

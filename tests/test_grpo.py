@@ -271,10 +271,10 @@ def test_a_format_bonus_never_makes_an_all_wrong_group_informative():
     assert not dynamic_sampling_keep(correct, 4).any()
 
 
-def test_at_mu_1_gspo_and_cispo_give_grpos_gradient_and_the_other_options_do_not():
+def test_at_mu_1_the_ratio_variants_give_grpos_gradient_and_the_other_options_do_not():
     """The claim the docstring makes, measured: with the ratio exactly 1 (old = logp.detach()),
-    GSPO's sequence ratio and CISPO's clipped weight are 1, so the gradient is GRPO's; the sample
-    std, the token and Dr. GRPO aggregations change it."""
+    GSPO's sequence ratio, CISPO's clipped weight, SAPO's gate slope and DPPO's mask are 1, so the
+    gradient is GRPO's; the sample std, the token and Dr. GRPO aggregations change it."""
     logp, _, ref, adv, mask = random_batch(seed=3)
 
     def grad(**kwargs):
@@ -286,6 +286,8 @@ def test_at_mu_1_gspo_and_cispo_give_grpos_gradient_and_the_other_options_do_not
     base = grad()
     assert torch.allclose(grad(ratio_level="sequence"), base, atol=1e-12)
     assert torch.allclose(grad(loss_type="cispo"), base, atol=1e-12)
+    assert torch.allclose(grad(loss_type="sapo"), base, atol=1e-12)
+    assert torch.allclose(grad(loss_type="dppo"), base, atol=1e-12)
     for other in (dict(loss_agg="token"), dict(loss_agg="dr_grpo"),
                   dict(advantages=adv * math.sqrt(4 / 5))):
         assert not torch.allclose(grad(**other), base, atol=1e-6), other
@@ -296,17 +298,20 @@ def test_the_loss_runs_when_copied_with_torch_and_kl_penalty_alone():
     executed in a fresh namespace that holds only torch. It must run and agree with the imported
     function."""
     namespace = {"torch": torch}
-    for f in (kernels.kl_penalty, grpo.gspo_ratio, grpo.cispo_terms, grpo.aggregate, grpo.grpo_loss,
-              grpo.grpo_advantages):
+    for f in (kernels.kl_penalty, grpo.gspo_ratio, grpo.cispo_terms, grpo.sapo_terms,
+              grpo.dppo_terms, grpo.aggregate, grpo.grpo_loss, grpo.grpo_advantages,
+              grpo.maxrl_advantages):
         exec(inspect.getsource(f), namespace)
     logp, old, ref, adv, mask = random_batch(seed=4)
-    for kwargs in (dict(), dict(ratio_level="sequence"), dict(loss_type="cispo", loss_agg="token")):
+    for kwargs in (dict(), dict(ratio_level="sequence"), dict(loss_type="cispo", loss_agg="token"),
+                   dict(loss_type="sapo"), dict(loss_type="dppo", divergence="kl", delta=0.01)):
         got, got_stats = namespace["grpo_loss"](logp, old, ref, adv, mask, **kwargs)
         want, want_stats = grpo_loss(logp, old, ref, adv, mask, **kwargs)
         assert (torch.equal(got, want)
                 and all(torch.equal(got_stats[k], want_stats[k]) for k in want_stats))
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0])
     assert torch.equal(namespace["grpo_advantages"](rewards, 3), grpo_advantages(rewards, 3))
+    assert torch.equal(namespace["maxrl_advantages"](rewards, 3), grpo.maxrl_advantages(rewards, 3))
 
 
 def test_gradient_is_the_hand_derived_one_inside_and_outside_the_clip():

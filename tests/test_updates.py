@@ -299,7 +299,12 @@ def grpo_expected(gpt, rows, c, ref=None):
                                 dtype=torch.float64), c["max_new"] - c["overlong"]
         rewards += torch.where(L <= start, 0.0,
                                torch.where(L <= c["max_new"], (start - L) / c["overlong"], -1.0))
-    A = group_advantages(rewards, rows.G, c["std"], c["scale"])
+    if c["adv"] == "maxrl":                  # MaxRL: (r_i - p) / p, p the group's pass rate
+        r = rewards.view(-1, rows.G)
+        p = r.mean(1, keepdim=True)
+        A = torch.where((r == r[:, :1]).all(1, keepdim=True), 0.0, (r - p) / (p + 1e-6)).view(-1)
+    else:
+        A = group_advantages(rewards, rows.G, c["std"], c["scale"])
     with torch.no_grad():
         old, ref_lp = rows.logp(gpt, c["T"]), rows.logp(ref, c["T"])
     lo, hi = c["clip"], c["eps_high"] or c["clip"]
@@ -310,11 +315,27 @@ def grpo_expected(gpt, rows, c, ref=None):
             log_ratio = lp - old[i]
             ratio = (torch.exp(log_ratio) if c["ratio"] == "token"
                      else torch.exp(log_ratio.mean()).expand_as(lp))
-            decided(ratio, 1 - lo, 1 + hi, where=(A[i] != 0).expand_as(ratio))
+            if c["loss"] in ("clip", "cispo"):
+                decided(ratio, 1 - lo, 1 + hi, where=(A[i] != 0).expand_as(ratio))
             if c["loss"] == "clip":
                 pg = -torch.min(ratio * A[i], ratio.clamp(1 - lo, 1 + hi) * A[i])
-            else:                                        # CISPO: -sg(clip(ratio)) A log pi
+            elif c["loss"] == "cispo":                   # CISPO: -sg(clip(ratio)) A log pi
                 pg = -ratio.clamp(1 - lo, 1 + hi).detach() * A[i] * lp
+            elif c["loss"] == "sapo":                    # SAPO: -sigma(tau (r - 1)) 4 / tau A
+                tau = c["tau_pos"] if A[i] > 0 else c["tau_neg"]
+                pg = -torch.sigmoid(c["gate_sign"] * tau * (ratio - 1)) * 4 / tau * A[i]
+            else:                                        # DPPO: -M r A, M from a binary divergence
+                p, q = lp.detach().exp(), old[i].exp()
+                if c["divergence"] == "tv":
+                    D = (p - q).abs()
+                elif c["divergence"] == "kl":            # KL(Bernoulli(q) || Bernoulli(p))
+                    D = q * torch.log(q / p) + (1 - q) * torch.log((1 - q) / (1 - p))
+                else:                                    # the planted mistake: KL(p || q)
+                    D = p * torch.log(p / q) + (1 - p) * torch.log((1 - p) / (1 - q))
+                away = (p > q) if A[i] > 0 else (p < q)  # moved the way A pushes
+                away = away | (c["mask"] == "symmetric")  # the planted mistake: either way
+                decided(D, c["delta"], where=away & (A[i] != 0))
+                pg = -torch.where((D > c["delta"]) & away, 0.0, ratio * A[i])
             per_token = pg + c["beta"] * kl_estimate(lp, ref_lp[i], c["kl"], c["kl_clamp"])
             total = total + {"seq": per_token.mean() / len(rows),
                              "token": per_token.sum() / n_tokens,
@@ -340,7 +361,9 @@ def dynamic_sampling_rows(rollouts, P, G):
 
 GRPO = {"lr": SGD_LR, "T": 0.7, "beta": 0.3, "clip": 0.1, "eps_high": None, "kl": "k3",
         "kl_clamp": None, "mu": 2, "agg": "seq", "std": "population", "scale": True,
-        "ratio": "token", "loss": "clip", "overlong": 0, "max_new": 24, "dynamic": False}
+        "ratio": "token", "loss": "clip", "overlong": 0, "max_new": 24, "dynamic": False,
+        "adv": "grpo", "tau_pos": 1.0, "tau_neg": 1.05, "gate_sign": 1, "divergence": "tv",
+        "delta": 0.15, "mask": "directional"}
 GRPO_FLAGS = ["--steps", "1", "--mu", "2", "--prompts_per_step", "4", "--group_size", "4",
               "--precedence_share", "1", "--temperature", "0.7", "--beta", "0.3",
               "--clip_eps", "0.1", "--grad_clip", "1e9"]
@@ -366,6 +389,19 @@ GRPO_CASES = {
                "--eps_high", "0.05"],
               {"loss": "cispo", "agg": "token", "clip": 0.05, "eps_high": 0.05},
               {"loss": "clip", "clip": 0.2}),
+    # SAPO at temperatures far apart, so that swapping them (or the gate's sign) shows
+    "SAPO": (["--loss_type", "sapo", "--tau_pos", "3", "--tau_neg", "12"],
+             {"loss": "sapo", "tau_pos": 3.0, "tau_neg": 12.0},
+             {"loss": "clip", "tau_pos": 12.0, "tau_neg": 3.0, "gate_sign": -1}),
+    # DPPO: bounds small enough that the second pass masks some tokens and keeps others; the KL
+    # bound falls between KL(q || p) and KL(p || q) on some tokens
+    "DPPO tv": (["--loss_type", "dppo", "--delta", "0.01"],
+                {"loss": "dppo", "delta": 0.01},
+                {"loss": "clip", "delta": 0.15, "mask": "symmetric"}),
+    "DPPO kl": (["--loss_type", "dppo", "--divergence", "kl", "--delta", "0.012"],
+                {"loss": "dppo", "divergence": "kl", "delta": 0.012},
+                {"divergence": "kl(p||q)", "delta": 0.05}),
+    "MaxRL": (["--maxrl"], {"adv": "maxrl"}, {"adv": "grpo"}),
     "DAPO --dynamic_sampling": (["--dynamic_sampling", "--precedence_share", "0.5",
                                  "--loss_agg", "token",
                                  "--eps_high", "0.3"],
