@@ -38,6 +38,10 @@ def parse_args(argv=None):
     g.add_argument("--precedence_share", type=Float(ge=0, le=1), default=None,
                    help="share of problems where precedence matters (default: the task's; "
                         "arithmetic: 0.5)")
+    g.add_argument("--hint_share", type=Float(ge=0, le=1), default=0.0,
+                   help="share of demonstrations whose prompt carries the verified answer "
+                        "(task.privileged), each with the right completion: a policy that reads "
+                        "it, self_distill.py's start")
     g = p.add_argument_group("model")
     g.add_argument("--n_layer", type=Int(ge=1), default=4, help="transformer blocks")
     g.add_argument("--block_size", type=Int(ge=8), default=64,
@@ -73,6 +77,9 @@ def parse_args(argv=None):
                 f"--init (a new model trains every weight)")
     if args.n_embd % args.n_head:
         p.error(f"--n_embd {args.n_embd} must be a multiple of --n_head {args.n_head}")
+    if args.hint_share and (args.task == "toolcalc" or args.tools):
+        p.error(f"--hint_share {args.hint_share}: the verified answer goes ahead of a problem's "
+                f"text; not with --task toolcalc or --tools (episodes)")
     return args
 
 
@@ -91,6 +98,8 @@ def main(args):
             raise SystemExit(f"error: --tokenizer: {e}") from None
         run.tokenizer_name = tok.name
         longest, budget = task.max_prompt_tokens(tok), task.default_max_new_tokens()
+        if args.hint_share:                      # the privileged prompts are longer
+            longest = max(longest, task.max_privileged_tokens(tok))
         # the task's longest prompt and completion budget must fit
         if longest + budget > args.block_size:
             raise SystemExit(f"error: --block_size {args.block_size} is too short for "
@@ -116,8 +125,12 @@ def main(args):
         # 1. a batch of demonstrations (this rank's share), prompt + completion + EOS
         for group in optimizer.param_groups:
             group["lr"] = lr_schedule(run.step, args.lr, args.warmup, args.steps)
-        demos = run.shard(task.sample_demonstrations(run.rng, args.batch_size, args.mistake_rate,
-                                                     args.precedence_share))
+        demos = task.sample_demonstrations(run.rng, args.batch_size, args.mistake_rate,
+                                           args.precedence_share)
+        if args.hint_share:      # some prompts carry the verified answer, their completions right
+            demos = [(task.privileged(p), task.demonstration(p)) if run.rng.random() <
+                     args.hint_share else (p, c) for p, c in demos]
+        demos = run.shard(demos)
         tokens, attn, loss_mask = task.completion_batch([p for p, _ in demos],
                                                         [c for _, c in demos], tok, run.device)
 

@@ -44,6 +44,7 @@ _R1_COMPLETION = re.compile(r"\s*<think>((?:(?!</?think>|</?answer>).)*)</think>
 R1_EXTRA_TOKENS = 34           # ' <think></think> <answer></answer>' in bytes: R1's extra
 R1_MAX_CHARS = 20_000          # a longer R1 completion scores 0 unread (the tag regexes: quadratic)
 _R1_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
+HINT = "(answer: {answer}) "     # privileged(): the verified answer, ahead of the problem
 calculator = toolcalc.calculator   # the tool: calculator('12*46') -> '552'; "error..." otherwise
 
 
@@ -157,6 +158,21 @@ def demonstration(prompt, mistake=False):
             return toolcalc.messages(prompt, mistake)
         return [{"role": "assistant", "content": _in_use.task.demonstration(prompt, mistake)}]
     return _completion(_in_use.task.demonstration(_problem(prompt), mistake))
+
+
+def privileged(prompt):
+    """The prompt with its privileged context ahead of the problem: the verified answer (the right
+    demonstration's, as split_answer reads it: arithmetic's and GSM8K's number, a Countdown
+    expression that reaches the target). self_distill.py's teacher reads it; sft.py --hint_share
+    teaches a policy to."""
+    problem = _problem(prompt)
+    answer = _in_use.task.split_answer(_in_use.task.demonstration(problem, False))[1].strip()
+    return _prompt(HINT.format(answer=answer) + problem)
+
+
+def max_privileged_tokens(tokenizer):
+    """The longest privileged prompt of the held-out set, in tokens as encode_prompt encodes it."""
+    return max(len(tokenizer.encode_prompt(privileged(p))) for p in eval_prompts())
 
 
 def synthetic_mistake(prompt):

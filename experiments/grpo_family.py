@@ -62,6 +62,19 @@ def fmt(values, f):
     return f"{format(statistics.mean(values), f)} +- {format(statistics.stdev(values), f)}"
 
 
+def run_jobs(commands, jobs):
+    """Run `commands` (argv lists, from the repository root) `jobs` at a time, one torch thread
+    each; stop at the first batch with a failure."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for i in range(0, len(commands), jobs):
+        procs = []
+        for cmd in commands[i:i + jobs]:
+            print(" ".join(["python"] + cmd[1:]), flush=True)
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, env=env))
+        if any(p.wait() for p in procs):
+            raise SystemExit("a run failed; its command is printed above")
+
+
 def main():
     parser = argparse.ArgumentParser(description="GRPO and its family at --mu 4 on the same seed "
                                                  "and budget")
@@ -92,14 +105,7 @@ def main():
             runs.append((name, path))
             if not (os.path.exists(path) and os.path.exists(os.path.join(ROOT, out, "grpo.pt"))):
                 todo.append(cmd)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for i in range(0, 0 if args.table_only else len(todo), args.jobs):
-        procs = []
-        for cmd in todo[i:i + args.jobs]:
-            print(" ".join(["python"] + cmd[1:]), flush=True)
-            procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, env=env))
-        if any(p.wait() for p in procs):
-            raise SystemExit("a run failed; its command is printed above")
+    run_jobs([] if args.table_only else todo, args.jobs)
     results = {}
     for name, path in runs:
         if os.path.exists(path):

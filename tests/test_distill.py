@@ -289,8 +289,9 @@ def test_script_runs_end_to_end_and_resumes(tiny_sft, tiny_student, tmp_path):
     assert ([r["step"] for r in rows] == [0, 1, 2] and "eval_accuracy" in rows[2]
             and rows[2]["samples"] == 2 * 8 * 2)
     for key in ("loss", "kl_exact", "kl_forward", "entropy", "reward_mean", "teacher_reward",
-                "completion_len", "grad_norm", "tokens_per_sec"):
+                "completion_len", "grad_norm", "tokens_per_sec", "sampler_logp_diff"):
         assert key in rows[1] and math.isfinite(rows[1][key]), key
+    assert 0 <= rows[1]["sampler_logp_diff"] < 1e-4     # the sampler's log-probs, the trainer's
     assert rows[1]["kl_exact"] > 0.05 and 0 <= rows[1]["teacher_reward"] <= 1
     _, ckpt = load_checkpoint(os.path.join(out, "distill.pt"))
     assert ckpt["step"] == 2 and 0 <= ckpt["teacher_eval"]["eval_accuracy"] <= 1

@@ -151,6 +151,9 @@ CASES = {
                        "teacher_reward"]),
     "distill topk": ("distill", RL + ["--teacher", "TEACHER", "--estimator", "topk", "--topk", "4"],
                      ["loss", "grad_norm", "kl_exact", "kl_forward"]),
+    # self-distillation: the teacher is the same weights with the verified answer in its prompts
+    "self_distill": ("self_distill", RL, ["loss", "grad_norm", "kl_forward", "reward_mean",
+                                          "teacher_reward"]),
     # TRPO: the gradient, every Fisher-vector product and the line search's KL and gain are sums of
     # the ranks' shares
     "trpo": ("trpo", RL + ["--cg_iters", "4", "--beta", "0.3"],

@@ -1170,6 +1170,50 @@ def test_distill_update(tiny_sft, tmp_path):
     check_weights(result, expected, far=[(k, m) for k, (m, _) in wrong])
 
 
+def self_distill_expected(policy, rollouts, c):
+    """SGD on self-distillation's loss (SDFT, OPSD) per batch of the policy's samples: the mean over
+    completion tokens of the exact KL(student || teacher) at temperature T, the student reading the
+    prompt x, the teacher the same weights (frozen at the step's start, no gradient) reading
+    '(answer: a) ' + x, a the verified answer. c: the planted mistakes ("student": the answer in
+    the student's prompt too; "teacher": not in the teacher's; "forward"; "grad": the teacher's
+    logits given gradient)."""
+    model, grads = copy.deepcopy(policy), []
+    hint = lambda p: TOK.encode(f"(answer: {arithmetic.answer(p)}) {p}")
+    for rows in rollouts:
+        teacher = model if c.get("grad") else frozen(model)
+        loss, n = 0.0, sum(len(ids) for ids in rows.ids)
+        for p, x, ids in zip(rows.prompts, rows.prompt_ids, rows.ids):
+            s = completion_logits(model, hint(p) if c.get("student") else x, ids, c["T"])
+            t = completion_logits(teacher, x if c.get("teacher") else hint(p), ids, c["T"])
+            loss = loss + (exact_kl(t, s) if c.get("forward") else exact_kl(s, t)).sum()
+        g = grad_of(loss / n, model)
+        grads.append(g)
+        sgd_step(model, g, SGD_LR)
+    return model, grads
+
+
+def test_self_distill_update(tiny_sft, tmp_path):
+    """Two steps of self-distillation on the policy's (fixed) samples: the reverse KL to itself with
+    the verified answer ahead of the prompt, at the temperature; the answer leaking into the
+    student's prompt, missing from the teacher's, the forward KL, T = 1 and a teacher given
+    gradient are told apart."""
+    flags = ["--steps", "2", "--prompts_per_step", "4", "--group_size", "2",
+             "--precedence_share", "0.5", "--temperature", "0.7", "--grad_clip", "1e9"]
+    result = train("self_distill", ["--init", tiny_sft, *flags], str(tmp_path / "run"))
+    rollouts = [Rows.fixed(e["prompts"], 2) for e in result.of("rollout") if e["group_size"] == 2]
+    assert len(rollouts) == 2
+    c = {"T": 0.7}
+    policy = f64(result.model, result.start)
+    expected, grads = self_distill_expected(policy, rollouts, c)
+    wrong = [(name, self_distill_expected(policy, rollouts, {**c, **w}))
+             for name, w in [("the answer in the student's prompt", {"student": True}),
+                             ("no answer in the teacher's prompt", {"teacher": True}),
+                             ("the forward KL", {"forward": True}), ("T = 1", {"T": 1.0}),
+                             ("a teacher with gradient", {"grad": True})]]
+    check_grads(result, grads, far=[(k, g) for k, (_, g) in wrong])
+    check_weights(result, expected, far=[(k, m) for k, (m, _) in wrong])
+
+
 # -----------------------------------------------------------------------------
 # The agent: GRPO on episodes, the environment's tokens context only, each attempt on its own reward
 # (SCoRe's shaping)
@@ -1532,6 +1576,31 @@ def test_sft_update(tmp_path):
     check_weights(result, model, far=[
         ("--weight_decay 0", nll_expected(gpt, batches, lrs, 0.0, 0.5)[0]),
         ("a constant lr", nll_expected(gpt, batches, [0.5] * 4, 0.1, 0.5)[0])])
+
+
+def test_sft_hint_share_update(tmp_path):
+    """--hint_share 0.5 (self_distill.py's start): about half the demonstrations have the verified
+    answer ahead of the prompt ('(answer: 11) 3+4*2='), and those are the right completion, never
+    the slip; the update is the NLL of what was fed."""
+    result = train("sft", ["--steps", "2", "--batch_size", "16", "--n_layer", "1", "--n_head", "2",
+                           "--n_embd", "32", "--lr", "0.5", "--warmup", "0", "--weight_decay", "0",
+                           "--hint_share", "0.5", "--mistake_rate", "1", "--precedence_share",
+                           "1", "--grad_clip", "1e9"], str(tmp_path))
+    batches = [list(zip(e["prompts"], e["completions"])) for e in result.of("completion_batch")]
+    hinted = 0
+    for prompt, completion in (pc for b in batches for pc in b):
+        x = prompt.split(") ", 1)[-1]
+        if prompt != x:
+            hinted += 1
+            assert prompt == f"(answer: {arithmetic.answer(x)}) {x}"
+            assert completion == arithmetic.demonstration(x)                  # right
+        else:
+            assert completion == arithmetic.demonstration(x, left_to_right=True)   # the slip
+    assert 8 <= hinted <= 24
+    lrs = [lr_schedule(s, 0.5, 0, 2) for s in range(2)]
+    model, grads = nll_expected(f64(result.model, result.start), batches, lrs, 0.0)
+    check_grads(result, grads)
+    check_weights(result, model)
 
 
 def expert_iteration_data(rounds, N, scorer=None, max_per_prompt=4):
