@@ -27,7 +27,7 @@ Deviations and choices:
 - The teacher is the current weights under no_grad (OPSD's), not SDPO's slowed (EMA) teacher.
 
 Shapes: P prompts, G samples each, B = P*G rows; T time (Tp, Tp' the two prompts, Tn completion).
-Run (about 1 minute on 2 CPU cores once out/sft_hint/sft.pt exists; built first if missing):
+Run (about 2 minutes on 2 CPU cores once out/sft_hint/sft.pt exists; built first if missing):
     python self_distill.py
     python self_distill.py --resume          # continue from out/self_distill.pt up to --steps
 Metrics: out/self_distill/metrics.jsonl (docs/metrics.md).
@@ -82,7 +82,7 @@ def parse_args(argv=None):
                    help="share of problems where precedence matters (default: the task's; "
                         "arithmetic: 0.5)")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--lr", type=Float(gt=0), default=3e-4, help="AdamW learning rate (constant)")
+    g.add_argument("--lr", type=Float(gt=0), default=1e-4, help="AdamW learning rate (constant)")
     g.add_argument("--weight_decay", type=Float(ge=0), default=0.0, help="AdamW weight decay")
     g.add_argument("--grad_clip", type=Float(gt=0), default=1.0,
                    help="clip the gradient's global norm to this")
