@@ -97,6 +97,11 @@ def parse_args(argv=None):
     return args
 
 
+class SelfDistillRun(Run):
+    """plumbing.Run whose --init defaults to the hint-reading SFT policy, built if missing."""
+    CHECKPOINT_FLAGS = {"init": (HINT_SFT_PATH, f"sft.py {' '.join(HINT_SFT_FLAGS)}")}
+
+
 def load_policy(run, args):
     """Build the default start if missing (rank 0), then (policy, tokenizer); the held-out set's
     privileged prompts must fit beside the completion budget."""
@@ -119,7 +124,7 @@ def load_policy(run, args):
 
 def main(args):
     # device, seeds, lock, log, resume, torchrun: plumbing.py
-    run = Run("self_distill", args, batch_flag="prompts_per_step")
+    run = SelfDistillRun("self_distill", args, batch_flag="prompts_per_step")
     policy, tok = load_policy(run, args)
     train_policy = run.ddp(policy)  # DDP or --fsdp's shards under torchrun, else the policy
     optimizer = torch.optim.AdamW(trainable(train_policy), lr=args.lr,
