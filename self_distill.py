@@ -41,7 +41,7 @@ from flags import TEMPERATURE, Float, Int, add_run_flags, default_path, parser, 
 from kernels import entropy, kl, logprobs
 from lora import trainable
 from model import completion_logits
-from loading import build_missing, read_checkpoint
+from loading import build_missing
 from plumbing import Run
 
 HINT_SFT_PATH = os.path.join("out", "sft_hint", "sft.pt")
@@ -105,9 +105,7 @@ class SelfDistillRun(Run):
 def load_policy(run, args):
     """Build the default start if missing (rank 0), then (policy, tokenizer); the held-out set's
     privileged prompts must fit beside the completion budget."""
-    if os.path.exists(args.init):
-        read_checkpoint(args.init, "--init")             # unreadable: one line, before any building
-    if run.is_main:
+    if run.is_main:                   # (a missing or unreadable non-default: refused by the Run)
         build_missing(args.init, default_path(HINT_SFT_PATH, args),
                       ["sft.py", *HINT_SFT_FLAGS, *task_flags(args)], args.device)
     run.barrier()

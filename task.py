@@ -171,8 +171,11 @@ def privileged(prompt):
 
 
 def max_privileged_tokens(tokenizer):
-    """The longest privileged prompt of the held-out set, in tokens as encode_prompt encodes it."""
-    return max(len(tokenizer.encode_prompt(privileged(p))) for p in eval_prompts())
+    """The longest privileged prompt, in tokens: the task's longest prompt (max_prompt_tokens) and
+    the longest hint the held-out set's answers make (an answer varies less than a problem)."""
+    hint = max(len(tokenizer.encode_prompt(privileged(p))) - len(tokenizer.encode_prompt(p))
+               for p in eval_prompts())
+    return max_prompt_tokens(tokenizer) + hint
 
 
 def synthetic_mistake(prompt):
