@@ -10,12 +10,13 @@ sampler's log-probs and the trainer's differ in their last bits (metrics: sample
     linear:     x (N, K) @ W.T  as  ceil(N/R) tiles of R = ROWS rows (zero rows padding the last),
                 one batched product of (R, K) @ (K, out) tiles: a row's bits depend on its own
                 values alone
-    attention:  each query alone against tiles of R keys, the softmax an online recurrence
-                (Milakov & Gimelshein 2018) over the key tiles in slot order: a tile with no key a
-                query may read leaves the running max, sum and output exactly as they were, so the
-                cached decode (keys up to the cache's length) and the whole-sequence forward (keys
-                up to T) give a query the same bits when its keys sit in the same slots (the
-                scripts score a rollout in the layout it was sampled in)
+    attention:  each query alone against tiles of R keys counted from its first readable key,
+                the softmax an online recurrence (Milakov & Gimelshein 2018) over the tiles in
+                order: a tile with no key a query may read leaves the running max, sum and output
+                exactly as they were, so the cached decode (keys up to the cache's length) and the
+                whole-sequence forward (keys up to T) give a query the same bits, and so does any
+                padding before the sequence (the sampler's left-padded batch, a trainer's
+                sequences from slot 0)
 
 Norms, the embedding, rotary angles and the activations are per row already. BatchInvariant, a
 TorchFunctionMode, routes F.linear, addmm, matmul and scaled_dot_product_attention here while it is
@@ -48,13 +49,41 @@ def linear(x, weight, bias=None):
     return y if bias is None else y + bias.to(y.dtype)
 
 
+def first_key(attn_mask):
+    """Each row's first key (B, 1 or h, 1, 1) from attn_mask (B, 1 or h, Tq, S) bool: the first
+    that the query reading the most keys reads (a row's real queries all start there; a padding
+    query reads itself alone). The row's key tiles start there, so padding before a sequence
+    moves no tile boundary."""
+    widest = attn_mask.sum(-1).argmax(-1)[..., None, None]                 # (B, h, 1, 1)
+    rows = attn_mask.gather(2, widest.expand(-1, -1, -1, attn_mask.size(-1)))   # (B, h, 1, S)
+    return rows.int().argmax(-1)[..., None]
+
+
+_shifted = [None, None]   # the last mask and its shift: every layer of a forward shares one mask
+
+
+def shifted_mask(attn_mask, B, R):
+    """Each row's key slots from its first key on, in whole tiles of R (B, 1 or h, 1, S2), and
+    attn_mask (B, 1 or h, Tq, S), or one (Tq, S) for all, read at them (False past S); once per
+    forward (its layers share one mask)."""
+    if _shifted[0] is not attn_mask:
+        Tq, S = attn_mask.shape[-2:]
+        full = attn_mask.expand(B, -1, Tq, S) if attn_mask.dim() == 4 else \
+            attn_mask.expand(B, 1, Tq, S)
+        S2 = -(-S // R) * R                                              # whole tiles, any start
+        slots = first_key(full) + torch.arange(S2, device=full.device)
+        _shifted[:] = attn_mask, (slots, F.pad(full, (0, S2)).gather(3, slots.expand(
+            -1, -1, Tq, -1)))
+    return _shifted[1]
+
+
 def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
               enable_gqa=False):
     """scaled_dot_product_attention's result (B, h, Tq, hs), each query alone against tiles of
-    ROWS keys: q (B, h, Tq, hs), k, v (B, h, S, hs), attn_mask (B, 1 or h, Tq, S) bool, True where
-    a query reads a key. Every product is a (1, hs) @ (hs, R) or (1, R) @ (R, hs) of its own (a
-    shared query tile would waste R - 1 rows of R in the decode); the key tiles are copied for each
-    query, the memory a fused kernel would not spend."""
+    ROWS keys from its row's first key: q (B, h, Tq, hs), k, v (B, h, S, hs), attn_mask (B, 1 or
+    h, Tq, S) bool, True where a query reads a key. Every product is a (1, hs) @ (hs, R) or
+    (1, R) @ (R, hs) of its own (a shared query tile would waste R - 1 rows of R in the decode);
+    the key tiles are copied for each query, the memory a fused kernel would not spend."""
     if dropout_p or enable_gqa or k.size(1) != q.size(1):
         raise ValueError("--batch_invariant attention: no dropout, one key head per query head")
     B, h, Tq, hs = q.shape
@@ -62,14 +91,21 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     if attn_mask is None:
         attn_mask = torch.ones(Tq, S, dtype=torch.bool, device=q.device)
         attn_mask = attn_mask.tril(S - Tq) if is_causal else attn_mask
-    mask = F.pad(attn_mask.expand(B, h, Tq, S), (0, -S % R)).reshape(n, 1, -1)  # (n, 1, S') False
-    kt, vt = (F.pad(t, (0, 0, 0, -S % R)) for t in (k, v))              # (B, h, S', hs)
+    slots, mask = shifted_mask(attn_mask, B, R)               # (B, 1 or h, 1, S2), (.., Tq, S2)
+    S2 = slots.size(-1)
+    # keys and values from each row's first key on (past S: zeros, masked, never read): each
+    # row's window of S2 slots (B, h, hs, S2), indexed by (B,) and (h,)
+    first = slots[..., 0].expand(B, h, 1)                                # (B, h, 1)
+    rows, heads = torch.arange(B, device=q.device)[:, None], torch.arange(h, device=q.device)
+    kt, vt = (F.pad(t, (0, 0, 0, S2)).unfold(2, S2, 1)[rows, heads, first[..., 0]].transpose(2, 3)
+              for t in (k, v))                                           # (B, h, S2, hs)
+    mask = mask.expand(B, h, Tq, S2).reshape(n, 1, S2)                  # (n, 1, S2)
     qs = q.reshape(n, 1, hs)                                             # each query a row
     scale = 1 / math.sqrt(hs) if scale is None else scale
     m = torch.full((n, 1, 1), float("-inf"), device=q.device)            # running max
     total = torch.zeros_like(m)                                          # running sum of exp
     acc = torch.zeros(n, 1, hs, device=q.device)                         # running output
-    for j in range(kt.size(2) // R):                                     # key tiles, slot order
+    for j in range(S2 // R):                                             # key tiles, in order
         kj, vj = (t[:, :, None, j * R:(j + 1) * R].expand(B, h, Tq, R, hs).reshape(n, R, hs)
                   for t in (kt, vt))
         s = torch.bmm(qs, kj.transpose(1, 2)).float() * scale           # (n, 1, R)

@@ -17,7 +17,7 @@ from checkpoint import from_pretrained
 from conftest import ROOT, run_script
 from kernels import invariant
 from lora import add_adapters
-from model import GPT, GPTConfig, completion_logprobs
+from model import GPT, GPTConfig, completion_logprobs, token_logprobs
 from tokenizer import Tokenizer
 
 GOLDEN = os.path.join(ROOT, "tests", "golden")
@@ -159,6 +159,44 @@ def test_any_one_piece_made_batch_variant_again_breaks_the_agreement(variant, mo
         monkeypatch.setattr(invariant, "attention", F.scaled_dot_product_attention)
     with invariant.BatchInvariant():
         assert largest_gap(model, tok, 1.0, trials=6) > 0.0
+
+
+def layout_gap(model, tok, trials=4):
+    """The sampler's log-probs against the same sequences scored in other layouts: more left
+    padding (1 to 70 columns), and whole sequences from slot 0, right-padded (task.completion_batch,
+    as online_dpo and expert_iteration score theirs)."""
+    rng, gap = random.Random(1), 0.0
+    for _ in range(trials):
+        prompts = task.sample_prompts(rng, rng.randint(2, 5))
+        idx, idx_mask = tok.encode_batch(prompts, "cpu")
+        g = torch.Generator().manual_seed(rng.randint(0, 999))
+        tokens, mask, _, logp = sampler.generate(model, idx, idx_mask, rng.randint(8, 40),
+                                                 tok.stop_ids, tok.pad_id, temperature=0.9,
+                                                 generator=g, return_logprobs=True)
+        shift = rng.choice([1, 13, 40, 70])
+        with torch.no_grad():
+            shifted = completion_logprobs(model, F.pad(idx, (shift, 0), value=tok.pad_id),
+                                          F.pad(idx_mask, (shift, 0)), tokens, mask, 0.9)
+            ids = [row[:int(m.sum())] for row, m in zip(tokens.tolist(), mask)]
+            seqs, attn, targets = task.completion_batch(prompts, ids, tok)
+            whole = token_logprobs(model, seqs[:, :-1], attn[:, :-1], seqs[:, 1:], 0.9)
+        real = mask > 0
+        gap = max(gap, (shifted - logp).abs()[real].max().item(),
+                  (whole[targets > 0] - logp[real]).abs().max().item())
+    return gap
+
+
+@pytest.mark.parametrize("kind", ["gpt", "qwen2"])
+def test_padding_before_a_sequence_changes_no_bit(kind, monkeypatch):
+    """Key tiles counted from a query's first readable key: the same sequence left-padded by any
+    amount or right-padded from slot 0 has the sampler's bits; tiles counted from slot 0 (the
+    boundaries where the padding puts them) have not."""
+    model, tok = tiny(kind)
+    with invariant.BatchInvariant():
+        assert layout_gap(model, tok) == 0.0
+        monkeypatch.setattr(invariant, "first_key",
+                            lambda m: torch.zeros_like(m[..., :1, :1], dtype=torch.long))
+        assert layout_gap(model, tok) > 0.0
 
 
 def metrics(out, evaluations=True):
