@@ -274,27 +274,36 @@ def main(args):
                 else torch.full_like(mask, args.beta))
 
         # 3. score without gradient: sampling-time and reference log-probs of every token (the
-        #    environment's for the log); the exact KL and entropy on the policy's tokens
+        #    environment's for the log); the exact KL and entropy on the policy's tokens.
+        #    --batch_invariant: pi_old is the sampler's own (ep.logp, the same bits), the policy
+        #    scores on logged steps alone
         old_logp, ref_logp = torch.zeros_like(mask), torch.zeros_like(mask)  # (B, Tn)
         # the step's, over every rank
         n_seqs, n_tokens = run.all_sum(len(mask)), run.all_sum(loss_mask.sum())
         n_policy = run.all_sum(ep.sampled.sum())
         kl_exact = ent = 0.0
+        recompute = not args.batch_invariant or run.logging()
         with ref_weights:                                           # on the device for step 2 alone
             for rows in run.micro_batches(len(mask)):
                 with torch.no_grad(), run.autocast:                 # each model's forward once
-                    h = completion_hidden(policy, prompt[rows], prompt_mask[rows], tokens[rows],
-                                          mask[rows])
                     h_ref = completion_hidden(ref, prompt[rows], prompt_mask[rows], tokens[rows],
                                               mask[rows])
                     # as step 4 computes them
-                    old_logp[rows] = policy.head_logprobs(h, tokens[rows], temp)
                     ref_logp[rows] = ref.head_logprobs(h_ref, tokens[rows], temp)
+                    if recompute:
+                        h = completion_hidden(policy, prompt[rows], prompt_mask[rows],
+                                              tokens[rows], mask[rows])
+                        old_logp[rows] = policy.head_logprobs(h, tokens[rows], temp)
                     if run.logging():                                  # a chunk of logits at a time
                         kl_t, ent_t = kl_entropy(policy, ref, h, h_ref,
                                                  ep.sampled[rows], temp)       # the policy's tokens
                         kl_exact += kl_t.sum() / n_policy                     # KL(pi || ref)
                         ent += ent_t.sum() / n_policy
+        # how far the trainer's log-probs are from those the sampler drew with, the policy's tokens
+        if recompute:
+            sampler_diff = run.max(torch.where(ep.sampled > 0, (ep.logp - old_logp).abs(), 0.0))
+        if args.batch_invariant:
+            old_logp = ep.logp                                       # equal, bit for bit
 
         # 4. mu passes of the loss over the --grad_accum micro-batches, normalised by the whole
         #    step's counts
@@ -339,7 +348,8 @@ def main(args):
                        **stats, "turns": run.mean(ep.policy_turns),
                        "completion_len": run.mean(ep.sampled.sum(1)),
                        "env_tokens": run.mean(env.sum(1)), "env_logp": run.mean(old_logp, env),
-                       "truncated": run.mean(ep.truncated.float()), "grad_norm": grad_norm.item()}
+                       "truncated": run.mean(ep.truncated.float()), "grad_norm": grad_norm.item(),
+                       "sampler_logp_diff": sampler_diff}
             if K == 2:
                 metrics["stage"] = 1 if stage1 else 2
                 first = ep.correct[:, 0]

@@ -55,7 +55,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 import task
 from flags import SFT_PATH, TEMPERATURE, Float, Int, add_run_flags, parser
-from kernels import kl_penalty
+from kernels import invariant, kl_penalty
 from lora import merge, trainable
 from model import completion_logprobs
 from loading import autocast, load_model, pick_device
@@ -247,6 +247,8 @@ def actor(args, rank):
     date = [None]
     dist.broadcast_object_list(date, src=0)     # --chat: the day its template writes, the learner's
     policy, tok, _ = load_model(args.init, device, "gpt", chat_date=date[0])
+    if args.batch_invariant:        # the learner's mode (the learner has checked that it serves)
+        invariant.enable()
     # sample under the autocast the learner scores under (plumbing.Run.autocast: bfloat16 on a GPU),
     # so that at lag 0 the importance weight measures staleness and the sampler's numerics only, not
     # a precision gap as well
@@ -476,6 +478,9 @@ def learner(args, procs):
                        "rho_outside_band": (log_rho[real].abs() > cap).float().mean().item(),
                        "logp_gap_lag0": (log_rho[fresh].abs().mean().item() if fresh.any()
                                          else float("nan")),
+                       # the sampler against the trainer, the same weights (--batch_invariant: 0.0)
+                       "sampler_logp_diff": (log_rho[fresh].abs().max().item() if fresh.any()
+                                             else float("nan")),
                        "queue": queued,
                        "actor_busy": (sum(s for s, _ in sampled)
                                       / max(sum(w for _, w in sampled), 1e-9)),

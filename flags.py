@@ -132,8 +132,8 @@ def add_run_flags(parser, script, log_every, eval_every):
              "PCIe a step; nothing moves on another device")
     add("--batch_invariant", action="store_true",
         help="every product in fixed tiles (kernels/invariant.py): the sampler's log-probs equal "
-             "the trainer's bit for bit (sampler_logp_diff 0.0), and grpo takes them as pi_old, "
-             "skipping the policy's recompute; CPU only so far")
+             "the trainer's bit for bit (sampler_logp_diff 0.0); grpo, rloo, reinforce and agent "
+             "take them as pi_old, skipping the policy's recompute; CPU only so far")
     add("--fsdp", action="store_true",
         help="shard the weights, gradients and AdamW moments of what trains over the torchrun "
              "processes (FSDP2; distributed.py): each holds 1/world of them, one block whole at a "

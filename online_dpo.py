@@ -225,8 +225,15 @@ def main(args):
             group["lr"] = args.lr * min(1.0, (run.step + 1) / max(args.warmup, 1))
         prompts = run.shard(task.sample_prompts(run.rng, args.batch_size, args.precedence_share))
         with run.autocast:
-            batch = task.rollout(model, tok, prompts, G, args.temperature, args.max_new_tokens,
-                                 generator=run.gen)
+            batch, sampler_logp = task.rollout(model, tok, prompts, G, args.temperature,
+                                               args.max_new_tokens, generator=run.gen,
+                                               return_logprobs=True)
+            if run.logging():     # the trainer's log-probs of every sampled token, same weights
+                ids = [[t for t, m in zip(row, keep) if m]
+                       for row, keep in zip(batch.tokens.tolist(), batch.mask.tolist())]
+                logp = task.sampled_logprobs(model, tok, [p for p in prompts for _ in range(G)],
+                                             ids, args.temperature)
+                sampler_diff = run.max((logp - sampler_logp[batch.mask > 0]).abs())
         run.samples += args.batch_size * G
 
         # 2. the judge ranks them: chosen the best, rejected the worst; ties are dropped, except
@@ -285,7 +292,7 @@ def main(args):
                        "logratio_margin": run.mean(h, weight),                                 # h
                        "chosen_logp": run.mean(policy_chosen, weight),
                        "rejected_logp": run.mean(policy_rejected, weight),
-                       "grad_norm": grad_norm.item()}
+                       "grad_norm": grad_norm.item(), "sampler_logp_diff": sampler_diff}
             line = (f"loss {metrics['loss']:.4f} | reward {metrics['reward_mean']:.3f} | "
                     f"informative {metrics['informative']:.2f} | "
                     f"reward acc {metrics['reward_accuracy']:.2f} "

@@ -128,15 +128,15 @@ def adaptive_kl_beta(beta, kl_value, kl_target, horizon, n_steps):
 @torch.no_grad()
 def rollout(policy, tok, prompts, temperature, max_new_tokens, generator, device, autocast):
     """One completion per prompt: seq, seq_mask (B, Tp + Tn) prompt + completion, Tp, the completion
-    tokens and mask (B, Tn), truncated (B,)."""
+    tokens and mask (B, Tn), truncated (B,), the log-probs the sampler drew them with (B, Tn)."""
     idx, idx_mask = tok.encode_batch(prompts, device)                         # (B, Tp) left-padded
     with autocast:
         # (B, Tn)
-        tokens, mask, truncated = sampler.generate(policy, idx, idx_mask, max_new_tokens,
-                                                   tok.stop_ids, tok.pad_id,
-                                                   temperature=temperature, generator=generator)
+        tokens, mask, truncated, logp = sampler.generate(
+            policy, idx, idx_mask, max_new_tokens, tok.stop_ids, tok.pad_id,
+            temperature=temperature, generator=generator, return_logprobs=True)
     return (torch.cat([idx, tokens], 1), torch.cat([idx_mask, mask], 1), idx.size(1), tokens, mask,
-            truncated)
+            truncated, logp)
 
 
 def token_logits(model, seq, seq_mask, Tp, autocast):
@@ -293,7 +293,7 @@ def main(args):
         #    the verifier
         prompts = run.shard(task.sample_prompts(run.rng, args.batch_size))
         # (B, Tp+Tn), (B, Tn)
-        seq, seq_mask, Tp, tokens, mask, truncated = rollout(
+        seq, seq_mask, Tp, tokens, mask, truncated, sampler_logp = rollout(
             policy, tok, prompts, temp, args.max_new_tokens, run.gen, run.device, run.autocast)
         completions = tok.decode_completions(tokens, mask)
         run.samples += args.batch_size
@@ -318,6 +318,9 @@ def main(args):
                                              0.0).sum(1)
                 values = token_values(critic, seq[rows], seq_mask[rows], Tp, run.autocast)
                 old_values[rows] = torch.where(mask[rows] > 0, values, 0.0)         # V(s_t)
+        # how far the trainer's log-probs are from those the sampler drew with (same weights;
+        # --batch_invariant: 0.0)
+        sampler_diff = run.max(torch.where(mask > 0, (sampler_logp - old_logp).abs(), 0.0))
 
         # 3. rewards and advantages: the score on the last token, -beta KL on every token; GAE,
         #    whitened over all ranks
@@ -387,6 +390,7 @@ def main(args):
                        "explained_variance": explained_variance(run, returns, old_values, mask),
                        "completion_len": run.mean(mask.sum(1)),
                        "truncated": run.mean(truncated.float()), "epochs_done": epoch + 1,
+                       "sampler_logp_diff": sampler_diff,
                        **{k: float(np.mean(v)) for k, v in stats.items()}}
             if run.eval_due():
                 metrics.update(run.evaluate(policy, tok))

@@ -178,20 +178,23 @@ def main(args):
         # 2. score without gradient, each model's forward once: sampling-time and reference
         #    log-probs (through the function step 4 calls, so that on-policy they agree bit for
         #    bit); on a logged step also the exact KL and the entropy, the logits a chunk at a time
-        #    (model.kl_entropy): the [B, T, V] logits are never formed
+        #    (model.kl_entropy): the [B, T, V] logits are never formed. --batch_invariant: pi_old
+        #    is the sampler's own log-probs, the same bits; the policy scores on logged steps alone
         old_logp, ref_logp = torch.zeros_like(mask), torch.zeros_like(mask)      # (B, Tn)
         # the step's, over every rank
         n_seqs, n_tokens = run.all_sum(len(mask)), run.all_sum(mask.sum())
         kl_exact = ent = 0.0
+        recompute = not args.batch_invariant or run.logging()
         with ref_weights:                                           # on the device for step 2 alone
             for rows in run.micro_batches(len(mask)):
                 with torch.no_grad(), run.autocast:            # (b, Tp+Tn-1, C) final hidden states
-                    h = completion_hidden(policy, prompt[rows], prompt_mask[rows], tokens[rows],
-                                          mask[rows])
                     h_ref = completion_hidden(ref, prompt[rows], prompt_mask[rows], tokens[rows],
                                               mask[rows])
-                    old_logp[rows] = policy.head_logprobs(h, tokens[rows], temp)
                     ref_logp[rows] = ref.head_logprobs(h_ref, tokens[rows], temp)
+                    if recompute:
+                        h = completion_hidden(policy, prompt[rows], prompt_mask[rows],
+                                              tokens[rows], mask[rows])
+                        old_logp[rows] = policy.head_logprobs(h, tokens[rows], temp)
                     if run.logging():
                         # (b, Tn) each
                         kl_t, ent_t = kl_entropy(policy, ref, h, h_ref, mask[rows], temp)
@@ -199,7 +202,10 @@ def main(args):
                         ent += ent_t.sum() / n_tokens
 
         # how far the trainer's log-probs are from those the sampler drew with (same weights)
-        sampler_diff = run.max(torch.where(mask > 0, (sampler_logp - old_logp).abs(), 0.0))
+        if recompute:
+            sampler_diff = run.max(torch.where(mask > 0, (sampler_logp - old_logp).abs(), 0.0))
+        if args.batch_invariant:
+            old_logp = sampler_logp                                  # equal, bit for bit
 
         # 3. advantages: KL to the reference in the reward, minus the baseline (statistics over
         #    all ranks)

@@ -125,9 +125,17 @@ def draw(logits, temperature, top_k, generator, want_logp=False):
     nxt = (probs / race).argmax(-1)                                     # (N,) argmax_v p_v / E_v
     if not want_logp:
         return nxt, None
-    if invariant.active():                     # the trainer's own function (kernels.logprobs)
-        return nxt, logprobs(raw[:, None], nxt[:, None], temperature)[:, 0]
+    if invariant.active():
+        return nxt, token_logp(raw, nxt, temperature)
     return nxt, F.log_softmax(logits, dim=-1).gather(1, nxt[:, None]).squeeze(1)
+
+
+def token_logp(logits, tokens, temperature):
+    """log softmax(logits / temperature) at tokens (N,): logits (N, V) float32 -> (N,); under
+    --batch_invariant the trainer's own function (kernels.logprobs)."""
+    if invariant.active():
+        return logprobs(logits[:, None], tokens[:, None], temperature)[:, 0]
+    return F.log_softmax(logits / temperature, dim=-1).gather(1, tokens[:, None]).squeeze(1)
 
 
 def record(out, nxt, logp, stops, pad_id):
@@ -356,6 +364,8 @@ class Episodes(NamedTuple):
     malformed: torch.Tensor    # (B, turns) float32: of those, the ones answered with an error
     policy_turns: torch.Tensor  # (B,) float32: the policy's turns (each ended by a stop id or
                                 # by the budget)
+    logp: torch.Tensor         # (B, Tn) the policy's log-prob of each token as it was written
+                                # (at temperature 0: 0.0)
 
 
 _POLICY, _ENV = 1, 2           # who wrote a token (0: padding)
@@ -367,6 +377,7 @@ class _Episode:
 
     def __init__(self, turns):
         self.ids, self.who, self.turn_of, self.queue, self.segment = [], [], [], [], []
+        self.logp = []
         self.turn, self.used, self.done, self.truncated = 0, 0, False, False
         self.policy_turns = 0
         self.answer_ids = [[] for _ in range(turns)]   # each attempt's tokens, replies included
@@ -501,6 +512,10 @@ def episodes(policy, tokenizer, prompts, env, group_size=1, temperature=1.0, max
             sampled = torch.multinomial(probs, 1, generator=generator).squeeze(1)
         written = [_advance(e, s, tokenizer, env, closes, r, turns, max_new_tokens, tool)
                    for e, s, r in zip(state, sampled.tolist(), revise)]
+        if temperature > 0:                   # the log-prob of what each row wrote (N,)
+            lp = token_logp(logits, torch.tensor(written, device=device), temperature).tolist()
+            for e, x in zip(state, lp):
+                e.logp += [x] * (len(e.ids) - len(e.logp))
         if all(e.done for e in state):
             break
         logits = policy(torch.tensor(written, device=device)[:, None],
@@ -515,7 +530,8 @@ def episodes(policy, tokenizer, prompts, env, group_size=1, temperature=1.0, max
                     (who > 0).float(), (who == _POLICY).float(), pad([e.turn_of for e in state], 0),
                     torch.tensor([e.truncated for e in state], device=device), as_float(correct),
                     as_float([e.calls for e in state]), as_float([e.malformed for e in state]),
-                    as_float([e.policy_turns for e in state]))
+                    as_float([e.policy_turns for e in state]),
+                    as_float([e.logp + [0.0] * (T - len(e.logp)) for e in state]))
 
 
 @functools.lru_cache(maxsize=8)

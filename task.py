@@ -249,29 +249,47 @@ def read_positions(prompt_ids, ids, tok, kind, finished=True):
 
 @torch.no_grad()
 def complete(model, tokenizer, prompts, num_samples=1, temperature=0.0, max_new_tokens=None,
-             batch_size=256, generator=None, return_ids=False):
+             batch_size=256, generator=None, return_ids=False, return_logprobs=False):
     """Completions (strings, the stop token dropped) for each prompt, num_samples consecutive
     entries a prompt. return_ids: also each completion's ids as sampled, the stop token that
     ended it included (none in one cut at max_new_tokens): (texts, ids), as completion_batch
-    takes them."""
+    takes them; return_logprobs: (texts, ids, the log-prob the sampler gave each id)."""
     device = next(model.parameters()).device
     max_new_tokens = max_new_tokens or default_max_new_tokens()
-    texts, ids = [], []
+    texts, ids, logps = [], [], []
+    keep = lambda x, m: [[v for v, k in zip(row, ks) if k] for row, ks in zip(x.tolist(),
+                                                                            m.tolist())]
     for i in range(0, len(prompts), batch_size):
         if uses_tools():                                # episodes: the tools answer calls
             e = episodes(model, tokenizer, prompts[i:i + batch_size], num_samples, temperature,
                          max_new_tokens, generator=generator)
-            tokens, cmask = e.tokens, e.mask
+            tokens, cmask, logp = e.tokens, e.mask, [e.logp]
         else:
             idx, mask = tokenizer.encode_batch(prompts[i:i + batch_size], device)
-            tokens, cmask, _ = sampler.generate(
+            tokens, cmask, _, *logp = sampler.generate(
                 model, idx, mask, max_new_tokens, tokenizer.stop_ids, tokenizer.pad_id,
-                num_samples=num_samples, temperature=temperature, generator=generator)
+                num_samples=num_samples, temperature=temperature, generator=generator,
+                return_logprobs=return_logprobs)
         texts += tokenizer.decode_completions(tokens, cmask)
-        if return_ids:
-            ids += [[t for t, keep in zip(row, m) if keep]
-                    for row, m in zip(tokens.tolist(), cmask.tolist())]
+        ids += keep(tokens, cmask) if return_ids or return_logprobs else []
+        logps += keep(logp[0], cmask) if return_logprobs else []
+    if return_logprobs:
+        return texts, ids, logps
     return (texts, ids) if return_ids else texts
+
+
+@torch.no_grad()
+def sampled_logprobs(model, tokenizer, prompts, ids, temperature, chunk=64):
+    """The trainer's log-probs at `temperature` of completions as sampled (ids, one prompt each),
+    every token in order, flat (N,) float32: the side sampler_logp_diff compares with the
+    sampler's, each sequence scored whole from slot 0 (completion_batch's layout)."""
+    device, parts = next(model.parameters()).device, []
+    for i in range(0, len(ids), chunk):
+        tokens, attn, mask = completion_batch(prompts[i:i + chunk], ids[i:i + chunk], tokenizer,
+                                              device)
+        logp = model(tokens[:, :-1], attn[:, :-1], targets=tokens[:, 1:], temperature=temperature)
+        parts.append(logp[mask > 0])
+    return torch.cat(parts)
 
 
 class Rollout(NamedTuple):

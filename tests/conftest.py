@@ -28,11 +28,11 @@ def run_script(script, args, timeout=600, env=None):
                           timeout=timeout, env=env)
 
 
-def run_scripts(calls, cwd=ROOT, timeout=600):
+def run_scripts(calls, cwd=ROOT, timeout=600, env=None):
     """run_script on every (script, args) of `calls` at once, from `cwd`: their CompletedProcesses,
     in order. For independent refusals, which are mostly torch's import on one core (each call its
-    own --out)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    own --out), and small runs."""
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, **(env or {})}
     procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, script), *args], cwd=cwd,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for script, args in calls]

@@ -111,16 +111,23 @@ def fixed_rollout(policy, tokenizer, prompts, group_size, temperature, max_new_t
 
 
 def fixed_complete(model, tokenizer, prompts, num_samples=1, temperature=0.0, max_new_tokens=None,
-                   batch_size=256, generator=None, return_ids=False):
+                   batch_size=256, generator=None, return_ids=False, return_logprobs=False):
     """task.complete's contract, with the fixed completions (expert_iteration.py's and prm.py's
-    samples); the tool task's evaluation (agent.py's) samples its episodes."""
+    samples) and the policy's log-probs of them as the sampler's; the tool task's evaluation
+    (agent.py's) samples its episodes."""
     if task.name() == "toolcalc":
         return COMPLETE(model, tokenizer, prompts, num_samples, temperature, max_new_tokens,
-                        batch_size, generator, return_ids)
+                        batch_size, generator, return_ids, return_logprobs)
     record("complete", prompts=list(prompts), n=num_samples)
     texts = [fixed_completion(p, j) for p in prompts for j in range(num_samples)]
-    return (texts, [tokenizer.encode(t) + [tokenizer.eos_id]
-                    for t in texts]) if return_ids else texts                                # ended
+    ids = [tokenizer.encode(t) + [tokenizer.eos_id] for t in texts]                      # ended
+    if return_logprobs:
+        flat = task.sampled_logprobs(model, tokenizer, [p for p in prompts
+                                                        for _ in range(num_samples)],
+                                     ids, temperature).tolist()
+        ends = torch.tensor([len(c) for c in ids]).cumsum(0).tolist()
+        return texts, ids, [flat[e - len(c):e] for c, e in zip(ids, ends)]
+    return (texts, ids) if return_ids else texts
 
 
 def fixed_episode(prompt, j, turns):
@@ -207,12 +214,16 @@ def fixed_episodes(policy, tokenizer, prompts, group_size=1, temperature=1.0, ma
 
 def fixed_ppo_rollout(policy, tok, prompts, temperature, max_new_tokens, generator, device,
                       autocast):
-    """ppo.rollout's contract, with the fixed completions (one per prompt)."""
+    """ppo.rollout's contract, with the fixed completions (one per prompt) and the policy's
+    log-probs of them as the sampler's (greedy: 0.0, as the sampler's)."""
     record("ppo_rollout", prompts=list(prompts))
     idx, idx_mask = tok.encode_batch(prompts, device)
     tokens, mask, truncated = fixed_tokens(tok, prompts, 1, device)
-    return torch.cat([idx, tokens], 1), torch.cat([idx_mask, mask],
-                                                  1), idx.size(1), tokens, mask, truncated
+    with torch.no_grad():
+        logp = (completion_logprobs(policy, idx, idx_mask, tokens, mask, temperature)
+                if temperature > 0 else torch.zeros_like(mask))
+    return (torch.cat([idx, tokens], 1), torch.cat([idx_mask, mask], 1), idx.size(1), tokens, mask,
+            truncated, torch.where(mask > 0, logp, 0.0))
 
 
 def recording_batches():

@@ -3,9 +3,11 @@ placed where they belong; the mask over the policy's tokens (zero gradient on ev
 environment wrote, a reply that tokenises differently inside the sequence than alone); rewards,
 SCoRe's shaping and per-attempt advantages by hand; the loss against a float64 reference; the script
 end to end, resumed, with its two study flags."""
+import contextlib
 import json
 import math
 import os
+import random
 import re
 import shutil
 from types import SimpleNamespace
@@ -19,8 +21,9 @@ import task
 from agent import agent_loss, batch_std, episode_rewards, grpo_advantages
 from checkpoint import load_checkpoint
 from conftest import ROOT, refuses_all, run_script, task_args
-from kernels import logprobs
-from model import GPT, GPTConfig, completion_logits
+from kernels import invariant, logprobs
+from loading import load_model
+from model import GPT, GPTConfig, completion_logits, completion_logprobs
 from plumbing import Run
 from tasks import toolcalc
 from tokenizer import Tokenizer
@@ -414,6 +417,7 @@ def test_script_runs_end_to_end_and_resumes(tiny_tool_sft, tmp_path):
         assert key in rows[0] and key in rows[2], key
     assert (rows[1]["completion_len"] > 0 and rows[1]["env_tokens"] >= 0
             and 0 <= rows[1]["call_share"] <= 1)
+    assert all(0 <= r["sampler_logp_diff"] < 1e-4 for r in rows[1:])   # the policy's tokens
     _, ckpt = load_checkpoint(os.path.join(out, "agent.pt"))
     p = run_script("agent.py",
                    TINY + ["--steps", "3", "--init", tiny_tool_sft, "--out", out, "--resume"])
@@ -532,3 +536,20 @@ def test_the_chat_protocol_with_a_tool_on_every_task(name, extra, tmp_path):
                                  (["--tools", "json:loads", "--chat"],
                                   ["--tools json:loads", "**kwargs cannot be given by name"])],
                     tmp_path)
+
+
+def test_each_written_token_carries_the_log_prob_the_trainer_gives_it():
+    """Episodes.logp (the sampler's, as each token was written: the policy's draws and the
+    calculator's replies) against completion_logprobs over the whole episode: within float32's
+    reordering by default, bit for bit under --batch_invariant's mode."""
+    policy, tok, _ = load_model(os.path.join(ROOT, "tests", "fixtures", "tiny_tool_sft.pt"), "cpu",
+                                "gpt")
+    prompts = task.sample_prompts(random.Random(0), 6)
+    for mode, most in ((contextlib.nullcontext(), 1e-4), (invariant.BatchInvariant(), 0.0)):
+        with mode, torch.no_grad():
+            e = task.episodes(policy, tok, prompts, 4, 0.8,
+                              generator=torch.Generator().manual_seed(0))
+            logp = completion_logprobs(policy, e.prompt, e.prompt_mask, e.tokens, e.mask, 0.8)
+        assert (e.mask - e.sampled).sum() > 0                     # replies among the tokens
+        assert (logp - e.logp).abs()[e.mask > 0].max() <= most
+        assert (e.logp[e.mask == 0] == 0).all()

@@ -177,6 +177,7 @@ def test_max_lag_0_is_on_policy(tiny_sft, tmp_path):
     assert p.returncode == 0, stdout[-2000:] + stderr[-2000:]
     for r in rows_of(out)[1:]:
         assert r["lag_max"] == 0 and r["logp_gap_lag0"] < 1e-4 and r["rho_outside_band"] == 0
+        assert r["logp_gap_lag0"] <= r["sampler_logp_diff"] < 1e-4           # the mean, the largest
 
 
 def test_weights_published_every_second_step_within_a_lag_of_one(tiny_sft, tmp_path):

@@ -182,6 +182,7 @@ def test_a_resumed_run_is_the_uninterrupted_run(restart, tiny_sft, tmp_path):
     rows = read_metrics(whole)
     assert strip(rows) == strip(read_metrics(parts))
     assert [r["step"] for r in rows] == [0, 1, 2, 3] and all("eval_accuracy" in r for r in rows)
+    assert all(0 <= r["sampler_logp_diff"] < 1e-4 for r in rows[1:])    # every sampled token
     kept = [r["kept_per_prompt"] * 8 for r in rows[1:]]
     for r in rows[1:]:
         assert (0 <= r["kept_fraction"] <= r["reward_mean"] <= 1 and r["kept_wrong"] == 0

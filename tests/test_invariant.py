@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import sampler
 import task
 from checkpoint import from_pretrained
-from conftest import ROOT, run_script
+from conftest import ROOT, run_script, run_scripts
 from kernels import invariant
 from lora import add_adapters
 from model import GPT, GPTConfig, completion_logprobs, token_logprobs
@@ -227,8 +227,64 @@ def test_grpo_batch_invariant_is_exactly_on_policy_repeats_itself_and_resumes(ti
     assert metrics(split, evaluations=False) == metrics(str(tmp_path / "a"), evaluations=False)
 
 
+ON_POLICY = {                   # every other script that trains on its own samples: 2 small steps
+    "rloo.py": ["--prompts_per_step", "4", "--group_size", "4"],
+    "reinforce.py": ["--prompts_per_step", "4", "--group_size", "4", "--grad_accum", "2"],
+    "trpo.py": ["--prompts_per_step", "4", "--group_size", "4"],
+    "ppo.py": ["--reward", "verifier", "--batch_size", "8", "--minibatches", "2",
+               "--ppo_epochs", "2"],
+    "agent.py": ["--prompts_per_step", "4", "--group_size", "4", "--temperature", "0.8"],
+    "async_grpo.py": ["--prompts_per_step", "4", "--group_size", "4", "--actors", "2",
+                      "--max_lag", "0"],
+    "online_dpo.py": ["--batch_size", "4", "--group_size", "4", "--judge", "verifier",
+                      "--temperature", "0.8"],
+    "expert_iteration.py": ["--prompts_per_round", "4", "--samples_per_prompt", "4",
+                            "--batch_size", "8"],
+    "distill.py": ["--prompts_per_step", "4", "--group_size", "2", "--grad_accum", "2"],
+    "self_distill.py": ["--prompts_per_step", "4", "--group_size", "2"],
+}
+
+
+def test_every_on_policy_script_is_exactly_on_policy_with_batch_invariant(tiny_sft, tmp_path):
+    """sampler_logp_diff 0.0 on every step of each script (agent's episodes with the calculator's
+    replies; async_grpo's actors in other processes; online_dpo's and expert_iteration's samples
+    scored from slot 0), their runs at once."""
+    tool = os.path.join(ROOT, "tests", "fixtures", "tiny_tool_sft.pt")
+    calls = [(script, flags + ["--batch_invariant", "--rounds" if "expert" in script else
+                               "--steps", "2", "--log_every", "1", "--eval_every", "100",
+                               "--eval_n", "4", "--out", str(tmp_path / script),
+                               "--init", tool if script == "agent.py" else tiny_sft]
+              + (["--teacher", tiny_sft] if script == "distill.py" else []))
+             for script, flags in ON_POLICY.items()]
+    for (script, _), p in zip(calls, run_scripts(calls, env={"OMP_NUM_THREADS": "1"})):
+        assert p.returncode == 0, (script, p.stderr[-2000:])
+        name = script[:-3]
+        rows = [json.loads(line) for line in open(tmp_path / script / name / "metrics.jsonl")]
+        assert len(rows) == 3 and all(r["sampler_logp_diff"] == 0.0 for r in rows[1:]), script
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "rloo.py", "reinforce.py", "agent.py"])
+def test_pi_old_from_the_sampler_is_the_recomputed_one(script, tiny_sft, tmp_path):
+    """Steps 1 and 2 unlogged (--log_every 3: pi_old is the sampler's, the policy's forward skipped)
+    reach step 3 with the metrics of a run that recomputed pi_old on every step (--log_every 1)."""
+    init = (os.path.join(ROOT, "tests", "fixtures", "tiny_tool_sft.pt") if script == "agent.py"
+            else tiny_sft)
+    flags = ON_POLICY.get(script, ["--prompts_per_step", "4", "--group_size", "4"]) + [
+        "--batch_invariant", "--steps", "3", "--eval_every", "100", "--eval_n", "4", "--init", init]
+    calls = [(script, flags + ["--log_every", every, "--out", str(tmp_path / every)])
+             for every in ("1", "3")]
+    done = run_scripts(calls, env={"OMP_NUM_THREADS": "1"})
+    assert all(p.returncode == 0 for p in done), done[0].stderr[-2000:] + done[1].stderr[-2000:]
+    last = [json.loads(open(tmp_path / every / script[:-3] / "metrics.jsonl").readlines()[-1])
+            for every in ("1", "3")]
+    drop = ("elapsed_s", "tokens_per_sec", "completions_per_sec")
+    assert [{k: v for k, v in r.items() if k not in drop} for r in last][0] == \
+        [{k: v for k, v in r.items() if k not in drop} for r in last][1]
+    assert last[0]["step"] == 3 and last[0]["sampler_logp_diff"] == 0.0
+
+
 def test_batch_invariant_where_it_cannot_serve_is_one_line(tiny_sft, tmp_path):
-    for argv, words in ((["dpo.py"], "--batch_invariant: dpo.py does not compare"),
+    for argv, words in ((["dpo.py"], "--batch_invariant: dpo.py trains on no samples"),
                         (["grpo.py", "--fsdp"], "--batch_invariant with --fsdp")):
         out = str(tmp_path / "out")
         p = run_script(argv[0], argv[1:] + ["--batch_invariant", "--init", tiny_sft, "--out", out])

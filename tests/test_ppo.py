@@ -270,6 +270,7 @@ def test_ppo_runs_end_to_end_and_resumes(tiny_sft, tiny_rm, tmp_path):
     for key in ("rm_score", "gold_accuracy", "kl", "clip_frac", "approx_kl", "vf_loss",
                 "explained_variance", "entropy"):
         assert math.isfinite(rows[1][key]), key
+    assert 0 <= rows[1]["sampler_logp_diff"] < 1e-4     # the sampler's log-probs, aligned
     assert "eval_accuracy" in rows[0] and "eval_accuracy" in rows[2]
     from checkpoint import load_checkpoint
     _, ckpt = load_checkpoint(os.path.join(out, "ppo.pt"), kind="gpt")

@@ -433,6 +433,7 @@ def test_script_runs_and_resumes(script, tiny_sft, tmp_path):
                 and rows[1]["loss"] == pytest.approx(math.log(2), rel=1e-4))
         assert rows[1]["label_accuracy"] == 1.0 and rows[2]["samples"] == 2 * 8 * 4
         assert rows[1]["ties"] == round(8 * (1 - rows[1]["informative"]))
+        assert all(0 <= r["sampler_logp_diff"] < 1e-4 for r in rows[1:])   # scored from slot 0
     if script == "simpo":         # SimPO needs no reference: the SFT policy already ranks the pairs
         assert rows[0]["eval_reward_margin"] != 0.0
     _, ckpt = load_checkpoint(os.path.join(out, f"{script}.pt"))
