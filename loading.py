@@ -109,7 +109,8 @@ def check_modes(script, args):
     device = pick_device(args.device)
     if device != "cpu":
         raise SystemExit(f"error: --batch_invariant runs on the CPU so far (--device {device}: "
-                         f"its fixed-tile GPU kernels are not built); add --device cpu")
+                         f"its Triton kernels are tested in Triton's interpreter, not yet on a "
+                         f"GPU); add --device cpu")
     for flag in ("fsdp", "compile"):
         if getattr(args, flag, False):
             raise SystemExit(f"error: --batch_invariant with --{flag}: not exact yet; choose one")

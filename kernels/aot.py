@@ -28,6 +28,7 @@ import torch
 from .common import triton
 from .entropy import _entropy_bwd_kernel, _entropy_fwd_kernel
 from .entropy import launch_config as entropy_config
+from .invariant import MM_BLOCKS, _attention_kernel, _tiled_mm_kernel, attention_blocks
 from .kl import _kl_bwd_kernel, _kl_fwd_kernel
 from .kl import launch_config as kl_config
 from .linear_logprobs import _linear_logprobs_dlogits_kernel, _linear_logprobs_fwd_kernel
@@ -51,6 +52,12 @@ ROW_KERNELS = [
 LINEAR_KERNELS = [
     (_linear_logprobs_fwd_kernel, linear_config, ("hidden_ptr", "weight_ptr")),
     (_linear_logprobs_dlogits_kernel, linear_config, ("hidden_ptr", "weight_ptr", "dlogits_ptr")),
+]
+# --batch_invariant's (invariant.py): the one tile of its products; attention at head sizes 64
+# (Qwen2.5-0.5B, Llama 3.2-1B) and 128 (Qwen2.5-7B, Llama 3-8B)
+INVARIANT_KERNELS = [
+    (_tiled_mm_kernel, lambda D: MM_BLOCKS, ("x_ptr", "w_ptr", "y_ptr")),
+    (_attention_kernel, attention_blocks, ("q_ptr", "k_ptr", "v_ptr", "y_ptr")),
 ]
 
 
@@ -96,6 +103,11 @@ def jobs(vocab_sizes=(258, 50257, 151936), dtypes=tuple(TRITON_DTYPES), N=4096, 
             for kernel, launch_config, dtype_ptrs in LINEAR_KERNELS:
                 config = {**launch_config(N, V, C, dtype), "stride_hc": 1, "stride_wc": 1}
                 add(kernel, dtype, dtype_ptrs, config, V, linear)
+        for kernel, blocks, dtype_ptrs in INVARIANT_KERNELS:   # launched with 4 warps, row-wise
+            for D in (64, 128):                                 # products on the GPU
+                config = {**blocks(D), "IEEE": dtype == torch.float32, "ROWWISE": False,
+                          "num_warps": 4}
+                add(kernel, dtype, dtype_ptrs, config, 0, {})
     return sorted(found.values(),
                   key=lambda job: (TRITON_DTYPES[job.dtype], job.kernel.__name__, job.constants))
 
@@ -111,9 +123,11 @@ def signature(job):
             sig[name] = "*" + TRITON_DTYPES[job.dtype]
         elif name == "targets_ptr":
             sig[name] = "*i64"
+        elif name in ("m_ptr", "first_ptr"):                # invariant.py's mask and first keys
+            sig[name] = "*i8" if name == "m_ptr" else "*i32"
         elif name.endswith("_ptr"):
             sig[name] = "*fp32"
-        elif name == "inv_temperature":
+        elif name in ("inv_temperature", "scale"):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"  # sizes and strides

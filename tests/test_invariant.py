@@ -6,6 +6,8 @@ resumes bit for bit."""
 import json
 import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ import sampler
 import task
 from checkpoint import from_pretrained
 from conftest import ROOT, run_script, run_scripts
-from kernels import invariant
+from kernels import HAS_TRITON, TRITON_INTERPRET, invariant
 from lora import add_adapters
 from model import GPT, GPTConfig, completion_logprobs, token_logprobs
 from tokenizer import Tokenizer
@@ -197,6 +199,96 @@ def test_padding_before_a_sequence_changes_no_bit(kind, monkeypatch):
         monkeypatch.setattr(invariant, "first_key",
                             lambda m: torch.zeros_like(m[..., :1, :1], dtype=torch.long))
         assert layout_gap(model, tok) > 0.0
+
+
+# -----------------------------------------------------------------------------
+# The Triton path: here on a GPU, else in a child under TRITON_INTERPRET=1 (whose tl.dot is numpy's
+# BLAS, not row-invariant: the kernels then sum the products in order, ROWWISE)
+
+CUDA = torch.cuda.is_available()
+TRITON_HERE = HAS_TRITON and (CUDA or TRITON_INTERPRET)
+DEVICE = "cuda" if CUDA else "cpu"
+no_triton_here = pytest.mark.skipif(not TRITON_HERE, reason="Triton runs here on a GPU, else in "
+                                    "test_interpreted_kernels_subprocess")
+
+
+@no_triton_here
+def test_triton_path_products_against_float64_and_a_row_in_any_batch():
+    torch.manual_seed(0)
+    x, w = (torch.randn(*s, device=DEVICE, requires_grad=True) for s in ((150, 48), (48, 40)))
+    y = invariant.tiled_mm_triton(x, w)
+    torch.testing.assert_close(y.double(), x.double() @ w.double(), rtol=1e-5, atol=1e-5)
+    perm = torch.randperm(150, device=DEVICE)
+    for rows in (perm, perm[:1], perm[:65]):            # any rows, in any places of the tiles
+        assert torch.equal(invariant.tiled_mm_triton(x[rows], w), y[rows])
+    gx, gw = torch.autograd.grad(y.sum(), (x, w))
+    torch.testing.assert_close(gx, torch.ones(150, 40, device=DEVICE) @ w.t(), rtol=1e-5,
+                               atol=1e-5)
+    T = 100                                             # left padding 0 to 40: first keys differ
+    q, k, v = (torch.randn(3, 2, T, 16, device=DEVICE, requires_grad=True) for _ in range(3))
+    real = torch.arange(T, device=DEVICE) >= torch.tensor([0, 17, 40], device=DEVICE)[:, None]
+    causal = torch.ones(T, T, dtype=torch.bool, device=DEVICE).tril()
+    mask = (causal & real[:, None, :] | torch.eye(T, dtype=torch.bool, device=DEVICE))[:, None]
+    out = invariant.attention_triton(q, k, v, mask)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    queries = real[:, None, :, None]                   # a padding query (itself alone) gets 0
+    ref = reference_attention(*leaves, mask) * queries
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
+    for t in (0, 39, 40, 63, 64, 99):                   # a query alone over an appending cache
+        alone = invariant.attention_triton(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1],
+                                           mask[:, :, t:t + 1, :t + 1])
+        r = real[:, t]                                  # the rows where query t is real
+        assert torch.equal(alone[r, :, 0], out[r, :, t]), t
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad((out * g).sum(), (q, k, v))
+    for a, e in zip(grads, torch.autograd.grad((ref * g.double()).sum(), leaves)):
+        torch.testing.assert_close(a.double(), e, rtol=1e-4, atol=1e-5)
+    L, placed = 90, []                                  # one sequence across two key tiles,
+    for pad in (0, 37):                                 # from slot 0 and after 37 of padding
+        x = [F.pad(t.detach()[:1, :, :L], (0, 0, pad, 0)) for t in (q, k, v)]
+        m = torch.ones(L + pad, L + pad, dtype=torch.bool, device=DEVICE).tril()
+        m[:, :pad] = False
+        placed.append(invariant.attention_triton(*x, m | torch.eye(L + pad, dtype=torch.bool,
+                                                                    device=DEVICE))[:, :, pad:])
+    assert torch.equal(*placed)
+
+
+@no_triton_here
+def test_triton_path_sampler_and_trainer_agree_bit_for_bit():
+    """The mode on a small GPT through the Triton kernels: the sampler's log-probs, the whole
+    forward's and those under 70 more columns of left padding, the same bits."""
+    torch.manual_seed(0)
+    tok = Tokenizer()
+    model = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=96, n_layer=1, n_head=2,
+                          n_embd=16)).to(DEVICE)
+    prompts = task.sample_prompts(random.Random(0), 3)
+    with invariant.BatchInvariant(), torch.no_grad():
+        idx, idx_mask = tok.encode_batch(prompts, DEVICE)
+        g = torch.Generator(device=DEVICE).manual_seed(0)
+        tokens, mask, _, logp = sampler.generate(model, idx, idx_mask, 6, tok.stop_ids, tok.pad_id,
+                                                 num_samples=2, temperature=0.9, generator=g,
+                                                 return_logprobs=True)
+        prompt, prompt_mask = idx.repeat_interleave(2, 0), idx_mask.repeat_interleave(2, 0)
+        whole = completion_logprobs(model, prompt, prompt_mask, tokens, mask, 0.9)
+        shifted = completion_logprobs(model, F.pad(prompt, (70, 0), value=tok.pad_id),
+                                      F.pad(prompt_mask, (70, 0)), tokens, mask, 0.9)
+    real = mask > 0
+    assert real.sum() > 6 and torch.equal(whole[real], logp[real])
+    assert torch.equal(shifted[real], logp[real])
+
+
+@pytest.mark.skipif(not HAS_TRITON or CUDA or TRITON_INTERPRET,
+                    reason="the Triton cases run in this process (a GPU), or Triton is missing")
+def test_interpreted_kernels_subprocess():
+    """This file's Triton cases, and the PyTorch-path tests of attention that then take the Triton
+    path, in a child under TRITON_INTERPRET=1 (small sizes)."""
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
+           "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT}
+    run = subprocess.run([sys.executable, "-m", "pytest", os.path.abspath(__file__), "-q", "-p",
+                          "no:cacheprovider", "-k", "triton_path or a_query_alone"], env=env,
+                         cwd=ROOT, capture_output=True, text=True, timeout=900)
+    tail = (run.stdout + run.stderr)[-6000:]
+    assert run.returncode == 0 and "3 passed" in run.stdout, tail
 
 
 def metrics(out, evaluations=True):

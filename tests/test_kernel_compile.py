@@ -56,11 +56,12 @@ def test_every_kernel_is_listed():
     import triton
 
     defined = set()
-    for name in ("logprobs", "kl", "entropy", "linear_logprobs"):
+    for name in ("logprobs", "kl", "entropy", "linear_logprobs", "invariant"):
         module = importlib.import_module(f"kernels.{name}")  # (`kernels.logprobs` is the function)
         defined |= {v.__name__ for k, v in vars(module).items()
                     if k.endswith("_kernel") and isinstance(v, triton.runtime.JITFunction)}
-    listed = {kernel.__name__ for kernel, _, _ in aot.ROW_KERNELS + aot.LINEAR_KERNELS}
+    listed = {kernel.__name__ for kernel, _, _ in
+              aot.ROW_KERNELS + aot.LINEAR_KERNELS + aot.INVARIANT_KERNELS}
     assert defined == listed
     assert {job.kernel.__name__ for job in JOBS} == listed
 
@@ -70,7 +71,7 @@ def test_jobs_use_the_launchers_blocks():
     logprobs, kl = importlib.import_module("kernels.logprobs"), importlib.import_module(
         "kernels.kl")
     blocks = {(job.kernel.__name__, dict(job.constants)["BLOCK_V"])
-              for job in JOBS if "BLOCK_N" not in dict(job.constants)}
+              for job in JOBS if "BLOCK_V" in dict(job.constants)}
     for V in (258, 50257, 151936):
         assert ("_logprobs_fwd_kernel", logprobs.launch_config(V)["BLOCK_V"]) in blocks
         assert ("_kl_bwd_kernel", kl.launch_config(V)["BLOCK_V"]) in blocks
