@@ -104,8 +104,7 @@ def best_and_worst(prompts, batch, scores, n, tok):
     in score and in tokens; correct: the verifier's verdict on chosen, rejected."""
     s = scores.float().view(-1, n)                                           # (P, n)
     best, worst = s.argmax(1), s.argmin(1)                                   # (P,)
-    ids = [[t for t, m in zip(row, keep) if m]
-           for row, keep in zip(batch.tokens.tolist(), batch.mask.tolist())]
+    ids = task.kept(batch.tokens, batch.mask)
     pairs = [{"prompt": p, "chosen_ids": ids[i * n + b], "rejected_ids": ids[i * n + w]}
              for i, (p, b, w) in enumerate(zip(prompts, best.tolist(), worst.tolist()))]
     differ = torch.tensor([p["chosen_ids"] != p["rejected_ids"] for p in pairs], device=s.device)
@@ -229,10 +228,9 @@ def main(args):
                                                args.max_new_tokens, generator=run.gen,
                                                return_logprobs=True)
             if run.logging():     # the trainer's log-probs of every sampled token, same weights
-                ids = [[t for t, m in zip(row, keep) if m]
-                       for row, keep in zip(batch.tokens.tolist(), batch.mask.tolist())]
                 logp = task.sampled_logprobs(model, tok, [p for p in prompts for _ in range(G)],
-                                             ids, args.temperature)
+                                             task.kept(batch.tokens, batch.mask),
+                                             args.temperature)
                 sampler_diff = run.max((logp - sampler_logp[batch.mask > 0]).abs())
         run.samples += args.batch_size * G
 

@@ -257,8 +257,6 @@ def complete(model, tokenizer, prompts, num_samples=1, temperature=0.0, max_new_
     device = next(model.parameters()).device
     max_new_tokens = max_new_tokens or default_max_new_tokens()
     texts, ids, logps = [], [], []
-    keep = lambda x, m: [[v for v, k in zip(row, ks) if k] for row, ks in zip(x.tolist(),
-                                                                            m.tolist())]
     for i in range(0, len(prompts), batch_size):
         if uses_tools():                                # episodes: the tools answer calls
             e = episodes(model, tokenizer, prompts[i:i + batch_size], num_samples, temperature,
@@ -271,11 +269,16 @@ def complete(model, tokenizer, prompts, num_samples=1, temperature=0.0, max_new_
                 num_samples=num_samples, temperature=temperature, generator=generator,
                 return_logprobs=return_logprobs)
         texts += tokenizer.decode_completions(tokens, cmask)
-        ids += keep(tokens, cmask) if return_ids or return_logprobs else []
-        logps += keep(logp[0], cmask) if return_logprobs else []
+        ids += kept(tokens, cmask) if return_ids or return_logprobs else []
+        logps += kept(logp[0], cmask) if return_logprobs else []
     if return_logprobs:
         return texts, ids, logps
     return (texts, ids) if return_ids else texts
+
+
+def kept(x, mask):
+    """x (B, T) -> B lists: each row's entries where mask (B, T) is nonzero, in order."""
+    return [[v for v, m in zip(row, keep) if m] for row, keep in zip(x.tolist(), mask.tolist())]
 
 
 @torch.no_grad()

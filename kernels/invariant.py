@@ -72,22 +72,15 @@ def first_key(attn_mask):
     return rows.int().argmax(-1)[..., None]
 
 
-_shifted = [None, None]   # the last mask and its shift: every layer of a forward shares one mask
-
-
 def shifted_mask(attn_mask, B, R):
     """Each row's key slots from its first key on, in whole tiles of R (B, 1 or h, 1, S2), and
-    attn_mask (B, 1 or h, Tq, S), or one (Tq, S) for all, read at them (False past S); once per
-    forward (its layers share one mask)."""
-    if _shifted[0] is not attn_mask:
-        Tq, S = attn_mask.shape[-2:]
-        full = attn_mask.expand(B, -1, Tq, S) if attn_mask.dim() == 4 else \
-            attn_mask.expand(B, 1, Tq, S)
-        S2 = -(-S // R) * R                                              # whole tiles, any start
-        slots = first_key(full) + torch.arange(S2, device=full.device)
-        _shifted[:] = attn_mask, (slots, F.pad(full, (0, S2)).gather(3, slots.expand(
-            -1, -1, Tq, -1)))
-    return _shifted[1]
+    attn_mask (B, 1 or h, Tq, S), or one (Tq, S) for all, read at them (False past S)."""
+    Tq, S = attn_mask.shape[-2:]
+    full = attn_mask.expand(B, -1, Tq, S) if attn_mask.dim() == 4 else \
+        attn_mask.expand(B, 1, Tq, S)
+    S2 = -(-S // R) * R                                                  # whole tiles, any start
+    slots = first_key(full) + torch.arange(S2, device=full.device)
+    return slots, F.pad(full, (0, S2)).gather(3, slots.expand(-1, -1, Tq, -1))
 
 
 def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
