@@ -15,23 +15,34 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):   # pytest-xdist: the cores shared among the workers
+    THREADS = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))      # and the processes tests start
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 import task  # noqa: E402
+from inprocess import (as_a_process, bindings, leaks, put_back, rebound,  # noqa: E402,F401
+                       restore, run_in_process, snapshot)
 
 
-def run_script(script, args, timeout=600, env=None):
-    """Run a project script in a subprocess from the repository root; returns the CompletedProcess.
+def run_script(script, args, timeout=600, env=None, cwd=ROOT, fresh=False):
+    """`python script args` from `cwd` (default: the repository root); its CompletedProcess. In this
+    process (tests/inprocess.py: torch imported once, what the run leaves behind restored or failed)
+    unless `fresh`: a new Python process, for what is about processes, signals and the command line.
     env: variables to set for it (OMP_NUM_THREADS="1" where runs are compared bit for bit: more
     threads than one may split a sum differently when the machine is busy)."""
+    if not fresh:
+        return run_in_process(script, args, env, cwd)
     # the PyTorch kernels
     env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, **(env or {})}
-    return subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run([sys.executable, os.path.join(ROOT, script), *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def run_scripts(calls, cwd=ROOT, timeout=600, env=None):
-    """run_script on every (script, args) of `calls` at once, from `cwd`: their CompletedProcesses,
-    in order. For independent refusals, which are mostly torch's import on one core (each call its
-    own --out), and small runs."""
+def run_scripts(calls, cwd=ROOT, timeout=600, env=None, fresh=False):
+    """run_script on every (script, args) of `calls`: their CompletedProcesses, in order. In this
+    process one after another, or (fresh) in new processes all at once."""
+    if not fresh:
+        return [run_in_process(script, args, env, cwd) for script, args in calls]
     env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, **(env or {})}
     procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, script), *args], cwd=cwd,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -49,8 +60,8 @@ def run_scripts(calls, cwd=ROOT, timeout=600, env=None):
 
 
 def refuses_all(script, cases, tmp_path, cwd=ROOT):
-    """Each (args, words) of `cases` is refused by `script` (refused(p, *words)), the runs at once,
-    each with its own --out under tmp_path unless its args name one. Returns the
+    """Each (args, words) of `cases` is refused by `script` (refused(p, *words)), each run with its
+    own --out under tmp_path unless its args name one. Returns the
     CompletedProcesses."""
     calls = [(script, args if "--out" in args else [*args, "--out", str(tmp_path / f"out{i}")])
              for i, (args, _) in enumerate(cases)]
@@ -88,7 +99,23 @@ def tiny_sft(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def seeded():
+def isolated():
+    """Every test leaves the process as it found it (tests/inprocess.py's snapshot: threads, modes,
+    signal handlers, excepthook, environment, working directory, process group, workers, children):
+    a test that leaks one fails, naming it, and the next test starts clean."""
+    before, bound = snapshot(), bindings()
+    yield
+    left = leaks(before, snapshot())
+    changed = rebound(bound)
+    left += [f"{getattr(owner, '__name__', owner)}.{name} replaced" for owner, name in changed
+             if (owner, name) != (task, "_in_use")]           # the task in use: seeded() sets it
+    put_back(bound, changed)
+    restore(before)
+    assert not left, "the test left behind: " + "; ".join(left)
+
+
+@pytest.fixture(autouse=True)
+def seeded(isolated):
     """Every test starts from the same random state, so that none passes or fails by the luck of its
     draw; and with the default task (arithmetic, plain format) in use, whatever task an earlier test
     chose."""
@@ -152,15 +179,17 @@ def offloaded_runs(module, argv, out, monkeypatch, plain=(), offloaded=((),)):
     torch.set_num_threads(1)
     try:
         torch.manual_seed(0)
-        module.main(module.parse_args([*argv, *plain, "--out", str(out / "plain")]))
+        with as_a_process():
+            module.main(module.parse_args([*argv, *plain, "--out", str(out / "plain")]))
         monkeypatch.setattr(plumbing.Run, "parked_moments", park)
         monkeypatch.setattr(parking.ParkedMoments.__init__, "__defaults__", (4096,))  # chunks
         monkeypatch.setattr(torch.Tensor, "backward", spy(real_backward))
         monkeypatch.setattr(sampler, "generate", spy(sampler.generate))
         for more in offloaded:
             torch.manual_seed(0)
-            module.main(module.parse_args([*argv, *more, "--offload_optimizer",
-                                           "--out", str(out / "off")]))
+            with as_a_process():
+                module.main(module.parse_args([*argv, *more, "--offload_optimizer",
+                                               "--out", str(out / "off")]))
     finally:
         torch.set_num_threads(threads)
     script = module.__name__
@@ -209,14 +238,16 @@ def parked_runs(module, argv, out, monkeypatch):
     torch.set_num_threads(1)
     try:
         torch.manual_seed(0)
-        module.main(module.parse_args([*argv, "--out", str(out / "plain")]))
+        with as_a_process():
+            module.main(module.parse_args([*argv, "--out", str(out / "plain")]))
         monkeypatch.setattr(plumbing.Run, "parked", parked)
         monkeypatch.setattr(GPT, "hidden", hidden)
         monkeypatch.setattr(torch.Tensor, "backward", spy(real_backward))
         monkeypatch.setattr(sampler, "generate", spy(sampler.generate))
         monkeypatch.setattr(sampler, "episodes", spy(sampler.episodes))
         torch.manual_seed(0)
-        module.main(module.parse_args([*argv, "--out", str(out / "parked")]))
+        with as_a_process():
+            module.main(module.parse_args([*argv, "--out", str(out / "parked")]))
     finally:
         torch.set_num_threads(threads)
     assert parks and all(away(park[0]) for park in parks)

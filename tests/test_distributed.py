@@ -15,7 +15,7 @@ import torch
 
 import task
 from checkpoint import load_checkpoint, save_checkpoint
-from conftest import ROOT, task_args
+from conftest import ROOT, as_a_process, task_args
 from model import GPT, GPTConfig
 from tokenizer import Tokenizer
 
@@ -297,38 +297,39 @@ def test_fsdp_shards_every_block_then_the_root_and_sums_the_gradients():
     from distributed import Distributed
     from model import Block
 
-    run = Distributed()
-    run.args, run.device = argparse.Namespace(fsdp=True, grad_accum=1), "cpu"
-    run.processes()
-    run.join()
-    try:
-        torch.manual_seed(0)
-        model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=16))
-        before = {k: v.clone() for k, v in model.state_dict().items()}
-        twin = run.ddp(model)
-        blocks = [m for m in twin.modules() if isinstance(m, Block)]
-        assert len(blocks) == 3 and all(isinstance(b, FSDPModule) for b in blocks)
-        assert isinstance(twin, FSDPModule)
-        assert all(isinstance(p, DTensor) for p in twin.parameters())
-        assert not any(isinstance(p, DTensor) for p in model.parameters())
-        optimizer = torch.optim.SGD(twin.parameters(), lr=1.0)
-        run.follow(optimizer)
-        idx = torch.randint(0, 64, (2, 8))
-        twin(idx, targets=idx[:, 1:]).sum().backward()
-        grad = {k: p.grad.full_tensor().clone() for k, p in twin.named_parameters()}
-        reference = GPT(model.config)
-        reference.load_state_dict(before)
-        reference(idx, targets=idx[:, 1:]).sum().backward()
-        for k, p in reference.named_parameters():          # the sum over the one rank: itself
-            torch.testing.assert_close(grad[k], p.grad, rtol=1e-5, atol=1e-6, msg=k)
-        optimizer.step()
-        state = run.whole_state(model)
-        for k, v in model.state_dict().items():            # the copy moved with the shards
-            torch.testing.assert_close(v, before[k] - dict(reference.named_parameters()).get(
-                k, reference.lm_head.weight).grad, msg=k)
-            assert torch.equal(state[k], v)
-    finally:
-        run.leave()
+    with as_a_process():                                  # a process of a group of one
+        run = Distributed()
+        run.args, run.device = argparse.Namespace(fsdp=True, grad_accum=1), "cpu"
+        run.processes()
+        run.join()
+        try:
+            torch.manual_seed(0)
+            model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=16))
+            before = {k: v.clone() for k, v in model.state_dict().items()}
+            twin = run.ddp(model)
+            blocks = [m for m in twin.modules() if isinstance(m, Block)]
+            assert len(blocks) == 3 and all(isinstance(b, FSDPModule) for b in blocks)
+            assert isinstance(twin, FSDPModule)
+            assert all(isinstance(p, DTensor) for p in twin.parameters())
+            assert not any(isinstance(p, DTensor) for p in model.parameters())
+            optimizer = torch.optim.SGD(twin.parameters(), lr=1.0)
+            run.follow(optimizer)
+            idx = torch.randint(0, 64, (2, 8))
+            twin(idx, targets=idx[:, 1:]).sum().backward()
+            grad = {k: p.grad.full_tensor().clone() for k, p in twin.named_parameters()}
+            reference = GPT(model.config)
+            reference.load_state_dict(before)
+            reference(idx, targets=idx[:, 1:]).sum().backward()
+            for k, p in reference.named_parameters():          # the sum over the one rank: itself
+                torch.testing.assert_close(grad[k], p.grad, rtol=1e-5, atol=1e-6, msg=k)
+            optimizer.step()
+            state = run.whole_state(model)
+            for k, v in model.state_dict().items():            # the copy moved with the shards
+                torch.testing.assert_close(v, before[k] - dict(reference.named_parameters()).get(
+                    k, reference.lm_head.weight).grad, msg=k)
+                assert torch.equal(state[k], v)
+        finally:
+            run.leave()
 
 
 def test_a_nan_loss_on_one_rank_stops_every_rank(tiny_sft, tmp_path):

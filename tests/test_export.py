@@ -10,8 +10,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from dataclasses import asdict
 
@@ -22,7 +20,7 @@ from safetensors.torch import load_file
 
 import export as export_py
 from checkpoint import from_pretrained, load_checkpoint, save_checkpoint
-from conftest import ROOT, refused
+from conftest import ROOT, as_a_process, refused, run_script
 from lora import LoRALinear, add_adapters
 from model import GPT, GPTConfig
 from tokenizer import Tokenizer, tokenizer_files
@@ -31,9 +29,8 @@ GOLDEN = os.path.join(ROOT, "tests", "golden")
 FAMILIES = ["gpt2", "llama", "qwen2", "llama3", "qwen3"]
 
 
-def export(*args):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "export.py"), *map(str, args)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+def export(*args, fresh=False):
+    return run_script("export.py", list(map(str, args)), fresh=fresh)
 
 
 def shapes(path):
@@ -82,7 +79,7 @@ def same_model(folder, ckpt_path):
 def test_an_export_has_the_familys_tensors_and_loads_back_bit_for_bit(family, tmp_path):
     ckpt = trained(family, tmp_path)
     out = tmp_path / "hf"
-    p = export(ckpt, out)
+    p = export(ckpt, out, fresh=family == "gpt2")          # one from the command line
     assert p.returncode == 0, p.stderr
     golden = os.path.join(GOLDEN, family)
     # transformers'
@@ -357,7 +354,7 @@ def test_an_interrupted_export_leaves_nothing_and_a_killed_ones_leftovers_are_cl
         monkeypatch.setattr(export_py, "write_weights", interrupted)
         previous = signal.getsignal(signal.SIGTERM)
         try:
-            with pytest.raises(SystemExit) as e:
+            with pytest.raises(SystemExit) as e, as_a_process():
                 export_py.main([str(ckpt), str(out)])
         finally:
             signal.signal(signal.SIGTERM, previous)
@@ -383,7 +380,7 @@ def test_a_full_disk_while_the_weights_are_written_is_one_line_and_leaves_nothin
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os "
                               "error 28)")
     monkeypatch.setattr(export_py, "save_file", full)
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(SystemExit) as e, as_a_process():
         export_py.main([str(ckpt), str(out)])
     assert e.value.code == (f"error: cannot write {out} (Error while serializing: I/O error: No "
                             f"space left on device (os error 28))")

@@ -14,7 +14,7 @@ import grpo
 import kernels
 import task
 from checkpoint import load_checkpoint
-from conftest import refuses_all, run_script
+from conftest import as_a_process, refuses_all, run_script
 from grpo import dynamic_sampling_keep, grpo_advantages, grpo_loss, overlong_penalty
 
 
@@ -531,8 +531,9 @@ def test_the_gradients_hold_no_memory_while_the_next_batch_is_sampled(tiny_sft, 
         weights.append([p.detach().clone() for p in policy.parameters()])
         return real(run, policy, tok, args)
     monkeypatch.setattr(grpo, "rollout", rollout)
-    grpo.main(grpo.parse_args(TINY + ["--steps", "3", "--init", tiny_sft, "--out", str(tmp_path),
-                                      "--device", "cpu"]))
+    with as_a_process():
+        grpo.main(grpo.parse_args(TINY + ["--steps", "3", "--init", tiny_sft,
+                                          "--out", str(tmp_path), "--device", "cpu"]))
     assert seen == [0, 0, 0]
     assert all(any(not torch.equal(a, b) for a, b in zip(weights[i], weights[i + 1]))
                for i in range(2))

@@ -284,8 +284,9 @@ def test_interpreted_kernels_subprocess():
     path, in a child under TRITON_INTERPRET=1 (small sizes)."""
     env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
            "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT}
-    run = subprocess.run([sys.executable, "-m", "pytest", os.path.abspath(__file__), "-q", "-p",
-                          "no:cacheprovider", "-k", "triton_path or a_query_alone"], env=env,
+    run = subprocess.run([sys.executable, "-m", "pytest", os.path.abspath(__file__), "-q", "-n",
+                          "0", "-p", "no:cacheprovider", "-k", "triton_path or a_query_alone"],
+                         env=env,
                          cwd=ROOT, capture_output=True, text=True, timeout=900)
     tail = (run.stdout + run.stderr)[-6000:]
     assert run.returncode == 0 and "3 passed" in run.stdout, tail

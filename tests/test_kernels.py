@@ -786,7 +786,7 @@ def test_pytorch_path_works_without_triton():
                            "Triton is missing")
 def test_interpreted_kernels_subprocess():
     """Run this file's `triton_path` and `dispatch` tests under TRITON_INTERPRET=1 in a child."""
-    cmd = [sys.executable, "-m", "pytest", os.path.abspath(__file__), "-q", "-p",
+    cmd = [sys.executable, "-m", "pytest", os.path.abspath(__file__), "-q", "-n", "0", "-p",
            "no:cacheprovider", "-k", "triton_path or dispatch"]
     run = subprocess.run(cmd, env=_child_env(TRITON_INTERPRET="1"), cwd=REPO, capture_output=True,
                          text=True, timeout=900)

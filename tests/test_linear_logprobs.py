@@ -243,7 +243,7 @@ def test_interpreted_linear_logprobs_subprocess():
     """Run this file's `triton_path` tests under TRITON_INTERPRET=1 in a child pytest."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "pytest", os.path.abspath(__file__), "-q", "-p",
+    cmd = [sys.executable, "-m", "pytest", os.path.abspath(__file__), "-q", "-n", "0", "-p",
            "no:cacheprovider", "-k", "triton_path"]
     run = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
     tail = (run.stdout + run.stderr)[-6000:]

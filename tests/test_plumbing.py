@@ -250,10 +250,7 @@ def test_a_script_run_from_another_directory_builds_its_prerequisite_where_it_lo
     shutil.copy(tiny_sft, tmp_path / "out" / "sft.pt")
     repo_rm = os.path.join(ROOT, "out", "rm.pt")
     before = os.path.getmtime(repo_rm) if os.path.exists(repo_rm) else None
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "ppo.py"), "--steps", "1",
-                        "--batch_size", "8", "--eval_n", "8"], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=600,
-                       env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    p = run_script("ppo.py", ["--steps", "1", "--batch_size", "8", "--eval_n", "8"], cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "building it first" in p.stdout and "done: 1 steps" in p.stdout
     assert (os.path.exists(tmp_path / "out" / "rm.pt")

@@ -8,8 +8,6 @@ import json
 import math
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,7 +16,7 @@ import sampler
 import search
 import task
 from checkpoint import load_checkpoint, save_checkpoint
-from conftest import ROOT, refused, refuses_all, run_script
+from conftest import refused, refuses_all, run_script
 from model import GPT, GPTConfig, ScalarGPT
 from tasks import arithmetic
 from tokenizer import Tokenizer
@@ -280,12 +278,10 @@ def test_what_can_be_refused_is_refused_before_any_prerequisite_is_built(tmp_pat
     junk = tmp_path / "junk.pt"
     junk.write_bytes(os.urandom(500))
     (tmp_path / "a_file").write_text("x")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     for args, words in ((["--rm", str(junk)], ["--rm", "junk.pt"]),
                         (["--out", str(tmp_path / "a_file")], ["--out"]),
                         (["--max_new_tokens", "100"], ["--max_new_tokens 100", "<= "])):
-        p = subprocess.run([sys.executable, os.path.join(ROOT, "search.py"), *args], cwd=tmp_path,
-                           capture_output=True, text=True, timeout=60, env=env)
+        p = run_script("search.py", args, cwd=tmp_path)
         refused(p, *words)
         assert ("building it first" not in p.stdout
                 and not os.path.exists(tmp_path / "out" / "sft.pt"))

@@ -1,8 +1,6 @@
 """sft.py end to end, as a user runs it, with tiny settings: checkpoint, metrics, resume."""
 import json
 import os
-import subprocess
-import sys
 
 import torch
 
@@ -18,9 +16,7 @@ TINY = ["--steps", "4", "--warmup", "2", "--batch_size", "8", "--n_layer", "1", 
 
 
 def run(args):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run([sys.executable, "sft.py", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, env=env)
+    return run_script("sft.py", args)
 
 
 def test_sft_runs_end_to_end_and_resumes(tmp_path):

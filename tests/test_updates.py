@@ -21,8 +21,6 @@ import copy
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -31,7 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import task
 from checkpoint import load_checkpoint, save_checkpoint
-from conftest import ROOT, task_args
+from conftest import ROOT, run_script, task_args
 from ddp_worker import fixed_chat_episode, fixed_completion, fixed_episode
 from model import GPT, GPTConfig
 from tasks import arithmetic, toolcalc
@@ -74,12 +72,10 @@ def train(script, flags, out, name=None, lr=SGD_LR):
     does not set the learning rate: its Result (checkpoint `name`.pt)."""
     os.makedirs(out, exist_ok=True)
     start, log = os.path.join(out, "start.pt"), os.path.join(out, "log.pt")
-    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
-           "OMP_NUM_THREADS": "1", "DDP_WORKER_INIT": start, "DDP_WORKER_LOG": log,
+    env = {"OMP_NUM_THREADS": "1", "DDP_WORKER_INIT": start, "DDP_WORKER_LOG": log,
            "DDP_WORKER_LR": str(lr)}
-    p = subprocess.run([sys.executable, WORKER, script, *flags, "--log_every", "1", "--eval_n", "1",
-                        "--out", out], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env=env)
+    p = run_script(WORKER, [script, *flags, "--log_every", "1", "--eval_n", "1", "--out", out],
+                   env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return Result(out, name or script, torch.load(start), torch.load(log))
 
