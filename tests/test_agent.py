@@ -402,7 +402,8 @@ def read_metrics(out):
 
 def test_script_runs_end_to_end_and_resumes(tiny_tool_sft, tmp_path):
     out = str(tmp_path)
-    p = run_script("agent.py", TINY + ["--steps", "2", "--init", tiny_tool_sft, "--out", out])
+    p = run_script("agent.py", TINY + ["--steps", "2", "--init", tiny_tool_sft, "--out", out],
+                   fresh=True)
     assert p.returncode == 0, p.stderr
     assert ("held-out greedy accuracy" in p.stdout and "without the tool" in p.stdout
             and "done: 2 steps" in p.stdout)

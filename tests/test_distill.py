@@ -278,7 +278,7 @@ def test_script_runs_end_to_end_and_resumes(tiny_sft, tiny_student, tmp_path):
     flags = TINY + ["--teacher", tiny_sft, "--init", tiny_student, "--out", out,
                     "--estimator", "topk", "--topk", "4", "--reward_weight", "0.5",
                     "--group_size", "2", "--grad_accum", "2"]
-    p = run_script("distill.py", flags + ["--steps", "2"])
+    p = run_script("distill.py", flags + ["--steps", "2"], fresh=True)
     assert p.returncode == 0, p.stderr
     teacher = [line for line in p.stdout.splitlines() if line.startswith("distillation:")][0]
     # the start-up line names the teacher's accuracy

@@ -162,7 +162,8 @@ def test_a_resumed_run_is_the_uninterrupted_run(restart, tiny_sft, tmp_path):
     whole, parts = str(tmp_path / "whole"), str(tmp_path / "parts")
     # compared bit for bit: one thread, one order of every sum, whatever the load
     one = {"OMP_NUM_THREADS": "1"}
-    p = run_script("expert_iteration.py", flags + ["--rounds", "3", "--out", whole], env=one)
+    p = run_script("expert_iteration.py", flags + ["--rounds", "3", "--out", whole], env=one,
+                   fresh=not restart)                     # once from the command line
     assert p.returncode == 0, p.stderr
     assert ("held-out greedy accuracy" in p.stdout and "->" in p.stdout
             and "done: 3 steps" in p.stdout)

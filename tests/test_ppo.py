@@ -262,7 +262,7 @@ def tiny_rm(tiny_sft, tmp_path_factory):
 def test_ppo_runs_end_to_end_and_resumes(tiny_sft, tiny_rm, tmp_path):
     out = str(tmp_path)
     common = ["--init", tiny_sft, "--rm", tiny_rm, "--out", out] + TINY
-    p = run_script("ppo.py", common + ["--steps", "2"])
+    p = run_script("ppo.py", common + ["--steps", "2"], fresh=True)
     assert p.returncode == 0, p.stderr
     assert "held-out greedy accuracy" in p.stdout and "done: 2 steps" in p.stdout
     rows = [json.loads(line) for line in open(os.path.join(out, "ppo", "metrics.jsonl"))]

@@ -196,7 +196,8 @@ TINY = ["--batch_size", "8", "--n_pairs", "128", "--log_every", "1", "--eval_eve
 @pytest.mark.parametrize("script", ["dpo", "ipo"])
 def test_script_runs_resumes_and_learns(script, tiny_sft, tmp_path):
     out = str(tmp_path)
-    p = run_script(f"{script}.py", TINY + ["--init", tiny_sft, "--out", out, "--steps", "2"])
+    p = run_script(f"{script}.py", TINY + ["--init", tiny_sft, "--out", out, "--steps", "2"],
+                   fresh=True)
     assert p.returncode == 0, p.stderr
     assert "held-out greedy accuracy" in p.stdout
     # the pair cache lives in --out, not in out/

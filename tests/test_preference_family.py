@@ -410,7 +410,7 @@ def metrics(out, script):
 def test_script_runs_and_resumes(script, tiny_sft, tmp_path):
     out = str(tmp_path)
     flags = TINY + DATA[script] + ["--init", tiny_sft, "--out", out]
-    p = run_script(f"{script}.py", flags + ["--steps", "2"])
+    p = run_script(f"{script}.py", flags + ["--steps", "2"], fresh=True)
     assert p.returncode == 0, p.stderr
     assert re.search(r"held-out greedy accuracy \d\.\d+ -> \d\.\d+", p.stdout), p.stdout
     rows = metrics(out, script)

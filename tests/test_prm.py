@@ -269,7 +269,7 @@ def rows(out, name):
 
 def test_script_trains_both_verifiers_and_resumes(tiny_sft, tmp_path):
     out = str(tmp_path)
-    p = run_script("prm.py", TINY + ["--epochs", "1", "--init", tiny_sft, "--out", out])
+    p = run_script("prm.py", TINY + ["--epochs", "1", "--init", tiny_sft, "--out", out], fresh=True)
     assert p.returncode == 0, p.stderr
     assert ("held-out outcome accuracy" in p.stdout
             and "held-out step accuracy vs rule labels" in p.stdout)

@@ -99,7 +99,7 @@ def test_reward_model_beats_chance_on_held_out_pairs_and_resumes(tiny_sft, tmp_p
     out = str(tmp_path)
     args = ["--init", tiny_sft, "--out", out, "--n_train", "512", "--batch_size", "32",
             "--lr", "1e-3", "--log_every", "8"]
-    p = run_script("reward_model.py", args + ["--epochs", "3"])
+    p = run_script("reward_model.py", args + ["--epochs", "3"], fresh=True)
     assert p.returncode == 0, p.stderr
     assert "held-out pair accuracy" in p.stdout
     rows = [json.loads(line) for line in open(os.path.join(out, "rm", "metrics.jsonl"))]

@@ -89,7 +89,7 @@ TINY = ["--prompts_per_step", "4", "--group_size", "4", "--log_every", "1", "--e
 
 def test_script_runs_end_to_end_and_resumes(tiny_sft, tmp_path):
     out = str(tmp_path)
-    p = run_script("rloo.py", TINY + ["--steps", "2", "--init", tiny_sft, "--out", out])
+    p = run_script("rloo.py", TINY + ["--steps", "2", "--init", tiny_sft, "--out", out], fresh=True)
     assert p.returncode == 0, p.stderr
     assert "done: 2 steps" in p.stdout
     rows = [json.loads(line) for line in open(os.path.join(out, "rloo", "metrics.jsonl"))]

@@ -238,7 +238,7 @@ def test_script_end_to_end(tiny_sft, verifiers, tmp_path):
     p = run_script("search.py", ["--init", tiny_sft, "--orm", verifiers["orm"],
                                  "--prm", verifiers["prm"], "--rm", verifiers["rm"],
                                  "--eval_n", "12", "--max_n", "4", "--beam", "2", "--expand", "2",
-                                 "--out", out])
+                                 "--out", out], fresh=True)
     assert p.returncode == 0, p.stderr
     assert "| best-of-N PRM (min) |" in p.stdout and "| beam 2 x expand 2 |" in p.stdout
     r = json.load(open(os.path.join(out, "search", "results.json")))

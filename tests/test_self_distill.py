@@ -119,7 +119,7 @@ def read_metrics(out):
 def test_script_runs_end_to_end_and_resumes(tiny_sft, tmp_path):
     out = str(tmp_path)
     flags = TINY + ["--init", tiny_sft, "--out", out, "--group_size", "2", "--grad_accum", "2"]
-    p = run_script("self_distill.py", flags + ["--steps", "2"])
+    p = run_script("self_distill.py", flags + ["--steps", "2"], fresh=True)
     assert p.returncode == 0, p.stderr
     assert "the same weights with the verified answer" in p.stdout and "done: 2 steps" in p.stdout
     rows = read_metrics(out)
