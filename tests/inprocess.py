@@ -9,11 +9,12 @@ a tiny run).
 What a process's end releases, as_a_process releases: the atexit callbacks the run registered, the
 torch function modes it entered for "the rest of this process" (--batch_invariant), its signal
 handlers and sys.excepthook, what it replaced in the project's modules and torch's (the task in
-use; tests/ddp_worker.py's fixed sampler), sys.argv, the environment, the working directory, torch's
-threads and default dtype, grad mode, the random generators, the process group it joined. What a run
-must release itself and did not (a process it started, still alive) fails the call, naming it.
-sandbox.py's workers are this process's, kept between runs as within one (a restarted worker
-replays its setups). tests/conftest.py's `isolated` fixture checks the same after every test.
+use; tests/ddp_worker.py's fixed sampler), sys.argv, the environment, the working directory,
+torch's threads, flags and default dtype, grad mode, the random generators, the process group it
+joined. What a run must release itself and did not (a process it started, still alive) fails the
+call, naming it. sandbox.py's workers are this process's, kept between runs as within one (a
+restarted worker replays its setups). tests/conftest.py's `isolated` fixture checks the same
+after every test.
 """
 import atexit
 import contextlib
@@ -136,6 +137,9 @@ def snapshot():
     return {"torch threads": torch.get_num_threads(),
             "default dtype": torch.get_default_dtype(),
             "grad mode": torch.is_grad_enabled(),
+            "deterministic algorithms": torch.are_deterministic_algorithms_enabled(),
+            "float32 matmul precision": torch.get_float32_matmul_precision(),
+            "anomaly detection": torch.is_anomaly_enabled(),
             "torch function modes": torch._C._len_torch_function_stack(),
             "--batch_invariant's mode": invariant.BatchInvariant.depth,
             "SIGINT handler": signal.getsignal(signal.SIGINT),
@@ -170,6 +174,9 @@ def restore(before):
     torch.set_num_threads(before["torch threads"])
     torch.set_default_dtype(before["default dtype"])
     torch.set_grad_enabled(before["grad mode"])
+    torch.use_deterministic_algorithms(before["deterministic algorithms"])
+    torch.set_float32_matmul_precision(before["float32 matmul precision"])
+    torch.set_anomaly_enabled(before["anomaly detection"])
     while torch._C._len_torch_function_stack() > before["torch function modes"]:
         torch._C._pop_torch_function_stack()
     invariant.BatchInvariant.depth = before["--batch_invariant's mode"]

@@ -400,6 +400,7 @@ def read_metrics(out):
     return [json.loads(line) for line in open(os.path.join(out, "agent", "metrics.jsonl"))]
 
 
+@pytest.mark.slow
 def test_script_runs_end_to_end_and_resumes(tiny_tool_sft, tmp_path):
     out = str(tmp_path)
     p = run_script("agent.py", TINY + ["--steps", "2", "--init", tiny_tool_sft, "--out", out],

@@ -147,6 +147,7 @@ def rows_of(out):
     return [json.loads(line) for line in open(os.path.join(out, "async_grpo", "metrics.jsonl"))]
 
 
+@pytest.mark.slow
 def test_one_actor_and_a_learner_train_resume_and_respect_the_lag_bound(tiny_sft, tmp_path):
     out = str(tmp_path)
     p = launch(SMALL + ["--steps", "4", "--max_lag", "1", "--init", tiny_sft, "--out", out])
@@ -166,6 +167,7 @@ def test_one_actor_and_a_learner_train_resume_and_respect_the_lag_bound(tiny_sft
     assert [r["step"] for r in rows_of(out)] == [0, 1, 2, 3, 4, 5, 6]
 
 
+@pytest.mark.slow
 def test_max_lag_0_is_on_policy(tiny_sft, tmp_path):
     """Admission at --max_lag 0: every group sampled with the weights it is trained on, and then the
     importance weight is 1 up to the sampler's numerics (its KV-cache decoding against the learner's
@@ -180,6 +182,7 @@ def test_max_lag_0_is_on_policy(tiny_sft, tmp_path):
         assert r["logp_gap_lag0"] <= r["sampler_logp_diff"] < 1e-4           # the mean, the largest
 
 
+@pytest.mark.slow
 def test_weights_published_every_second_step_within_a_lag_of_one(tiny_sft, tmp_path):
     """--sync_every 2 --max_lag 1: the learner publishes after steps 2, 4, ...; the groups of step s
     need weights of version >= s - 1, which the last publication always is: the run ends, every lag
@@ -208,6 +211,7 @@ def wait_for_rows(p, out, n):
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_a_killed_actor_stops_the_run_with_its_exit_code(tiny_sft, tmp_path):
     p = launch(SMALL + ["--steps", "100000", "--eval_every", "1000", "--init", tiny_sft,
                         "--out", str(tmp_path)])
@@ -221,6 +225,7 @@ def test_a_killed_actor_stops_the_run_with_its_exit_code(tiny_sft, tmp_path):
     assert f"actor 1 (pid {actor_pid}) exited with code -9" in stderr, stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_every_process_and_says_how_to_resume(tiny_sft, tmp_path):
     p = launch(SMALL + ["--steps", "100000", "--eval_every", "1000", "--init", tiny_sft,
                         "--out", str(tmp_path)])
@@ -235,6 +240,7 @@ def test_ctrl_c_stops_every_process_and_says_how_to_resume(tiny_sft, tmp_path):
 
 
 @pytest.mark.parametrize("after, ignored", [(0.0, False), (1.0, False), (0.0, True)])
+@pytest.mark.slow
 def test_ctrl_c_while_the_processes_start_ends_every_one_at_once(tiny_sft, tmp_path, after,
                                                                  ignored):
     """A Ctrl-C as soon as the learner has started its actor (`after` seconds later), while the
@@ -259,6 +265,7 @@ def test_ctrl_c_while_the_processes_start_ends_every_one_at_once(tiny_sft, tmp_p
     assert running(actors) == []
 
 
+@pytest.mark.slow
 def test_a_killed_learner_leaves_the_actors_quietly(tiny_sft, tmp_path):
     """SIGKILL of the learner: every actor ends without a gloo traceback."""
     p = launch(SMALL + ["--steps", "100000", "--eval_every", "1000", "--init", tiny_sft,

@@ -211,6 +211,7 @@ def test_a_hostile_template_is_one_error(case, monkeypatch):
             and tok.stop_ids == Tokenizer.from_pretrained(os.path.join(GOLDEN, "qwen3")).stop_ids)
 
 
+@pytest.mark.slow
 def test_a_hostile_template_is_refused_by_the_scripts_and_sigterm_stops_a_loading_run(tmp_path):
     """Through grpo.py: a template that raises, one that never writes the message, one that loops
     past the render's time limit (5 s): one line each, no folder left. SIGTERM while the looping one
@@ -266,6 +267,7 @@ HEAVY = {
 
 
 @pytest.mark.parametrize("case", list(HEAVY))
+@pytest.mark.slow
 def test_a_template_that_allocates_or_holds_the_cpu_is_stopped_in_its_worker(case, monkeypatch):
     import resource
 

@@ -3,12 +3,15 @@ script's end-to-end test makes its first run from the command line too: run_scri
 the rest of the suite runs scripts in the test's own process, tests/inprocess.py.)"""
 import os
 
+import pytest
+
 from conftest import ROOT, run_scripts
 
 SCRIPTS = sorted(f for f in os.listdir(ROOT) if f.endswith(".py") and f != "sandbox.py"
                  and 'if __name__ == "__main__":' in open(os.path.join(ROOT, f)).read())
 
 
+@pytest.mark.slow
 def test_every_script_explains_itself_from_the_command_line():
     assert len(SCRIPTS) >= 20, SCRIPTS
     for script, p in zip(SCRIPTS, run_scripts([(s, ["--help"]) for s in SCRIPTS], fresh=True)):

@@ -156,6 +156,7 @@ def check_steps(prompt, completion):
 
 
 @pytest.mark.parametrize("n_numbers", [3, 4])
+@pytest.mark.slow
 def test_every_held_out_problem_has_a_solver_demonstration_that_checks(n_numbers):
     prompts = cd.held_out(n_numbers)
     assert len(prompts) == len(set(prompts)) == cd.HELD_OUT

@@ -273,6 +273,7 @@ def read_metrics(out):
     return [json.loads(line) for line in open(os.path.join(out, "distill", "metrics.jsonl"))]
 
 
+@pytest.mark.slow
 def test_script_runs_end_to_end_and_resumes(tiny_sft, tiny_student, tmp_path):
     out = str(tmp_path)
     flags = TINY + ["--teacher", tiny_sft, "--init", tiny_student, "--out", out,

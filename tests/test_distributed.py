@@ -191,6 +191,7 @@ def moved_teacher(tiny_sft, tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.slow
 def test_two_processes_and_grad_accum_make_the_same_update_as_one_process(case, tiny_sft, tmp_path,
                                                                           request):
     """1 process, and 2 processes x 2 micro-batches: the same update (a normaliser per micro-batch
@@ -256,6 +257,7 @@ FSDP_CASES = {
 
 
 @pytest.mark.parametrize("case", list(FSDP_CASES))
+@pytest.mark.slow
 def test_fsdp_makes_the_same_update_as_ddp(case, tiny_sft, tmp_path, request):
     """2 processes with --fsdp (FSDP2 shards, summed reduce-scatters, the global-norm clip, the
     whole state gathered into the checkpoint) and 2 with DDP: the same weights after the update
@@ -332,6 +334,7 @@ def test_fsdp_shards_every_block_then_the_root_and_sums_the_gradients():
             run.leave()
 
 
+@pytest.mark.slow
 def test_a_nan_loss_on_one_rank_stops_every_rank(tiny_sft, tmp_path):
     """Rank 1 alone sees a NaN loss: both ranks stop at once with one message (a rank that left
     alone would leave the other waiting in the next all-reduce until the backend's timeout, here the
@@ -344,6 +347,7 @@ def test_a_nan_loss_on_one_rank_stops_every_rank(tiny_sft, tmp_path):
                           "step 1") == 1, p.stderr[-3000:]                          # rank 0 says it
 
 
+@pytest.mark.slow
 def test_torchrun_grpo_writes_from_rank_0_and_resumes(tiny_sft, tmp_path):
     out = str(tmp_path)
     flags = ["grpo.py", "--prompts_per_step", "4", "--group_size", "2", "--log_every", "1",
@@ -365,6 +369,7 @@ def test_torchrun_grpo_writes_from_rank_0_and_resumes(tiny_sft, tmp_path):
     assert load_checkpoint(os.path.join(out, "grpo.pt"))[1]["step"] == 3
 
 
+@pytest.mark.slow
 def test_an_fsdp_checkpoint_is_one_processs_and_resumes_on_another_number_of_processes(
         tiny_sft, tmp_path):
     """torchrun --fsdp on 2 processes writes what one process writes (whole tensors, the optimizer
@@ -390,6 +395,7 @@ def test_an_fsdp_checkpoint_is_one_processs_and_resumes_on_another_number_of_pro
             for line in open(os.path.join(out, "grpo", "metrics.jsonl"))] == [0, 1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_two_machines_are_two_torchrun_launches_and_make_one_machines_run(tiny_sft, tmp_path):
     """Two torchrun launches as two nodes of one process each (--nnodes 2, --node_rank, a localhost
     rendezvous), with --fsdp: the same metrics as 2 processes on one node."""
@@ -414,6 +420,7 @@ def test_two_machines_are_two_torchrun_launches_and_make_one_machines_run(tiny_s
     assert len(rows[0]) == 3 and rows[0] == rows[1]
 
 
+@pytest.mark.slow
 def test_fsdp_with_what_it_cannot_serve_is_one_line_before_anything_is_written(tiny_sft, tmp_path):
     for argv, words in ((["trpo.py", "--fsdp"], "--fsdp: trpo.py cannot shard"),
                         (["grpo.py", "--fsdp", "--offload_optimizer"],
@@ -424,6 +431,7 @@ def test_fsdp_with_what_it_cannot_serve_is_one_line_before_anything_is_written(t
         assert not os.path.exists(out)
 
 
+@pytest.mark.slow
 def test_a_batch_that_does_not_split_over_the_processes_is_refused(tiny_sft, tmp_path):
     p = finished(launch(["grpo.py", "--prompts_per_step", "3", "--init", tiny_sft,
                          "--out", str(tmp_path)], nproc=2))
@@ -432,6 +440,7 @@ def test_a_batch_that_does_not_split_over_the_processes_is_refused(tiny_sft, tmp
 
 
 @pytest.mark.parametrize("engine", [[], ["--fsdp"]], ids=["ddp", "fsdp"])
+@pytest.mark.slow
 def test_a_killed_rank_stops_the_others_with_one_line_naming_the_checkpoint(engine, tiny_sft,
                                                                              tmp_path):
     """kill -9 of rank 1 mid-run: rank 0 stops within seconds with one line naming the last

@@ -329,6 +329,7 @@ def test_kl_divergence_and_the_distributions_against_float64():
         math.log(2))
 
 
+@pytest.mark.slow
 def test_forward_fit_matches_the_moments_and_covers_both_peaks():
     """q's family is exponential with statistics x and x^2, so the forward-KL optimum matches p's
     mean and variance, from any start: its mean sits between the peaks, its spread covers both."""
@@ -344,6 +345,7 @@ def test_forward_fit_matches_the_moments_and_covers_both_peaks():
         assert -2.0 < mu < 2.0 and sigma > 2.0
 
 
+@pytest.mark.slow
 def test_reverse_fit_picks_the_peak_it_starts_near():
     """Each reverse-KL fit sits on one peak (mean and width of that peak), at KL about -log(the
     peak's weight)."""

@@ -157,6 +157,7 @@ def read_metrics(out):
 
 
 @pytest.mark.parametrize("restart", [False, True])
+@pytest.mark.slow
 def test_a_resumed_run_is_the_uninterrupted_run(restart, tiny_sft, tmp_path):
     flags = TINY + ["--init", tiny_sft] + (["--restart"] if restart else [])
     whole, parts = str(tmp_path / "whole"), str(tmp_path / "parts")

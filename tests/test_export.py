@@ -76,6 +76,7 @@ def same_model(folder, ckpt_path):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.slow
 def test_an_export_has_the_familys_tensors_and_loads_back_bit_for_bit(family, tmp_path):
     ckpt = trained(family, tmp_path)
     out = tmp_path / "hf"

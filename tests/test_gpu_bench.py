@@ -21,6 +21,7 @@ gpu = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gpu)
 
 
+@pytest.mark.slow
 def test_refuses_without_cuda_in_one_line_and_writes_nothing(tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}                # hides a GPU where there is one
     for extra in ([], ["--measure_ratio"]):

@@ -385,6 +385,7 @@ def read_metrics(out):
     return [json.loads(line) for line in open(os.path.join(out, "grpo", "metrics.jsonl"))]
 
 
+@pytest.mark.slow
 def test_script_runs_end_to_end_and_resumes(tiny_sft, tmp_path):
     out = str(tmp_path)
     p = run_script("grpo.py", TINY + ["--steps", "2", "--init", tiny_sft, "--out", out], fresh=True)
@@ -459,6 +460,7 @@ def test_script_rejects_bad_settings_with_a_message(tmp_path):
                 tmp_path)
 
 
+@pytest.mark.slow
 def test_grpo_raises_the_training_reward(tiny_sft, tmp_path):
     """30 steps from the tiny SFT policy with a fixed seed raise the mean training reward of the
     last 8 steps over that of the first 8 by more than 0.2 (seeds 0, 1, 2 gave +0.38, +0.44, +0.41).

@@ -279,6 +279,7 @@ def test_triton_path_sampler_and_trainer_agree_bit_for_bit():
 
 @pytest.mark.skipif(not HAS_TRITON or CUDA or TRITON_INTERPRET,
                     reason="the Triton cases run in this process (a GPU), or Triton is missing")
+@pytest.mark.slow
 def test_interpreted_kernels_subprocess():
     """This file's Triton cases, and the PyTorch-path tests of attention that then take the Triton
     path, in a child under TRITON_INTERPRET=1 (small sizes)."""
@@ -299,6 +300,7 @@ def metrics(out, evaluations=True):
             for line in open(os.path.join(out, "grpo", "metrics.jsonl"))]
 
 
+@pytest.mark.slow
 def test_grpo_batch_invariant_is_exactly_on_policy_repeats_itself_and_resumes(tiny_sft, tmp_path):
     """sampler_logp_diff 0.0 and the first pass's ratio exactly 1 (approx_kl and clip_frac 0) at
     every step, with micro-batches and a temperature; 2 steps and a resume to 3 (another process:
@@ -338,6 +340,7 @@ ON_POLICY = {                   # every other script that trains on its own samp
 }
 
 
+@pytest.mark.slow
 def test_every_on_policy_script_is_exactly_on_policy_with_batch_invariant(tiny_sft, tmp_path):
     """sampler_logp_diff 0.0 on every step of each script (agent's episodes with the calculator's
     replies; async_grpo's actors in other processes; online_dpo's and expert_iteration's samples
@@ -357,6 +360,7 @@ def test_every_on_policy_script_is_exactly_on_policy_with_batch_invariant(tiny_s
 
 
 @pytest.mark.parametrize("script", ["grpo.py", "rloo.py", "reinforce.py", "agent.py"])
+@pytest.mark.slow
 def test_pi_old_from_the_sampler_is_the_recomputed_one(script, tiny_sft, tmp_path):
     """Steps 1 and 2 unlogged (--log_every 3: pi_old is the sampler's, the policy's forward skipped)
     reach step 3 with the metrics of a run that recomputed pi_old on every step (--log_every 1)."""

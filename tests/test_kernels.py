@@ -784,6 +784,7 @@ def test_pytorch_path_works_without_triton():
 @pytest.mark.skipif(not HAS_TRITON or HAS_CUDA or TRITON_INTERPRET,
                     reason="Triton cases run in this process (CUDA or TRITON_INTERPRET=1), or "
                            "Triton is missing")
+@pytest.mark.slow
 def test_interpreted_kernels_subprocess():
     """Run this file's `triton_path` and `dispatch` tests under TRITON_INTERPRET=1 in a child."""
     cmd = [sys.executable, "-m", "pytest", os.path.abspath(__file__), "-q", "-n", "0", "-p",

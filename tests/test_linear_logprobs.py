@@ -239,6 +239,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.skipif(not HAS_TRITON or HAS_CUDA or TRITON_INTERPRET,
                     reason="Triton cases run in this process, or Triton is missing")
+@pytest.mark.slow
 def test_interpreted_linear_logprobs_subprocess():
     """Run this file's `triton_path` tests under TRITON_INTERPRET=1 in a child pytest."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

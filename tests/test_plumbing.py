@@ -125,6 +125,13 @@ def test_what_can_be_refused_at_start_is_refused_before_building_a_prerequisite(
     assert not os.path.exists(tmp_path / "out" / "sft.pt")
 
 
+def test_eval_n_past_the_held_out_problems_is_one_line(tiny_sft, tmp_path):
+    p = run_script("grpo.py", TINY_RL + ["--steps", "1", "--eval_n", "513", "--init", tiny_sft,
+                                         "--out", str(tmp_path)])
+    refused(p, "--eval_n 513; allowed: 1 to 512, the held-out problems of --task arithmetic")
+    assert os.listdir(tmp_path) == []
+
+
 def write_run(out, steps, tiny_sft):
     assert run_script("grpo.py", TINY_RL
                       + ["--steps", str(steps), "--init", tiny_sft, "--out", out]).returncode == 0
@@ -148,6 +155,7 @@ def test_a_refused_run_leaves_the_folders_earlier_run_untouched(tiny_sft, tmp_pa
     assert p.returncode == 0 and steps_logged(out) == [0, 1, 2, 3], p.stderr
 
 
+@pytest.mark.slow
 def test_a_fresh_run_killed_before_its_first_checkpoint_leaves_no_older_checkpoint_beside_its_log(
     tiny_sft, tmp_path):
     """A fresh run replaces the folder's earlier run once its checks pass: killed before it saves,
@@ -175,6 +183,7 @@ def test_a_fresh_run_killed_before_its_first_checkpoint_leaves_no_older_checkpoi
             "no checkpoint at")
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_the_starting_evaluation_then_resume_logs_step_0_once(tiny_sft, tmp_path):
     out = str(tmp_path)
     flags = ["--prompts_per_step", "2", "--group_size", "2", "--log_every", "1",
@@ -242,6 +251,7 @@ def test_out_pointing_at_a_file_is_one_line(tmp_path):
     refused(run_script("grpo.py", ["--out", str(f)]), f"--out {f} is a file")
 
 
+@pytest.mark.slow
 def test_a_script_run_from_another_directory_builds_its_prerequisite_where_it_loads_it(tiny_sft,
                                                                                        tmp_path):
     """ppo.py run from elsewhere, with out/sft.pt there and no out/rm.pt: the reward model is built
@@ -277,6 +287,7 @@ def test_eval_every_is_honoured_on_its_own(tiny_sft, tmp_path):
     assert [r["step"] for r in rows if "eval_accuracy" in r] == [0, 3, 6, 8]
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_cleanly_and_resume_logs_each_step_once(tiny_sft, tmp_path):
     out = str(tmp_path / "sp ace")                                  # the resume command quotes it
     flags = ["--prompts_per_step", "2", "--group_size", "2", "--eval_n", "4", "--log_every", "1",
@@ -346,6 +357,7 @@ def test_a_second_run_on_the_same_folder_is_refused_and_a_dead_lock_taken_over(t
     assert sorted(os.listdir(out)) == ["grpo", "grpo.pt"]            # lock released, orphan removed
 
 
+@pytest.mark.slow
 def test_a_second_run_on_a_busy_output_folder_is_refused(tiny_sft, tmp_path):
     """A run holds its output folder's lock while it trains: a second one started on the same folder
     then is refused in one line and touches nothing; the first, stopped with Ctrl-C afterwards, has
@@ -597,6 +609,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+@pytest.mark.slow
 def test_a_full_disk_at_a_checkpoint_or_at_the_start_is_one_line_and_loses_nothing(tiny_sft,
                                                                                  tmp_path):
     out = tmp_path / "run"

@@ -259,6 +259,7 @@ def tiny_rm(tiny_sft, tmp_path_factory):
     return os.path.join(out, "rm.pt")
 
 
+@pytest.mark.slow
 def test_ppo_runs_end_to_end_and_resumes(tiny_sft, tiny_rm, tmp_path):
     out = str(tmp_path)
     common = ["--init", tiny_sft, "--rm", tiny_rm, "--out", out] + TINY

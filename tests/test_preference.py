@@ -194,6 +194,7 @@ TINY = ["--batch_size", "8", "--n_pairs", "128", "--log_every", "1", "--eval_eve
 
 
 @pytest.mark.parametrize("script", ["dpo", "ipo"])
+@pytest.mark.slow
 def test_script_runs_resumes_and_learns(script, tiny_sft, tmp_path):
     out = str(tmp_path)
     p = run_script(f"{script}.py", TINY + ["--init", tiny_sft, "--out", out, "--steps", "2"],

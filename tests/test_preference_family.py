@@ -407,6 +407,7 @@ def metrics(out, script):
 
 
 @pytest.mark.parametrize("script", ["kto", "simpo", "orpo", "online_dpo"])
+@pytest.mark.slow
 def test_script_runs_and_resumes(script, tiny_sft, tmp_path):
     out = str(tmp_path)
     flags = TINY + DATA[script] + ["--init", tiny_sft, "--out", out]
@@ -448,6 +449,7 @@ def test_script_runs_and_resumes(script, tiny_sft, tmp_path):
     assert [r["step"] for r in metrics(out, script)] == [0, 1, 2, 3]      # each step once
 
 
+@pytest.mark.slow
 def test_online_dpo_with_the_reward_model_as_judge(tiny_sft, tmp_path):
     out = str(tmp_path)
     p = run_script("reward_model.py", ["--init", tiny_sft, "--out", out, "--n_train", "64",

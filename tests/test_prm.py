@@ -267,6 +267,7 @@ def rows(out, name):
     return [json.loads(line) for line in open(os.path.join(out, name, "metrics.jsonl"))]
 
 
+@pytest.mark.slow
 def test_script_trains_both_verifiers_and_resumes(tiny_sft, tmp_path):
     out = str(tmp_path)
     p = run_script("prm.py", TINY + ["--epochs", "1", "--init", tiny_sft, "--out", out], fresh=True)

@@ -5,6 +5,7 @@ results/gpu.md."""
 import json
 import os
 
+import pytest
 import torch
 
 from checkpoint import from_pretrained, pretrained_config
@@ -12,6 +13,7 @@ from conftest import ROOT, run_script
 from tokenizer import Tokenizer
 
 
+@pytest.mark.slow
 def test_the_recipe_runs_grpo_on_a_folder_whose_embedding_outgrows_its_tokenizer(tmp_path):
     """70000 embedding rows, 65022 tokenizer ids (65000 ordinary, 22 special): a random policy at
     temperature 1 draws from the whole support, so a step samples ids near its end, and nothing past

@@ -114,6 +114,7 @@ TINY = ["--prompts_per_step", "4", "--group_size", "4", "--log_every", "1", "--e
 
 
 @pytest.mark.parametrize("baseline", ["reinforce_pp", "moving_average"])
+@pytest.mark.slow
 def test_script_runs_end_to_end_and_resumes(tiny_sft, tmp_path, baseline):
     out = str(tmp_path)
     p = run_script("reinforce.py", TINY + ["--steps", "2", "--baseline", baseline,

@@ -95,6 +95,7 @@ def test_score_is_read_at_the_eos_whatever_the_padding():
             assert batched[i].item() != pytest.approx(per_pos[-2].item(), abs=1e-5)
 
 
+@pytest.mark.slow
 def test_reward_model_beats_chance_on_held_out_pairs_and_resumes(tiny_sft, tmp_path):
     out = str(tmp_path)
     args = ["--init", tiny_sft, "--out", out, "--n_train", "512", "--batch_size", "32",

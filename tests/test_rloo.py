@@ -87,6 +87,7 @@ TINY = ["--prompts_per_step", "4", "--group_size", "4", "--log_every", "1", "--e
         "--eval_n", "8"]
 
 
+@pytest.mark.slow
 def test_script_runs_end_to_end_and_resumes(tiny_sft, tmp_path):
     out = str(tmp_path)
     p = run_script("rloo.py", TINY + ["--steps", "2", "--init", tiny_sft, "--out", out], fresh=True)

@@ -89,6 +89,7 @@ def test_draw_is_torch_multinomials_draw_for_draw(V):
 @pytest.mark.parametrize("config", [{}, {"n_head": 4, "n_kv_head": 2, "pos": "rope",
                                          "norm": "rmsnorm", "mlp": "swiglu", "bias": False}],
                          ids=["gpt2-like", "qwen2-like"])
+@pytest.mark.slow
 def test_every_mode_gives_the_eager_samplers_tokens(device, config):
     """Greedy, temperature 1 and temperature 0.7 with top-k, each from the same generator seed: the
     fixed-shape step ("graph": a CUDA graph on CUDA) and its compiled form return exactly the eager

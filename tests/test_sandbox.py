@@ -24,6 +24,7 @@ time.sleep(60)
 
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM])
+@pytest.mark.slow
 def test_the_worker_ends_with_its_run(how):
     run = subprocess.Popen([sys.executable, "-c", RUN], cwd=ROOT, stdout=subprocess.PIPE,
                            text=True)

@@ -233,6 +233,7 @@ def verifiers(tiny_sft, tmp_path_factory):
     return paths
 
 
+@pytest.mark.slow
 def test_script_end_to_end(tiny_sft, verifiers, tmp_path):
     out = str(tmp_path)
     p = run_script("search.py", ["--init", tiny_sft, "--orm", verifiers["orm"],

@@ -116,6 +116,7 @@ def read_metrics(out):
     return [json.loads(line) for line in open(os.path.join(out, "self_distill", "metrics.jsonl"))]
 
 
+@pytest.mark.slow
 def test_script_runs_end_to_end_and_resumes(tiny_sft, tmp_path):
     out = str(tmp_path)
     flags = TINY + ["--init", tiny_sft, "--out", out, "--group_size", "2", "--grad_accum", "2"]
@@ -136,6 +137,7 @@ def test_script_runs_end_to_end_and_resumes(tiny_sft, tmp_path):
     assert load_checkpoint(os.path.join(out, "self_distill.pt"))[1]["step"] == 3
 
 
+@pytest.mark.slow
 def test_self_distillation_lowers_the_kl_to_the_hinted_self(tiny_sft, tmp_path):
     """20 steps: the reverse KL to the teacher (itself with the answer) on the last 3 steps'
     samples falls below 0.7 of the first 3's, though the teacher moves with the student."""

@@ -2,6 +2,7 @@
 import json
 import os
 
+import pytest
 import torch
 
 import task
@@ -63,6 +64,7 @@ def test_sft_loss_is_completion_tokens_only():
     assert attn[1].sum() == len("1+1=1+1=2,2+0=2#2") + 1
 
 
+@pytest.mark.slow
 def test_sft_learns_the_task(tmp_path):
     """The recipe of the tests' SFT policy (conftest.TINY_SFT): its loss falls from ln(258) = 5.55
     nats (a uniform guess over the byte vocabulary) to a few hundredths of it, and its held-out

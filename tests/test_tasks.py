@@ -39,6 +39,7 @@ def every_task(tmp_path):
 
 
 @pytest.mark.parametrize("fmt", ["plain", "r1"])
+@pytest.mark.slow
 def test_every_task_keeps_the_shared_interface(tmp_path, fmt):
     tok = Tokenizer()
     for args in every_task(tmp_path):

@@ -182,6 +182,7 @@ def test_calls_are_what_vllms_parser_runs(style, text):
     assert parse_calls(text, style, reasoning) == (vllm_calls(text, style, reasoning) or [])
 
 
+@pytest.mark.slow
 def test_a_call_runs_bounded_in_a_worker_and_every_failure_is_the_tools_reply(monkeypatch, capfd):
     """Every failure a tool's code can produce is an error text the model reads, never the end of
     the run; `failed` marks exactly the calls that failed (an ordinary result that begins with

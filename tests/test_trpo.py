@@ -409,6 +409,7 @@ def read_metrics(out):
     return [json.loads(line) for line in open(os.path.join(out, "trpo", "metrics.jsonl"))]
 
 
+@pytest.mark.slow
 def test_script_runs_end_to_end_within_the_trust_region_and_resumes_bit_exactly(tiny_sft, tmp_path):
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
     # compared bit for bit: one thread, one order of every sum, whatever the load
