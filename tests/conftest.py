@@ -16,9 +16,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):   # pytest-xdist: the cores shared among the workers
-    THREADS = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
-    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))      # and the processes tests start
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    share = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    threads = os.environ.setdefault("OMP_NUM_THREADS", str(share))  # and the processes tests start
+    torch.set_num_threads(int(threads) if threads.isdigit() else share)
 import task  # noqa: E402
 from inprocess import (as_a_process, bindings, leaks, put_back, rebound,  # noqa: E402,F401
                        restore, run_in_process, snapshot)
@@ -61,8 +61,7 @@ def run_scripts(calls, cwd=ROOT, timeout=600, env=None, fresh=False):
 
 def refuses_all(script, cases, tmp_path, cwd=ROOT):
     """Each (args, words) of `cases` is refused by `script` (refused(p, *words)), each run with its
-    own --out under tmp_path unless its args name one. Returns the
-    CompletedProcesses."""
+    own --out under tmp_path unless its args name one. Returns the CompletedProcesses."""
     calls = [(script, args if "--out" in args else [*args, "--out", str(tmp_path / f"out{i}")])
              for i, (args, _) in enumerate(cases)]
     done = run_scripts(calls, cwd)
