@@ -236,6 +236,13 @@ def receiver(src, tag, size, inbox, last_kinds):
     threading.Thread(target=loop, daemon=True).start()
 
 
+def leave_with(parent):
+    """End this actor within 0.5 s of its learner, wherever it waits (a send may not notice)."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(0)
+
+
 def actor(args, rank):
     # Ctrl-C under torchrun reaches every process: the learner decides
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -256,6 +263,8 @@ def actor(args, rank):
     per_actor = args.prompts_per_step // args.actors
     Tp, Tn = task.max_prompt_tokens(tok), args.max_new_tokens
     parent, local = os.getppid(), "TORCHELASTIC_RUN_ID" not in os.environ
+    if local:                                    # the learner started this process
+        threading.Thread(target=leave_with, args=(parent,), daemon=True).start()
     inbox = queue.Queue()                # the learner's publications: (kind, version) + the weights
     receiver(0, WEIGHTS, parameters_to_vector(policy.parameters()).numel() + 2, inbox, (STOP,))
 
@@ -270,8 +279,6 @@ def actor(args, rank):
             except queue.Empty:
                 if not block:
                     break
-                if local and os.getppid() != parent:                           # the learner is gone
-                    return False
                 continue
             if msg is None or msg[0] == STOP:
                 return False
@@ -308,8 +315,6 @@ def actor(args, rank):
             return
         t_last = now
         step += 1
-    if local and os.getppid() != parent:
-        return
     with contextlib.suppress(RuntimeError):         # the learner may be gone already
         dist.send(pack(None, None, GOODBYE, version, step, 0, 0, chunk_size(args, Tp, Tn), Tp, Tn,
                        tok.pad_id), dst=0, tag=CHUNK)                             # the last message
