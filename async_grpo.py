@@ -237,7 +237,7 @@ def receiver(src, tag, size, inbox, last_kinds):
 
 
 def leave_with(parent):
-    """End this actor within 0.5 s of its learner, wherever it waits (a send may not notice)."""
+    """End this actor within 0.5 s of its learner, wherever its main thread is waiting."""
     while os.getppid() == parent:
         time.sleep(0.5)
     os._exit(0)
