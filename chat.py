@@ -207,9 +207,10 @@ class ChatTemplate:
         self.key = hashlib.sha256(json.dumps(setup, sort_keys=True).encode()).hexdigest()
         try:
             literals = _worker().setup("compile", {"key": self.key, **setup}, COMPILE_SECONDS)
-        except sandbox.Timeout:
+        except sandbox.Timeout as e:
             raise ChatTemplateError(f"the chat template did not compile within "
-                                    f"{COMPILE_SECONDS:g} s") from None
+                                    f"{COMPILE_SECONDS:g} s" + (f" ({e})" if str(e) else "")
+                                    ) from None
         except (sandbox.Failed, sandbox.Died) as e:    # a syntax error, the parser's recursion
             raise ChatTemplateError(f"the chat template does not compile ({e})") from None
         literals = "\0".join(literals)
@@ -236,9 +237,10 @@ class ChatTemplate:
             text = _worker().request("render", {"key": self.key, "messages": messages,
                                                 "add_generation_prompt": add_generation_prompt,
                                                 "kwargs": kwargs}, RENDER_SECONDS)
-        except sandbox.Timeout:
+        except sandbox.Timeout as e:
             raise ChatTemplateError(f"the chat template did not finish rendering within "
-                                    f"{RENDER_SECONDS:g} s") from None
+                                    f"{RENDER_SECONDS:g} s" + (f" ({e})" if str(e) else "")
+                                    ) from None
         except (sandbox.Failed, sandbox.Died) as e:    # TemplateError, SecurityError, Python's
             raise ChatTemplateError(f"the chat template fails to render ({e})") from None
         finally:

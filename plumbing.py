@@ -36,6 +36,7 @@ from dataclasses import asdict
 
 import torch
 
+import sandbox
 import task
 from chat import ChatTemplateError
 from checkpoint import CheckpointError, save_checkpoint
@@ -164,6 +165,7 @@ class Run(Distributed, Models):
             signal.signal(sig, self._stop)
         sys.excepthook = self._uncaught
         self.print(self.task)
+        self.isolation = None                # what bounds a chat template's and a tool's code
         if getattr(args, "offload_optimizer", False) and not self.device.startswith("cuda"):
             self.print(f"note: --offload_optimizer parks AdamW's moments in host memory on CUDA "
                        f"only; on {self.device} nothing moves")
@@ -433,6 +435,9 @@ class Run(Distributed, Models):
         if "eval_accuracy" in metrics:
             line += (f" | held-out greedy {metrics['eval_accuracy']:.3f} pass@1 "
                      f"{metrics['eval_pass_at_1']:.3f}")
+        if self.isolation is None and sandbox.isolation():  # once, before the first step's line
+            self.isolation = sandbox.isolation()
+            self.print(self.isolation)
         self.print(f"step {self.step:5d} | {line}")
         if self.is_main:
             with open(self.metrics_path, "a") as f:

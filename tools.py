@@ -27,6 +27,7 @@ import enum
 import importlib
 import inspect
 import json
+import os
 import re
 import sys
 import types
@@ -372,8 +373,9 @@ def run_call(tools, call):
         text = _worker().request("call", {"spec": tools[call.name].spec,
                                           "arguments": call.arguments}, RUN_SECONDS)
         return Reply(text, False)
-    except sandbox.Timeout:
-        return Reply(f"error: {call.name} ran past {RUN_SECONDS:g} s", True)
+    except sandbox.Timeout as e:                # its own time, or its restarted worker's
+        return Reply(f"error: {call.name} ran past {RUN_SECONDS:g} s" + (f" ({e})" if str(e)
+                                                                        else ""), True)
     except sandbox.Died as e:
         return Reply(f"error: {call.name} ended its process ({e})", True)
     except sandbox.Failed as e:                # the tool's own failure: the model reads it
@@ -408,7 +410,8 @@ def resolve(spec):
             raise ValueError(f"--tools {name or repr(spec)}: allowed: {', '.join(BUILT_IN)} (built "
                              f"in) or module:function")
         try:
-            schema = _worker().setup("load", {"key": name, "spec": name, "path": sys.path},
+            path = [os.path.abspath(p) for p in sys.path]      # the worker's cwd is its own
+            schema = _worker().setup("load", {"key": name, "spec": name, "path": path},
                                      LOAD_SECONDS)
         except sandbox.Timeout:
             raise ValueError(f"--tools {name}: its module did not load within "

@@ -1,9 +1,13 @@
 """sandbox.py: the worker process untrusted code runs in. Its uses are tested with them
 (tests/test_chat.py: templates; tests/test_tools.py: tools); here what belongs to the worker alone:
-it never outlives its run, however the run ends, and a request a signal interrupts leaves no stale
-reply for the next one."""
+nothing it starts outlives it, however the run ends; a reply belongs to its call; the run's signals
+are the run's; a restart's replay is counted and named; where namespaces are allowed, the code
+cannot see or signal the run, nor reach the network; a request a signal interrupts leaves no stale
+reply for the next one. The tools that try: tests/escaping_tools.py."""
+import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -11,35 +15,189 @@ import time
 import pytest
 
 import sandbox
+import tools
 from conftest import ROOT
+from tools import Call, run_call
+
+ESCAPING = ("forks", "spawns", "bomb", "spins", "lifts", "returns_twice", "forges", "burns",
+            "budget", "signals", "to_parent", "writes", "connects", "sees")
+
+
+def named(tag):
+    """The processes whose name (/proc/PID/comm) is `tag`."""
+    out = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError), open(f"/proc/{entry}/comm") as f:
+            if f.read().strip() == tag:
+                out.append(int(entry))
+    return out
+
+
+def eventually(condition, seconds=10.0):
+    started = time.time()
+    while not condition() and time.time() - started < seconds:
+        time.sleep(0.02)
+    return condition()
+
+
+@pytest.fixture(params=["namespaces", "process bounds"])
+def own_worker(monkeypatch, request):
+    """A tools worker of the test's own (its setups are not replayed in other tests' workers), in
+    namespaces where the system allows them, and without (SANDBOX_NAMESPACES=0)."""
+    if request.param == "process bounds":
+        monkeypatch.setenv("SANDBOX_NAMESPACES", "0")
+    monkeypatch.setitem(sandbox._WORKERS, "tools", sandbox.Worker("tools", tools.MEMORY))
+    yield
+    tools._worker().stop()
+
+
+@pytest.fixture
+def escaping(monkeypatch, own_worker):
+    monkeypatch.setattr(tools, "RUN_SECONDS", 1.0)
+    table = tools.resolve(",".join(f"escaping_tools:{n}" for n in ESCAPING))
+    return table, f"esc{os.getpid() % 10 ** 6}"
+
+
+def test_nothing_a_tool_starts_outlives_its_worker(escaping):
+    """Children that leave the session, a program in a session of its own, a child that lifts
+    its CPU limit and spins: gone when the worker is stopped (the run's end, a deadline); a
+    fork bomb's processes gone when its call's deadline ends it."""
+    table, tag = escaping
+    for call, reply in ((Call("forks", {"tag": tag, "n": 4}), "forked"),
+                        (Call("spawns", {"tag": tag}), "spawned"),
+                        (Call("spins", {"tag": tag}), "spinning")):
+        assert run_call(table, call) == (reply, False)
+    assert eventually(lambda: len(named(tag)) == 6), named(tag)
+    tools._worker().stop()
+    assert named(tag) == []
+    text, failed = run_call(table, Call("bomb", {"tag": tag, "doublings": 4}))
+    assert failed and "bomb ran past 1 s" in text, text
+    assert named(tag) == []
+
+
+def test_a_reply_belongs_to_its_call(escaping):
+    """A forked child that returns into the worker's loop serves nothing; a line the code writes on
+    the reply pipe itself is dropped."""
+    table, _ = escaping
+    assert [run_call(table, Call("returns_twice", {"x": i})).text for i in range(3)] == \
+        ["parent 0", "parent 1", "parent 2"]
+    assert [run_call(table, Call("forges", {"x": i})).text for i in range(3)] == \
+        ["real 0", "real 1", "real 2"]
+
+
+def test_the_cpu_limit_is_each_calls_and_cannot_be_lifted(escaping):
+    table, _ = escaping
+    for _ in range(3):                    # the same budget at every call, however much was used
+        left = float(run_call(table, Call("budget", {"x": 0})).text)
+        assert tools.RUN_SECONDS <= left <= tools.RUN_SECONDS + sandbox.STOP_GRACE + 1, left
+        assert run_call(table, Call("burns", {"seconds": 0.3})) == ("burnt", False)
+    if tools._worker().isolation == sandbox.NAMESPACES or os.geteuid() != 0:
+        assert run_call(table, Call("lifts", {"x": 0})).text.startswith("refused"), "lifted"
+
+
+def test_the_runs_signals_are_the_runs():
+    """A SIGTERM to the run's whole process group (what timeout, Slurm and kill -TERM -PGID send)
+    is the run's to handle: the call in flight finishes as it would have."""
+    script = ("import signal, sys, tools, chat\n"
+              "signal.signal(signal.SIGTERM, lambda *a: print('SIGTERM', flush=True))\n"
+              "table = tools.resolve('hostile_tools:slow')\n"
+              "chat.ChatTemplate('{{ messages[0].content }}', {}, set(), {})\n"
+              "print('calling', flush=True)\n"
+              "print(tools.run_call(table, tools.Call('slow', {'seconds': 1.5})), flush=True)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])}
+    run = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
+                           text=True, env=env, start_new_session=True)
+    assert run.stdout.readline() == "calling\n"
+    time.sleep(0.3)
+    os.killpg(run.pid, signal.SIGTERM)
+    out, _ = run.communicate(timeout=30)
+    assert out == "SIGTERM\nReply(text='done', failed=False)\n"
+
+
+def test_a_restarts_replay_is_counted_in_the_next_calls_deadline_and_named(tmp_path,
+                                                                             monkeypatch,
+                                                                             own_worker):
+    """After a tool runs past its deadline, the new worker re-imports the tools' modules while the
+    run goes on; a call that finds it still importing is answered by its deadline, saying so."""
+    (tmp_path / "slowimp_tools.py").write_text(
+        "import time\ntime.sleep(1.5)\n\n\ndef hang(x: int) -> str:\n"
+        '    """Loop.\n\n    Args:\n        x: unused\n    """\n    while True:\n        pass\n'
+        "\n\ndef quick(x: int) -> str:\n"
+        '    """Return.\n\n    Args:\n        x: unused\n    """\n    return "quick"\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(tools, "RUN_SECONDS", 0.5)
+    table = tools.resolve("slowimp_tools:hang,slowimp_tools:quick")
+    for call, words in ((Call("hang", {"x": 0}), "error: hang ran past 0.5 s"),
+                        (Call("quick", {"x": 0}), "error: quick ran past 0.5 s (its worker, "
+                                                  "started again, was still replaying load "
+                                                  "slowimp_tools:hang after")):
+        started = time.time()
+        text, failed = run_call(table, call)
+        assert failed and text.startswith(words), text
+        assert time.time() - started < 1.4, text
+    assert eventually(lambda: run_call(table, Call("quick", {"x": 0})) == ("quick", False))
+
+
+def test_a_tool_cannot_see_or_signal_the_run_write_beside_it_or_reach_the_network(escaping):
+    table, _ = escaping
+    if tools._worker().isolation != sandbox.NAMESPACES:
+        pytest.skip(f"no namespaces ({tools._worker().isolation}): a tool can signal the run")
+    assert int(run_call(table, Call("sees", {"x": 0})).text) <= 3       # init, the server
+    for name in ("SIGKILL", "SIGSTOP"):
+        text, failed = run_call(table, Call("signals", {"pid": os.getpid(), "name": name}))
+        assert failed and "ProcessLookupError" in text, text
+        assert run_call(table, Call("to_parent", {"name": name})) == ("sent", False)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        text, failed = run_call(table, Call("connects", {"port": server.getsockname()[1]}))
+    assert failed and "Network is unreachable" in text, text
+    written, failed = run_call(table, Call("writes", {"path": "victim.pt"}))
+    assert not failed and os.path.dirname(written) != os.getcwd(), written
+    assert not os.path.exists("victim.pt")
+    assert run_call(table, Call("burns", {"seconds": 0.0})) == ("burnt", False)   # it goes on
+    tools._worker().stop()                                # as at the run's end
+    assert not os.path.exists(written)                    # its folder goes with it
+
 
 RUN = """
 import os, sys, time
-import chat
+import chat, tools
 template = chat.ChatTemplate("{{ messages[0]['content'] }}", {}, set(), {})
 template.render([{"role": "user", "content": "x"}])
-print(chat._worker().proc.pid, flush=True)
+table = tools.resolve("escaping_tools:forks")
+print(tools.run_call(table, tools.Call("forks", {"tag": sys.argv[1], "n": 3})).text, flush=True)
+print(chat._worker().proc.pid, tools._worker().proc.pid, flush=True)
 time.sleep(60)
 """
 
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM])
+@pytest.mark.parametrize("namespaces", ["1", "0"])
 @pytest.mark.slow
-def test_the_worker_ends_with_its_run(how):
-    run = subprocess.Popen([sys.executable, "-c", RUN], cwd=ROOT, stdout=subprocess.PIPE,
-                           text=True)
-    worker = int(run.stdout.readline())
-    os.kill(worker, 0)                                     # alive while the run is
+def test_the_worker_and_what_it_started_end_with_its_run(how, namespaces):
+    tag = f"end{os.getpid() % 10 ** 6}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]),
+           "SANDBOX_NAMESPACES": namespaces}
+    run = subprocess.Popen([sys.executable, "-c", RUN, tag], cwd=ROOT, stdout=subprocess.PIPE,
+                           text=True, env=env)
+    assert run.stdout.readline() == "forked\n"
+    workers = [int(pid) for pid in run.stdout.readline().split()]
+    for pid in workers:
+        os.kill(pid, 0)                                    # alive while the run is
+        assert os.getsid(pid) == pid                       # in a session of its own
+    assert eventually(lambda: len(named(tag)) == 3)
     run.send_signal(how)
     run.wait(timeout=30)
-    started = time.time()
-    while time.time() - started < 10:
-        try:
-            os.kill(worker, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.05)
-    pytest.fail(f"worker {worker} outlived its run ({signal.Signals(how).name})")
+
+    def gone():
+        alive = []
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 0)
+                alive.append(pid)
+        return not alive and not named(tag)
+    assert eventually(gone, 2.0), f"the workers or their children outlived the run ({how.name})"
 
 
 def test_a_request_a_signal_interrupts_leaves_no_stale_reply(monkeypatch):
