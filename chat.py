@@ -283,9 +283,12 @@ class ChatTemplate:
     def _ids(self, text, encode, encode_text):
         pieces = self.marked_re.split(text)                # text, token, text, ...
         ids = []
-        for i, piece in enumerate(pieces):
-            if piece:
-                ids += encode_text(piece) if i % 2 else encode(piece)
+        try:
+            for i, piece in enumerate(pieces):
+                if piece:
+                    ids += encode_text(piece) if i % 2 else encode(piece)
+        except ValueError as e:                            # the tokenizer's: a text it cannot take
+            raise ChatTemplateError(f"the chat template's text cannot be tokenised ({e})") from None
         return ids
 
     @functools.cache

@@ -17,6 +17,7 @@ folder's tokenizer files (tokenizer_files): the folder must still hold the same 
 import hashlib
 import json
 import os
+import re
 import unicodedata
 
 import tiktoken
@@ -28,6 +29,8 @@ EOS = "<|endoftext|>"
 PAD = "<|pad|>"
 MAX_JSON_BYTES = 256 * 2 ** 20     # the largest JSON file of a folder read (tokenizer.json: ~10 MB)
 MAX_TEMPLATE_BYTES = 2 ** 20       # the longest chat template read (Llama 3.x's: 5 KB)
+MAX_SPACE_RUN = 100_000            # tiktoken's split regexes overflow their stack near a million
+LONG_SPACE_RUN = re.compile(rf"\s{{{MAX_SPACE_RUN + 1}}}")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
                    "tokenizer.model", "generation_config.json")
@@ -114,15 +117,29 @@ class Tokenizer:
 
     def encode(self, text):
         """Plain text to ids. Special-token strings in the text are encoded as ordinary text."""
-        if self.normalise:
-            text = unicodedata.normalize(self.normalise, text)
-        return self.enc.encode_ordinary(text)
+        return self._encode(text, self.enc.encode_ordinary)
 
     def encode_special(self, text):
         """Text to ids with the added tokens (<|im_start|>, ...) recognised as their ids."""
+        return self._encode(text, lambda t: self.enc.encode(t, allowed_special="all"))
+
+    def _encode(self, text, encode):
+        """encode(text), or a ValueError saying why the tokenizer cannot take the text (its callers
+        name the flag or file): a whitespace run past MAX_SPACE_RUN is refused before tiktoken,
+        whose regex would panic on it, and any failure of tiktoken's, a Rust panic included."""
         if self.normalise:
             text = unicodedata.normalize(self.normalise, text)
-        return self.enc.encode(text, allowed_special="all")
+        if len(text) > MAX_SPACE_RUN and LONG_SPACE_RUN.search(text):
+            raise ValueError(f"a text of {len(text):,} characters with a run of more than "
+                             f"{MAX_SPACE_RUN:,} whitespace characters (the tokenizer takes at "
+                             f"most {MAX_SPACE_RUN:,} in a row)")
+        try:
+            return encode(text)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:                # pyo3's PanicException is a BaseException
+            raise ValueError(f"the tokenizer cannot encode a text of {len(text):,} characters "
+                             f"({type(e).__name__}: {str(e)[:200]})") from None
 
     def encode_prompt(self, text):
         """A prompt's ids: the user's message through the chat template (use_chat), else the

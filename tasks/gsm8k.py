@@ -30,6 +30,7 @@ from tasks import Task
 MAX_NEW_TOKENS = 512
 
 MAX_CHARS = 20_000  # a longer completion scores 0 (1024 tokens of a real tokenizer: ~5,000 chars)
+MAX_ROW_CHARS = 100_000    # the longest question or answer of a --data row (GSM8K's: under 1,000)
 
 _NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?")
 _MARKS = re.compile(r"#### (\-?[0-9\.\,]+)")         # GSM8K's ANS_RE (grade_school_math/dataset.py)
@@ -105,6 +106,10 @@ def load(path):
                 and isinstance(row.get("answer"), str)):
             raise ValueError(f"--data {path}, line {i}: "
                              "needs a string \"question\" and a string \"answer\"")
+        for key in ("question", "answer"):
+            if len(row[key]) > MAX_ROW_CHARS:
+                raise ValueError(f"--data {path}, line {i}: a {key} of {len(row[key]):,} "
+                                 f"characters (at most {MAX_ROW_CHARS:,})")
         number = marked_answer(row["answer"])
         if number is None:
             skipped += 1

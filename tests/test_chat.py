@@ -194,6 +194,8 @@ HOSTILE = {
     "an unsafe attribute": "{{ strftime_now.__globals__ }}",
     "attr()": "{{ messages|attr('__class__') }}",
     "no message": "hello", "nothing": "",
+    "a million spaces for the tokenizer":                 # within every bound of the worker's
+        "{{ ' ' * (1000000 - messages[0].content|length) }}",
 }
 
 

@@ -70,6 +70,32 @@ def test_the_tokenizer_encodes_and_decodes_as_transformers(name):
         assert tok.encode_prompt(text) == ids, text
 
 
+@pytest.mark.parametrize("name", ["gpt2", "qwen3"])
+def test_a_text_the_tokenizer_cannot_take_is_a_value_error_at_its_bound_and_one_past(name,
+                                                                                     monkeypatch):
+    """tiktoken's split regex overflows its stack (a Rust panic) near a million whitespace
+    characters in a row: a run of tokenizer.MAX_SPACE_RUN encodes, one more is refused before
+    tiktoken sees it; any failure of tiktoken's, a panic included, is a ValueError."""
+    import tokenizer
+    tok = Tokenizer.from_pretrained(golden(name)[0])
+    run = tokenizer.MAX_SPACE_RUN
+    assert len(tok.encode("a" + " " * run + "b")) >= 2
+    for encode in (tok.encode, tok.encode_special):
+        with pytest.raises(ValueError, match=f"a run of more than {run:,} whitespace"):
+            encode("a" + " \n" * (run // 2) + " b")
+        with pytest.raises(ValueError, match=f"a run of more than {run:,} whitespace"):
+            encode("a" + " " * 1_200_000 + "b")
+
+    class Panic(BaseException):                 # what pyo3 raises for a Rust panic
+        pass
+
+    def panics(*args, **kwargs):
+        raise Panic("called `Result::unwrap()` on an `Err` value: RuntimeError(StackOverflow)")
+    monkeypatch.setattr(tok.enc, "encode_ordinary", panics)
+    with pytest.raises(ValueError, match="cannot encode a text of 1 characters .Panic: called"):
+        tok.encode("a")
+
+
 def test_every_eos_id_of_the_folder_stops_a_completion_and_the_bos_comes_first():
     """Llama 3 lists two EOS ids (generation_config.json and config.json): each ends a row, the
     verifier's text has neither; the tokenizer's post-processor puts <|begin_of_text|> before a

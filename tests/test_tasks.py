@@ -1,13 +1,14 @@
 """The task layer (task.py) over every task module: one interface, the R1-Zero format, --task's
 flags."""
 import json
+import os
 import random
 
 import pytest
 
 import flags
 import task
-from conftest import refused, run_script, run_scripts, task_args
+from conftest import ROOT, refused, run_script, run_scripts, task_args
 from flags import add_run_flags, parser
 from tasks import arithmetic, countdown, gsm8k
 from tokenizer import Tokenizer
@@ -154,10 +155,31 @@ def test_task_flags_move_the_default_paths_and_budget_and_refuse_what_does_not_f
         assert words in capsys.readouterr().err
 
 
+def test_a_data_rows_question_and_answer_are_bounded_at_their_limit_and_one_past(tmp_path):
+    n, path = gsm8k.MAX_ROW_CHARS, tmp_path / "rows.jsonl"
+    for key in ("question", "answer"):
+        row = {"question": "q", "answer": "#### 1"}
+        row[key] = " " * (n - len(row[key])) + row[key]
+        path.write_text(json.dumps(row) + "\n")
+        assert len(gsm8k.load(str(path))[0]) == 1
+        row[key] = " " + row[key]
+        path.write_text(json.dumps({"question": "q", "answer": "#### 1"}) + "\n" + json.dumps(row))
+        with pytest.raises(ValueError, match=f"rows.jsonl, line 2: a {key} of {n + 1:,} "
+                                             f"characters .at most {n:,}."):
+            gsm8k.load(str(path))
+
+
 def test_scripts_refuse_bad_task_input_in_one_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "q", "answer": "#### 1"}\n{"question": "q"}\n')
+    spaces = tmp_path / "spaces.jsonl"                # tiktoken's regex panicked on this row
+    spaces.write_text("".join(json.dumps({"question": "a" + " " * 1_200_000 * (i == 10) + "b",
+                                          "answer": f"#### {i}"}) + "\n" for i in range(20)))
+    gpt2 = ["--task", "gsm8k", "--data", str(spaces), "--init", os.path.join(ROOT, "tests",
+                                                                             "golden", "gpt2")]
     cases = [("grpo.py", ["--task", "gsm8k", "--data", str(bad)], ["line 2"]),
+             *[(script, gpt2, ["spaces.jsonl, line 11: a question of 1,200,002 characters"])
+               for script in ("grpo.py", "sft.py", "self_distill.py")],
              ("grpo.py", ["--task", "gsm8k", "--data", str(tmp_path / "none.jsonl")],
               ["none.jsonl"]), ("grpo.py", ["--task", "chess"], ["chess"]),
              ("prm.py", ["--task", "countdown"], ["arithmetic"]),
