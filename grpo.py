@@ -81,7 +81,9 @@ def maxrl_advantages(rewards, group_size, eps=1e-6):
     0/1 rewards, K successes of G, mean_g A_i grad log pi_i = 1/K sum_{correct} grad log pi_i -
     1/G sum_i grad log pi_i (the second term a zero-mean control variate): the paper's estimate
     of grad log p(correct), truncated at G samples, where GRPO follows grad p(correct); a prompt
-    of pass rate p weighs 1/p. 0 for a group whose rewards are all equal."""
+    of pass rate p weighs 1/p. 0 for a group whose rewards are all equal. The loss's aggregation
+    decides grad log pi_i: under --loss_agg seq (the default) it is 1/|o_i| sum_t grad log pi_it,
+    the paper's estimate up to that weighting by length (as GRPO's against REINFORCE)."""
     if group_size < 1 or rewards.dim() != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards of shape {tuple(rewards.shape)} cannot be split into groups "
                          f"of group_size = {group_size}; need a flat tensor whose length is a "
@@ -99,7 +101,7 @@ def maxrl_advantages(rewards, group_size, eps=1e-6):
 def grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps=0.2, beta=0.04,
               kl_estimator="k3", num_seqs=None, num_tokens=None, eps_high=None, kl_clamp=None,
               ratio_level="token", loss_type="clip", loss_agg="seq", max_tokens=None,
-              tau_pos=1.0, tau_neg=1.05, divergence="tv", delta=None):
+              tau_pos=1.0, tau_neg=1.05, divergence="tv", delta=None, ratio_cap=10.0):
     """The GRPO loss (DeepSeekMath eq. 3, negated) and its metrics (detached tensors). logp (B, T)
     log pi_theta of the sampled tokens (with grad); old_logp (B, T) at sampling time; ref_logp
     (B, T) under the frozen reference; advantages (B,); mask (B, T) 1.0 on completion tokens (values
@@ -107,7 +109,8 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps=0.2, beta=0.0
     part of it (a micro-batch, a rank's share), so that the parts' losses add up to the step's;
     default: this batch's. The family: eps_high, DAPO's clip-higher (default clip_eps); kl_clamp,
     see kernels.kl_penalty; ratio_level "sequence" is GSPO; loss_type "cispo" is CISPO, "sapo"
-    SAPO (tau_pos, tau_neg: sapo_terms), "dppo" DPPO (divergence, delta: dppo_terms); loss_agg
+    SAPO (tau_pos, tau_neg: sapo_terms), "dppo" DPPO (divergence, delta, ratio_cap: dppo_terms);
+    loss_agg
     and max_tokens, see aggregate."""
     eps_high = clip_eps if eps_high is None else eps_high
     real = mask > 0                                              # (B, T) bool
@@ -130,12 +133,15 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps=0.2, beta=0.0
                              "ratio_level 'token'")
         pg, clipped = cispo_terms(logp, ratio, A, clip_eps, eps_high)
     elif loss_type == "sapo":
+        if ratio_level != "token":
+            raise ValueError("loss_type 'sapo' gates each token by its own ratio; use ratio_level "
+                             "'token'")
         pg, clipped = sapo_terms(ratio, A, tau_pos, tau_neg)
     elif loss_type == "dppo":
         if ratio_level != "token":
             raise ValueError("loss_type 'dppo' bounds each token's divergence; use ratio_level "
                              "'token'")
-        pg, clipped = dppo_terms(logp, old_logp, ratio, A, divergence, delta)
+        pg, clipped = dppo_terms(logp, old_logp, ratio, A, divergence, delta, ratio_cap)
     else:
         raise ValueError(f"loss_type {loss_type!r} is unknown; allowed: 'clip', 'cispo', 'sapo', "
                          f"'dppo'")
@@ -180,7 +186,7 @@ def sapo_terms(ratio, A, tau_pos=1.0, tau_neg=1.05):
     return -f * A, weight.detach() < 0.5
 
 
-def dppo_terms(logp, old_logp, ratio, A, divergence="tv", delta=None):
+def dppo_terms(logp, old_logp, ratio, A, divergence="tv", delta=None, ratio_cap=10.0):
     """DPPO's divergence mask (Qi et al. 2026, "Rethinking the Trust Region in LLM Reinforcement
     Learning", arXiv 2602.04879, eq. 11 as a loss, the binary approximations, eqs. 13-14): -M rho A
     per token, M = 0 where the sampled token's probability p = pi_theta(y_t) has moved from q =
@@ -188,8 +194,11 @@ def dppo_terms(logp, old_logp, ratio, A, divergence="tv", delta=None):
     A < 0), else 1; no clip. D over the two outcomes {y_t, not y_t}:
         tv   D = |p - q|                                                   (delta: paper 0.15)
         kl   D = q log(q / p) + (1 - q) log((1 - q) / (1 - p)),  KL(q || p)  (delta: paper 0.05)
-    pi_old is the paper's rollout policy mu: the weights that sampled (the same bits as the
-    sampler's with --batch_invariant). Returns the (B, T) terms and the mask's zeros."""
+    As the authors' code (Stable-RL: clip_ratio_c 10; verl's 20), the weight rho is truncated at
+    ratio_cap: past it a token's term is -M c A, its gradient -M c A grad log pi (below the cap,
+    -M A grad rho: the paper's). pi_old is the paper's rollout policy mu: the weights that sampled
+    (the same bits as the sampler's with --batch_invariant). Returns the (B, T) terms and the
+    mask's zeros."""
     if divergence not in ("tv", "kl"):
         raise ValueError(f"divergence {divergence!r} is unknown; allowed: 'tv', 'kl'")
     delta = (0.15 if divergence == "tv" else 0.05) if delta is None else delta
@@ -201,7 +210,9 @@ def dppo_terms(logp, old_logp, ratio, A, divergence="tv", delta=None):
         p1, q1 = -torch.expm1(lp), -torch.expm1(lq)
         D = q * (lq - lp) + torch.xlogy(q1, q1) - torch.xlogy(q1, p1)
     masked = (D > delta) & (((A > 0) & (p > q)) | ((A < 0) & (p < q)))   # M_t = 0
-    return -torch.where(masked, 0.0, ratio * A), masked
+    # min(rho, c), its gradient rho grad log pi below the cap and c grad log pi above
+    weight = torch.where(ratio <= ratio_cap, ratio, ratio_cap * torch.exp(logp - logp.detach()))
+    return -torch.where(masked, 0.0, weight * A), masked
 
 
 def aggregate(per_token, mask, loss_agg="seq", num_seqs=None, num_tokens=None, max_tokens=None):
@@ -273,14 +284,16 @@ def parse_args(argv=None):
     g.add_argument("--loss_type", default="clip", choices=["clip", "cispo", "sapo", "dppo"],
                    help="PPO's clipped surrogate, CISPO's clipped weight, SAPO's soft gate or "
                         "DPPO's divergence mask")
-    g.add_argument("--tau_pos", type=Float(gt=0), default=None,
+    g.add_argument("--tau_pos", type=Float(ge=1e-3, le=1e3), default=None,
                    help="SAPO's gate temperature where A > 0 (default 1.0, the paper's)")
-    g.add_argument("--tau_neg", type=Float(gt=0), default=None,
+    g.add_argument("--tau_neg", type=Float(ge=1e-3, le=1e3), default=None,
                    help="SAPO's gate temperature where A < 0 (default 1.05, the paper's)")
     g.add_argument("--divergence", default=None, choices=["tv", "kl"],
                    help="DPPO's binary divergence: total variation (default) or KL")
     g.add_argument("--delta", type=Float(gt=0), default=None,
                    help="DPPO's divergence bound (default the paper's: 0.15 tv, 0.05 kl)")
+    g.add_argument("--ratio_cap", type=Float(ge=1), default=None,
+                   help="DPPO's truncation of the ratio (default 10, the authors' code's)")
     g.add_argument("--maxrl", action="store_true",
                    help="MaxRL's advantages: (r - mean) / mean in each group")
     g.add_argument("--overlong_buffer", type=Int(ge=0), default=0,
@@ -313,24 +326,42 @@ def parse_args(argv=None):
     g.add_argument("--init", default=SFT_PATH,
                    help="SFT checkpoint: the starting policy and the frozen reference")
     args = p.parse_args(argv)
-    for flags, loss in ((("tau_pos", "tau_neg"), "sapo"), (("divergence", "delta"), "dppo")):
+    for flags, loss in ((("tau_pos", "tau_neg"), "sapo"),
+                        (("divergence", "delta", "ratio_cap"), "dppo")):
         for flag in flags:
             if getattr(args, flag) is not None and args.loss_type != loss:
                 p.error(f"--{flag} is {loss.upper()}'s; it needs --loss_type {loss} (now "
                         f"{args.loss_type})")
-    if args.loss_type in ("cispo", "dppo") and args.ratio_level != "token":
+    if args.loss_type in ("cispo", "sapo", "dppo") and args.ratio_level != "token":
         p.error(f"--loss_type {args.loss_type} weighs each token by its own ratio; allowed with "
                 f"--ratio_level token only (now {args.ratio_level})")
     if args.maxrl and (args.no_std_scaling or args.std != "population" or args.overlong_buffer):
         p.error("--maxrl divides by the group's mean reward: not with --no_std_scaling, --std "
                 "or --overlong_buffer (its rewards go negative)")
+    if args.maxrl and args.format_weight:
+        p.error(f"--maxrl divides by the pass rate (the group's mean 0/1 reward); with "
+                f"--format_weight {args.format_weight:g} the mean is not a pass rate and a "
+                f"format-only difference weighs as a correct answer: allowed: --format_weight 0")
     args.tau_pos = 1.0 if args.tau_pos is None else args.tau_pos
     args.tau_neg = 1.05 if args.tau_neg is None else args.tau_neg
     args.divergence = args.divergence or "tv"
+    args.ratio_cap = 10.0 if args.ratio_cap is None else args.ratio_cap
     if args.overlong_buffer > args.max_new_tokens:
         p.error(f"--overlong_buffer {args.overlong_buffer} exceeds "
                 f"--max_new_tokens {args.max_new_tokens}")
     return args
+
+
+def loss_settings(args):
+    """grpo_loss's settings from the flags, and what to say if its value is not finite."""
+    settings = dict(clip_eps=args.clip_eps, beta=args.beta, kl_estimator=args.kl_estimator,
+                    eps_high=args.eps_high, kl_clamp=args.kl_clamp, ratio_level=args.ratio_level,
+                    loss_type=args.loss_type, loss_agg=args.loss_agg,
+                    max_tokens=args.max_new_tokens, tau_pos=args.tau_pos, tau_neg=args.tau_neg,
+                    divergence=args.divergence, delta=args.delta, ratio_cap=args.ratio_cap)
+    constants = {"sapo": f", or --tau_pos {args.tau_pos:g} and --tau_neg {args.tau_neg:g}",
+                 "dppo": f", or --ratio_cap {args.ratio_cap:g}"}.get(args.loss_type, "")
+    return settings, f"lower --lr (now {args.lr}){constants}"
 
 
 def rollout(run, policy, tok, args):
@@ -379,6 +410,7 @@ def main(args):
                                   weight_decay=args.weight_decay, betas=(0.9, 0.99))
     run.resume(policy, optimizer)
     P, G, temp = args.prompts_per_step, args.group_size, args.temperature
+    settings, hint = loss_settings(args)
     run.print(f"GRPO: {policy.num_params() / 1e6:.2f}M parameters on {run.device}, {args.steps} "
               f"steps of {P} prompts x {G} samples, beta {args.beta} ({args.kl_estimator}), "
               f"mu {args.mu}, {args.ratio_level} ratio, {args.loss_type} "
@@ -446,14 +478,9 @@ def main(args):
                     logp = completion_logprobs(train_policy, prompt[rows], prompt_mask[rows],
                                                tokens[rows], mask[rows], temp)
                 part, part_stats = grpo_loss(logp, old_logp[rows], ref_logp[rows], advantages[rows],
-                                             mask[rows], args.clip_eps, args.beta,
-                                             args.kl_estimator, n_seqs, n_tokens,
-                                             eps_high=args.eps_high, kl_clamp=args.kl_clamp,
-                                             ratio_level=args.ratio_level, loss_type=args.loss_type,
-                                             loss_agg=args.loss_agg, max_tokens=args.max_new_tokens,
-                                             tau_pos=args.tau_pos, tau_neg=args.tau_neg,
-                                             divergence=args.divergence, delta=args.delta)
-                run.check_finite(part, f"lower --lr (now {args.lr})")
+                                             mask[rows], num_seqs=n_seqs, num_tokens=n_tokens,
+                                             **settings)
+                run.check_finite(part, hint)
                 part.backward()
                 loss = loss + part.detach()
                 stats = {k: stats.get(k, 0.0) + v for k, v in part_stats.items()}

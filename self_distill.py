@@ -12,19 +12,19 @@ On-policy self-distillation with the ground truth as the privileged context, as 
 al. 2026, "Self-Distillation Enables Continual Learning", arXiv 2601.19897) and OPSD; SDPO (Hubotter
 et al. 2026, "Reinforcement Learning via Self-Distillation", arXiv 2601.20802) puts the verifier's
 feedback there instead. At completion token t, ls and lt the student's (prompt x) and teacher's
-(privileged prompt c + x) log-softmax at --temperature, the loss is the mean over the step's
-completion tokens of
+(privileged c + x) log-softmax at --temperature, the loss is the mean over completion tokens of
     KL_t = sum_v exp(ls_v) (ls_v - sg(lt_v))             (kernels.kl: exact over the vocabulary)
 The privileged context: arithmetic, the answer ('(answer: 11) 3+4*2='); Countdown, the
 demonstrator's expression that reaches the target; GSM8K, the number after '####'.
 
-Against distill.py: the teacher is the student's own weights, a target that moves as it learns.
-Against expert iteration: no sample need be right; every token moves towards the hinted choice.
+Against distill.py: the teacher is the student's own weights, a target that moves as it learns;
+against expert iteration: no sample need be right; every token moves towards the hinted choice.
 
 Deviations and choices:
 - The tiny policy never read a hint: it starts from sft.py --hint_share 0.25 (a quarter of the
   demonstrations carry the answer), built if missing; a pretrained model reads one in context.
-- The teacher is the current weights under no_grad (OPSD's), not SDPO's slowed (EMA) teacher.
+- The teacher is the current weights under no_grad: OPSD's choice. SDFT's public recipes use an
+  EMA of the student (Tinker's) or the frozen start (TRL's); not offered (a second model to keep).
 
 Shapes: P prompts, G samples each, B = P*G rows; T time (Tp, Tp' the two prompts, Tn completion).
 Run (about 2 minutes on 2 CPU cores once out/sft_hint/sft.pt exists; built first if missing):

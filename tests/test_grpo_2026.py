@@ -37,12 +37,15 @@ def ref_binary_divergence(p, q, kind):
     return term(q, p) + term(1 - q, 1 - p)                      # KL(q || p)
 
 
-def ref_dppo_token(logp, old, A, kind, delta):
-    """-M r A (DPPO eq. 11, negated): M = 0 where D > delta and p moved the way A pushes."""
+def ref_dppo_token(logp, old, A, kind, delta, cap=10.0):
+    """-M r A (DPPO eq. 11, negated): M = 0 where D > delta and p moved the way A pushes; past
+    the cap, as the authors' code: -M sg(min(r, c)) A log pi, shifted to the value -M c A."""
     p, q = math.exp(float(logp.detach())), math.exp(float(old))
     away = (A > 0 and p > q) or (A < 0 and p < q)
     if away and ref_binary_divergence(p, q, kind) > delta:
         return 0.0 * logp
+    if p / q > cap:
+        return -cap * A * (1 + logp - float(logp.detach()))
     return -torch.exp(logp - old) * A
 
 
@@ -159,6 +162,35 @@ def test_dppo_matches_its_float64_reference(kind, delta):
             assert 0 < stats["clip_frac"] < 1                  # some masked, some kept
 
 
+@pytest.mark.parametrize("cap", [1.1, 1.3])
+def test_dppo_truncates_the_ratio_at_its_cap_as_the_authors_code(cap):
+    for seed in range(3):
+        logp, old, adv, mask = random_batch(seed=seed, spread=0.5)
+        loss, g, _ = loss_and_grad(logp, old, adv, mask, loss_type="dppo", delta=0.5,
+                                   ratio_cap=cap)
+        want, g_ref = ref_and_grad(logp, old, adv, mask,
+                                   lambda lp, o, A: ref_dppo_token(lp, o, A, "tv", 0.5, cap))
+        assert abs(loss.item() - want.item()) < 1e-12
+        assert torch.allclose(g, g_ref, atol=1e-12)
+        assert ((torch.exp(logp - old) > cap) & (mask > 0)).any()     # the cap acted here
+    # by hand: q = 0.05, p = 0.9 (r = 18), A = -1 (not masked: it moved up, A pushes down):
+    # d loss / d log pi = -c A = 10, where the uncapped -r A would be 18
+    at = lambda p: torch.tensor([[math.log(p)]], **F64)
+    one, A = torch.ones(1, 1, **F64), torch.tensor([-1.0], **F64)
+    loss, g, _ = loss_and_grad(at(0.9), at(0.05), A, one, loss_type="dppo", delta=1.0)
+    assert g.item() == pytest.approx(10.0) and loss.item() == pytest.approx(10.0)
+    g = loss_and_grad(at(0.9), at(0.05), A, one, loss_type="dppo", delta=1.0, ratio_cap=20.0)[1]
+    assert g.item() == pytest.approx(18.0)
+
+
+def test_a_loss_that_is_not_finite_names_the_constants_of_its_loss_type():
+    for flags, words in (([], "lower --lr (now 0.0003)"),
+                         (["--loss_type", "sapo"], "--tau_pos 1 and --tau_neg 1.05"),
+                         (["--loss_type", "dppo", "--ratio_cap", "20"], "--ratio_cap 20")):
+        hint = grpo.loss_settings(grpo.parse_args(["--init", "x.pt", *flags]))[1]
+        assert hint.startswith("lower --lr (now 0.0003)") and words in hint, hint
+
+
 def test_dppo_hand_worked_tv():
     """q = 0.5: p = 0.7 is 0.2 away (> 0.15): masked for A > 0 (it moved up, the way A pushes),
     kept for A < 0 (d loss / d log pi = -A r = 1.4); p = 0.6 (0.1 away) is kept for A > 0."""
@@ -270,6 +302,15 @@ def test_maxrl_edges():
     (["--maxrl", "--no_std_scaling"], "--maxrl divides by the group's mean reward"),
     (["--maxrl", "--overlong_buffer", "4"], "--maxrl divides by the group's mean reward"),
     (["--loss_type", "sapo", "--tau_neg", "0"], "--tau_neg"),
+    # float32 cannot keep SAPO's gate finite past these (1e-300 gave -inf at step 2)
+    (["--loss_type", "sapo", "--tau_pos", "1e-300"],
+     "--tau_pos: 1e-300 is not allowed (allowed: a number >= 0.001 and <= 1000)"),
+    (["--loss_type", "sapo", "--tau_neg", "1e39"], "--tau_neg: 1e39 is not allowed"),
+    (["--loss_type", "sapo", "--ratio_level", "sequence"],
+     "--loss_type sapo weighs each token"),
+    (["--maxrl", "--format_weight", "0.1"], "with --format_weight 0.1 the mean is not a pass"),
+    (["--ratio_cap", "5"], "--ratio_cap is DPPO's; it needs --loss_type dppo"),
+    (["--loss_type", "dppo", "--ratio_cap", "0.5"], "--ratio_cap"),
 ])
 def test_bad_flags_are_refused_before_anything_loads(flags, message, tmp_path):
     p = run_script("grpo.py", ["--out", str(tmp_path / "o"), "--init", str(tmp_path / "none.pt"),
