@@ -491,6 +491,11 @@ def test_lora_on_a_rotary_gelu_policy_and_the_two_attempt_length_refusal(tmp_pat
                                         ["--max_new_tokens 500 does not fit",
                                          "allowed: --max_new_tokens <="])], tmp_path)[0]
     allowed = int(re.search(r"allowed: --max_new_tokens <= (\d+)", refused.stderr)[1])
+    # the longest episode: the longest prompt, attempt 1 and its end token, the revision prompt
+    # (REVISE and the problem again), attempt 2
+    longest = toolcalc.max_prompt_tokens(Tokenizer())
+    revision = len(Tokenizer().encode(toolcalc.REVISE)) + longest
+    assert allowed == (toolcalc.BLOCK_SIZE - longest - 1 - revision) // 2
     refuses_all("agent.py", [(small + ["--turns", "2", "--max_new_tokens", str(allowed + 1)],
                               [f"--max_new_tokens {allowed + 1} does not fit", f"<= {allowed}"])],
                 tmp_path)

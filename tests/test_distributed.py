@@ -396,6 +396,28 @@ def test_an_fsdp_checkpoint_is_one_processs_and_resumes_on_another_number_of_pro
 
 
 @pytest.mark.slow
+def test_a_resumed_fsdp_run_takes_the_uninterrupted_runs_next_step(tiny_sft, tmp_path):
+    """Its weights and its loss, not only its step count: 2 steps and a resume to 3 on 2 processes
+    with --fsdp equal 3 steps in one go, metrics.jsonl (times aside) and every tensor."""
+    flags = lambda out: ["grpo.py", "--prompts_per_step", "4", "--group_size", "2", "--log_every",
+                         "1", "--eval_every", "2", "--eval_n", "4", "--init", tiny_sft, "--out",
+                         out, "--fsdp"]
+    cut, whole = str(tmp_path / "cut"), str(tmp_path / "whole")
+    for p in [finished(q) for q in (launch(flags(cut) + ["--steps", "2"], nproc=2),
+                                    launch(flags(whole) + ["--steps", "3"], nproc=2))]:
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    p = finished(launch(flags(cut) + ["--steps", "3", "--resume"], nproc=2))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = lambda out: [{k: v for k, v in json.loads(line).items()
+                         if k not in ("elapsed_s", "tokens_per_sec")}
+                        for line in open(os.path.join(out, "grpo", "metrics.jsonl"))]
+    assert rows(cut) == rows(whole) and [r["step"] for r in rows(cut)] == [0, 1, 2, 3]
+    a, b = (load_checkpoint(os.path.join(out, "grpo.pt"))[1] for out in (cut, whole))
+    assert a["model"].keys() == b["model"].keys()
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
+@pytest.mark.slow
 def test_two_machines_are_two_torchrun_launches_and_make_one_machines_run(tiny_sft, tmp_path):
     """Two torchrun launches as two nodes of one process each (--nnodes 2, --node_rank, a localhost
     rendezvous), with --fsdp: the same metrics as 2 processes on one node."""

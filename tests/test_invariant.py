@@ -3,6 +3,7 @@ references; the sampler's cached decode and the trainer's whole-sequence forward
 over random batch compositions, model families and LoRA, and unequal when any one piece is made
 batch-variant again; grpo.py --batch_invariant logs sampler_logp_diff 0.0, repeats itself and
 resumes bit for bit."""
+import contextlib
 import json
 import os
 import random
@@ -137,14 +138,43 @@ def test_the_sampler_and_the_trainer_agree_bit_for_bit_in_any_batch(kind):
     assert largest_gap(model, tok, 0.7) > 0.0           # without the mode they differ
 
 
-@pytest.mark.parametrize("variant", ["a plain product in the decode", "a split inner sum",
+@pytest.mark.parametrize("kind", ["gpt", "rope", "lora", "llama3", "qwen2", "qwen3"])
+def test_the_mode_computes_what_plain_pytorch_computes(kind):
+    """Its products and attention against PyTorch's own, forward and gradient, every parameter
+    (LoRA's A and B too), within float32's rounding: the sampler and the trainer could otherwise
+    agree on a wrong number."""
+    model, tok = tiny(kind)
+    rng = random.Random(2)
+    prompts = task.sample_prompts(rng, 4)
+    idx, idx_mask = tok.encode_batch(prompts, "cpu")
+    tokens = torch.randint(0, 200, (4, 9), generator=torch.Generator()
+                           .manual_seed(0))
+    mask = (torch.arange(9)[None, :] < torch.tensor([[9], [5], [1], [7]])).float()
+    out = []
+    for mode in (invariant.BatchInvariant(), contextlib.nullcontext()):
+        model.zero_grad()
+        with mode:
+            logp = completion_logprobs(model, idx, idx_mask, tokens, mask, 0.8)
+            (logp * mask).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        out.append((logp.detach(), grads))
+    (logp, grads), (plain, plain_grads) = out
+    assert grads.keys() == plain_grads.keys() and len(grads) > 0
+    assert torch.allclose(logp, plain, rtol=1e-4, atol=1e-4), (logp - plain).abs().max()
+    for name, g in grads.items():
+        assert torch.allclose(g, plain_grads[name], rtol=1e-3, atol=1e-4), name
+
+
+@pytest.mark.parametrize("variant", ["another order of the sum in the decode", "a split inner sum",
                                      "another key tile in the decode", "SDPA's attention"])
 def test_any_one_piece_made_batch_variant_again_breaks_the_agreement(variant, monkeypatch):
     model, tok = tiny("rope")
     tiled_mm, attention = invariant.tiled_mm, invariant.attention
-    if variant == "a plain product in the decode":       # one row: a plain product
-        monkeypatch.setattr(invariant, "tiled_mm", lambda x, w: x @ w.to(x.dtype) if
-                            x.reshape(-1, x.size(-1)).size(0) <= 16 else tiled_mm(x, w))
+    if variant == "another order of the sum in the decode":      # a plain product alone may
+        # give a row the tiled product's bits on some machines and thread counts (one thread
+        # here): the inner sum reversed differs on any
+        monkeypatch.setattr(invariant, "tiled_mm", lambda x, w: x.flip(-1) @ w.to(x.dtype).flip(0)
+                            if x.reshape(-1, x.size(-1)).size(0) <= 16 else tiled_mm(x, w))
     elif variant == "a split inner sum":                 # K in two halves, summed: split-K
         def split(x, w):
             k = x.size(-1) // 2

@@ -24,6 +24,7 @@ import parking
 import plumbing
 from checkpoint import load_checkpoint, save_checkpoint
 from conftest import ROOT, refused, run_script, run_scripts
+from model import GPT, GPTConfig
 
 SCRIPTS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "*.py"))
                  if "\ndef parse_args(" in open(p).read())
@@ -656,6 +657,21 @@ def test_resume_refuses_other_prompts_and_offloading_on_a_cpu_says_it_does_nothi
     assert p.returncode == 0, p.stderr[-2000:]
 
 
+def test_a_checkpoint_is_on_disk_before_it_takes_its_name(tmp_path, monkeypatch):
+    """fsync of the temporary file, then the rename: a crash between them cannot leave the name
+    on a file the disk has not written."""
+    import checkpoint
+    events, fsync, replace = [], os.fsync, os.replace
+    monkeypatch.setattr(checkpoint.os, "fsync", lambda fd: (
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))), fsync(fd))[1])
+    monkeypatch.setattr(checkpoint.os, "replace", lambda a, b: (
+        events.append(("replace", os.path.abspath(a))), replace(a, b))[1])
+    path = str(tmp_path / "x.pt")
+    checkpoint.save_checkpoint(path, GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8)), "bytes")
+    tmp = f"{path}.tmp{os.getpid()}"
+    assert events == [("fsync", tmp), ("replace", tmp)] and os.path.exists(path)
+
+
 def test_resume_refuses_other_tools_or_no_chat(tmp_path):
     """The flags as the checkpoint has them: a saved run with --chat --tools calculator, resumed
     with other tools or without --chat."""
@@ -673,3 +689,14 @@ def test_resume_refuses_other_tools_or_no_chat(tmp_path):
             run._check_task_resume(saved)
     run.args = SimpleNamespace(**saved)
     run._check_task_resume(saved)
+    for saved, changed, words in (     # every task that takes its own flags: its data, its rules
+            ({"task": "gsm8k", "format": "plain", "data": ["a.jsonl"]}, {"data": ["b.jsonl"]},
+             "error: --data b.jsonl, but out/agent.pt was trained with --data a.jsonl"),
+            ({"task": "countdown", "format": "plain", "countdown_numbers": 3,
+              "countdown_rule": "exactly"}, {"countdown_numbers": 4}, "--countdown_numbers 4, "),
+            ({"task": "countdown", "format": "plain", "countdown_numbers": 3,
+              "countdown_rule": "exactly"}, {"countdown_rule": "at_most"},
+             "--countdown_rule at_most, ")):
+        run.args = SimpleNamespace(**{**saved, **changed})
+        with pytest.raises(SystemExit, match=words):
+            run._check_task_resume(saved)

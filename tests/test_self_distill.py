@@ -137,6 +137,27 @@ def test_script_runs_end_to_end_and_resumes(tiny_sft, tmp_path):
     assert load_checkpoint(os.path.join(out, "self_distill.pt"))[1]["step"] == 3
 
 
+def test_the_teachers_pass_keeps_no_graph(tiny_sft, tmp_path, monkeypatch):
+    """Each micro-batch scores the teacher (the hinted prompts: longer) under no_grad, so that no
+    graph of its forward is kept, then the student with one."""
+    import model
+    calls, real = [], model.completion_logits
+
+    def recorded(policy, prompt, *args, **kwargs):
+        out = real(policy, prompt, *args, **kwargs)
+        calls.append((prompt.size(1), torch.is_grad_enabled(), out.requires_grad))
+        return out
+    monkeypatch.setattr(model, "completion_logits", recorded)
+    p = run_script("self_distill.py", TINY + ["--init", tiny_sft, "--out", str(tmp_path),
+                                              "--steps", "1", "--grad_accum", "2"])
+    assert p.returncode == 0, p.stderr[-2000:]
+    teacher, student = calls[0::2], calls[1::2]
+    assert len(teacher) == len(student) == 2
+    assert all(not grad and not kept for _, grad, kept in teacher), teacher
+    assert all(grad and kept for _, grad, kept in student), student
+    assert all(t[0] > s[0] for t, s in zip(teacher, student))
+
+
 @pytest.mark.slow
 def test_self_distillation_lowers_the_kl_to_the_hinted_self(tiny_sft, tmp_path):
     """20 steps: the reverse KL to the teacher (itself with the answer) on the last 3 steps'

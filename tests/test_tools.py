@@ -209,6 +209,8 @@ def test_a_call_runs_bounded_in_a_worker_and_every_failure_is_the_tools_reply(mo
              (Call("slow", {"seconds": 5}), "error: slow ran past 1 s"),
              (Call("typed", {"items": [1, "2"]}), "allowed: array of integer"),
              (Call("typed", {"pair": [1, 2]}), "allowed: array of [integer, string]"),
+             (Call("typed", {"pair": [1, "a", 3]}), "allowed: array of [integer, string]"),
+             (Call("typed", {"pair": [1]}), "allowed: array of [integer, string]"),
              (Call("typed", {"table": {"a": "x"}}), "allowed: object of number values"),
              (Call("typed", {"either": {"a": 1.5}}),
               "allowed: array of integer or object of integer values"),
