@@ -46,7 +46,7 @@ import task
 from flags import SFT_PATH, TEMPERATURE, Float, Int, add_run_flags, parser
 from kernels import kl_penalty
 from lora import trainable
-from model import completion_hidden, completion_logprobs, kl_entropy
+from model import completion_logprobs
 from plumbing import Run
 from tasks import toolcalc
 
@@ -273,37 +273,14 @@ def main(args):
         beta = (torch.where(ep.turn == 0, args.stage1_beta, args.beta) if stage1
                 else torch.full_like(mask, args.beta))
 
-        # 3. score without gradient: sampling-time and reference log-probs of every token (the
-        #    environment's for the log); the exact KL and entropy on the policy's tokens.
-        #    --batch_invariant: pi_old is the sampler's own (ep.logp, the same bits), the policy
-        #    scores on logged steps alone
-        old_logp, ref_logp = torch.zeros_like(mask), torch.zeros_like(mask)  # (B, Tn)
+        # 3. score without gradient (onpolicy.py): pi_old and pi_ref of every token (the
+        #    environment's for the log), each model's forward once; on a logged step the exact KL
+        #    and the entropy on the policy's tokens. --batch_invariant: pi_old is the sampler's
         # the step's, over every rank
         n_seqs, n_tokens = run.all_sum(len(mask)), run.all_sum(loss_mask.sum())
-        n_policy = run.all_sum(ep.sampled.sum())
-        kl_exact = ent = 0.0
-        recompute = not args.batch_invariant or run.logging()
-        with ref_weights:                                           # on the device for step 2 alone
-            for rows in run.micro_batches(len(mask)):
-                with torch.no_grad(), run.autocast:                 # each model's forward once
-                    h_ref = completion_hidden(ref, prompt[rows], prompt_mask[rows], tokens[rows],
-                                              mask[rows])
-                    # as step 4 computes them
-                    ref_logp[rows] = ref.head_logprobs(h_ref, tokens[rows], temp)
-                    if recompute:
-                        h = completion_hidden(policy, prompt[rows], prompt_mask[rows],
-                                              tokens[rows], mask[rows])
-                        old_logp[rows] = policy.head_logprobs(h, tokens[rows], temp)
-                    if run.logging():                                  # a chunk of logits at a time
-                        kl_t, ent_t = kl_entropy(policy, ref, h, h_ref,
-                                                 ep.sampled[rows], temp)       # the policy's tokens
-                        kl_exact += kl_t.sum() / n_policy                     # KL(pi || ref)
-                        ent += ent_t.sum() / n_policy
-        # how far the trainer's log-probs are from those the sampler drew with, the policy's tokens
-        if recompute:
-            sampler_diff = run.max(torch.where(ep.sampled > 0, (ep.logp - old_logp).abs(), 0.0))
-        if args.batch_invariant:
-            old_logp = ep.logp                                       # equal, bit for bit
+        scored = run.score(policy, ref, ref_weights, prompt, prompt_mask, tokens, mask, ep.logp,
+                           temp, kl_mask=ep.sampled, n_kl=run.all_sum(ep.sampled.sum()))
+        old_logp, ref_logp = scored.old_logp, scored.ref_logp                    # (B, Tn)
 
         # 4. mu passes of the loss over the --grad_accum micro-batches, normalised by the whole
         #    step's counts
@@ -344,12 +321,13 @@ def main(args):
                        "zero_var_groups": run.mean((groups == groups[:, :1]).all(1).float()),
                        "cost_only_groups": run.mean(cost_only.float()),
                        "advantage_called": run.mean(episode_adv[:, -1], called),
-                       "kl_exact": run.all_sum(kl_exact).item(), "entropy": run.all_sum(ent).item(),
+                       "kl_exact": run.all_sum(scored.kl_exact).item(),
+                       "entropy": run.all_sum(scored.entropy).item(),
                        **stats, "turns": run.mean(ep.policy_turns),
                        "completion_len": run.mean(ep.sampled.sum(1)),
                        "env_tokens": run.mean(env.sum(1)), "env_logp": run.mean(old_logp, env),
                        "truncated": run.mean(ep.truncated.float()), "grad_norm": grad_norm.item(),
-                       "sampler_logp_diff": sampler_diff}
+                       "sampler_logp_diff": scored.sampler_diff}
             if K == 2:
                 metrics["stage"] = 1 if stage1 else 2
                 first = ep.correct[:, 0]

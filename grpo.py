@@ -36,7 +36,7 @@ Run:
     python grpo.py                  # from out/sft.pt (built first if missing); ~1 min on 2 CPUs
     python grpo.py --resume         # continue from out/grpo.pt up to --steps
     python grpo.py --mu 4 ...       # the family: experiments/README.md's flags
-Metrics: out/grpo/metrics.jsonl (docs/metrics.md says what each means); checkpoint out/grpo.pt.
+Metrics: out/grpo/metrics.jsonl (docs/metrics.md); checkpoint out/grpo.pt.
 """
 import torch
 
@@ -44,7 +44,7 @@ import task
 from flags import SFT_PATH, TEMPERATURE, Float, Int, add_run_flags, parser
 from kernels import kl_penalty
 from lora import trainable
-from model import completion_hidden, completion_logprobs, kl_entropy
+from model import completion_logprobs
 from plumbing import Run
 
 
@@ -81,9 +81,8 @@ def maxrl_advantages(rewards, group_size, eps=1e-6):
     0/1 rewards, K successes of G, mean_g A_i grad log pi_i = 1/K sum_{correct} grad log pi_i -
     1/G sum_i grad log pi_i (the second term a zero-mean control variate): the paper's estimate
     of grad log p(correct), truncated at G samples, where GRPO follows grad p(correct); a prompt
-    of pass rate p weighs 1/p. 0 for a group whose rewards are all equal. The loss's aggregation
-    decides grad log pi_i: under --loss_agg seq (the default) it is 1/|o_i| sum_t grad log pi_it,
-    the paper's estimate up to that weighting by length (as GRPO's against REINFORCE)."""
+    of pass rate p weighs 1/p; under --loss_agg seq, grad log pi_i is 1/|o_i| sum_t grad log pi_it:
+    the paper's estimate up to that length weighting. 0 for a group whose rewards are all equal."""
     if group_size < 1 or rewards.dim() != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards of shape {tuple(rewards.shape)} cannot be split into groups "
                          f"of group_size = {group_size}; need a flat tensor whose length is a "
@@ -430,37 +429,14 @@ def main(args):
                                                  args.overlong_buffer)
         run.samples += rounds * P * G
 
-        # 2. score without gradient, each model's forward once: sampling-time and reference
-        #    log-probs (through the function step 4 calls, so that on-policy they agree bit for
-        #    bit); on a logged step also the exact KL and the entropy, the logits a chunk at a time
-        #    (model.kl_entropy): the [B, T, V] logits are never formed. --batch_invariant: pi_old
-        #    is the sampler's own log-probs, the same bits, and the policy scores on logged steps
-        #    alone (for the KL, the entropy and sampler_logp_diff)
-        old_logp, ref_logp = torch.zeros_like(mask), torch.zeros_like(mask)      # (B, Tn)
+        # 2. score without gradient (onpolicy.py): pi_old and pi_ref of every token, each model's
+        #    forward once through the function step 4 calls (on-policy, the same bits); on a
+        #    logged step the exact KL and the entropy. --batch_invariant: pi_old is the sampler's
         # the step's, over every rank
         n_seqs, n_tokens = run.all_sum(len(mask)), run.all_sum(mask.sum())
-        kl_exact = ent = 0.0
-        recompute = not args.batch_invariant or run.logging()
-        with ref_weights:                                           # on the device for step 2 alone
-            for rows in run.micro_batches(len(mask)):
-                with torch.no_grad(), run.autocast:            # (b, Tp+Tn-1, C) final hidden states
-                    h_ref = completion_hidden(ref, prompt[rows], prompt_mask[rows], tokens[rows],
-                                              mask[rows])
-                    ref_logp[rows] = ref.head_logprobs(h_ref, tokens[rows], temp)
-                    if recompute:
-                        h = completion_hidden(policy, prompt[rows], prompt_mask[rows],
-                                              tokens[rows], mask[rows])
-                        old_logp[rows] = policy.head_logprobs(h, tokens[rows], temp)
-                    if run.logging():
-                        # (b, Tn) each
-                        kl_t, ent_t = kl_entropy(policy, ref, h, h_ref, mask[rows], temp)
-                        kl_exact += kl_t.sum() / n_tokens                         # KL(pi || ref)
-                        ent += ent_t.sum() / n_tokens
-        # how far the trainer's log-probs are from those the sampler drew with (same weights)
-        if recompute:
-            sampler_diff = run.max(torch.where(mask > 0, (sampler_logp - old_logp).abs(), 0.0))
-        if args.batch_invariant:
-            old_logp = sampler_logp                                  # equal, bit for bit
+        scored = run.score(policy, ref, ref_weights, prompt, prompt_mask, tokens, mask,
+                           sampler_logp, temp, n_kl=n_tokens)
+        old_logp, ref_logp = scored.old_logp, scored.ref_logp                    # (B, Tn)
 
         # 3. advantages: the group is the baseline (--maxrl: and the scale)
         # (B,)
@@ -500,11 +476,12 @@ def main(args):
                        "zero_var_groups": run.mean((groups == groups[:, :1]).all(1).float()),
                        # groups with any reward at all
                        "reward_groups": run.mean((groups != 0).any(1).float()),
-                       "kl_exact": run.all_sum(kl_exact).item(), "entropy": run.all_sum(ent).item(),
+                       "kl_exact": run.all_sum(scored.kl_exact).item(),
+                       "entropy": run.all_sum(scored.entropy).item(),
                        **stats,
                        "completion_len": run.mean(mask.sum(1)),
                        "truncated": run.mean(truncated.float()),
-                       "grad_norm": grad_norm.item(), "sampler_logp_diff": sampler_diff,
+                       "grad_norm": grad_norm.item(), "sampler_logp_diff": scored.sampler_diff,
                        "groups_sampled": rounds * P,
                        "groups_kept": kept}
             if run.eval_due():

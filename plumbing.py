@@ -47,6 +47,7 @@ from loading import (Models, autocast, check_modes, pick_device, read_checkpoint
                      seed_everything)
 from lora import add_adapters
 from model import GPT, GPTConfig
+from onpolicy import OnPolicy
 
 # -----------------------------------------------------------------------------
 # The learning rate
@@ -68,7 +69,7 @@ def lr_schedule(step, lr, warmup, total=None):
 # -----------------------------------------------------------------------------
 # The run
 
-class Run(Distributed, Models):
+class Run(Distributed, Models, OnPolicy):
     """The bookkeeping of one training run: where it writes, its random states, its step, its log.
     It never owns the loop: the script calls it (`run.log`, `run.save`, ...) where it needs it.
 

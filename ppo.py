@@ -172,7 +172,11 @@ def rm_score_greedy(run, policy, rm, rm_weights, tok):
 def load_models(run, args):
     """pi_theta and pi_ref (the SFT policy, trained and frozen), the reward model (where --reward
     or --critic_init needs it, frozen) and the critic V (from the SFT policy or the reward model);
-    every model in eval mode: no dropout."""
+    every model in eval mode: no dropout. First, that every process gets its minibatches."""
+    if args.batch_size // run.world < args.minibatches * args.grad_accum:
+        raise SystemExit(f"error: --batch_size {args.batch_size} over {run.world} process(es) "
+                         f"leaves fewer than --minibatches {args.minibatches} x "
+                         f"--grad_accum {args.grad_accum} completions per process")
     policy, tok = run.load_policy(args.init)        # pi_theta starts as pi_ref ...
     ref = run.reference(args.init, policy)          # ... the SFT policy, frozen
     rm = (run.load_reward_model(args.rm, args.init) if "rm" in (args.reward, args.critic_init)
@@ -265,10 +269,6 @@ def parse_args(argv=None):
 def main(args):
     # device, seeds, lock, log, resume, torchrun: plumbing.py
     run = Run("ppo", args, batch_flag="batch_size")
-    if args.batch_size // run.world < args.minibatches * args.grad_accum:
-        raise SystemExit(f"error: --batch_size {args.batch_size} over {run.world} process(es) "
-                         f"leaves fewer than --minibatches {args.minibatches} x "
-                         f"--grad_accum {args.grad_accum} completions per process")
     policy, tok, ref, rm, critic = load_models(run, args)
     # pi_ref in host memory outside step 2 (a GPU), once copied
     ref_weights = run.parked(ref, policy)
@@ -318,9 +318,8 @@ def main(args):
                                              0.0).sum(1)
                 values = token_values(critic, seq[rows], seq_mask[rows], Tp, run.autocast)
                 old_values[rows] = torch.where(mask[rows] > 0, values, 0.0)         # V(s_t)
-        # how far the trainer's log-probs are from those the sampler drew with (same weights;
-        # --batch_invariant: 0.0)
-        sampler_diff = run.max(torch.where(mask > 0, (sampler_logp - old_logp).abs(), 0.0))
+        # how far the trainer's log-probs are from the sampler's (same weights; invariant: 0.0)
+        sampler_diff = run.sampler_diff(sampler_logp, old_logp, mask)
 
         # 3. rewards and advantages: the score on the last token, -beta KL on every token; GAE,
         #    whitened over all ranks

@@ -12,17 +12,14 @@ Samples, Get a Baseline for Free!"):
     R_i = r_i - beta * sum_t KL_it                         (the KL to the reference in the reward)
     A_i = R_i - 1/(k-1) sum_{j != i} R_j  =  k/(k-1) (R_i - mean_j R_j)
     L = -1/(N k) sum_i A_i sum_t log pi_theta(y_it | x, y_i<t)      over the batch's N prompts
-KL_it: a per-token estimate (kernels.kl_penalty; k1, the log-ratio, by default), a number: no
-gradient flows through it.
+KL_it: a per-token estimate (kernels.kl_penalty; k1 by default), a number: no gradient.
 
 Deviations and choices the paper leaves open:
 - One gradient step per batch of rollouts (on-policy, as the paper), no minibatches.
-- The reward is the task's verifier (1 correct, 0 otherwise; --format_weight adds a format bonus),
-  not a reward model.
+- The reward is the task's verifier (1 correct, 0 otherwise; --format_weight: a format bonus).
 - Small scale: a 0.8M-parameter policy, AdamW at a constant learning rate.
 
-Shapes: P prompts, G = k completions per prompt, B = P*G rows; T time (Tp prompt, Tn completion
-tokens).
+Shapes: P prompts, G = k completions per prompt, B = P*G rows; T time (Tp prompt, Tn completion).
 
 Run:
     python rloo.py                     # from out/sft.pt (built first if missing); ~1 min on 2 CPUs
@@ -36,7 +33,7 @@ import task
 from flags import SFT_PATH, TEMPERATURE, Float, Int, add_run_flags, parser
 from kernels import kl_penalty
 from lora import trainable
-from model import completion_hidden, completion_logprobs, kl_entropy
+from model import completion_logprobs
 from plumbing import Run
 
 
@@ -133,37 +130,14 @@ def main(args):
         prompt, prompt_mask, tokens, mask, truncated, rewards, _ = batch
         run.samples += P * G
 
-        # 2. score without gradient, each model's forward once: sampling-time and reference
-        #    log-probs (through the function step 4 calls, so that on-policy they agree bit for
-        #    bit); on a logged step also the exact KL and the entropy, the logits a chunk at a time
-        #    (model.kl_entropy): the [B, T, V] logits are never formed. --batch_invariant: pi_old
-        #    is the sampler's own log-probs, the same bits; the policy scores on logged steps alone
-        old_logp, ref_logp = torch.zeros_like(mask), torch.zeros_like(mask)      # (B, Tn)
+        # 2. score without gradient (onpolicy.py): pi_old and pi_ref of every token, each model's
+        #    forward once through the function step 4 calls (on-policy, the same bits); on a
+        #    logged step the exact KL and the entropy. --batch_invariant: pi_old is the sampler's
         # the step's, over every rank
         n_seqs, n_tokens = run.all_sum(len(mask)), run.all_sum(mask.sum())
-        kl_exact = ent = 0.0
-        recompute = not args.batch_invariant or run.logging()
-        with ref_weights:                                           # on the device for step 2 alone
-            for rows in run.micro_batches(len(mask)):
-                with torch.no_grad(), run.autocast:            # (b, Tp+Tn-1, C) final hidden states
-                    h_ref = completion_hidden(ref, prompt[rows], prompt_mask[rows], tokens[rows],
-                                              mask[rows])
-                    ref_logp[rows] = ref.head_logprobs(h_ref, tokens[rows], temp)
-                    if recompute:
-                        h = completion_hidden(policy, prompt[rows], prompt_mask[rows],
-                                              tokens[rows], mask[rows])
-                        old_logp[rows] = policy.head_logprobs(h, tokens[rows], temp)
-                    if run.logging():
-                        # (b, Tn) each
-                        kl_t, ent_t = kl_entropy(policy, ref, h, h_ref, mask[rows], temp)
-                        kl_exact += kl_t.sum() / n_tokens                         # KL(pi || ref)
-                        ent += ent_t.sum() / n_tokens
-
-        # how far the trainer's log-probs are from those the sampler drew with (same weights)
-        if recompute:
-            sampler_diff = run.max(torch.where(mask > 0, (sampler_logp - old_logp).abs(), 0.0))
-        if args.batch_invariant:
-            old_logp = sampler_logp                                  # equal, bit for bit
+        scored = run.score(policy, ref, ref_weights, prompt, prompt_mask, tokens, mask,
+                           sampler_logp, temp, n_kl=n_tokens)
+        old_logp, ref_logp = scored.old_logp, scored.ref_logp                    # (B, Tn)
 
         # 3. advantages: KL to the reference in the reward, the other k - 1 samples are the baseline
         kl_t = kl_penalty(old_logp, ref_logp, args.kl_estimator)                     # (B, Tn)
@@ -195,11 +169,12 @@ def main(args):
             metrics = {"loss": run.all_sum(loss).item(), "reward_mean": run.mean(rewards),
                        "reward_std": run.std(rewards),
                        "zero_var_groups": run.mean((groups == groups[:, :1]).all(1).float()),
-                       "kl_exact": run.all_sum(kl_exact).item(),
+                       "kl_exact": run.all_sum(scored.kl_exact).item(),
                        f"kl_{args.kl_estimator}": run.mean(kl_t, mask),
-                       "entropy": run.all_sum(ent).item(), "completion_len": run.mean(mask.sum(1)),
+                       "entropy": run.all_sum(scored.entropy).item(),
+                       "completion_len": run.mean(mask.sum(1)),
                        "truncated": run.mean(truncated.float()), "grad_norm": grad_norm.item(),
-                       "sampler_logp_diff": sampler_diff,
+                       "sampler_logp_diff": scored.sampler_diff,
                        "seq_logp": run.all_sum(stats["seq_logp"]).item()}
             if run.eval_due():
                 metrics.update(run.evaluate(policy, tok))

@@ -61,7 +61,7 @@ def test_the_readme_is_a_first_page_and_its_links_resolve():
 # import hidden in a function to dodge one)
 LAYERS = ["kernels", "tasks", "model", "lora", "sandbox", "chat", "tools", "tokenizer",
           "checkpoint", "sampler", "task", "flags", "parking", "distributed", "lock", "loading",
-          "plumbing"]
+          "onpolicy", "plumbing"]
 
 
 def project_imports(path):
@@ -87,6 +87,19 @@ def test_the_shared_modules_import_downwards_and_at_their_top(name):
         assert at_top, f"{name}.py imports {module} inside a function"
         assert module in LAYERS and LAYERS.index(module) < LAYERS.index(name), \
             f"{name}.py imports {module}, which is not below it ({' < '.join(LAYERS)})"
+
+
+# A main reads as the algorithm's steps: what several scripts do alike lives in the plumbing
+MAIN_LINES = {"grpo": 110, "reinforce": 110, "rloo": 110, "ppo": 140}
+
+
+@pytest.mark.parametrize("name", MAIN_LINES)
+def test_a_scripts_main_is_its_steps(name):
+    tree = ast.parse(open(os.path.join(ROOT, f"{name}.py")).read())
+    main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
+    lines = main.end_lineno - main.lineno + 1
+    assert lines <= MAIN_LINES[name], f"{name}.py: main() is {lines} lines (at most " \
+                                      f"{MAIN_LINES[name]})"
 
 
 def test_model_py_is_a_model():
