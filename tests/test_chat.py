@@ -292,6 +292,10 @@ def test_compiling_rendering_and_a_runs_renders_are_bounded(monkeypatch):
     import chat
     with pytest.raises(chat.ChatTemplateError, match="262,145 characters long .at most 262,144"):
         ChatTemplate("x" * (chat.MAX_SOURCE_CHARS + 1), {}, set(), {})
+    ChatTemplate("x" * chat.MAX_SOURCE_CHARS, {}, set(), {})              # at the bound: read
+    at_most = ChatTemplate("{{ 'x' * (%d - messages[0].content|length) }}{{ messages[0].content }}"
+                           % chat.MAX_CHARS, {}, set(), {})
+    assert len(at_most.render([{"role": "user", "content": "hi"}])) == chat.MAX_CHARS
     with monkeypatch.context() as patch:        # the worker it kills restarts meanwhile
         patch.setattr(chat, "COMPILE_SECONDS", 0.3)
         with pytest.raises(chat.ChatTemplateError, match="did not compile within 0.3 s"):
