@@ -27,7 +27,7 @@ import os
 
 import task
 import tools
-from tasks import arithmetic, countdown, gsm8k, toolcalc
+from tasks import arithmetic, countdown, gsm8k, guess, toolcalc
 
 SFT_PATH = os.path.join("out", "sft.pt")   # default --init of the scripts that start from SFT
 RM_PATH = os.path.join("out", "rm.pt")     # default --rm of ppo.py and its kin
@@ -210,7 +210,7 @@ def fill_task_defaults(parser, args):
         args.max_new_tokens = toolcalc.CHAT_MAX_NEW_TOKENS
     if getattr(args, "max_new_tokens", 0) is None:   # the task's completion budget
         budget = {"arithmetic": arithmetic.MAX_NEW_TOKENS, "gsm8k": gsm8k.MAX_NEW_TOKENS,
-                  "toolcalc": toolcalc.MAX_NEW_TOKENS,
+                  "toolcalc": toolcalc.MAX_NEW_TOKENS, "guess": guess.MAX_NEW_TOKENS,
                   "countdown": countdown.MAX_NEW_TOKENS[args.countdown_numbers]}[args.task]
         args.max_new_tokens = budget + (task.R1_EXTRA_TOKENS if args.format == "r1" else 0)
     if hasattr(args, "mistake_rate"):                # sft.py

@@ -101,8 +101,8 @@ def check_modes(script, args):
                              f"this is torch {torch.__version__}") from None
     if not getattr(args, "batch_invariant", False):
         return
-    served = ("grpo", "rloo", "reinforce", "trpo", "ppo", "async_grpo", "agent", "distill",
-              "self_distill", "online_dpo", "expert_iteration")
+    served = ("grpo", "rloo", "reinforce", "trpo", "ppo", "async_grpo", "agent", "multiturn",
+              "distill", "self_distill", "online_dpo", "expert_iteration")
     if script not in served:
         raise SystemExit(f"error: --batch_invariant: {script}.py trains on no samples of its own "
                          f"policy (nothing to match); it serves {', '.join(served)}")

@@ -335,10 +335,12 @@ def cuda_graph(step, generator):
 class Environment(NamedTuple):
     """What answers the policy in an episode (task.environment builds them). The compact
     protocol: a call is the text between call_open and call_close, answered with reply(call)
-    right after it; revision(prompt) comes between attempts. The chat protocol (chat, a
-    tools.ChatTools): the calls of a turn are answered when a stop id ends it, in the template's
-    tool messages; a turn without a call ends the attempt. score(prompt, the attempt's text; in
-    the chat protocol its last turn's) says whether an attempt is right."""
+    right after it; revision(prompt) comes between attempts, or feedback(prompt, the attempts'
+    texts so far), one of `replies`, where what the environment says depends on the turn (None:
+    the episode ends). The chat protocol (chat, a tools.ChatTools): the calls of a turn are
+    answered when a stop id ends it, in the template's tool messages; a turn without a call ends
+    the attempt. score(prompt, the attempt's text; in the chat protocol its last turn's) says
+    whether an attempt is right."""
     call_open: str | None
     call_close: str | None
     reply: Callable[[str], str] | None
@@ -346,6 +348,8 @@ class Environment(NamedTuple):
     score: Callable[[str, str], bool]
     max_calls: int                    # calls answered per episode; later ones get "error"
     chat: object = None               # tools.ChatTools: the chat template's protocol
+    feedback: Callable[[str, list], str | None] | None = None
+    replies: tuple = ()               # every text feedback may write
 
 
 class Episodes(NamedTuple):
@@ -411,7 +415,7 @@ def _unclosed_call(e, tokenizer, env):
         e.calls[e.turn] += calls
         e.malformed[e.turn] += errors
         e.answer_ids[e.turn] = list(e.segment)
-    elif text.rfind(env.call_open) > text.rfind(env.call_close):
+    elif env.call_open is not None and text.rfind(env.call_open) > text.rfind(env.call_close):
         e.calls[e.turn] += 1
         e.malformed[e.turn] += 1
 
@@ -452,9 +456,10 @@ def _advance(e, sampled, tokenizer, env, closes, revise, turns, budget, tool=Tru
         e.policy_turns += 1
         _unclosed_call(e, tokenizer, env)
         e.write(sampled, _POLICY, counts=False)          # the end of this attempt: the policy's
-        if e.turn + 1 < turns:
+        revise = revise(e) if callable(revise) and e.turn + 1 < turns else revise
+        if e.turn + 1 < turns and revise is not None:
             e.turn, e.used, e.segment = e.turn + 1, 0, []
-            e.queue = [(t, False) for t in revise]       # the revision prompt comes next
+            e.queue = [(t, False) for t in revise]       # the revision prompt (feedback) is next
         else:
             e.done = True
         return sampled
@@ -487,8 +492,13 @@ def episodes(policy, tokenizer, prompts, env, group_size=1, temperature=1.0, max
     included); tool=False bans every token that opens a call. Returns Episodes, scored."""
     device = next(policy.parameters()).device
     if env.chat is None:
-        opens, closes = _markers(tokenizer, env.call_open, env.call_close)
-        revise = [tokenizer.encode(env.revision(p)) for p in prompts for _ in range(group_size)]
+        opens, closes = (_markers(tokenizer, env.call_open, env.call_close) if env.call_open
+                         else ([], frozenset()))
+        if env.feedback is None:
+            revise = [tokenizer.encode(env.revision(p)) for p in prompts for _ in range(group_size)]
+        else:                         # what the environment says after each attempt, as it goes
+            revise = [functools.partial(_feedback, tokenizer, env, p) for p in prompts
+                      for _ in range(group_size)]
         prompt, prompt_mask = tokenizer.encode_batch(prompts, device)         # (P, Tp)
     else:                             # calls at a turn's end; one attempt
         opens, closes = _openers(tokenizer, env.chat.opener), frozenset()
@@ -498,7 +508,9 @@ def episodes(policy, tokenizer, prompts, env, group_size=1, temperature=1.0, max
     prompt = prompt.repeat_interleave(group_size, 0)                          # (B, Tp)
     prompt_mask = prompt_mask.repeat_interleave(group_size, 0)
     B = prompt.size(0)
-    Tn = turns * max_new_tokens + (turns - 1) * (max(map(len, revise)) + 1)   # longest episode
+    between = (max(len(tokenizer.encode(r)) for r in env.replies) if env.feedback else
+               max(map(len, revise)))
+    Tn = turns * max_new_tokens + (turns - 1) * (between + 1)                 # longest episode
     cache = KVCache(policy.config.n_layer, B, prompt.size(1) + Tn, device)
     logits = policy(prompt, prompt_mask, cache)[:, -1].float()                # (B, V) the first's
     state = [_Episode(turns) for _ in range(B)]
@@ -532,6 +544,12 @@ def episodes(policy, tokenizer, prompts, env, group_size=1, temperature=1.0, max
                     as_float([e.calls for e in state]), as_float([e.malformed for e in state]),
                     as_float([e.policy_turns for e in state]),
                     as_float([e.logp + [0.0] * (T - len(e.logp)) for e in state]))
+
+
+def _feedback(tokenizer, env, prompt, e):
+    """The ids of what env.feedback writes after episode e's attempts so far, or None."""
+    text = env.feedback(prompt, [tokenizer.decode(ids) for ids in e.answer_ids[:e.turn + 1]])
+    return None if text is None else tokenizer.encode(text)
 
 
 @functools.lru_cache(maxsize=8)

@@ -28,9 +28,9 @@ import torch.nn.functional as F
 import sampler
 import tools
 from checkpoint import fingerprint
-from tasks import arithmetic, countdown, gsm8k, toolcalc
+from tasks import arithmetic, countdown, gsm8k, guess, toolcalc
 
-TASKS = ("arithmetic", "countdown", "gsm8k", "toolcalc")
+TASKS = ("arithmetic", "countdown", "gsm8k", "toolcalc", "guess")
 FORMATS = ("plain", "r1")
 R1_TEMPLATE = ("A conversation between User and Assistant. The user asks a question, and the "
                "Assistant solves it. The assistant first thinks about the reasoning process in the "
@@ -75,6 +75,8 @@ def use(args):
         chosen, skipped = gsm8k.task(args.data)
     elif name == "toolcalc":
         chosen = toolcalc.task()
+    elif name == "guess":
+        chosen = guess.task()
     else:
         chosen = arithmetic.task()
     spec = getattr(args, "tools", None)
@@ -258,9 +260,10 @@ def complete(model, tokenizer, prompts, num_samples=1, temperature=0.0, max_new_
     max_new_tokens = max_new_tokens or default_max_new_tokens()
     texts, ids, logps = [], [], []
     for i in range(0, len(prompts), batch_size):
-        if uses_tools():                                # episodes: the tools answer calls
+        if uses_tools() or name() == "guess":    # episodes: tools answer calls, or the game
             e = episodes(model, tokenizer, prompts[i:i + batch_size], num_samples, temperature,
-                         max_new_tokens, generator=generator)
+                         max_new_tokens, turns=guess.MAX_TURNS if name() == "guess" else 1,
+                         generator=generator)
             tokens, cmask, logp = e.tokens, e.mask, [e.logp]
         else:
             idx, mask = tokenizer.encode_batch(prompts[i:i + batch_size], device)
@@ -351,6 +354,9 @@ def environment(max_calls=None, tokenizer=None):
     score = lambda p, text: reward(p, text) == 1.0
     max_calls = _in_use.max_calls if max_calls is None else max_calls
     protocol = chat_tools(tokenizer) if tokenizer is not None else None
+    if name() == "guess":                        # what it says depends on the guess
+        return sampler.Environment(None, None, None, None, score, 0, None, guess.feedback,
+                                   (guess.HIGHER, guess.LOWER, guess.UNREAD))
     if protocol is not None:
         return sampler.Environment(None, None, None, None, score, max_calls, protocol)
     return sampler.Environment(toolcalc.CALL_OPEN, toolcalc.CALL_CLOSE, toolcalc.tool_reply,
@@ -509,11 +515,12 @@ def completion_batch(prompts, completions, tokenizer, device="cpu"):
             targets.append([float(not env) for piece, env in pieces for _ in piece])
             continue
         end = isinstance(c, str)                         # text: a demonstration, ending with EOS
-        tool_text = _in_use.task.name == "toolcalc" and isinstance(c, str)
-        pieces = toolcalc.segments(c) if tool_text else [(c, False)]
+        turns = {"toolcalc": toolcalc.segments, "guess": guess.segments}.get(_in_use.task.name)
+        pieces = turns(c) if turns and isinstance(c, str) else [(c, False)]
         pieces = [x for text, env in pieces   # an attempt ends with the policy's EOS, then REVISE
-                  for x in ([([tokenizer.eos_id], False)]
-                            if env and text.startswith(toolcalc.REVISE) else []) + [(text, env)]]
+                  for x in ([([tokenizer.eos_id], False)] if env and (
+                      text.startswith(toolcalc.REVISE) or name() == "guess") else [])
+                  + [(text, env)]]
         encoded = [(tokenizer.encode(text) if isinstance(text, str) else list(text), env)
                    for text, env in pieces]
         ids.append((protocol.prompt(p) if protocol else tokenizer.encode_prompt(p),

@@ -50,7 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import plumbing  # noqa: E402
 import task  # noqa: E402
 from model import completion_logprobs  # noqa: E402
-from tasks import arithmetic, toolcalc  # noqa: E402
+from tasks import arithmetic, guess, toolcalc  # noqa: E402
 
 # completions padded to a fixed width: the same tensors whatever the batch
 WIDTH = arithmetic.MAX_NEW_TOKENS
@@ -115,7 +115,7 @@ def fixed_complete(model, tokenizer, prompts, num_samples=1, temperature=0.0, ma
     """task.complete's contract, with the fixed completions (expert_iteration.py's and prm.py's
     samples) and the policy's log-probs of them as the sampler's; the tool task's evaluation
     (agent.py's) samples its episodes."""
-    if task.name() == "toolcalc":
+    if task.name() in ("toolcalc", "guess"):
         return COMPLETE(model, tokenizer, prompts, num_samples, temperature, max_new_tokens,
                         batch_size, generator, return_ids, return_logprobs)
     record("complete", prompts=list(prompts), n=num_samples)
@@ -146,6 +146,31 @@ def fixed_episode(prompt, j, turns):
     first = [call, wrong, third, [("1+" * 20, "policy")]][j % 4] + [(None, "policy")]
     second = [wrong, call, [(head, "policy")], []][j % 4] + [(None, "policy")]
     return first + ([(toolcalc.revision(prompt), "env")] + second if turns == 2 else [])
+
+
+def fixed_guess_episode(prompt, j):
+    """Episode j of a game (multiturn.py) as the worker's policy plays it, [(text, who)] as
+    fixed_episode's. By j % 4: the middle of what is still possible each turn; 8, then the lowest
+    number still possible; a turn that is not a number, then the middle; a run-on of three digits
+    (the turn's whole budget: cut there). Each guess then the policy's EOS, then the environment's
+    answer, until a right guess or MAX_TURNS."""
+    n, lo, hi, guesses, out = guess.secret(prompt), 1, 15, [], []
+    if j % 4 == 3:
+        return [("123", "policy")]
+    while len(guesses) < guess.MAX_TURNS:
+        if j % 4 == 2 and not guesses:
+            g = "x"
+        else:
+            g = str(8 if j % 4 == 1 and not guesses else lo if j % 4 == 1 else (lo + hi) // 2)
+        guesses.append(g)
+        out += [(g, "policy"), (None, "policy")]
+        reply = guess.feedback(prompt, guesses)
+        if reply is None or len(guesses) == guess.MAX_TURNS:
+            break
+        out.append((reply, "env"))
+        if g != "x":
+            lo, hi = (int(g) + 1, hi) if n > int(g) else (lo, int(g) - 1)
+    return out
 
 
 def fixed_chat_episode(protocol, prompt, j):
@@ -205,8 +230,10 @@ def fixed_episodes(policy, tokenizer, prompts, group_size=1, temperature=1.0, ma
         plans = [sum((ids for ids, _ in fixed_chat_episode(protocol, p, j)), []) for p in prompts
                  for j in range(group_size)]
     else:
+        plan = (lambda p, j: fixed_guess_episode(p, j)) if task.name() == "guess" else (
+            lambda p, j: fixed_episode(p, j, turns))
         plans = [sum(([tokenizer.eos_id] if text is None else tokenizer.encode(text) for text, _ in
-                      fixed_episode(p, j, turns)), []) for p in prompts for j in range(group_size)]
+                      plan(p, j)), []) for p in prompts for j in range(group_size)]
     planned = Planned(policy.config, plans, next(policy.parameters()).device, tokenizer.eos_id)
     return EPISODES(planned, tokenizer, prompts, group_size, temperature, max_new_tokens, max_calls,
                     turns, tool, generator)

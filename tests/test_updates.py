@@ -30,9 +30,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import task
 from checkpoint import load_checkpoint, save_checkpoint
 from conftest import ROOT, run_script, task_args
-from ddp_worker import fixed_chat_episode, fixed_completion, fixed_episode
+from ddp_worker import (fixed_chat_episode, fixed_completion, fixed_episode,
+                        fixed_guess_episode)
 from model import GPT, GPTConfig
-from tasks import arithmetic, toolcalc
+from tasks import arithmetic, guess, toolcalc
 from tokenizer import Tokenizer
 
 WORKER = os.path.join(ROOT, "tests", "ddp_worker.py")
@@ -1694,3 +1695,105 @@ def test_orm_and_prm_update(kind, tiny_sft, tmp_path):
                                      verifier_expected(scalar, batches, kind, {"early": 1})[1])])
     check_weights(result, model)
 
+
+
+# -----------------------------------------------------------------------------
+# multiturn.py: GRPO on the game's turns, each turn's tokens on its estimator's advantage
+
+class GuessEpisode:
+    """One of the worker's planned games (ddp_worker.fixed_guess_episode) played out by the
+    environment's rules, rebuilt from its parts: the ids after the prompt, which the policy wrote,
+    each one's turn, and each turn's text. The rules: a guess's tokens count against the turn's
+    budget, its EOS and the environment's answer do not; a turn that uses its budget ends the
+    episode."""
+
+    def __init__(self, prompt, j, budget):
+        self.prompt, self.prompt_ids = prompt, TOK.encode(prompt)
+        self.ids, self.policy, self.turn, self.texts = [], [], [], []
+        k = -1
+        for text, who in fixed_guess_episode(prompt, j):
+            if who == "policy" and text is not None:
+                k += 1
+                self.texts.append("")
+            for t in [EOS] if text is None else TOK.encode(text):
+                self.ids.append(t)
+                self.policy.append(who == "policy")
+                self.turn.append(max(k, 0) if who == "policy" else k + 1)
+                if who == "policy" and text is not None:
+                    self.texts[k] += TOK.decode([t])
+                    if len(self.texts[k]) == budget:
+                        return                                 # cut: no EOS, no later turn
+
+
+def multiturn_expected(gpt, batches, c):
+    """One SGD step per batch of games on multiturn.py's loss: each turn's reward and state by the
+    environment (tasks/guess.py), the advantages by test_multiturn.reference (the docstring's
+    equations in floats), then 1/B sum_i 1/|o_i| sum_(t in o_i) [-rho A_(turn of t) + beta k3] at
+    ratio 1. Planted mistakes: c["shift"] each turn's A on the next turn's tokens; c["reverse"]
+    the discount over the turns before, not after; c["all_turns"] GiGPO's step groups over every
+    turn of the group, not equal states; c["env"] the environment's tokens in o_i."""
+    from test_multiturn import reference
+    ref, model, grads = frozen(gpt), copy.deepcopy(gpt), []
+    for eps in batches:
+        B = len(eps)
+        judged = []
+        for e in eps:
+            r = guess.turn_rewards(e.prompt, e.texts)
+            states = ["all" if c.get("all_turns") else s for s in guess.states(e.prompt, e.texts)]
+            judged.append((r[::-1] if c.get("reverse") else r, guess.outcome(e.prompt, e.texts),
+                           [(e.prompt, s) for s in states]))
+        A = reference(c["credit"], judged, c["G"], c["gamma"], c["weight"])
+        if c.get("reverse"):
+            A = [a[::-1] for a in A]
+        logps = lambda m: [token_logp(completion_logits(m, e.prompt_ids, e.ids, c["T"]), e.ids)
+                           for e in eps]
+        with torch.no_grad():
+            ref_lp = logps(ref)
+        total = 0.0
+        for i, (e, lp) in enumerate(zip(eps, logps(model))):
+            turns = [min(k + c.get("shift", 0), len(A[i]) - 1) for k in e.turn]
+            adv = torch.tensor([A[i][k] if k < len(A[i]) else 0.0 for k in turns],
+                               dtype=torch.float64)
+            m = torch.tensor([1.0 if p or c.get("env") else 0.0 for p in e.policy],
+                             dtype=torch.float64)
+            per_token = (-torch.exp(lp - lp.detach()) * adv
+                         + c["beta"] * kl_estimate(lp, ref_lp[i], "k3")) * m
+            total = total + per_token.sum() / m.sum() / B
+        g = grad_of(total, model)
+        grads.append(g)
+        sgd_step(model, g, SGD_LR)
+    return model, grads
+
+
+MULTITURN = {"T": 0.7, "beta": 0.3, "G": 4, "gamma": 0.7, "weight": 0.5}
+MULTITURN_FLAGS = ["--steps", "2", "--prompts_per_step", "4", "--group_size", "4",
+                   "--temperature", "0.7", "--beta", "0.3", "--gamma", "0.7", "--turn_weight",
+                   "0.5", "--grad_clip", "1e9"]
+MULTITURN_WRONG = {"outcome": [{"env": True}, {"T": 1.0}, {"beta": 0.04}],
+                   "mt_grpo": [{"shift": 1}, {"weight": 1.0}, {"credit": "outcome"}],
+                   "returns": [{"reverse": True}, {"gamma": 0.95}, {"shift": 1}],
+                   "gigpo": [{"all_turns": True}, {"gamma": 0.95}, {"weight": 1.0}]}
+
+
+@pytest.mark.parametrize("credit", list(MULTITURN_WRONG))
+def test_multiturn_update(credit, tmp_path):
+    """Two steps on planned games from random weights (binary search, 8 then the lowest possible,
+    a turn that is not a number, a run-on cut by the budget): the turns, rewards, states and
+    advantages rebuilt from the plans by the environment's rules; each flag at its default and
+    each planted mistake told apart."""
+    task.use(task_args("guess"))
+    torch.manual_seed(0)
+    init = str(tmp_path / "init.pt")
+    save_checkpoint(init, GPT(GPTConfig(vocab_size=TOK.vocab_size, block_size=96, n_layer=2,
+                                        n_head=2, n_embd=32)), TOK.name)
+    result = train("multiturn", ["--init", init, "--credit", credit, *MULTITURN_FLAGS],
+                   str(tmp_path / "run"))
+    batches = [[GuessEpisode(p, j, guess.MAX_NEW_TOKENS) for p in e["prompts"]
+                for j in range(e["group_size"])] for e in result.of("episodes")]
+    assert len(batches) == 2 and {len(e.texts) for b in batches for e in b} >= {1, 2, 3}
+    c = {**MULTITURN, "credit": credit}
+    gpt = f64(result.model, result.start)
+    model, grads = multiturn_expected(gpt, batches, c)
+    far = [(str(w), multiturn_expected(gpt, batches, {**c, **w})) for w in MULTITURN_WRONG[credit]]
+    check_grads(result, grads, far=[(k, g) for k, (_, g) in far])
+    check_weights(result, model, far=[(k, m) for k, (m, _) in far])

@@ -1,0 +1,311 @@
+"""
+Multi-turn credit: GRPO on episodes of several turns, each answered by the environment, with the
+credit each turn gets chosen by --credit. The environment: tasks/guess.py, a hidden number from 1
+to 15 found by at most four guesses, each wrong one answered higher or lower (binary search needs
+3.27 turns on average); every turn has a reward the environment computes (the information its
+answer gives), and the episode an outcome (found or not).
+
+Group of G episodes of one game, episode i, turn k (K_i turns), r_ik the turn's reward, O_i the
+outcome; every token the policy wrote in turn k gets A_ik, the environment's tokens none:
+    outcome  A_ik = z(O_i)                                   GRPO on the whole episode (baseline)
+    mt_grpo  A_ik = z_k(r_ik) + lambda z(O_i)                MT-GRPO (Zeng et al. 2025, arXiv
+                                                             2505.11821, eqs. 7-8)
+    returns  A_ik = z_k(R_ik),  R_ik = sum_{j>=k} gamma^(j-k) r'_ij,  r'_ij = r_ij + O_i [j = K_i-1]
+    gigpo    A_ik = z(sum_j r'_ij) + omega z_s(R_ik)         GiGPO (Feng et al. 2025, arXiv
+                                                             2505.10978, eqs. 4-7)
+z: (x - mean) / (std + eps) over the group (population std), 0 where all are equal; z_k over the
+group's episodes that reached turn k; z_s over the group's turns that start from the same state s
+(the same guesses so far: the anchor states), 0 for a state seen once. lambda and omega:
+--turn_weight; gamma: --gamma. The loss is agent.py's: the clipped surrogate plus beta KL, on the
+tokens the policy sampled.
+
+Deviations and choices:
+- MT-GRPO's paper has two turns, a tool call's reward on the first and the outcome alone on the
+  last; here every turn has its own reward, so every turn gets z_k(r_ik) + lambda z(O_i).
+- GiGPO's episode return is the undiscounted sum of rewards: here the information of the turns
+  (1 for any episode that ends knowing the number) plus the outcome, so a longer search is not
+  paid more; its step returns are discounted (gamma, the paper's 0.95 by default here too).
+- An episode cut by the token budget ends there; its turns so far keep their rewards.
+
+Shapes: P prompts, G episodes each, B = P*G rows; Tn episode tokens; K turns at most.
+Run (builds out/guess/sft.pt first, sft.py --task guess):
+    python multiturn.py                      # --credit outcome
+    python multiturn.py --credit gigpo       # or mt_grpo, returns; experiments/multiturn.py: all
+Metrics: out/guess/multiturn/metrics.jsonl (docs/metrics.md); checkpoint out/guess/multiturn.pt.
+"""
+import torch
+
+import task
+from agent import agent_loss
+from flags import SFT_PATH, TEMPERATURE, Float, Int, add_run_flags, parser
+from lora import trainable
+from model import completion_logprobs
+from plumbing import Run
+from tasks import guess
+
+CREDITS = ("outcome", "mt_grpo", "returns", "gigpo")
+
+
+# -----------------------------------------------------------------------------
+# The algorithm: advantages per turn, each from its estimator's equation
+
+def normalise(x, present, groups, eps=1e-6):
+    """z-scores of x (N,) within each group (groups (N,) int64, any ids) over the present
+    entries (present (N,) bool), population std; 0 for absent entries and for a group whose
+    present entries are all equal (a group of one too)."""
+    ids, idx = torch.unique(groups, return_inverse=True)
+    w, zeros = present.to(x.dtype), lambda: x.new_zeros(len(ids))
+    n = zeros().index_add_(0, idx, w).clamp(min=1)
+    mean = zeros().index_add_(0, idx, w * x) / n
+    var = zeros().index_add_(0, idx, w * (x - mean[idx]) ** 2) / n
+    hi = x.new_full((len(ids),), -torch.inf).scatter_reduce_(
+        0, idx, torch.where(present, x, -torch.inf), "amax")
+    lo = x.new_full((len(ids),), torch.inf).scatter_reduce_(
+        0, idx, torch.where(present, x, torch.inf), "amin")
+    z = (x - mean[idx]) / (var[idx].sqrt() + eps)
+    return torch.where(present & (hi[idx] > lo[idx]), z, torch.zeros_like(z))
+
+
+def episode_z(values, G):
+    """values (B,) -> z over each group of G consecutive episodes (B,)."""
+    groups = torch.arange(len(values), device=values.device) // G
+    return normalise(values, torch.ones_like(values, dtype=torch.bool), groups)
+
+
+def turn_z(values, present, G):
+    """values, present (B, K) -> z_k: over each group's episodes that reached turn k (B, K)."""
+    B, K = values.shape
+    rows, turns = (torch.arange(n, device=values.device) for n in (B, K))
+    groups = (rows[:, None] // G) * K + turns[None, :]                           # (B, K)
+    return normalise(values.reshape(-1), present.reshape(-1), groups.reshape(-1)).view(B, K)
+
+
+def with_outcome(rewards, present, outcome):
+    """r'_ik: the turn rewards (B, K) with the outcome (B,) added at each episode's last turn."""
+    last = present & ~torch.cat([present[:, 1:], torch.zeros_like(present[:, :1])], 1)
+    return torch.where(present, rewards, 0.0) + last * outcome[:, None]
+
+
+def discounted_returns(rewards, present, gamma):
+    """R_ik = sum_{j>=k, present} gamma^(j-k) r_ij (B, K), 0 where turn k is absent."""
+    out, running = torch.zeros_like(rewards), torch.zeros_like(rewards[:, 0])
+    for k in reversed(range(rewards.size(1))):
+        running = torch.where(present[:, k], rewards[:, k], 0.0) + gamma * running
+        out[:, k] = torch.where(present[:, k], running, 0.0)
+    return out
+
+
+def outcome_advantages(outcome, present, G):
+    """A_ik = z(O_i) on every turn the episode reached (B, K)."""
+    return torch.where(present, episode_z(outcome, G)[:, None], 0.0)
+
+
+def mt_grpo_advantages(rewards, outcome, present, G, weight=1.0):
+    """MT-GRPO: A_ik = z_k(r_ik) + lambda z(O_i) (B, K)."""
+    return torch.where(present, turn_z(rewards, present, G) + weight *
+                       episode_z(outcome, G)[:, None], 0.0)
+
+
+def returns_advantages(rewards, outcome, present, G, gamma=0.95):
+    """A_ik = z_k(R_ik), R the discounted returns of r' (the outcome at the last turn) (B, K)."""
+    R = discounted_returns(with_outcome(rewards, present, outcome), present, gamma)
+    return turn_z(R, present, G)
+
+
+def gigpo_advantages(rewards, outcome, present, states, G, gamma=0.95, weight=1.0):
+    """GiGPO: A_ik = z(sum_j r'_ij) + omega z_s(R_ik); states (B, K) int64, the same id for the
+    same state (ids never shared across groups), z_s over the turns of each state (B, K)."""
+    full = with_outcome(rewards, present, outcome)                     # (B, K) r'
+    R = discounted_returns(full, present, gamma)                       # (B, K) step returns
+    step = normalise(R.reshape(-1), present.reshape(-1), states.reshape(-1)).view_as(R)
+    return torch.where(present, episode_z(full.sum(1), G)[:, None] + weight * step, 0.0)
+
+
+def turn_advantages(credit, rewards, outcome, present, states, G, gamma, weight):
+    """--credit's estimator: (B, K) advantages of each episode's turns."""
+    if credit == "outcome":
+        return outcome_advantages(outcome, present, G)
+    if credit == "mt_grpo":
+        return mt_grpo_advantages(rewards, outcome, present, G, weight)
+    if credit == "returns":
+        return returns_advantages(rewards, outcome, present, G, gamma)
+    return gigpo_advantages(rewards, outcome, present, states, G, gamma, weight)
+
+
+# -----------------------------------------------------------------------------
+# What the environment says of each episode
+
+def turn_texts(ep, tok):
+    """Each episode's turns as the policy wrote them, its end tokens dropped: B lists."""
+    out = []
+    for row, turn, sampled in zip(ep.tokens.tolist(), ep.turn.tolist(), ep.sampled.tolist()):
+        turns = {}
+        for t, k, s in zip(row, turn, sampled):
+            if s and t not in tok.stop_ids:
+                turns.setdefault(k, []).append(t)
+            elif s:
+                turns.setdefault(k, [])
+        out.append([tok.decode(turns[k]) for k in sorted(turns)])
+    return out
+
+
+def judged(prompts, G, texts, K, device):
+    """(rewards (B, K), outcome (B,), present (B, K) bool, states (B, K) int64) of the episodes'
+    turns (texts), by the environment (tasks/guess.py)."""
+    B = len(texts)
+    rewards, present = torch.zeros(B, K, device=device), torch.zeros(B, K, dtype=torch.bool,
+                                                                     device=device)
+    states, ids = torch.zeros(B, K, dtype=torch.long, device=device), {}
+    outcome = torch.tensor([guess.outcome(prompts[i // G], t) for i, t in enumerate(texts)],
+                           device=device)
+    for i, t in enumerate(texts):
+        p = prompts[i // G]
+        for k, (r, s) in enumerate(zip(guess.turn_rewards(p, t), guess.states(p, t))):
+            rewards[i, k], present[i, k] = r, True
+            states[i, k] = ids.setdefault(s, len(ids))             # the game is in the state
+    return rewards, outcome, present, states
+
+
+def evaluate_turns(run, policy, tok, args):
+    """Held-out greedy episodes: how often found, with how many turns (rank 0 alone)."""
+    if not run.is_main:
+        return {}
+    prompts = task.eval_prompts()[:args.eval_n]
+    with run.autocast:
+        ep = task.episodes(policy, tok, prompts, 1, 0.0, args.max_new_tokens, 0, guess.MAX_TURNS)
+    texts = turn_texts(ep, tok)
+    found = [guess.outcome(p, t) for p, t in zip(prompts, texts)]
+    turns = [len(t) for t in texts]
+    return {"eval_found": sum(found) / len(found), "eval_turns": sum(turns) / len(turns),
+            "eval_turns_found": (sum(n for n, f in zip(turns, found) if f) / max(sum(found), 1))}
+
+
+# -----------------------------------------------------------------------------
+# Hyperparameters
+
+def parse_args(argv=None):
+    p = parser(__doc__)
+    g = p.add_argument_group("algorithm")
+    g.add_argument("--credit", default="outcome", choices=CREDITS,
+                   help="how each turn's advantage is made (module docstring)")
+    g.add_argument("--gamma", type=Float(ge=0, le=1), default=0.95,
+                   help="discount of later turns' rewards (returns, gigpo)")
+    g.add_argument("--turn_weight", type=Float(ge=0), default=1.0,
+                   help="lambda (mt_grpo: the outcome's weight) or omega (gigpo: the step's)")
+    g.add_argument("--group_size", type=Int(ge=2), default=8, help="G: episodes sampled per game")
+    g.add_argument("--clip_eps", type=Float(gt=0, le=1), default=0.2,
+                   help="PPO clip: the ratio kept in [1-eps, 1+eps]")
+    g.add_argument("--beta", type=Float(ge=0), default=0.04,
+                   help="weight of the KL-to-reference penalty in the loss")
+    g.add_argument("--kl_estimator", default="k3", choices=["k1", "k2", "k3"],
+                   help="per-token KL estimate in the loss")
+    g = p.add_argument_group("sampling")
+    g.add_argument("--steps", type=Int(ge=1), default=40, help="RL steps (one batch each)")
+    g.add_argument("--prompts_per_step", type=Int(ge=1), default=16,
+                   help="P: games drawn per step")
+    g.add_argument("--temperature", type=TEMPERATURE, default=1.0,
+                   help="sampling temperature; log-probs use the same")
+    g.add_argument("--max_new_tokens", type=Int(ge=1), default=None,
+                   help="tokens per turn (default: the task's)")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--lr", type=Float(gt=0), default=3e-4, help="AdamW learning rate (constant)")
+    g.add_argument("--grad_clip", type=Float(gt=0), default=1.0,
+                   help="clip the gradient's global norm to this")
+    g = add_run_flags(p, "multiturn", log_every=5, eval_every=10)
+    g.add_argument("--init", default=SFT_PATH,
+                   help="SFT checkpoint: the starting policy and the frozen reference")
+    p.set_defaults(task="guess")
+    args = p.parse_args(argv)
+    if args.task != "guess" or args.chat or args.tools:
+        p.error(f"--task {args.task}{' --chat' * bool(args.chat)}: multiturn.py's turns and "
+                f"their rewards are the guessing game's; allowed: --task guess, without --chat")
+    return args
+
+
+def main(args):
+    # device, seeds, lock, log, resume, torchrun: plumbing.py
+    run = Run("multiturn", args, batch_flag="prompts_per_step")
+    policy, tok = run.load_policy(args.init)            # the policy starts as the SFT policy ...
+    ref = run.reference(args.init, policy)              # ... which stays frozen as the reference
+    ref_weights = run.parked(ref, policy)               # ... in host memory outside step 3 (GPU)
+    K = guess.MAX_TURNS                                 # between turns: an answer, an end token
+    reply = max(len(tok.encode(r)) for r in (guess.HIGHER, guess.LOWER, guess.UNREAD))
+    run.check_lengths(policy, tok, args.max_new_tokens, turns=K, extra=(K - 1) * (reply + 1))
+    train_policy = run.ddp(policy)  # DDP or --fsdp's shards under torchrun, else the policy
+    optimizer = torch.optim.AdamW(trainable(train_policy), lr=args.lr, betas=(0.9, 0.99))
+    run.resume(policy, optimizer)
+    P, G, temp = args.prompts_per_step, args.group_size, args.temperature
+    run.print(f"multi-turn ({args.credit} credit): {policy.num_params() / 1e6:.2f}M parameters "
+              f"on {run.device}, {args.steps} steps of {P} games x {G} episodes of at most {K} "
+              f"turns, gamma {args.gamma}, turn weight {args.turn_weight}, beta {args.beta}")
+    if not args.resume:                                 # a fresh run: the starting policy is step 0
+        run.log_start({**run.evaluate(policy, tok), **evaluate_turns(run, policy, tok, args)})
+
+    while run.training():
+        # 1. episodes: G per game, token by token; the environment answers each turn's guess
+        prompts = run.shard(task.sample_prompts(run.rng, P))
+        with run.autocast:
+            ep = task.episodes(policy, tok, prompts, G, temp, args.max_new_tokens, 0, K,
+                               generator=run.gen)
+        prompt, prompt_mask, tokens, mask = ep.prompt, ep.prompt_mask, ep.tokens, ep.mask
+        run.samples += P * G
+
+        # 2. each turn's reward and state from the environment; the estimator's advantage of each
+        #    turn, on every token the policy wrote in it
+        texts = turn_texts(ep, tok)
+        rewards, outcome, present, states = judged(prompts, G, texts, K, run.device)
+        turn_adv = turn_advantages(args.credit, rewards, outcome, present, states, G, args.gamma,
+                                   args.turn_weight)                                   # (B, K)
+        advantages = turn_adv.gather(1, ep.turn)                                      # (B, Tn)
+
+        # 3. score without gradient (onpolicy.py): pi_old and pi_ref; the KL and the entropy on
+        #    logged steps. --batch_invariant: pi_old is the sampler's
+        n_seqs, n_tokens = run.all_sum(len(mask)), run.all_sum(ep.sampled.sum())
+        scored = run.score(policy, ref, ref_weights, prompt, prompt_mask, tokens, mask, ep.logp,
+                           temp, kl_mask=ep.sampled, n_kl=n_tokens)
+
+        # 4. one pass of the loss over the --grad_accum micro-batches, normalised by the step's
+        #    counts
+        loss, stats = 0.0, {}
+        for rows in run.micro_batches(len(mask), train_policy):
+            with run.autocast:                                               # (b, Tn) log pi_theta
+                logp = completion_logprobs(train_policy, prompt[rows], prompt_mask[rows],
+                                           tokens[rows], mask[rows], temp)
+            part, part_stats = agent_loss(logp, scored.old_logp[rows], scored.ref_logp[rows],
+                                          advantages[rows], ep.sampled[rows], args.clip_eps,
+                                          args.beta, args.kl_estimator, n_seqs, n_tokens)
+            run.check_finite(part, f"lower --lr (now {args.lr})")
+            part.backward()
+            loss = loss + part.detach()
+            stats = {k: stats.get(k, 0.0) + v for k, v in part_stats.items()}
+        grad_norm = run.clip_grad_norm(train_policy, args.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        run.step += 1
+        run.tokens += int(n_tokens)
+
+        # 5. log, evaluate, checkpoint (every number over all ranks)
+        if run.log_due():
+            used = present.sum(1).float()
+            metrics = {"loss": run.all_sum(loss).item(), "found": run.mean(outcome),
+                       "turns": run.mean(used), "turn_reward": run.mean(rewards, present),
+                       "kl_exact": run.all_sum(scored.kl_exact).item(),
+                       "entropy": run.all_sum(scored.entropy).item(),
+                       **{k.replace("kl_est", f"kl_{args.kl_estimator}"): run.all_sum(v).item()
+                          for k, v in stats.items()},
+                       "advantage_abs": run.mean(turn_adv.abs(), present),
+                       "grad_norm": grad_norm.item(), "sampler_logp_diff": scored.sampler_diff}
+            if run.eval_due():
+                metrics.update({**run.evaluate(policy, tok), **evaluate_turns(run, policy, tok,
+                                                                              args)})
+            run.log(metrics, f"found {metrics['found']:.3f} | turns {metrics['turns']:.2f} | "
+                             f"turn reward {metrics['turn_reward']:.3f} | "
+                             f"kl {metrics['kl_exact']:.4f} | gnorm {metrics['grad_norm']:.3f}",
+                    tokens=True)
+        if run.eval_due():
+            run.save(policy, optimizer)
+    run.finish(policy, tok, optimizer)
+
+
+if __name__ == "__main__":
+    main(parse_args())

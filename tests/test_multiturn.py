@@ -1,0 +1,285 @@
+"""multiturn.py and its environment (tasks/guess.py): the game's rules, rewards and demonstrator;
+each turn-level estimator against a float64 reference written from its equation (hand-worked
+episodes of unequal length, a state several episodes share, gamma 0 and 1, groups all equal); the
+episodes the sampler plays with the environment's answers; the script end to end, and its
+refusals. The exact update of its loop: tests/test_updates.py."""
+import json
+import math
+import os
+import random
+
+import pytest
+import torch
+
+import multiturn
+import task
+from checkpoint import load_checkpoint
+from conftest import ROOT, refuses_all, run_script, task_args
+from tasks import guess
+from tokenizer import Tokenizer
+
+F64 = dict(dtype=torch.float64)
+
+
+# -----------------------------------------------------------------------------
+# The game
+
+def test_the_game_answers_higher_or_lower_and_ends_at_the_number():
+    p = guess.eval_prompts()[0]
+    n = guess.secret(p)
+    assert {guess.secret(q) for q in guess.eval_prompts()} == set(range(1, 16))
+    assert guess.feedback(p, [str(n)]) is None
+    assert guess.feedback(p, ["1", str(n - 1)] if n > 1 else ["2"]) == (
+        guess.HIGHER if n > 1 else guess.LOWER)
+    for junk in (["x"], [" "], [""], ["999"], [None], []):
+        assert guess.feedback(p, junk) == guess.UNREAD
+    for bad in (None, "", "#x 1-15?", 3):
+        assert guess.secret(bad) is None and guess.outcome(bad, ["8"]) == 0.0
+        assert guess.turn_rewards(bad, ["8", "x"]) == [0.0, 0.0]
+    assert guess.reward(p, None) == 0.0 and guess.segments("") == [("", False)]
+
+
+def test_binary_search_takes_49_15_turns_and_the_information_adds_up_to_one():
+    """Over the 15 numbers, the middle of what is possible needs 1, 2, 2, 3 x 4 and 4 x 8 guesses
+    (49 / 15 = 3.27 on average); a search that ends knowing the number has turn rewards adding up
+    to 1 whatever its length, and each turn's is log2(n_k / n_k+1) / log2(15) by hand."""
+    counts = []
+    for n in range(1, 16):
+        p = next(q for q in guess.eval_prompts() if guess.secret(q) == n)
+        guesses, lo, hi = [], 1, 15
+        while True:
+            g = (lo + hi) // 2
+            guesses.append(str(g))
+            if g == n:
+                break
+            lo, hi = (g + 1, hi) if n > g else (lo, g - 1)
+        counts.append(len(guesses))
+        assert guess.outcome(p, guesses) == 1.0
+        assert math.isclose(sum(guess.turn_rewards(p, guesses)), 1.0)
+    assert sum(counts) == 49 and max(counts) == guess.MAX_TURNS
+    p = next(q for q in guess.eval_prompts() if guess.secret(q) == 11)
+    # 15 possible; 4 rules out 1-4 (11 left); 4 again nothing; 12 leaves 5-11 (7); 11 is said (1)
+    want = [math.log2(15 / 11), 0.0, math.log2(11 / 7), math.log2(7)]
+    assert guess.turn_rewards(p, ["4", "4", "12", "11"]) == pytest.approx(
+        [w / math.log2(15) for w in want])
+    assert guess.outcome(p, ["1", "2", "3", "4", "11"]) == 0.0               # a fifth guess: late
+    assert guess.states(p, ["4", "x"]) == [(p,), (p, "4")]
+
+
+def test_the_demonstrator_leaves_room_and_its_episode_text_round_trips():
+    rng, found, turns = random.Random(0), [], []
+    for p in guess.eval_prompts():
+        d = guess.demonstrator(p, rng)
+        found.append(guess.outcome(p, d))
+        turns.append(len(d))
+        text = guess.episode_text(p, d)
+        assert guess.guesses_of(text) == d and guess.reward(p, text) == found[-1]
+        assert [piece for piece, env in guess.segments(text) if not env] == d
+    assert 0.65 < sum(found) / len(found) < 0.85 and 3.0 < sum(turns) / len(turns) <= 4
+    assert guess.demonstration(guess.eval_prompts()[0]) == guess.demonstration(
+        guess.eval_prompts()[0])                                                # a fixed draw
+    assert not set(guess.eval_prompts()) & set(guess.sample_prompts(random.Random(1), 2000))
+
+
+# -----------------------------------------------------------------------------
+# The estimators against float64 references from their equations
+
+def z(values):
+    """(x - mean) / (population std + 1e-6) of a list; zeros when all are equal."""
+    if len(set(values)) <= 1:
+        return [0.0] * len(values)
+    m = sum(values) / len(values)
+    s = math.sqrt(sum((v - m) ** 2 for v in values) / len(values))
+    return [(v - m) / (s + 1e-6) for v in values]
+
+
+def reference(credit, episodes, G, gamma, weight):
+    """episodes: [(turn rewards, outcome, states)] -> each episode's list of A_k, by the module
+    docstring's equations, in plain floats."""
+    out = [[0.0] * len(r) for r, _, _ in episodes]
+    full = [[x + (o if k == len(r) - 1 else 0.0) for k, x in enumerate(r)] for r, o, _ in episodes]
+    R = [[sum(gamma ** (j - k) * f[j] for j in range(k, len(f))) for k in range(len(f))]
+         for f in full]
+    for g0 in range(0, len(episodes), G):
+        rows = range(g0, g0 + G)
+        zo = dict(zip(rows, z([episodes[i][1] for i in rows])))
+        ze = dict(zip(rows, z([sum(full[i]) for i in rows])))
+        for k in range(max(len(episodes[i][0]) for i in rows)):
+            reached = [i for i in rows if k < len(episodes[i][0])]
+            zr = dict(zip(reached, z([episodes[i][0][k] for i in reached])))
+            zR = dict(zip(reached, z([R[i][k] for i in reached])))
+            for i in reached:
+                out[i][k] = {"outcome": zo[i], "mt_grpo": zr[i] + weight * zo[i],
+                             "returns": zR[i]}.get(credit, 0.0)
+        if credit == "gigpo":
+            by_state = {}
+            for i in rows:
+                for k, s in enumerate(episodes[i][2]):
+                    by_state.setdefault(s, []).append((i, k))
+            for turns in by_state.values():
+                for (i, k), zs in zip(turns, z([R[i][k] for i, k in turns])):
+                    out[i][k] = ze[i] + weight * zs
+    return out
+
+
+def as_tensors(episodes, K):
+    B = len(episodes)
+    rewards, present = torch.zeros(B, K, **F64), torch.zeros(B, K, dtype=torch.bool)
+    states, ids = torch.zeros(B, K, dtype=torch.long), {}
+    for i, (r, _, s) in enumerate(episodes):
+        rewards[i, :len(r)], present[i, :len(r)] = torch.tensor(r, **F64), True
+        states[i, :len(r)] = torch.tensor([ids.setdefault(x, len(ids)) for x in s])
+    return rewards, torch.tensor([o for _, o, _ in episodes], **F64), present, states
+
+
+# two groups of three: unequal lengths; in the first, episodes 0 and 1 share their first two states
+# and 2 its first; the second group's outcomes all equal (its turn rewards not)
+HAND = [([0.3, 0.2, 1.0], 1.0, ["a", "a8", "a84"]), ([0.3, 0.5], 0.0, ["a", "a8"]),
+        ([0.0, 0.4, 0.1, 0.2], 0.0, ["a", "ax", "ax1", "ax12"]),
+        ([0.5, 0.5], 1.0, ["b", "b8"]), ([1.0], 1.0, ["b"]),
+        ([0.2, 0.2, 0.6], 1.0, ["b", "b3", "b34"])]
+
+
+@pytest.mark.parametrize("credit", multiturn.CREDITS)
+@pytest.mark.parametrize("gamma,weight", [(0.0, 1.0), (1.0, 0.5), (0.9, 2.0)])
+def test_each_estimator_is_its_equation(credit, gamma, weight):
+    rewards, outcome, present, states = as_tensors(HAND, 4)
+    got = multiturn.turn_advantages(credit, rewards, outcome, present, states, 3, gamma, weight)
+    want = reference(credit, HAND, 3, gamma, weight)
+    for i, row in enumerate(want):
+        assert got[i, :len(row)].tolist() == pytest.approx(row, abs=1e-9), (i, got[i], row)
+        assert (got[i, len(row):] == 0).all()
+
+
+@pytest.mark.parametrize("credit", multiturn.CREDITS)
+def test_each_estimator_on_random_groups(credit):
+    rng = random.Random(credit)
+    episodes = []
+    for g in range(5):
+        for j in range(4):
+            n = rng.randint(1, 4)
+            prefix = [f"{g}"] + [f"{g}{rng.choice('ab')}" * (k + 1) for k in range(n - 1)]
+            episodes.append(([rng.choice([0.0, 0.25, 0.5, 1.0]) for _ in range(n)],
+                             float(rng.random() < 0.5), prefix))
+    rewards, outcome, present, states = as_tensors(episodes, 4)
+    got = multiturn.turn_advantages(credit, rewards, outcome, present, states, 4, 0.8, 0.7)
+    for i, row in enumerate(reference(credit, episodes, 4, 0.8, 0.7)):
+        assert got[i, :len(row)].tolist() == pytest.approx(row, abs=1e-9)
+
+
+def test_hand_worked_returns_and_gigpo():
+    """Group b at gamma 1: r' = [0.5, 1.5], [2.0], [0.2, 0.2, 1.6]; R_0 = 2.0, 2.0, 2.0: z_0 all
+    0; R_1 = 1.5, 1.8 over the two that reached turn 1: -1, +1. GiGPO there: episode sums 2, 2, 2
+    (z 0); state "b" holds the three turn 0s (R 2, 2, 2: 0); "b8" and "b3" one turn each: 0."""
+    rewards, outcome, present, states = as_tensors(HAND, 4)
+    R = multiturn.returns_advantages(rewards, outcome, present, 3, gamma=1.0)
+    assert R[3:, 0].tolist() == [0.0, 0.0, 0.0]
+    assert R[3, 1].item() == pytest.approx(-1.0, abs=1e-5) and R[5, 1].item() == pytest.approx(
+        1.0, abs=1e-5)
+    A = multiturn.gigpo_advantages(rewards, outcome, present, states, 3, gamma=1.0)
+    assert (A[3:] == 0).all()
+    # gamma 0: each turn's return is its own r', the discount of later turns nothing
+    R0 = multiturn.discounted_returns(multiturn.with_outcome(rewards, present, outcome), present,
+                                      0.0)
+    assert R0[0].tolist() == pytest.approx([0.3, 0.2, 2.0, 0.0])
+
+
+def test_the_tokens_of_turn_k_get_turn_ks_advantage_and_the_environments_none():
+    """The advantages gathered by each token's turn into agent.py's loss: d loss / d log pi of a
+    policy token of turn k is -A_k / (|o_i| B) at ratio 1, beta 0; of an environment token 0."""
+    from agent import agent_loss
+    turn = torch.tensor([[0, 0, 0, 1, 1, 1, 2, 2]])
+    sampled = torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0]])
+    A = torch.tensor([[0.5, -2.0, 3.0, 0.0]], **F64)
+    logp = torch.zeros(1, 8, **F64, requires_grad=True)
+    loss, _ = agent_loss(logp, logp.detach(), logp.detach(), A.gather(1, turn), sampled.double(),
+                         beta=0.0)
+    grad, = torch.autograd.grad(loss, logp)
+    want = torch.tensor([[0.5, 0.5, 0, 0, -2.0, -2.0, 0, 3.0]], **F64) * sampled / -5
+    assert torch.allclose(grad, want)
+
+
+# -----------------------------------------------------------------------------
+# Episodes the sampler plays with the environment
+
+@pytest.fixture(scope="module")
+def guess_sft(tmp_path_factory):
+    """A small SFT policy of the game (200 steps)."""
+    out = tmp_path_factory.mktemp("guess_sft")
+    p = run_script("sft.py", ["--task", "guess", "--steps", "200", "--n_layer", "2", "--n_head",
+                              "2", "--n_embd", "32", "--eval_n", "16", "--out", str(out)])
+    assert p.returncode == 0, p.stderr[-2000:]
+    return str(out / "sft.pt")
+
+
+def test_the_sampler_plays_the_game_by_its_rules(guess_sft):
+    """A small SFT policy's sampled episodes: between turns the environment writes what
+    guess.feedback says of the turns so far (never in the sampled mask), an episode ends at a
+    right guess or after MAX_TURNS, and each turn's tokens carry its index."""
+    task.use(task_args("guess"))
+    policy, _ = load_checkpoint(guess_sft)
+    tok = Tokenizer()
+    prompts = guess.eval_prompts()[:6]
+    ep = task.episodes(policy, tok, prompts, 3, 1.0, 3, 0, guess.MAX_TURNS,
+                       generator=torch.Generator().manual_seed(1))
+    texts = multiturn.turn_texts(ep, tok)
+    for i, turns in enumerate(texts):
+        p, row = prompts[i // 3], ep.tokens[i][ep.mask[i] > 0].tolist()
+        env = [t for t, s in zip(row, ep.sampled[i][ep.mask[i] > 0].tolist()) if not s]
+        want = [t for k in range(len(turns) - 1)
+                for t in tok.encode(guess.feedback(p, turns[:k + 1]))]
+        assert env == want, (turns, tok.decode(env))
+        assert len(turns) <= guess.MAX_TURNS
+        found = [k for k, t in enumerate(turns) if guess.parse_guess(t) == guess.secret(p)]
+        if found:
+            assert found[0] == len(turns) - 1                 # it ends at the right guess
+        assert ep.turn[i][ep.mask[i] > 0].tolist() == sorted(ep.turn[i][ep.mask[i] > 0].tolist())
+    assert (ep.mask - ep.sampled).sum() > 0 and max(len(t) for t in texts) > 1
+
+
+# -----------------------------------------------------------------------------
+# The script
+
+FLAGS = ["--prompts_per_step", "4", "--group_size", "4", "--log_every", "1", "--eval_every", "2",
+         "--eval_n", "16"]
+
+
+@pytest.mark.slow
+def test_script_runs_end_to_end_and_resumes(guess_sft, tmp_path):
+    out = str(tmp_path)
+    p = run_script("multiturn.py", FLAGS + ["--steps", "2", "--credit", "gigpo", "--init",
+                                            guess_sft, "--out", out], fresh=True)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "multi-turn (gigpo credit)" in p.stdout and "done: 2 steps" in p.stdout
+    rows = [json.loads(line) for line in open(os.path.join(out, "multiturn", "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for key in ("found", "turns", "turn_reward", "kl_exact", "entropy", "advantage_abs",
+                "grad_norm", "clip_frac", "sampler_logp_diff"):
+        assert math.isfinite(rows[1][key]), key
+    for key in ("eval_found", "eval_turns", "eval_turns_found", "eval_accuracy"):
+        assert key in rows[0] and key in rows[2], key
+    assert rows[0]["eval_found"] == rows[0]["eval_accuracy"]            # the same verdict
+    assert 1 <= rows[1]["turns"] <= guess.MAX_TURNS and rows[1]["sampler_logp_diff"] < 1e-4
+    p = run_script("multiturn.py", FLAGS + ["--steps", "3", "--credit", "gigpo", "--init",
+                                            guess_sft, "--out", out, "--resume"])
+    assert p.returncode == 0 and "resuming from" in p.stdout, p.stderr[-2000:]
+    assert load_checkpoint(os.path.join(out, "multiturn.pt"))[1]["step"] == 3
+
+
+def test_batch_invariant_makes_the_episodes_log_probs_the_trainers(guess_sft, tmp_path):
+    p = run_script("multiturn.py", FLAGS + ["--steps", "2", "--credit", "returns", "--init",
+                                            guess_sft, "--out", str(tmp_path),
+                                            "--batch_invariant"])
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = [json.loads(line) for line in open(tmp_path / "multiturn" / "metrics.jsonl")]
+    assert [r["sampler_logp_diff"] for r in rows[1:]] == [0.0, 0.0]
+
+
+def test_bad_input_is_one_line(tmp_path):
+    refuses_all("multiturn.py", [(["--gamma", "1.5"], ["--gamma", "1.5"]),
+                                 (["--gamma", "-0.1"], ["--gamma"]),
+                                 (["--credit", "vapo"], ["--credit", "vapo"]),
+                                 (["--task", "arithmetic"], ["--task arithmetic",
+                                                             "allowed: --task guess"]),
+                                 (["--chat"], ["--chat", "allowed: --task guess"])], tmp_path)
+    assert not os.path.exists(os.path.join(ROOT, "out", "guess", "multiturn"))
