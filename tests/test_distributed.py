@@ -127,6 +127,9 @@ CASES = {
     "ipo": ("ipo", ["--batch_size", "8", "--n_pairs", "64", "--lr", "0.1", "--warmup", "0"],
             ["loss", "grad_norm", "reward_margin"]),
     "rloo": ("rloo", RL, ["loss", "grad_norm", "kl_exact", "reward_mean"]),
+    # multiturn.py on the worker's planned games (four kinds a group: every group has a spread)
+    "multiturn gigpo": ("multiturn", ["--prompts_per_step", "4", "--group_size", "4", "--credit",
+                                      "gigpo"], ["loss", "grad_norm", "kl_exact", "found"]),
     "reward_model": ("reward_model", ["--batch_size", "8", "--n_train", "8"],
                      ["loss", "grad_norm", "train_margin"]),
     "simpo": ("simpo", ["--batch_size", "8", "--n_pairs", "64", "--lr", "0.1", "--warmup", "0"],
@@ -253,6 +256,8 @@ FSDP_CASES = {
     "agent": ("agent", ["--steps", "2", "--mu", "2", "--prompts_per_step", "4", "--group_size", "4",
                         "--precedence_share", "0.5", "--max_new_tokens", "34", "--init", "TOOL"],
               ["loss", "grad_norm", "kl_exact", "reward_mean"]),
+    "multiturn": ("multiturn", ["--steps", "2", "--prompts_per_step", "4", "--group_size", "4",
+                                "--credit", "returns"], ["loss", "grad_norm", "kl_exact", "found"]),
 }
 
 
