@@ -30,7 +30,7 @@ Deviations and choices:
 Shapes: P prompts, G episodes each, B = P*G rows; Tn episode tokens; K turns at most.
 Run (builds out/guess/sft.pt first, sft.py --task guess):
     python multiturn.py                      # --credit outcome
-    python multiturn.py --credit gigpo       # or mt_grpo, returns; experiments/multiturn.py: all
+    python multiturn.py --credit gigpo       # or mt_grpo, returns (experiments/multiturn_credit.py)
 Metrics: out/guess/multiturn/metrics.jsonl (docs/metrics.md); checkpoint out/guess/multiturn.pt.
 """
 import torch
