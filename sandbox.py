@@ -273,7 +273,7 @@ def isolation():
     said = [w.isolation for w in _WORKERS.values() if w.isolation]
     if not said:
         return None
-    if said[0] == NAMESPACES:
+    if said[0].startswith(NAMESPACES):
         return ("note: a chat template's and a tool's code run in a worker process with its own "
                 "user, PID, mount and network namespaces: it cannot see or signal this run, nor "
                 "reach the network (docs/errors.md)")
@@ -317,10 +317,12 @@ def _unshare():
 
 
 def _own_proc():
-    """In the new namespaces (init): a /proc of their own processes only, or an empty one."""
+    """In the new namespaces (init): a /proc of their own processes only, or an empty one; False
+    where neither could be mounted (the system's /proc shows every process)."""
     _libc.mount(b"none", b"/", None, 0x4000 | 0x40000, None)          # MS_REC | MS_PRIVATE
-    if _libc.mount(b"proc", b"/proc", b"proc", 0x2 | 0x4 | 0x8, None) != 0:   # nosuid,dev,exec
-        _libc.mount(b"none", b"/proc", b"tmpfs", 0x2 | 0x4 | 0x8, None)
+    flags = 0x2 | 0x4 | 0x8                                            # nosuid, nodev, noexec
+    return (_libc.mount(b"proc", b"/proc", b"proc", flags, None) == 0
+            or _libc.mount(b"none", b"/proc", b"tmpfs", flags, None) == 0)
 
 
 def _descendants(root):
@@ -381,7 +383,7 @@ def keep(module, memory, request_fd, reply_fd, run):
         os.close(status_r)
         if isolated == NAMESPACES:
             _die_with_parent(signal.SIGKILL)
-            _own_proc()
+            isolated += "" if _own_proc() else " (the system's /proc)"
             server = os.fork()
             if server == 0:
                 os.close(status_w)
