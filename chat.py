@@ -316,3 +316,30 @@ class ChatTemplate:
 
 def _worker():
     return sandbox.worker("chat", MEMORY)
+
+
+def demonstration(tok, prompt, messages, **kwargs):
+    """(prompt ids, [(ids, written by the environment)]) of a demonstration in `tok`'s chat
+    template: the user's `prompt`, then `messages`, the whole conversation as the template renders
+    it (transformers' apply_chat_template; kwargs reach it: tools=...), cut where each assistant
+    turn begins (after the generation prompt the template writes there) and ends (its end of turn,
+    the last id of its piece). ValueError for a template whose conversation does not begin with
+    that generation prompt."""
+    encode = lambda m, **kw: tok.chat.encode(m, tok.encode_special, tok.encode, **kwargs, **kw)
+    user, pieces = {"role": "user", "content": prompt}, []
+    full = encode([user, *messages], add_generation_prompt=False)
+    opening = at = len(encode([user]))
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        head = encode([user, *messages[:i]])
+        if full[:len(head)] != head or tok.eos_id not in full[len(head):]:
+            raise ValueError(f"{tok.name}: its template writes an assistant message "
+                             f"differently after a generation prompt")
+        if len(head) > at:
+            pieces.append((full[at:len(head)], True))
+        at = full.index(tok.eos_id, len(head)) + 1
+        pieces.append((full[len(head):at], False))
+    if at < len(full) and messages and messages[-1]["role"] != "assistant":
+        pieces.append((full[at:], True))
+    return full[:opening], pieces

@@ -200,6 +200,8 @@ def fill_task_defaults(parser, args):
         _tools(parser, args)
     if args.task == "toolcalc":
         _tool_defaults(parser, args)
+    if args.task == "guess" and args.chat and getattr(args, "block_size", None) == 64:
+        args.block_size = guess.CHAT_BLOCK_SIZE          # sft.py: four turns in a template
     for action in parser._actions:                   # path defaults under out/: the task's folder
         default = action.default
         if isinstance(default, str) and (default == "out" or default.startswith("out" + os.sep)) \

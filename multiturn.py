@@ -3,7 +3,8 @@ Multi-turn credit: GRPO on episodes of several turns, each answered by the envir
 credit each turn gets chosen by --credit. The environment: tasks/guess.py, a hidden number from 1
 to 15 found by at most four guesses, each wrong one answered higher or lower (binary search needs
 3.27 turns on average); every turn has a reward the environment computes (the information its
-answer gives), and the episode an outcome (found or not).
+answer gives), and the episode an outcome (found or not). --chat: each guess an assistant turn and
+each answer a user turn, in the checkpoint's chat template.
 
 Group of G episodes of one game, episode i, turn k (K_i turns), r_ik the turn's reward, O_i the
 outcome; every token the policy wrote in turn k gets A_ik, the environment's tokens none:
@@ -135,20 +136,6 @@ def turn_advantages(credit, rewards, outcome, present, states, G, gamma, weight)
 # -----------------------------------------------------------------------------
 # What the environment says of each episode
 
-def turn_texts(ep, tok):
-    """Each episode's turns as the policy wrote them, its end tokens dropped: B lists."""
-    out = []
-    for row, turn, sampled in zip(ep.tokens.tolist(), ep.turn.tolist(), ep.sampled.tolist()):
-        turns = {}
-        for t, k, s in zip(row, turn, sampled):
-            if s and t not in tok.stop_ids:
-                turns.setdefault(k, []).append(t)
-            elif s:
-                turns.setdefault(k, [])
-        out.append([tok.decode(turns[k]) for k in sorted(turns)])
-    return out
-
-
 def judged(prompts, G, texts, K, device):
     """(rewards (B, K), outcome (B,), present (B, K) bool, states (B, K) int64) of the episodes'
     turns (texts), by the environment (tasks/guess.py)."""
@@ -173,7 +160,7 @@ def evaluate_turns(run, policy, tok, args):
     prompts = task.eval_prompts()[:args.eval_n]
     with run.autocast:
         ep = task.episodes(policy, tok, prompts, 1, 0.0, args.max_new_tokens, 0, guess.MAX_TURNS)
-    texts = turn_texts(ep, tok)
+    texts = task.turn_texts(ep, tok)
     found = [guess.outcome(p, t) for p, t in zip(prompts, texts)]
     turns = [len(t) for t in texts]
     return {"eval_found": sum(found) / len(found), "eval_turns": sum(turns) / len(turns),
@@ -216,9 +203,9 @@ def parse_args(argv=None):
                    help="SFT checkpoint: the starting policy and the frozen reference")
     p.set_defaults(task="guess")
     args = p.parse_args(argv)
-    if args.task != "guess" or args.chat or args.tools:
-        p.error(f"--task {args.task}{' --chat' * bool(args.chat)}: multiturn.py's turns and "
-                f"their rewards are the guessing game's; allowed: --task guess, without --chat")
+    if args.task != "guess":
+        p.error(f"--task {args.task}: multiturn.py's turns and their rewards are the guessing "
+                f"game's; allowed: --task guess")
     return args
 
 
@@ -229,7 +216,8 @@ def main(args):
     ref = run.reference(args.init, policy)              # ... which stays frozen as the reference
     ref_weights = run.parked(ref, policy)               # ... in host memory outside step 3 (GPU)
     K = guess.MAX_TURNS                                 # between turns: an answer, an end token
-    reply = max(len(tok.encode(r)) for r in (guess.HIGHER, guess.LOWER, guess.UNREAD))
+    reply = max(len(r if isinstance(r, list) else tok.encode(r))
+                for r in task.environment(0, tok).replies)
     run.check_lengths(policy, tok, args.max_new_tokens, turns=K, extra=(K - 1) * (reply + 1))
     train_policy = run.ddp(policy)  # DDP or --fsdp's shards under torchrun, else the policy
     optimizer = torch.optim.AdamW(trainable(train_policy), lr=args.lr, betas=(0.9, 0.99))
@@ -252,7 +240,7 @@ def main(args):
 
         # 2. each turn's reward and state from the environment; the estimator's advantage of each
         #    turn, on every token the policy wrote in it
-        texts = turn_texts(ep, tok)
+        texts = task.turn_texts(ep, tok)
         rewards, outcome, present, states = judged(prompts, G, texts, K, run.device)
         turn_adv = turn_advantages(args.credit, rewards, outcome, present, states, G, args.gamma,
                                    args.turn_weight)                                   # (B, K)

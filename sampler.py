@@ -336,11 +336,11 @@ class Environment(NamedTuple):
     """What answers the policy in an episode (task.environment builds them). The compact
     protocol: a call is the text between call_open and call_close, answered with reply(call)
     right after it; revision(prompt) comes between attempts, or feedback(prompt, the attempts'
-    texts so far), one of `replies`, where what the environment says depends on the turn (None:
-    the episode ends). The chat protocol (chat, a tools.ChatTools): the calls of a turn are
-    answered when a stop id ends it, in the template's tool messages; a turn without a call ends
-    the attempt. score(prompt, the attempt's text; in the chat protocol its last turn's) says
-    whether an attempt is right."""
+    texts so far), one of `replies` (a text, or ids), where what the environment says depends on
+    the turn (None: the episode ends). The chat protocol (chat, a tools.ChatTools): the calls of
+    a turn are answered when a stop id ends it, in the template's tool messages; a turn without a
+    call ends the attempt. score(prompt, the attempt's text; in the chat protocol its last
+    turn's) says whether an attempt is right."""
     call_open: str | None
     call_close: str | None
     reply: Callable[[str], str] | None
@@ -508,8 +508,8 @@ def episodes(policy, tokenizer, prompts, env, group_size=1, temperature=1.0, max
     prompt = prompt.repeat_interleave(group_size, 0)                          # (B, Tp)
     prompt_mask = prompt_mask.repeat_interleave(group_size, 0)
     B = prompt.size(0)
-    between = (max(len(tokenizer.encode(r)) for r in env.replies) if env.feedback else
-               max(map(len, revise)))
+    between = (max(len(tokenizer.encode(r) if isinstance(r, str) else r) for r in env.replies)
+               if env.feedback else max(map(len, revise)))
     Tn = turns * max_new_tokens + (turns - 1) * (between + 1)                 # longest episode
     cache = KVCache(policy.config.n_layer, B, prompt.size(1) + Tn, device)
     logits = policy(prompt, prompt_mask, cache)[:, -1].float()                # (B, V) the first's
@@ -547,9 +547,10 @@ def episodes(policy, tokenizer, prompts, env, group_size=1, temperature=1.0, max
 
 
 def _feedback(tokenizer, env, prompt, e):
-    """The ids of what env.feedback writes after episode e's attempts so far, or None."""
-    text = env.feedback(prompt, [tokenizer.decode(ids) for ids in e.answer_ids[:e.turn + 1]])
-    return None if text is None else tokenizer.encode(text)
+    """The ids of what env.feedback writes after episode e's attempts so far (a text, or ids as
+    a chat template renders them), or None."""
+    said = env.feedback(prompt, [tokenizer.decode(ids) for ids in e.answer_ids[:e.turn + 1]])
+    return tokenizer.encode(said) if isinstance(said, str) else said      # ids as they are
 
 
 @functools.lru_cache(maxsize=8)

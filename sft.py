@@ -97,7 +97,7 @@ def main(args):
         except (ValueError, CheckpointError) as e:
             raise SystemExit(f"error: --tokenizer: {e}") from None
         run.tokenizer_name = tok.name
-        longest, budget = task.max_prompt_tokens(tok), task.default_max_new_tokens()
+        longest, budget = task.max_prompt_tokens(tok), task.longest_demonstration(tok)
         if args.hint_share:                      # the privileged prompts are longer
             longest = max(longest, task.max_privileged_tokens(tok))
         # the task's longest prompt and completion budget must fit

@@ -25,6 +25,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+import chat as templates
 import sampler
 import tools
 from checkpoint import fingerprint
@@ -130,6 +131,16 @@ def default_max_new_tokens():
     return _in_use.task.max_new_tokens + (R1_EXTRA_TOKENS if _in_use.format == "r1" else 0)
 
 
+def longest_demonstration(tokenizer):
+    """The most tokens after the prompt a demonstration takes: the completion budget; the game's
+    every turn and the answers between them."""
+    if _in_use.task.name != "guess":
+        return default_max_new_tokens()
+    replies = environment(0, tokenizer).replies
+    reply = max(len(r if isinstance(r, list) else tokenizer.encode(r)) for r in replies)
+    return guess.MAX_TURNS * guess.MAX_NEW_TOKENS + (guess.MAX_TURNS - 1) * (reply + 1)
+
+
 def eval_prompts():
     """The fixed held-out prompts, in the format in use."""
     return [_prompt(p) for p in _in_use.task.eval_prompts()]
@@ -154,7 +165,10 @@ def sample_demonstrations(rng, n, mistake_rate=0.6, precedence_share=None):
 
 def demonstration(prompt, mistake=False):
     """A completion's text; with --tools the messages after the user's (toolcalc's call, the
-    tool's reply and the answer; another task's one assistant message)."""
+    tool's reply and the answer; another task's one assistant message); the game's with --chat."""
+    if _in_use.task.name == "guess" and _in_use.chat:
+        return guess.messages(prompt, guess.guesses_of(_in_use.task.demonstration(prompt,
+                                                                                    mistake)))
     if _in_use.tools is not None:
         if _in_use.task.name == "toolcalc":
             return toolcalc.messages(prompt, mistake)
@@ -271,12 +285,28 @@ def complete(model, tokenizer, prompts, num_samples=1, temperature=0.0, max_new_
                 model, idx, mask, max_new_tokens, tokenizer.stop_ids, tokenizer.pad_id,
                 num_samples=num_samples, temperature=temperature, generator=generator,
                 return_logprobs=return_logprobs)
-        texts += tokenizer.decode_completions(tokens, cmask)
+        if name() == "guess":                   # its text, whatever the protocol wrote around it
+            batch = [p for p in prompts[i:i + batch_size] for _ in range(num_samples)]
+            texts += [guess.episode_text(p, t) for p, t in zip(batch, turn_texts(e, tokenizer))]
+        else:
+            texts += tokenizer.decode_completions(tokens, cmask)
         ids += kept(tokens, cmask) if return_ids or return_logprobs else []
         logps += kept(logp[0], cmask) if return_logprobs else []
     if return_logprobs:
         return texts, ids, logps
     return (texts, ids) if return_ids else texts
+
+
+def turn_texts(ep, tokenizer):
+    """Each episode's turns (sampler.Episodes) as the policy wrote them, stop ids dropped."""
+    out = []
+    for row, turn, sampled in zip(ep.tokens.tolist(), ep.turn.tolist(), ep.sampled.tolist()):
+        turns = {}
+        for t, k, s in zip(row, turn, sampled):
+            if s:
+                turns.setdefault(k, []).extend([] if t in tokenizer.stop_ids else [t])
+        out.append([tokenizer.decode(turns[k]) for k in sorted(turns)])
+    return out
 
 
 def kept(x, mask):
@@ -355,8 +385,16 @@ def environment(max_calls=None, tokenizer=None):
     max_calls = _in_use.max_calls if max_calls is None else max_calls
     protocol = chat_tools(tokenizer) if tokenizer is not None else None
     if name() == "guess":                        # what it says depends on the guess
-        return sampler.Environment(None, None, None, None, score, 0, None, guess.feedback,
-                                   (guess.HIGHER, guess.LOWER, guess.UNREAD))
+        said = {r: r for r in guess.CHAT_REPLIES}
+        if tokenizer is not None and tokenizer.chat is not None:     # a user turn, as rendered
+            turn = [{"role": "user", "content": "1"}, {"role": "assistant",
+                                                       "content": templates.PROBE}]
+            said = {r: tokenizer.chat.encode_after_turn(
+                turn + [{"role": "user", "content": text}], tokenizer.encode_special,
+                tokenizer.encode) for r, text in guess.CHAT_REPLIES.items()}
+        feedback = lambda p, turns: said.get(guess.feedback(p, turns))
+        return sampler.Environment(None, None, None, None, score, 0, None, feedback,
+                                   tuple(said.values()))
     if protocol is not None:
         return sampler.Environment(None, None, None, None, score, max_calls, protocol)
     return sampler.Environment(toolcalc.CALL_OPEN, toolcalc.CALL_CLOSE, toolcalc.tool_reply,
@@ -507,6 +545,11 @@ def completion_batch(prompts, completions, tokenizer, device="cpu"):
     ids, targets = [], []
     protocol = chat_tools(tokenizer)
     for p, c in zip(prompts, completions):
+        if isinstance(c, list) and c and isinstance(c[0], dict) and protocol is None:
+            head, pieces = templates.demonstration(tokenizer, p, c)  # the game's, as rendered
+            ids.append((head, [t for piece, _ in pieces for t in piece]))
+            targets.append([float(not env) for piece, env in pieces for _ in piece])
+            continue
         if protocol is not None and not (isinstance(c, (list, tuple)) and c and
                                          isinstance(c[0], int)):    # a chat demonstration
             messages = [{"role": "assistant", "content": c}] if isinstance(c, str) else c

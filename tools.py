@@ -35,7 +35,7 @@ import typing
 from typing import Any, Literal, NamedTuple, Union
 
 import sandbox
-from chat import PROBE, ChatTemplateError
+from chat import PROBE, ChatTemplateError, demonstration
 from tasks import toolcalc
 
 STYLES = ("hermes", "llama3")
@@ -576,25 +576,5 @@ class ChatTools:
         return len(calls), len(calls)
 
     def demonstration(self, prompt, messages):
-        """(prompt ids, [(ids, written by the environment)]) of a demonstration: the whole
-        conversation as the template renders it (transformers' apply_chat_template), cut where
-        each assistant turn begins (after the generation prompt the template writes there) and
-        ends (its end of turn, the last id of its piece). ValueError for a template whose
-        conversation does not begin with that generation prompt."""
-        user, pieces = {"role": "user", "content": prompt}, []
-        full = self._encode([user, *messages], add_generation_prompt=False)
-        opening = at = len(self._encode([user]))
-        for i, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
-            head = self._encode([user, *messages[:i]])
-            if full[:len(head)] != head or self.tok.eos_id not in full[len(head):]:
-                raise ValueError(f"{self.tok.name}: its template writes an assistant message "
-                                 f"differently after a generation prompt")
-            if len(head) > at:
-                pieces.append((full[at:len(head)], True))
-            at = full.index(self.tok.eos_id, len(head)) + 1
-            pieces.append((full[len(head):at], False))
-        if at < len(full) and messages and messages[-1]["role"] != "assistant":
-            pieces.append((full[at:], True))
-        return full[:opening], pieces
+        """chat.demonstration with the tools' schemas in the template's place."""
+        return demonstration(self.tok, prompt, messages, tools=self.schemas)

@@ -9,6 +9,8 @@ turns or more, and a turn can be credited with what it did.
     episode     8<|endoftext|>> 12<|endoftext|>< 10<|endoftext|>> 11<|endoftext|>
                 the policy guesses 8, 12, 10, 11 (each turn ended by its end token); the environment
                 writes "> " (higher) or "< " (lower) after a wrong guess; a right one ends it
+    --chat      each guess an assistant turn, each answer a user turn ("higher", "lower"), as
+                the chat template renders them
 
 Why this game: the reply is all the policy has to go on (the prompt shows no trace of the number:
 it is the game's id hashed, crc32, and the ids are a million), the optimal policy is known and
@@ -37,7 +39,9 @@ from tasks import Task
 LOW, HIGH = 1, 15
 MAX_TURNS = 4          # guesses an episode allows (multiturn.py --turns)
 MAX_NEW_TOKENS = 3     # a turn: two digits and the end token
+CHAT_BLOCK_SIZE = 160  # sft.py's default --block_size with --chat: four turns in bytes-chat: 136
 HIGHER, LOWER, UNREAD = "> ", "< ", "? "    # the environment's answers to a wrong guess
+CHAT_REPLIES = {HIGHER: "higher", LOWER: "lower", UNREAD: "a number?"}
 FEEDBACK_CHARS = 2     # the longest of them
 SLIP_RATE = 0.5
 HELD_OUT = 512
@@ -111,6 +115,18 @@ def demonstrator(prompt, rng, slip_rate=SLIP_RATE):
         if g == n:
             break
         lo, hi = (g + 1, hi) if n > g else (lo, g - 1)
+    return out
+
+
+def messages(prompt, guesses):
+    """The episode after the user's prompt as a chat (--chat): each guess an assistant message,
+    each answer a user message (CHAT_REPLIES' words)."""
+    out = []
+    for k, g in enumerate(guesses):
+        out.append({"role": "assistant", "content": g})
+        reply = feedback(prompt, guesses[:k + 1]) if k + 1 < len(guesses) else None
+        if reply is not None:
+            out.append({"role": "user", "content": CHAT_REPLIES[reply]})
     return out
 
 

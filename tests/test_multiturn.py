@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 
+import chat
 import multiturn
 import task
 from checkpoint import load_checkpoint
@@ -222,7 +223,7 @@ def test_the_sampler_plays_the_game_by_its_rules(guess_sft):
     prompts = guess.eval_prompts()[:6]
     ep = task.episodes(policy, tok, prompts, 3, 1.0, 3, 0, guess.MAX_TURNS,
                        generator=torch.Generator().manual_seed(1))
-    texts = multiturn.turn_texts(ep, tok)
+    texts = task.turn_texts(ep, tok)
     for i, turns in enumerate(texts):
         p, row = prompts[i // 3], ep.tokens[i][ep.mask[i] > 0].tolist()
         env = [t for t, s in zip(row, ep.sampled[i][ep.mask[i] > 0].tolist()) if not s]
@@ -281,5 +282,52 @@ def test_bad_input_is_one_line(tmp_path):
                                  (["--credit", "vapo"], ["--credit", "vapo"]),
                                  (["--task", "arithmetic"], ["--task arithmetic",
                                                              "allowed: --task guess"]),
-                                 (["--chat"], ["--chat", "allowed: --task guess"])], tmp_path)
+                                 (["--chat", "--tools", "calculator"],
+                                  ["--tools calculator", "this script has neither"])],
+                tmp_path)
     assert not os.path.exists(os.path.join(ROOT, "out", "guess", "multiturn"))
+
+
+# -----------------------------------------------------------------------------
+# The game in a chat template (--chat)
+
+@pytest.mark.parametrize("name", ["qwen3", "llama3"])
+def test_in_a_chat_template_the_episode_is_the_demonstrations_layout(name):
+    """Each guess an assistant turn, each answer a user turn: a demonstration's pieces are the
+    template's render of the whole conversation (through the last end of turn), and between two
+    turns the environment writes
+    exactly what the demonstration has there (the template's user turn and its next opening)."""
+    task.use(task_args("guess", chat=True))
+    tok = Tokenizer.from_pretrained(os.path.join(ROOT, "tests", "golden", name)).use_chat(
+        "2024-07-26")
+    env = task.environment(0, tok)
+    for p in guess.eval_prompts()[:8]:
+        messages = task.demonstration(p)
+        head, pieces = chat.demonstration(tok, p, messages)
+        user = [{"role": "user", "content": p}]
+        ids = head + [t for piece, _ in pieces for t in piece]
+        full = tok.chat.encode(user + messages, tok.encode_special, tok.encode,
+                               add_generation_prompt=False)
+        assert full[:len(ids)] == ids and len(full) - len(ids) <= 1   # ChatML's last newline
+        assert head == tok.encode_prompt(p)
+        turns = [m["content"] for m in messages if m["role"] == "assistant"]
+        between = [piece for piece, by_env in pieces if by_env]
+        assert between == [env.feedback(p, turns[:k + 1]) for k in range(len(turns) - 1)]
+        for piece, by_env in pieces:
+            if not by_env:
+                assert piece[-1] == tok.eos_id                  # a turn ends with its end token
+
+
+@pytest.mark.slow
+def test_the_chat_protocol_end_to_end(tmp_path):
+    out = str(tmp_path)
+    p = run_script("sft.py", ["--task", "guess", "--chat", "--steps", "60", "--n_layer", "1",
+                              "--n_head", "2", "--n_embd", "32", "--eval_n", "8", "--out", out])
+    assert p.returncode == 0, p.stderr[-2000:]
+    p = run_script("multiturn.py", FLAGS + ["--steps", "2", "--chat", "--init",
+                                            os.path.join(out, "sft.pt"), "--out", out])
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = [json.loads(line) for line in open(os.path.join(out, "multiturn", "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == [0, 1, 2] and rows[1]["sampler_logp_diff"] < 1e-4
+    assert 1 <= rows[1]["turns"] <= guess.MAX_TURNS and rows[2]["eval_found"] == rows[2][
+        "eval_accuracy"]
