@@ -93,13 +93,14 @@ def batch_std(run, rewards, present=None):
 
 
 def agent_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps=0.2, beta=0.04,
-               kl_estimator="k3", num_seqs=None, num_tokens=None):
+               kl_estimator="k3", num_seqs=None, num_tokens=None, lengths=None):
     """GRPO's loss on episodes and its metrics (detached). logp (B, T) log pi_theta of the episode's
     tokens (with grad); old_logp (B, T) at sampling time; ref_logp (B, T) under the reference;
     advantages (B, T), each token its attempt's A; beta a number or (B, T), each token's KL weight;
     mask (B, T) 1.0 on the tokens the loss sees: the policy's (Episodes.sampled), never the
     environment's. Where mask is 0 the gradient is exactly 0 (values there are never read).
-    num_seqs, num_tokens: the whole step's counts when this batch is a part of it."""
+    num_seqs, num_tokens: the whole step's counts when this batch is a part of it; lengths (B,):
+    each row's |o_i| where a row is part of an episode (multiturn.py's steps), else its own."""
     real = mask > 0                                                    # (B, T) bool
     logp, old_logp, ref_logp = (torch.where(real, x, 0.0) for x in (logp, old_logp, ref_logp))
     ratio = torch.exp(logp - old_logp)                                 # rho_it = pi_theta / pi_old
@@ -108,7 +109,8 @@ def agent_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps=0.2, beta=0.
     kl_t = kl_penalty(logp, ref_logp, kl_estimator)             # (B, T) KL_it
     per_token = torch.where(real, pg + beta * kl_t, 0.0)        # (B, T) the environment's tokens: 0
     n_seqs = mask.size(0) if num_seqs is None else num_seqs
-    loss = (per_token.sum(1) / mask.sum(1).clamp(min=1)).sum() / n_seqs   # 1/G sum_i 1/|o_i| sum_t
+    o = mask.sum(1) if lengths is None else lengths                    # (B,) |o_i|
+    loss = (per_token.sum(1) / o.clamp(min=1)).sum() / n_seqs          # 1/G sum_i 1/|o_i| sum_t
     n_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
     clipped = (((advantages > 0) & (ratio > 1 + clip_eps))
                | ((advantages < 0) & (ratio < 1 - clip_eps)))

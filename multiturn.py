@@ -4,7 +4,10 @@ credit each turn gets chosen by --credit. The environment: tasks/guess.py, a hid
 to 15 found by at most four guesses, each wrong one answered higher or lower (binary search needs
 3.27 turns on average); every turn has a reward the environment computes (the information its
 answer gives), and the episode an outcome (found or not). --chat: each guess an assistant turn and
-each answer a user turn, in the checkpoint's chat template.
+each answer a user turn, in the checkpoint's chat template. --layout steps: each turn its own
+sample, sampled from and trained on the game so far as the template renders it then (a template
+that rewrites earlier turns, as Qwen3's drops earlier reasoning, is read as the model read it);
+the loss is the same sum, each turn's row normalised by its episode's |o_i|.
 
 Group of G episodes of one game, episode i, turn k (K_i turns), r_ik the turn's reward, O_i the
 outcome; every token the policy wrote in turn k gets A_ik, the environment's tokens none:
@@ -34,8 +37,11 @@ Run (builds out/guess/sft.pt first, sft.py --task guess):
     python multiturn.py --credit gigpo       # or mt_grpo, returns (experiments/multiturn_credit.py)
 Metrics: out/guess/multiturn/metrics.jsonl (docs/metrics.md); checkpoint out/guess/multiturn.pt.
 """
+from typing import NamedTuple
+
 import torch
 
+import sampler
 import task
 from agent import agent_loss
 from flags import SFT_PATH, TEMPERATURE, Float, Int, add_run_flags, parser
@@ -153,14 +159,94 @@ def judged(prompts, G, texts, K, device):
     return rewards, outcome, present, states
 
 
+# -----------------------------------------------------------------------------
+# The two layouts: an episode a row (what the policy read, if the template only appends), or a
+# turn a row, its prompt the game so far as the template renders it then
+
+class Rows(NamedTuple):
+    prompt: torch.Tensor        # (R, Tp) left-padded
+    prompt_mask: torch.Tensor   # (R, Tp)
+    tokens: torch.Tensor        # (R, Tn) right-padded: an episode's tokens, or one turn's
+    mask: torch.Tensor          # (R, Tn) 1.0 on real tokens
+    sampled: torch.Tensor       # (R, Tn) 1.0 on the policy's
+    logp: torch.Tensor          # (R, Tn) the sampler's log-probs
+    turn: torch.Tensor          # (R, Tn) int64: each token's turn
+    episode: torch.Tensor       # (R,) int64: each row's episode
+    texts: list                 # each episode's turns as written
+
+
+def step_prompt(tok, prompt, turns):
+    """The ids the policy reads before the turn after `turns`: through the chat template, the
+    user's prompt, each turn and its answer, then the generation prompt, rendered whole (a
+    template may write earlier turns otherwise than it did then); compact: the prompt, then each
+    turn, its end token and its answer."""
+    if tok.chat is not None:
+        chat = [{"role": "user", "content": prompt}, *guess.messages(prompt, turns, True)]
+        return tok.chat.encode(chat, tok.encode_special, tok.encode)
+    ids = tok.encode_prompt(prompt)
+    for k, text in enumerate(turns):
+        ids += tok.encode(text) + [tok.eos_id] + tok.encode(guess.feedback(prompt, turns[:k + 1]))
+    return ids
+
+
+def episode_rows(ep, tok):
+    """Rows of whole episodes (sampler.Episodes)."""
+    return Rows(ep.prompt, ep.prompt_mask, ep.tokens, ep.mask, ep.sampled, ep.logp, ep.turn,
+                torch.arange(len(ep.tokens), device=ep.tokens.device), task.turn_texts(ep, tok))
+
+
+@torch.no_grad()
+def step_rows(policy, tok, prompts, G, temperature, max_new_tokens, K, generator=None):
+    """G episodes a game sampled a turn at a time, each turn from step_prompt (ended by a stop id,
+    or by the budget, which ends the episode; a right guess ends it too): a row each turn."""
+    device = next(policy.parameters()).device
+    games = [p for p in prompts for _ in range(G)]
+    texts, live, made = [[] for _ in games], list(range(len(games))), []
+    for k in range(K):
+        if not live:
+            break
+        prompt, prompt_mask = sampler.left_pad([step_prompt(tok, games[i], texts[i])
+                                                for i in live], tok.pad_id, device)
+        tokens, mask, truncated, *logp = sampler.generate(
+            policy, prompt, prompt_mask, max_new_tokens, tok.stop_ids, tok.pad_id,
+            temperature=temperature, generator=generator, return_logprobs=temperature > 0)
+        still = []
+        for j, i in enumerate(live):
+            n = int(mask[j].sum())
+            ids = tokens[j, :n].tolist()
+            texts[i].append(tok.decode([t for t in ids if t not in tok.stop_ids]))
+            made.append((i, k, prompt[j][prompt_mask[j] > 0].tolist(), ids,
+                         logp[0][j, :n].tolist() if logp else [0.0] * n))
+            if not truncated[j] and guess.feedback(games[i], texts[i]) is not None:
+                still.append(i)
+        live = still
+    made.sort(key=lambda r: r[:2])                       # an episode's turns together, in order
+    prompt, prompt_mask = sampler.left_pad([r[2] for r in made], tok.pad_id, device)
+    Tn = max(len(r[3]) for r in made)
+    pad = lambda rows, v: torch.tensor([r + [v] * (Tn - len(r)) for r in rows], device=device)
+    mask = pad([[1.0] * len(r[3]) for r in made], 0.0)
+    return Rows(prompt, prompt_mask, pad([r[3] for r in made], tok.pad_id), mask, mask,
+                pad([r[4] for r in made], 0.0),
+                torch.tensor([r[1] for r in made], device=device)[:, None].expand(-1, Tn),
+                torch.tensor([r[0] for r in made], device=device), texts)
+
+
+def sample(policy, tok, prompts, G, temperature, args, generator=None):
+    """--layout's rows of G episodes a game."""
+    if args.layout == "steps":
+        return step_rows(policy, tok, prompts, G, temperature, args.max_new_tokens,
+                         guess.MAX_TURNS, generator)
+    return episode_rows(task.episodes(policy, tok, prompts, G, temperature, args.max_new_tokens,
+                                      0, guess.MAX_TURNS, generator=generator), tok)
+
+
 def evaluate_turns(run, policy, tok, args):
     """Held-out greedy episodes: how often found, with how many turns (rank 0 alone)."""
     if not run.is_main:
         return {}
     prompts = task.eval_prompts()[:args.eval_n]
     with run.autocast:
-        ep = task.episodes(policy, tok, prompts, 1, 0.0, args.max_new_tokens, 0, guess.MAX_TURNS)
-    texts = task.turn_texts(ep, tok)
+        texts = sample(policy, tok, prompts, 1, 0.0, args).texts
     found = [guess.outcome(p, t) for p, t in zip(prompts, texts)]
     turns = [len(t) for t in texts]
     return {"eval_found": sum(found) / len(found), "eval_turns": sum(turns) / len(turns),
@@ -179,6 +265,9 @@ def parse_args(argv=None):
                    help="discount of later turns' rewards (returns, gigpo)")
     g.add_argument("--turn_weight", type=Float(ge=0), default=1.0,
                    help="lambda (mt_grpo: the outcome's weight) or omega (gigpo: the step's)")
+    g.add_argument("--layout", default="episode", choices=["episode", "steps"],
+                   help="a row an episode, or a row a turn, its prompt re-rendered (what the "
+                        "policy read where a template rewrites earlier turns)")
     g.add_argument("--group_size", type=Int(ge=2), default=8, help="G: episodes sampled per game")
     g.add_argument("--clip_eps", type=Float(gt=0, le=1), default=0.2,
                    help="PPO clip: the ratio kept in [1-eps, 1+eps]")
@@ -230,25 +319,27 @@ def main(args):
         run.log_start({**run.evaluate(policy, tok), **evaluate_turns(run, policy, tok, args)})
 
     while run.training():
-        # 1. episodes: G per game, token by token; the environment answers each turn's guess
+        # 1. episodes: G per game; the environment answers each turn's guess. A row an episode, or
+        #    (--layout steps) a turn, sampled from the game so far as the template renders it
         prompts = run.shard(task.sample_prompts(run.rng, P))
         with run.autocast:
-            ep = task.episodes(policy, tok, prompts, G, temp, args.max_new_tokens, 0, K,
-                               generator=run.gen)
+            ep = sample(policy, tok, prompts, G, temp, args, run.gen)
         prompt, prompt_mask, tokens, mask = ep.prompt, ep.prompt_mask, ep.tokens, ep.mask
         run.samples += P * G
 
         # 2. each turn's reward and state from the environment; the estimator's advantage of each
-        #    turn, on every token the policy wrote in it
-        texts = task.turn_texts(ep, tok)
-        rewards, outcome, present, states = judged(prompts, G, texts, K, run.device)
+        #    turn, on every token the policy wrote in it; each row normalised by its episode's
+        #    |o_i| (a step is part of one)
+        rewards, outcome, present, states = judged(prompts, G, ep.texts, K, run.device)
         turn_adv = turn_advantages(args.credit, rewards, outcome, present, states, G, args.gamma,
                                    args.turn_weight)                                   # (B, K)
-        advantages = turn_adv.gather(1, ep.turn)                                      # (B, Tn)
+        advantages = turn_adv[ep.episode[:, None], ep.turn]                           # (R, Tn)
+        lengths = torch.zeros(len(ep.texts), device=run.device).index_add_(
+            0, ep.episode, ep.sampled.sum(1))[ep.episode]                            # (R,) |o_i|
 
         # 3. score without gradient (onpolicy.py): pi_old and pi_ref; the KL and the entropy on
         #    logged steps. --batch_invariant: pi_old is the sampler's
-        n_seqs, n_tokens = run.all_sum(len(mask)), run.all_sum(ep.sampled.sum())
+        n_seqs, n_tokens = run.all_sum(len(ep.texts)), run.all_sum(ep.sampled.sum())
         scored = run.score(policy, ref, ref_weights, prompt, prompt_mask, tokens, mask, ep.logp,
                            temp, kl_mask=ep.sampled, n_kl=n_tokens)
 
@@ -261,7 +352,8 @@ def main(args):
                                            tokens[rows], mask[rows], temp)
             part, part_stats = agent_loss(logp, scored.old_logp[rows], scored.ref_logp[rows],
                                           advantages[rows], ep.sampled[rows], args.clip_eps,
-                                          args.beta, args.kl_estimator, n_seqs, n_tokens)
+                                          args.beta, args.kl_estimator, n_seqs, n_tokens,
+                                          lengths[rows])
             run.check_finite(part, f"lower --lr (now {args.lr})")
             part.backward()
             loss = loss + part.detach()

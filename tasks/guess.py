@@ -59,8 +59,8 @@ def secret(prompt):
 
 
 def parse_guess(text):
-    """A turn's number, or None."""
-    m = _GUESS.fullmatch(text) if isinstance(text, str) else None
+    """A turn's number (after its reasoning, where it ends with </think>), or None."""
+    m = _GUESS.fullmatch(text.rpartition("</think>")[2]) if isinstance(text, str) else None
     return None if m is None else int(m.group(1))
 
 
@@ -118,13 +118,14 @@ def demonstrator(prompt, rng, slip_rate=SLIP_RATE):
     return out
 
 
-def messages(prompt, guesses):
+def messages(prompt, guesses, answered=False):
     """The episode after the user's prompt as a chat (--chat): each guess an assistant message,
-    each answer a user message (CHAT_REPLIES' words)."""
+    each answer a user message (CHAT_REPLIES' words); answered: the last guess's answer too."""
     out = []
     for k, g in enumerate(guesses):
         out.append({"role": "assistant", "content": g})
-        reply = feedback(prompt, guesses[:k + 1]) if k + 1 < len(guesses) else None
+        last = k + 1 == len(guesses) and not answered
+        reply = None if last else feedback(prompt, guesses[:k + 1])
         if reply is not None:
             out.append({"role": "user", "content": CHAT_REPLIES[reply]})
     return out

@@ -15,6 +15,7 @@ import chat
 import multiturn
 import task
 from checkpoint import load_checkpoint
+from model import GPT, GPTConfig, completion_logprobs
 from conftest import ROOT, refuses_all, run_script, task_args
 from tasks import guess
 from tokenizer import Tokenizer
@@ -324,10 +325,131 @@ def test_the_chat_protocol_end_to_end(tmp_path):
     p = run_script("sft.py", ["--task", "guess", "--chat", "--steps", "60", "--n_layer", "1",
                               "--n_head", "2", "--n_embd", "32", "--eval_n", "8", "--out", out])
     assert p.returncode == 0, p.stderr[-2000:]
-    p = run_script("multiturn.py", FLAGS + ["--steps", "2", "--chat", "--init",
-                                            os.path.join(out, "sft.pt"), "--out", out])
-    assert p.returncode == 0, p.stderr[-2000:]
-    rows = [json.loads(line) for line in open(os.path.join(out, "multiturn", "metrics.jsonl"))]
-    assert [r["step"] for r in rows] == [0, 1, 2] and rows[1]["sampler_logp_diff"] < 1e-4
-    assert 1 <= rows[1]["turns"] <= guess.MAX_TURNS and rows[2]["eval_found"] == rows[2][
-        "eval_accuracy"]
+    for layout in ("episode", "steps"):                 # steps: each turn its own row
+        p = run_script("multiturn.py", FLAGS + ["--steps", "2", "--chat", "--layout", layout,
+                                                "--init", os.path.join(out, "sft.pt"), "--out",
+                                                os.path.join(out, layout)])
+        assert p.returncode == 0, p.stderr[-2000:]
+        rows = [json.loads(line)
+                for line in open(os.path.join(out, layout, "multiturn", "metrics.jsonl"))]
+        assert [r["step"] for r in rows] == [0, 1, 2] and rows[1]["sampler_logp_diff"] < 1e-4
+        assert 1 <= rows[1]["turns"] <= guess.MAX_TURNS and math.isfinite(rows[1]["loss"])
+
+
+# -----------------------------------------------------------------------------
+# Step-wise samples (--layout steps): each turn's prompt as the template renders the game then
+
+GAME_STEPS = json.load(open(os.path.join(ROOT, "tests", "golden", "game_steps.json")))
+
+
+@pytest.mark.parametrize("case", sorted(GAME_STEPS))
+def test_each_steps_prompt_is_transformers_apply_chat_template(case):
+    """The ids of each turn's prompt of a game against transformers' apply_chat_template (written
+    by tests/golden/make_golden.py --game) on the Llama 3 and Qwen3 folders, and with a template
+    that drops earlier reasoning as Qwen3's does: there the prompt of a later turn is not the
+    earlier one with the new turns appended, and the step layout trains on what was read."""
+    name, template = case.split("/")
+    tok = Tokenizer.from_pretrained(os.path.join(ROOT, "tests", "golden", name))
+    if template != "own":
+        source = open(os.path.join(ROOT, "tests", "golden", "templates", template)).read()
+        tok.template = (source, *tok.template[1:])
+    tok = tok.use_chat("2024-07-26")
+    task.use(task_args("guess", chat=True))
+    env, appended, previous = task.environment(0, tok), True, []
+    for k, step in enumerate(GAME_STEPS[case]):
+        prompt = step["messages"][0]["content"]
+        turns = [m["content"] for m in step["messages"] if m["role"] == "assistant"]
+        ids = multiturn.step_prompt(tok, prompt, turns)
+        assert ids == step["ids"], (case, k)
+        if k:           # the episode as sampled: the last prompt, the turn, its end, the answer
+            appended &= ids == previous + tok.encode(turns[-1]) + [tok.eos_id] + env.feedback(
+                prompt, turns)
+        previous = ids
+    assert appended == (template == "own")
+
+
+def layouts(tok, prompt, texts):
+    """The same game as one episode row and as a row per turn (multiturn.Rows), built from its
+    texts: the turns' ids, each ended by the end token, the environment's answers between."""
+    env = task.environment(0, tok)
+    ids, sampled, turn = [], [], []
+    for k, text in enumerate(texts):
+        piece = tok.encode(text) + [tok.eos_id]
+        ids, sampled, turn = ids + piece, sampled + [1.0] * len(piece), turn + [k] * len(piece)
+        said = env.feedback(prompt, texts[:k + 1]) if k + 1 < len(texts) else None
+        said = tok.encode(said) if isinstance(said, str) else said or []
+        ids, sampled, turn = ids + said, sampled + [0.0] * len(said), turn + [k + 1] * len(said)
+    whole = (torch.tensor([tok.encode_prompt(prompt)]), torch.ones(1, len(tok.encode_prompt(
+        prompt))), torch.tensor([ids]), torch.ones(1, len(ids)), torch.tensor([sampled]),
+        torch.tensor([turn]))
+    steps = []
+    for k, text in enumerate(texts):
+        p = multiturn.step_prompt(tok, prompt, texts[:k])
+        piece = tok.encode(text) + [tok.eos_id]
+        steps.append((torch.tensor([p]), torch.ones(1, len(p)), torch.tensor([piece]),
+                      torch.ones(1, len(piece)), torch.ones(1, len(piece)),
+                      torch.full((1, len(piece)), k)))
+    return whole, steps
+
+
+@pytest.mark.parametrize("chat_protocol", [False, True])
+def test_the_step_and_episode_layouts_give_one_gradient_where_the_template_appends(
+        chat_protocol):
+    """bytes' compact protocol and bytes-chat's ChatML only append: a turn's prompt re-rendered is
+    the episode up to it, so the loss over the turns as rows (each normalised by its episode's
+    |o_i|) has the gradient of the loss over the episode as one row."""
+    from agent import agent_loss
+    task.use(task_args("guess", chat=chat_protocol))
+    tok = Tokenizer("bytes-chat").use_chat("2026-01-01") if chat_protocol else Tokenizer()
+    torch.manual_seed(0)
+    policy = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=256, n_layer=1, n_head=2,
+                           n_embd=32)).double()
+    prompt = guess.eval_prompts()[5]
+    texts = ["8", "x", "12", "13"]
+    A = torch.tensor([[0.7, -1.3, 0.2, 2.0]], **F64)
+    whole, steps = layouts(tok, prompt, texts)
+    o = whole[4].sum()
+
+    def grad(rows, lengths):
+        policy.zero_grad()
+        total = 0.0
+        for (p, pm, t, m, s, turn), n in zip(rows, lengths):
+            logp = completion_logprobs(policy, p, pm.double(), t, m.double(), 0.7)
+            total = total + agent_loss(logp, logp.detach(), logp.detach() + 0.1,
+                                       A.gather(1, turn.clamp(max=3)), s.double(), beta=0.3,
+                                       num_seqs=1, lengths=n)[0]
+        total.backward()
+        return torch.cat([q.grad.flatten() for q in policy.parameters()])
+    one = grad([whole], [o[None]])
+    by_turn = grad(steps, [o[None]] * len(steps))
+    assert torch.allclose(one, by_turn, rtol=1e-5, atol=1e-7), (one - by_turn).abs().max()
+    own = grad(steps, [None] * len(steps))             # each turn normalised by its own tokens
+    assert not torch.allclose(one, own, rtol=1e-2, atol=1e-5)
+    for k in range(1, len(texts)):          # each turn's prompt is the episode up to that turn
+        start = next(j for j, (t, s) in enumerate(zip(whole[5][0].tolist(), whole[4][0].tolist()))
+                     if t == k and s)
+        assert steps[k][0][0].tolist() == whole[0][0].tolist() + whole[2][0][:start].tolist()
+
+
+def test_step_rows_are_sampled_from_each_turns_prompt(guess_sft):
+    """--layout steps: a row a turn, its prompt the step prompt of the game's turns before it, its
+    tokens the turn ended by a stop id (or cut, which ends the episode); rows grouped by episode
+    in turn order."""
+    task.use(task_args("guess"))
+    policy, _ = load_checkpoint(guess_sft)
+    tok = Tokenizer()
+    prompts = guess.eval_prompts()[:4]
+    rows = multiturn.step_rows(policy, tok, prompts, 2, 1.0, 3, guess.MAX_TURNS,
+                               torch.Generator().manual_seed(0))
+    seen = {}
+    for r in range(len(rows.tokens)):
+        i, k = int(rows.episode[r]), int(rows.turn[r, 0])
+        assert k == seen.get(i, -1) + 1
+        seen[i] = k
+        p = rows.prompt[r][rows.prompt_mask[r] > 0].tolist()
+        assert p == multiturn.step_prompt(tok, prompts[i // 2], rows.texts[i][:k])
+        ids = rows.tokens[r][rows.mask[r] > 0].tolist()
+        assert tok.decode([t for t in ids if t not in tok.stop_ids]) == rows.texts[i][k]
+        assert ids[-1] in tok.stop_ids or k == len(rows.texts[i]) - 1
+    assert [seen[i] + 1 for i in sorted(seen)] == [len(t) for t in rows.texts]
+    assert (rows.logp[rows.mask > 0] < 0).all() and max(len(t) for t in rows.texts) > 1

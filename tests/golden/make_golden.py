@@ -18,6 +18,7 @@ the repository root:
     pip install 'transformers>=5.24' && python tests/golden/make_golden.py [FAMILY ...]  # all
     pip install peft && python tests/golden/make_golden.py --peft [FAMILY ...]    # peft.json
     python tests/golden/make_golden.py --tools   # tools.json: get_json_schema of tool_functions.py
+    python tests/golden/make_golden.py --game    # game_steps.json: each turn's prompt of a game
 
 (peft.json is what export.py --peft is compared against.)
 
@@ -293,6 +294,35 @@ def peft_golden(name):
     print(f"{name}: peft.json, {len(tensors)} adapter tensors")
 
 
+# A game of multiturn.py (tasks/guess.py) as chat messages: each guess an assistant turn (the first
+# with reasoning before its answer), each answer a user turn
+GAME = [{"role": "user", "content": "#3916 1-15?"},
+        {"role": "assistant", "content": "<think>\nthe middle\n</think>\n\n8"},
+        {"role": "user", "content": "higher"}, {"role": "assistant", "content": "12"},
+        {"role": "user", "content": "higher"}, {"role": "assistant", "content": "14"},
+        {"role": "user", "content": "higher"}]
+
+
+def game_golden():
+    """game_steps.json: for the Llama 3 and Qwen3 folders (their own templates, and Qwen3's with
+    templates/history.jinja, which drops earlier reasoning), the ids apply_chat_template gives the
+    prompt of each turn of GAME: the messages before it, with the generation prompt."""
+    out = {}
+    for name, template in (("llama3", None), ("qwen3", None), ("qwen3", "history.jinja")):
+        tok = PreTrainedTokenizerFast.from_pretrained(os.path.join(HERE, name))
+        kw = {"date_string": "26 Jul 2024"}            # Llama 3.2's; the others ignore it
+        if template is not None:
+            kw["chat_template"] = open(os.path.join(HERE, "templates", template)).read()
+        steps = [GAME[:k] for k in range(1, len(GAME) + 1, 2)]
+        out[f"{name}/{template or 'own'}"] = [
+            {"messages": m, "ids": list(tok.apply_chat_template(
+                m, tokenize=True, add_generation_prompt=True, return_dict=False, **kw))}
+            for m in steps]
+    with open(os.path.join(HERE, "game_steps.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"game_steps.json: {sum(map(len, out.values()))} step prompts")
+
+
 def tools_golden():
     """tools.json: transformers' get_json_schema of each function of tool_functions.py."""
     from transformers.utils import get_json_schema
@@ -308,11 +338,13 @@ if __name__ == "__main__":
     if tuple(map(int, transformers.__version__.split(".")[:2])) < (5, 24):
         raise SystemExit(f"transformers {transformers.__version__}: 5.24 or newer is needed (its "
                          f"get_json_schema reads 'name (type):' docstring lines as tools.py does)")
-    names = [a for a in sys.argv[1:] if a not in ("--peft", "--tools")] or [
+    names = [a for a in sys.argv[1:] if a not in ("--peft", "--tools", "--game")] or [
         "gpt2", "llama", "qwen2", "llama3", "qwen3"]
     if "--tools" in sys.argv:                  # the tool schemas alone
         sys.path.insert(0, HERE)
         tools_golden()
+    elif "--game" in sys.argv:             # the game's step prompts alone, from the folders
+        game_golden()
     elif "--peft" in sys.argv:             # the adapter goldens alone, from the folders as they are
         for name in names:
             peft_golden(name)
