@@ -268,10 +268,11 @@ def test_script_runs_end_to_end_and_resumes(guess_sft, tmp_path):
     assert load_checkpoint(os.path.join(out, "multiturn.pt"))[1]["step"] == 3
 
 
-def test_batch_invariant_makes_the_episodes_log_probs_the_trainers(guess_sft, tmp_path):
+@pytest.mark.parametrize("layout", ["episode", "steps"])
+def test_batch_invariant_makes_the_episodes_log_probs_the_trainers(layout, guess_sft, tmp_path):
     p = run_script("multiturn.py", FLAGS + ["--steps", "2", "--credit", "returns", "--init",
-                                            guess_sft, "--out", str(tmp_path),
-                                            "--batch_invariant"])
+                                            guess_sft, "--out", str(tmp_path), "--layout",
+                                            layout, "--batch_invariant"])
     assert p.returncode == 0, p.stderr[-2000:]
     rows = [json.loads(line) for line in open(tmp_path / "multiturn" / "metrics.jsonl")]
     assert [r["sampler_logp_diff"] for r in rows[1:]] == [0.0, 0.0]
