@@ -278,8 +278,10 @@ def test_batch_invariant_makes_the_episodes_log_probs_the_trainers(layout, guess
     assert [r["sampler_logp_diff"] for r in rows[1:]] == [0.0, 0.0]
 
 
-def test_bad_input_is_one_line(tmp_path):
+def test_bad_input_is_one_line(guess_sft, tmp_path):
     refuses_all("multiturn.py", [(["--gamma", "1.5"], ["--gamma", "1.5"]),
+                                 (["--init", guess_sft, "--max_new_tokens", "20"],
+                                  ["--max_new_tokens 20 does not fit", "4 attempts of it"]),
                                  (["--gamma", "-0.1"], ["--gamma"]),
                                  (["--credit", "vapo"], ["--credit", "vapo"]),
                                  (["--task", "arithmetic"], ["--task arithmetic",
