@@ -200,8 +200,8 @@ def fill_task_defaults(parser, args):
         _tools(parser, args)
     if args.task == "toolcalc":
         _tool_defaults(parser, args)
-    if args.task == "guess" and args.chat and getattr(args, "block_size", None) == 64:
-        args.block_size = guess.CHAT_BLOCK_SIZE          # sft.py: four turns in a template
+    if args.task == "guess":
+        _game_defaults(parser, args)
     for action in parser._actions:                   # path defaults under out/: the task's folder
         default = action.default
         if isinstance(default, str) and (default == "out" or default.startswith("out" + os.sep)) \
@@ -262,6 +262,19 @@ def _tool_defaults(parser, args):
     elif getattr(args, "block_size", least) < least:
         parser.error(f"--block_size {args.block_size} is too short for --task toolcalc's "
                      f"demonstrations; allowed: --block_size >= {least}")
+
+
+def _game_defaults(parser, args):
+    """--task guess: only sft.py (its demonstrations) and multiturn.py (its episodes) run the
+    game's answers between turns; the plain format only; sft.py's --block_size with --chat."""
+    if not (hasattr(args, "credit") or hasattr(args, "mistake_rate")):
+        parser.error("--task guess needs its environment (an answer after every guess): train "
+                     "on it with sft.py (demonstrations) and multiturn.py (episodes)")
+    if args.format != "plain":
+        parser.error(f"--task guess is defined in the plain format only; got --format "
+                     f"{args.format}")
+    if args.chat and getattr(args, "block_size", None) == 64:
+        args.block_size = guess.CHAT_BLOCK_SIZE          # sft.py: four turns in a template
 
 
 def require_arithmetic(parser, args, what):

@@ -13,10 +13,10 @@ Group of G episodes of one game, episode i, turn k (K_i turns), r_ik the turn's 
 outcome; every token the policy wrote in turn k gets A_ik, the environment's tokens none:
     outcome  A_ik = z(O_i)                                   GRPO on the whole episode (baseline)
     mt_grpo  A_ik = z_k(r_ik) + lambda z(O_i)                MT-GRPO (Zeng et al. 2025, arXiv
-                                                             2505.11821, eqs. 7-8)
+                                                             2505.11821)
     returns  A_ik = z_k(R_ik),  R_ik = sum_{j>=k} gamma^(j-k) r'_ij,  r'_ij = r_ij + O_i [j = K_i-1]
     gigpo    A_ik = z(sum_j r'_ij) + omega z_s(R_ik)         GiGPO (Feng et al. 2025, arXiv
-                                                             2505.10978, eqs. 4-7)
+                                                             2505.10978)
 z: (x - mean) / (std + eps) over the group (population std), 0 where all are equal; z_k over the
 group's episodes that reached turn k; z_s over the group's turns that start from the same state s
 (the same guesses so far: the anchor states), 0 for a state seen once. lambda and omega:

@@ -287,8 +287,12 @@ def test_bad_input_is_one_line(guess_sft, tmp_path):
                                  (["--task", "arithmetic"], ["--task arithmetic",
                                                              "allowed: --task guess"]),
                                  (["--chat", "--tools", "calculator"],
-                                  ["--tools calculator", "this script has neither"])],
+                                  ["--tools calculator", "this script has neither"]),
+                                 (["--format", "r1"], ["--format r1", "plain format only"])],
                 tmp_path)
+    for script in ("grpo.py", "dpo.py", "self_distill.py", "search.py"):   # a game with no answers
+        refuses_all(script, [(["--task", "guess"], ["--task guess needs its environment"])],
+                    tmp_path)
     assert not os.path.exists(os.path.join(ROOT, "out", "guess", "multiturn"))
 
 
