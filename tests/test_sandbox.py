@@ -100,6 +100,7 @@ def test_the_runs_signals_are_the_runs():
     is the run's to handle: the call in flight finishes as it would have."""
     script = ("import signal, sys, tools, chat\n"
               "signal.signal(signal.SIGTERM, lambda *a: print('SIGTERM', flush=True))\n"
+              "tools.RUN_SECONDS = 30.0\n"           # the call's own deadline far off, under load
               "table = tools.resolve('hostile_tools:slow')\n"
               "chat.ChatTemplate('{{ messages[0].content }}', {}, set(), {})\n"
               "print('calling', flush=True)\n"
@@ -114,13 +115,14 @@ def test_the_runs_signals_are_the_runs():
     assert out == "SIGTERM\nReply(text='done', failed=False)\n"
 
 
+@pytest.mark.slow
 def test_a_restarts_replay_is_counted_in_the_next_calls_deadline_and_named(tmp_path,
                                                                              monkeypatch,
                                                                              own_worker):
     """After a tool runs past its deadline, the new worker re-imports the tools' modules while the
     run goes on; a call that finds it still importing is answered by its deadline, saying so."""
     (tmp_path / "slowimp_tools.py").write_text(
-        "import time\ntime.sleep(1.5)\n\n\ndef hang(x: int) -> str:\n"
+        "import time\ntime.sleep(6)\n\n\ndef hang(x: int) -> str:\n"
         '    """Loop.\n\n    Args:\n        x: unused\n    """\n    while True:\n        pass\n'
         "\n\ndef quick(x: int) -> str:\n"
         '    """Return.\n\n    Args:\n        x: unused\n    """\n    return "quick"\n')
@@ -134,8 +136,8 @@ def test_a_restarts_replay_is_counted_in_the_next_calls_deadline_and_named(tmp_p
         started = time.time()
         text, failed = run_call(table, call)
         assert failed and text.startswith(words), text
-        assert time.time() - started < 1.4, text
-    assert eventually(lambda: run_call(table, Call("quick", {"x": 0})) == ("quick", False))
+        assert time.time() - started < 3, text             # before: 0.5 s plus the 6 s import
+    assert eventually(lambda: run_call(table, Call("quick", {"x": 0})) == ("quick", False), 30)
 
 
 def test_a_tool_cannot_see_or_signal_the_run_write_beside_it_or_reach_the_network(escaping):
@@ -199,7 +201,7 @@ def test_the_worker_and_what_it_started_end_with_its_run(how, namespaces):
                 os.kill(pid, 0)
                 alive.append(pid)
         return not alive and not named(tag)
-    assert eventually(gone, 2.0), f"the workers or their children outlived the run ({how.name})"
+    assert eventually(gone, 5.0), f"the workers or their children outlived the run ({how.name})"
 
 
 def test_a_request_a_signal_interrupts_leaves_no_stale_reply(monkeypatch):
