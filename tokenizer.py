@@ -20,6 +20,7 @@ import os
 import re
 import unicodedata
 
+import regex                                    # tiktoken's own dependency
 import tiktoken
 import torch
 
@@ -43,6 +44,7 @@ CHAT_TEMPLATE = (       # Qwen2.5's shape, compact: tools in the system turn, ca
     "c.function.arguments} | tojson(separators=(',', ':')) }}</tool_call>{% endfor %}"
     "<|im_end|>\n{% endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+DIGIT = regex.compile(r"(\p{N})")                 # tokenizers' Digits(individual_digits=True)
 GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
@@ -56,6 +58,7 @@ class Tokenizer:
 
     def __init__(self, name="bytes"):
         self.normalise, self.bos_prefix, self.template, self.chat = None, [], None, None
+        self.digits, self.lacking, self.split = False, b"", None   # a folder's (_read_folder)
         self.files = None                       # a folder's tokenizer files: {name: sha256}
         if name.startswith("hf:"):              # a Hugging Face folder (from_pretrained)
             self._read_folder(name)
@@ -90,8 +93,9 @@ class Tokenizer:
 
     def _read_folder(self, name):
         folder = name[3:]
-        ranks, pat_str, special, self.normalise, self.bos_prefix, marked = \
+        ranks, (pat_str, self.digits), special, self.normalise, self.bos_prefix, marked = \
             pretrained_tokenizer_parts(folder)
+        self.lacking = bytes(b for b in range(256) if bytes([b]) not in ranks)
         self.name, (self.eos_id, self.pad_id) = name, pretrained_eos_pad(folder, special)
         try:
             self.enc = tiktoken.Encoding(name=os.path.basename(os.path.abspath(folder)),
@@ -102,6 +106,10 @@ class Tokenizer:
             raise CheckpointError(f"{folder}: tokenizer.json cannot be read as a tokenizer "
                                   f"({type(e).__name__}: {why})") from None
         self.vocab_size = self.enc.n_vocab
+        if self.digits or self.lacking:         # the pieces are cut here (_ordinary)
+            self.split = regex.compile(pat_str)
+            self.specials = regex.compile("|".join(
+                regex.escape(t) for t in sorted(special, key=len, reverse=True)))
         self.stop_ids = pretrained_stop_ids(folder, self.eos_id)
         for i in self.stop_ids:
             if not 0 <= i < self.vocab_size:    # every completion would run to its limit
@@ -117,11 +125,39 @@ class Tokenizer:
 
     def encode(self, text):
         """Plain text to ids. Special-token strings in the text are encoded as ordinary text."""
-        return self._encode(text, self.enc.encode_ordinary)
+        return self._encode(text, self._ordinary)
 
     def encode_special(self, text):
         """Text to ids with the added tokens (<|im_start|>, ...) recognised as their ids."""
-        return self._encode(text, lambda t: self.enc.encode(t, allowed_special="all"))
+        if self.split is None:
+            return self._encode(text, lambda t: self.enc.encode(t, allowed_special="all"))
+        return self._encode(text, self._with_special)
+
+    def _with_special(self, text):
+        ids, start = [], 0
+        for m in self.specials.finditer(text) if self.enc._special_tokens else ():
+            ids += self._ordinary(text[start:m.start()]) + [self.enc._special_tokens[m.group()]]
+            start = m.end()
+        return ids + self._ordinary(text[start:])
+
+    def _ordinary(self, text):
+        """encode_ordinary, as the Hugging Face tokenizer splits and merges: a Digits step first
+        (SmolLM's: each digit a piece of its own, DIGIT), then the split regex; a byte the
+        vocabulary lacks (SmolLM's 21: bytes UTF-8 never uses, and \\x04 \\x06 \\x13 \\x14 \\x16
+        \\x1d) is dropped from its piece, as tokenizers' BPE drops a symbol it has no id for
+        when the model has no unk_token."""
+        if self.split is None:
+            return self.enc.encode_ordinary(text)
+        ids = []
+        for part in DIGIT.split(text) if self.digits else [text]:
+            data = part.encode("utf-8", "surrogatepass")
+            if len(data.translate(None, self.lacking)) == len(data):
+                ids += self.enc.encode_ordinary(part) if part else []
+                continue
+            for piece in self.split.findall(part):
+                kept = piece.encode("utf-8", "surrogatepass").translate(None, self.lacking)
+                ids += self.enc._encode_single_piece(kept) if kept else []
+        return ids
 
     def _encode(self, text, encode):
         """encode(text), or a ValueError saying why the tokenizer cannot take the text (its callers
@@ -282,11 +318,7 @@ def pretrained_tokenizer_parts(folder):
     except KeyError:
         raise CheckpointError(f"{folder}: tokenizer.json is not byte-level (a vocabulary entry "
                               f"outside GPT-2's byte alphabet)") from None
-    lacking = [b for b in range(256) if bytes([b]) not in ranks]
-    if lacking:                                 # text holding that byte could not be encoded
-        raise CheckpointError(f"{path}: the byte-level vocabulary lacks the token of byte "
-                              f"{lacking[0]} ({len(lacking)} of 256 missing)")
-    pattern = _split_pattern(data, path, folder)
+    pattern, digits = _split_pattern(data, path, folder)
     normaliser = data.get("normalizer") or {}
     normaliser = normaliser.get("type") if isinstance(normaliser, dict) else normaliser
     if normaliser not in (None, "NFC"):
@@ -294,21 +326,26 @@ def pretrained_tokenizer_parts(folder):
                               f"supported (none or NFC)")
     special = {t["content"]: t["id"] for t in added}
     marked = {t["content"] for t in added if t.get("special")}
-    return ranks, pattern, special, normaliser, _bos_prefix(data, path), marked
+    return ranks, (pattern, digits), special, normaliser, _bos_prefix(data, path), marked
 
 
 def _split_pattern(data, path, folder):
-    """The pre-tokenizer's split regex (a Split step's, or GPT-2's for a ByteLevel one)."""
+    """(the pre-tokenizer's split regex: a Split step's, or GPT-2's for a ByteLevel one; whether
+    a Digits step first puts every digit apart, as SmolLM's and StarCoder's do)."""
     pre = data.get("pre_tokenizer") or {}
     steps = pre.get("pretokenizers", [pre]) if isinstance(pre, dict) else None
     if not isinstance(steps, list) or not all(isinstance(x, dict) for x in steps):
         raise CheckpointError(f"{path}: pre_tokenizer is not an object (or a Sequence of objects)")
+    digits = [s for s in steps if s.get("type") == "Digits"]
+    if digits and (steps[0] is not digits[0] or digits[0].get("individual_digits") is not True):
+        raise CheckpointError(f"{path}: a Digits pre-tokenizer is read only as the first step "
+                              f"with individual_digits true")
     splits = [s["pattern"]["Regex"] for s in steps
               if s.get("type") == "Split" and "Regex" in s.get("pattern", {})]
     if splits:
-        return splits[0]
+        return splits[0], bool(digits)
     if any(s.get("type") == "ByteLevel" and s.get("use_regex", True) for s in steps):
-        return GPT2_SPLIT
+        return GPT2_SPLIT, bool(digits)
     raise CheckpointError(f"{folder}: tokenizer.json pre-tokenizer {pre.get('type')!r} is not "
                           f"supported")
 

@@ -411,9 +411,10 @@ HOSTILE_FOLDERS = {   # (what the case does to a copy of the qwen2 folder, what 
     "two tokens with one id": (
         lambda f: edit_json(f, "tokenizer.json", lambda c: c["model"]["vocab"].update({"zzz": 7})),
         "two tokens share an id"),
-    "a byte without its token": (
-        lambda f: edit_json(f, "tokenizer.json", lambda c: c["model"]["vocab"].pop("Č")),
-        "lacks the token of byte 12"),
+    "a Digits step that keeps digit runs": (       # a byte without its token loads: test_gguf.py
+        lambda f: edit_json(f, "tokenizer.json", lambda c: c["pre_tokenizer"]["pretokenizers"]
+                            .insert(0, {"type": "Digits", "individual_digits": False})),
+        "a Digits pre-tokenizer is read only as the first step with individual_digits true"),
     "a split pattern that does not compile": (
         lambda f: edit_json(f, "tokenizer.json", lambda c: pre_split(c).update(Regex="[z-a]")),
         "tokenizer.json cannot be read as a tokenizer"),
@@ -433,7 +434,7 @@ HOSTILE_FOLDERS = {   # (what the case does to a copy of the qwen2 folder, what 
 def test_hostile_folder_contents_are_one_line_before_anything_is_built(tmp_path):
     """The reliability review's cases (N5, N6, N12, N13): absurd sizes are refused from the shapes
     before the model is allocated (it used to be built first: an allocator traceback, or on a large
-    machine a huge allocation), deep or mistyped JSON, a tokenizer that cannot encode every byte,
+    machine a huge allocation), deep or mistyped JSON, a pre-tokenizer step it cannot read,
     non-finite weights and config numbers: one line each, naming the file; through the loader, and
     through grpo.py with nothing left on disk."""
     from conftest import refuses_all
