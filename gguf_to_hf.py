@@ -130,9 +130,13 @@ def read_config(reader, name):
     width = field(reader, f"{arch}.embedding_length", name, int)
     heads = field(reader, f"{arch}.attention.head_count", name, int)
     head_dim = field(reader, f"{arch}.rope.dimension_count", name, int, width // heads)
-    if head_dim * heads != width:
+    if head_dim * heads != width or head_dim % 2:
         raise GGUFError(f"{name}: {arch}.rope.dimension_count {head_dim} is not the width "
-                        f"{width} over {heads} heads (partial rotary is not supported)")
+                        f"{width} over {heads} heads, or is odd (partial rotary is not supported)")
+    kv_heads = field(reader, f"{arch}.attention.head_count_kv", name, int, heads)
+    if heads % kv_heads:
+        raise GGUFError(f"{name}: {arch}.attention.head_count_kv {kv_heads} does not divide "
+                        f"{arch}.attention.head_count {heads}")
     tied = not any(t.name == "output.weight" for t in reader.tensors)
     tokens = field(reader, "tokenizer.ggml.tokens", name, list)
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
@@ -141,8 +145,7 @@ def read_config(reader, name):
             "intermediate_size": field(reader, f"{arch}.feed_forward_length", name, int),
             "num_hidden_layers": field(reader, f"{arch}.block_count", name, int),
             "num_attention_heads": heads,
-            "num_key_value_heads": field(reader, f"{arch}.attention.head_count_kv", name, int,
-                                         heads),
+            "num_key_value_heads": kv_heads,
             "head_dim": head_dim,
             "max_position_embeddings": field(reader, f"{arch}.context_length", name, int),
             "rms_norm_eps": float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon", name,
@@ -178,7 +181,8 @@ def read_weights(reader, config, name):
             raise GGUFError(f"{name}: tensor {t.name} is not one a llama model of "
                             f"{n} layers has")
         try:
-            w = gguf.quants.dequantize(t.data, t.tensor_type)
+            w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+            w = w.reshape([int(x) for x in reversed(t.shape)])
         except NotImplementedError:
             kinds = ["F32", "F16", *(q.name for q in gguf.quants._type_traits)]
             raise GGUFError(f"{name}: tensor {t.name} is of type {t.tensor_type.name}, which "
@@ -188,7 +192,6 @@ def read_weights(reader, config, name):
                             f"corrupt ({e})") from None
         hf = names[t.name]
         expected = next(s for k, s in shapes.items() if hf.split(".")[-2].endswith(k))
-        w = np.asarray(w, dtype=np.float32).reshape([int(x) for x in reversed(t.shape)])
         if w.shape != expected:
             raise GGUFError(f"{name}: tensor {t.name} has shape {w.shape}; the metadata needs "
                             f"{expected}")

@@ -57,7 +57,7 @@ GGUF_NAMES = {v: k for k, v in gguf_to_hf.TENSORS.items()}
 
 
 def write_gguf(path, qtype=Q.F32, drop_key=None, arch="llama", tensors=None, pre="gpt2",
-               extra=None):
+               extra=None, kv_heads=None):
     """tests/golden/llama as a GGUF file: its config as llama.* metadata, its tokenizer.json's
     vocabulary and merges as tokenizer.ggml.*, its tensors (q, k permuted) in `qtype` (the norms
     in F32, as llama.cpp keeps them)."""
@@ -70,7 +70,7 @@ def write_gguf(path, qtype=Q.F32, drop_key=None, arch="llama", tensors=None, pre
             f"{arch}.embedding_length": c["hidden_size"],
             f"{arch}.feed_forward_length": c["intermediate_size"],
             f"{arch}.attention.head_count": c["num_attention_heads"],
-            f"{arch}.attention.head_count_kv": c["num_key_value_heads"]}
+            f"{arch}.attention.head_count_kv": kv_heads or c["num_key_value_heads"]}
     for key, value in keys.items():
         if key != drop_key:
             w.add_uint32(key, value)
@@ -230,6 +230,7 @@ BAD = {
     "an unsupported pre-tokenizer": (dict(pre="qwen2"), "tokenizer.ggml.pre 'qwen2' is not "
                                                         "supported"),
     "rope scaling": (dict(extra={"llama.rope.scaling.type": "yarn"}), "rope scaling"),
+    "kv heads that do not divide the heads": (dict(kv_heads=3), "head_count_kv 3 does not divide"),
 }
 
 
