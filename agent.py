@@ -5,8 +5,8 @@ An episode is one token sequence, policy and environment tokens in turn (sampler
   after it, the policy #589; under --turns 2 a revision prompt answers attempt 1.
 - --chat --tools calculator: the chat template's own (Qwen2.5/Hermes <tool_call>{json}</tool_call>,
   Llama 3.x's JSON): the schemas in the prompt as the template renders them, a turn's calls run when
-  a stop id ends it, the replies as the template's tool messages (tools.py); a turn with no call is
-  the answer. Any task.
+  a stop id ends it, the replies as the template's tool messages (hf/tools.py); a turn with no call
+  is the answer. Any task.
 GRPO's group-relative advantage (G episodes a prompt) goes to every token the policy sampled, never
 to the environment's: a loss on those teaches the policy to predict the tool's output instead of
 using the tool (ReTool, arXiv 2504.11536; Search-R1, 2503.09516; RAGEN, 2504.20073; ARTIST,
@@ -27,7 +27,7 @@ Deviations and choices (alpha = --shaping):
 - Each attempt trains on its own reward. The paper's gradient credits attempt 1 with r_2 (stage I)
   or r_1 + r_2 (stage II); here it never earns credit for setting up a good revision.
 - Any stop id ends an attempt, trained as sampled; then the revision prompt (a new line, "revise:",
-  the problem, no verdict). A malformed call costs a call and is answered with an error (tools.py).
+  the problem, no verdict). A malformed call costs a call, answered with an error (hf/tools.py).
 - mu passes over the whole batch; old log-probs scored once (step 3); equal rewards give A = 0.
 
 Shapes: P prompts, G episodes each, B = P*G rows; Tp prompt, Tn episode tokens; K attempts.
@@ -43,11 +43,11 @@ import math
 import torch
 
 import task
-from flags import SFT_PATH, TEMPERATURE, Float, Int, add_run_flags, parser
 from kernels import kl_penalty
 from lora import trainable
 from model import completion_logprobs
 from plumbing import Run
+from plumbing.flags import SFT_PATH, TEMPERATURE, Float, Int, add_run_flags, parser
 from tasks import toolcalc
 
 
@@ -218,7 +218,7 @@ def evaluate_tools(run, policy, tok, args):
 
 
 def main(args):
-    # device, seeds, lock, log, resume, torchrun: plumbing.py
+    # device, seeds, lock, log, resume, torchrun: plumbing/run.py
     run = Run("agent", args, batch_flag="prompts_per_step")
     policy, tok = run.load_policy(args.init)            # the policy starts as the SFT policy ...
     ref = run.reference(args.init, policy)              # ... which stays frozen as the reference

@@ -54,12 +54,12 @@ import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 import task
-from flags import SFT_PATH, TEMPERATURE, Float, Int, add_run_flags, parser
 from kernels import invariant, kl_penalty
 from lora import merge, trainable
 from model import completion_logprobs
-from loading import autocast, load_model, pick_device
 from plumbing import Run
+from plumbing.flags import SFT_PATH, TEMPERATURE, Float, Int, add_run_flags, parser
+from plumbing.loading import autocast, load_model, pick_device
 
 CHUNK, WEIGHTS = 1, 2      # message tags: actor -> learner groups, learner -> actor weights
 GROUPS, GOODBYE, STOP = 1.0, 2.0, -1.0
@@ -400,7 +400,7 @@ class Actors:
 
 
 def learner(args, procs):
-    # lock, log, resume: plumbing.py
+    # lock, log, resume: plumbing/run.py
     run = Run("async_grpo", args, batch_flag="prompts_per_step", solo=True)
     policy, tok = run.load_policy(args.init)        # the policy starts as the SFT policy ...
     ref = run.reference(args.init, policy)          # ... which stays frozen as the reference

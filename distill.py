@@ -43,12 +43,12 @@ import os
 import torch
 
 import task
-from flags import TEMPERATURE, Float, Int, add_run_flags, default_path, parser, task_flags
 from kernels import entropy, kl, logprobs
 from lora import trainable
 from model import completion_logits, masked_mean
-from loading import build_missing, read_checkpoint
 from plumbing import Run
+from plumbing.flags import TEMPERATURE, Float, Int, add_run_flags, default_path, parser, task_flags
+from plumbing.loading import build_missing, read_checkpoint
 
 TEACHER_PATH = os.path.join("out", "expert_iteration.pt")  # the best RL policy of the results table
 STUDENT_PATH = os.path.join("out", "sft_small", "sft.pt")  # sft.py with the flags below
@@ -185,7 +185,7 @@ def load_models(run, args):
 
 
 def main(args):
-    # device, seeds, lock, log, resume: plumbing.py
+    # device, seeds, lock, log, resume: plumbing/run.py
     run = DistillRun("distill", args, batch_flag="prompts_per_step")
     policy, tok, teacher = load_models(run, args)
     train_policy = run.ddp(policy)  # DDP or --fsdp's shards under torchrun, else the policy

@@ -42,11 +42,11 @@ import torch
 import torch.distributed as dist
 
 import task
-from flags import (RM_PATH, SFT_PATH, TEMPERATURE, Float, Int, add_run_flags, parser,
-                   require_arithmetic)
 from lora import trainable
 from model import masked_mean, token_logprobs
 from plumbing import Run
+from plumbing.flags import (RM_PATH, SFT_PATH, TEMPERATURE, Float, Int, add_run_flags, parser,
+                            require_arithmetic)
 from tasks import arithmetic
 
 

@@ -8,7 +8,7 @@ Export: a checkpoint of this project as a Hugging Face folder, for transformers,
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), "out/grpo-lora")
 
 The weights go back to their family's layout on the Hub (model_type gpt2, llama, qwen2, qwen3)
-through checkpoint.py's table of names, the one loading reads: c_attn split into q_proj, k_proj,
+through hf/checkpoint.py's table of names, the one loading reads: c_attn split into q_proj, k_proj,
 v_proj (c_fc into gate_proj, up_proj), GPT-2's Conv1D weights transposed, a tied head left out. A
 checkpoint trained from a Hugging Face folder (--init) keeps that folder's config.json (its dtype
 the export's), tokenizer files, chat template and generation_config.json, checked to be the ones
@@ -33,11 +33,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from checkpoint import (CheckpointError, from_pretrained, hf_tensors, load_checkpoint,
-                        pretrained_config)
+from hf.checkpoint import (CheckpointError, from_pretrained, hf_tensors, load_checkpoint,
+                           pretrained_config)
+from hf.tokenizer import EOS, PAD, TOKENIZER_FILES, bytes_to_unicode, read_json, tokenizer_files
 from lora import add_adapters, base_model
 from model import GPT, GPTConfig
-from tokenizer import EOS, PAD, TOKENIZER_FILES, bytes_to_unicode, read_json, tokenizer_files
 
 MODEL_TYPES = ("gpt2", "llama", "qwen2", "qwen3")
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",

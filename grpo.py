@@ -41,11 +41,11 @@ Metrics: out/grpo/metrics.jsonl (docs/metrics.md); checkpoint out/grpo.pt.
 import torch
 
 import task
-from flags import SFT_PATH, TEMPERATURE, Float, Int, add_run_flags, parser
 from kernels import kl_penalty
 from lora import trainable
 from model import completion_logprobs
 from plumbing import Run
+from plumbing.flags import SFT_PATH, TEMPERATURE, Float, Int, add_run_flags, parser
 
 
 # -----------------------------------------------------------------------------
@@ -398,7 +398,7 @@ def rollout(run, policy, tok, args):
 
 
 def main(args):
-    # device, seeds, lock, log, resume, torchrun: plumbing.py
+    # device, seeds, lock, log, resume, torchrun: plumbing/run.py
     run = Run("grpo", args, batch_flag="prompts_per_step")
     policy, tok = run.load_policy(args.init)            # the policy starts as the SFT policy ...
     ref = run.reference(args.init, policy, bf16=True)   # ... frozen as the reference (bf16 on GPU)

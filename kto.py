@@ -42,11 +42,11 @@ import random
 import torch
 
 import task
-from flags import SFT_PATH, TEMPERATURE, Float, Int, add_run_flags, parser
 from kernels import kl
 from lora import trainable
 from model import token_logprobs
 from plumbing import Run
+from plumbing.flags import SFT_PATH, TEMPERATURE, Float, Int, add_run_flags, parser
 
 
 # -----------------------------------------------------------------------------
@@ -195,7 +195,7 @@ def parse_args(argv=None):
 
 
 def main(args):
-    # device, seeds, lock, log, resume, torchrun: plumbing.py
+    # device, seeds, lock, log, resume, torchrun: plumbing/run.py
     run = Run("kto", args, batch_flag="batch_size")
     model, tok = run.load_policy(args.init)         # the policy starts as the SFT policy ...
     reference = run.reference(args.init, model)     # ... which stays frozen as pi_ref

@@ -1,8 +1,8 @@
 """
 The transformer every script shares: a nanoGPT-style decoder (GPT), its twin with a scalar head
 for reward and value models (ScalarGPT), a KV cache, and what the scripts read from a model:
-completion log-probs, the exact KL and entropy, masked means. The tokenizer is in tokenizer.py,
-checkpoints and Hugging Face folders in checkpoint.py, generation in sampler.py.
+completion log-probs, the exact KL and entropy, masked means. The tokenizer is in hf/tokenizer.py,
+checkpoints and Hugging Face folders in hf/checkpoint.py, generation in sampler.py.
 
 GPTConfig's switches are what GPT-2, Llama, Qwen2 and Qwen3 differ in: learned or rotary positions
 (with Llama 3.1's scaling), LayerNorm or RMSNorm, a GELU or SwiGLU MLP, grouped-query attention,

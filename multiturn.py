@@ -44,10 +44,10 @@ import torch
 import sampler
 import task
 from agent import agent_loss
-from flags import SFT_PATH, TEMPERATURE, Float, Int, add_run_flags, parser
 from lora import trainable
 from model import completion_logprobs
 from plumbing import Run
+from plumbing.flags import SFT_PATH, TEMPERATURE, Float, Int, add_run_flags, parser
 from tasks import guess
 
 CREDITS = ("outcome", "mt_grpo", "returns", "gigpo")
@@ -299,7 +299,7 @@ def parse_args(argv=None):
 
 
 def main(args):
-    # device, seeds, lock, log, resume, torchrun: plumbing.py
+    # device, seeds, lock, log, resume, torchrun: plumbing/run.py
     run = Run("multiturn", args, batch_flag="prompts_per_step")
     policy, tok = run.load_policy(args.init)            # the policy starts as the SFT policy ...
     ref = run.reference(args.init, policy)              # ... which stays frozen as the reference

@@ -1,6 +1,6 @@
 """The on-policy scripts' step 2 (grpo, reinforce, rloo, agent): pi_old and pi_ref without
 gradient, the exact KL and the entropy on a logged step, pi_old from the sampler under
---batch_invariant, sampler_logp_diff. Run (plumbing.py) is one."""
+--batch_invariant, sampler_logp_diff. Run (plumbing/run.py) is one."""
 from dataclasses import dataclass
 
 import torch

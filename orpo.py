@@ -35,11 +35,11 @@ import torch
 import torch.nn.functional as F
 
 import task
-from flags import SFT_PATH, Float, Int, add_run_flags, parser
 from kernels import kl
 from lora import trainable
 from model import token_logprobs
 from plumbing import Run
+from plumbing.flags import SFT_PATH, Float, Int, add_run_flags, parser
 
 
 # -----------------------------------------------------------------------------
@@ -158,7 +158,7 @@ def parse_args(argv=None):
 
 
 def main(args):
-    # device, seeds, lock, log, resume, torchrun: plumbing.py
+    # device, seeds, lock, log, resume, torchrun: plumbing/run.py
     run = Run("orpo", args, batch_flag="batch_size")
     model, tok = run.load_policy(args.init)         # the policy starts as the SFT policy ...
     reference = run.reference(args.init, model)     # ... frozen: the held-out KL, never the loss

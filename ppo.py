@@ -45,11 +45,11 @@ import torch
 
 import sampler
 import task
-from flags import RM_PATH, SFT_PATH, TEMPERATURE, Float, Int, add_run_flags, parser
 from kernels import entropy, kl, logprobs
 from lora import trainable
 from model import ScalarGPT, completion_logits, masked_mean
 from plumbing import Run
+from plumbing.flags import RM_PATH, SFT_PATH, TEMPERATURE, Float, Int, add_run_flags, parser
 
 
 # -----------------------------------------------------------------------------
@@ -267,7 +267,7 @@ def parse_args(argv=None):
 
 
 def main(args):
-    # device, seeds, lock, log, resume, torchrun: plumbing.py
+    # device, seeds, lock, log, resume, torchrun: plumbing/run.py
     run = Run("ppo", args, batch_flag="batch_size")
     policy, tok, ref, rm, critic = load_models(run, args)
     # pi_ref in host memory outside step 2 (a GPU), once copied

@@ -45,10 +45,11 @@ import torch.nn.functional as F
 
 import sampler
 import task
-from flags import SFT_PATH, TEMPERATURE, Float, Int, add_run_flags, parser, require_arithmetic
 from model import ScalarGPT, scores_at
-from loading import load_model
 from plumbing import Run, lr_schedule
+from plumbing.flags import (SFT_PATH, TEMPERATURE, Float, Int, add_run_flags, parser,
+                            require_arithmetic)
+from plumbing.loading import load_model
 from task import left_pad, pad_steps
 from tasks import arithmetic
 
@@ -306,7 +307,7 @@ def main(args):
 
 
 def train(args, kind):
-    # device, seeds, lock, log, resume, torchrun: plumbing.py
+    # device, seeds, lock, log, resume, torchrun: plumbing/run.py
     run = Run("prm", args, name=kind, batch_flag="batch_size")
     sft, tok = run.load_policy(args.init)
     model = ScalarGPT.from_policy(sft)  # backbone = the SFT policy, head = 0: every p starts at 1/2

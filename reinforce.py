@@ -37,11 +37,11 @@ Metrics: out/reinforce/metrics.jsonl (docs/metrics.md); checkpoint out/reinforce
 import torch
 
 import task
-from flags import SFT_PATH, TEMPERATURE, Float, Int, add_run_flags, parser
 from kernels import kl_penalty
 from lora import trainable
 from model import completion_logprobs
 from plumbing import Run
+from plumbing.flags import SFT_PATH, TEMPERATURE, Float, Int, add_run_flags, parser
 
 
 # -----------------------------------------------------------------------------

@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 
 import task
-from flags import SFT_PATH, Float, Int, add_run_flags, parser
 from model import ScalarGPT, last_real
 from plumbing import Run, lr_schedule
+from plumbing.flags import SFT_PATH, Float, Int, add_run_flags, parser
 
 
 # -----------------------------------------------------------------------------

@@ -30,11 +30,11 @@ Metrics: out/rloo/metrics.jsonl (docs/metrics.md says what each means); checkpoi
 import torch
 
 import task
-from flags import SFT_PATH, TEMPERATURE, Float, Int, add_run_flags, parser
 from kernels import kl_penalty
 from lora import trainable
 from model import completion_logprobs
 from plumbing import Run
+from plumbing.flags import SFT_PATH, TEMPERATURE, Float, Int, add_run_flags, parser
 
 
 # -----------------------------------------------------------------------------
@@ -103,7 +103,7 @@ def parse_args(argv=None):
 
 
 def main(args):
-    # device, seeds, lock, log, resume, torchrun: plumbing.py
+    # device, seeds, lock, log, resume, torchrun: plumbing/run.py
     run = Run("rloo", args, batch_flag="prompts_per_step")
     policy, tok = run.load_policy(args.init)            # the policy starts as the SFT policy ...
     ref = run.reference(args.init, policy)              # ... which stays frozen as the reference

@@ -43,14 +43,15 @@ import torch
 import torch.nn.functional as F
 
 import task
-from flags import RM_PATH, SFT_PATH, TEMPERATURE, Int, add_task_flags, parser, require_arithmetic
-from loading import (build_missing, check_fits, load_model, pick_device, read_checkpoint,
-                     seed_everything)
+from hf.tokenizer import Tokenizer
 from model import GPTConfig, KVCache, scores_at
+from plumbing.flags import (RM_PATH, SFT_PATH, TEMPERATURE, Int, add_task_flags, parser,
+                            require_arithmetic)
+from plumbing.loading import (build_missing, check_fits, load_model, pick_device, read_checkpoint,
+                              seed_everything)
 from prm import aggregate_steps, load_verifier         # the PRM's loading and how its steps combine
 from task import left_pad, pad_steps
 from tasks import arithmetic
-from tokenizer import Tokenizer
 
 ORM_PATH, PRM_PATH = os.path.join("out", "orm.pt"), os.path.join("out", "prm.pt")
 

@@ -37,12 +37,12 @@ import os
 import torch
 
 import task
-from flags import TEMPERATURE, Float, Int, add_run_flags, default_path, parser, task_flags
 from kernels import entropy, kl, logprobs
 from lora import trainable
 from model import completion_logits
-from loading import build_missing
 from plumbing import Run
+from plumbing.flags import TEMPERATURE, Float, Int, add_run_flags, default_path, parser, task_flags
+from plumbing.loading import build_missing
 
 HINT_SFT_PATH = os.path.join("out", "sft_hint", "sft.pt")
 HINT_SFT_FLAGS = ["--hint_share", "0.25"]
@@ -121,7 +121,7 @@ def load_policy(run, args):
 
 
 def main(args):
-    # device, seeds, lock, log, resume, torchrun: plumbing.py
+    # device, seeds, lock, log, resume, torchrun: plumbing/run.py
     run = SelfDistillRun("self_distill", args, batch_flag="prompts_per_step")
     policy, tok = load_policy(run, args)
     train_policy = run.ddp(policy)  # DDP or --fsdp's shards under torchrun, else the policy

@@ -20,11 +20,11 @@ Metrics: one JSON object per log step in out/sft/metrics.jsonl.
 import torch
 
 import task
-from flags import Float, Int, add_run_flags, parser
+from hf.tokenizer import CheckpointError, Tokenizer
 from lora import trainable
 from model import GPT, GPTConfig, masked_mean, token_logprobs
 from plumbing import Run, lr_schedule
-from tokenizer import CheckpointError, Tokenizer
+from plumbing.flags import Float, Int, add_run_flags, parser
 
 
 # -----------------------------------------------------------------------------
@@ -84,7 +84,7 @@ def parse_args(argv=None):
 
 
 def main(args):
-    # device, seeds, lock, log, resume, torchrun: plumbing.py
+    # device, seeds, lock, log, resume, torchrun: plumbing/run.py
     run = Run("sft", args, batch_flag="batch_size")
     if args.init is not None:                    # a checkpoint or a Hugging Face folder, fine-tuned
         model, tok = run.load(args.init)

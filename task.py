@@ -25,10 +25,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-import chat as templates
 import sampler
-import tools
-from checkpoint import fingerprint
+from hf import chat as templates
+from hf import tools
+from hf.checkpoint import fingerprint
 from tasks import arithmetic, countdown, gsm8k, guess, toolcalc
 
 TASKS = ("arithmetic", "countdown", "gsm8k", "toolcalc", "guess")

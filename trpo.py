@@ -46,11 +46,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.utils import parameters_to_vector
 
 import task
-from flags import SFT_PATH, TEMPERATURE, Float, Int, add_run_flags, parser
 from kernels import entropy, kl, kl_penalty, logprobs
 from lora import trainable
 from model import completion_logits
 from plumbing import Run
+from plumbing.flags import SFT_PATH, TEMPERATURE, Float, Int, add_run_flags, parser
 
 
 # -----------------------------------------------------------------------------
@@ -241,7 +241,7 @@ def logits_of(model, part):
 
 
 def main(args):
-    # device, seeds, lock, log, resume, torchrun: plumbing.py
+    # device, seeds, lock, log, resume, torchrun: plumbing/run.py
     run = Run("trpo", args, batch_flag="prompts_per_step")
     policy, tok = run.load_policy(args.init)        # the policy starts as the SFT policy ...
     ref = run.reference(args.init, policy)          # ... which stays frozen as the reference

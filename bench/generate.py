@@ -28,10 +28,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import sampler  # noqa: E402
 import task  # noqa: E402
-from checkpoint import from_pretrained  # noqa: E402
+from hf.checkpoint import from_pretrained  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from loading import pick_device  # noqa: E402
-from tokenizer import Tokenizer  # noqa: E402
+from plumbing.loading import pick_device  # noqa: E402
+from hf.tokenizer import Tokenizer  # noqa: E402
 
 parser = argparse.ArgumentParser(description="sampling speed: the sampler's modes, recompute, "
                                              "transformers")

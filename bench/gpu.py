@@ -169,7 +169,7 @@ def off_share(deviation, tol=TOL):
 
 def measure_ratio(args):
     """Step 5: print the tables (markdown)."""
-    import loading
+    from plumbing import loading
     sft = os.path.join(args.out, "out", "sft.pt")
     loading.build_missing(sft, sft, ["sft.py"], "cuda")           # python sft.py --out out/gpu/out
     policy, tok, _ = loading.load_model(sft, "cuda")

@@ -154,7 +154,8 @@ def update(policy, optimizer, prompt, prompt_mask, tokens, mask, old_logp, ref_l
 
 
 # -----------------------------------------------------------------------------
-# --ledger: GRPO full fine-tuning's peak per GPU on paper, DDP against --fsdp (distributed.py)
+# --ledger: GRPO full fine-tuning's peak per GPU on paper, DDP against --fsdp
+# (plumbing/distributed.py)
 
 def counts(shape):
     """Parameter counts of a shape, from the model built on the meta device (no memory): all, the

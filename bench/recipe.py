@@ -41,14 +41,14 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import checkpoint  # noqa: E402
+from hf import checkpoint  # noqa: E402
 import grpo  # noqa: E402
 import onpolicy  # noqa: E402
-import parking  # noqa: E402
+from plumbing import parking  # noqa: E402
 import plumbing  # noqa: E402
 import sampler  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from tokenizer import bytes_to_unicode  # noqa: E402
+from hf.tokenizer import bytes_to_unicode  # noqa: E402
 
 QWEN = dict(vocab_size=151936, block_size=32768, n_layer=24, n_head=14, n_kv_head=2, n_embd=896,
             mlp_hidden=4864, norm="rmsnorm", norm_eps=1e-6, pos="rope", rope_theta=1e6,

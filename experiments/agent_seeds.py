@@ -46,8 +46,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import task  # noqa: E402
-from checkpoint import load_checkpoint  # noqa: E402
-from tokenizer import Tokenizer  # noqa: E402
+from hf.checkpoint import load_checkpoint  # noqa: E402
+from hf.tokenizer import Tokenizer  # noqa: E402
 
 STAGE1 = 20   # SCoRe's stage I steps in --part score (of 40)
 PARTS = {  # part -> (seeds, {run name: agent.py flags beyond --seed, --init and --out})

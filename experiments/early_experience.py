@@ -46,10 +46,10 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import task  # noqa: E402
-from checkpoint import save_checkpoint  # noqa: E402
-from flags import SFT_PATH  # noqa: E402
+from hf.checkpoint import save_checkpoint  # noqa: E402
+from plumbing.flags import SFT_PATH  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from loading import build_missing, load_model, pick_device, read_checkpoint  # noqa: E402
+from plumbing.loading import build_missing, load_model, pick_device, read_checkpoint  # noqa: E402
 from tasks import arithmetic  # noqa: E402
 
 OUT = os.path.join("out", "early_experience")

@@ -53,11 +53,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import task                                                 # noqa: E402  (after the path is set)
-from flags import SFT_PATH  # noqa: E402
+from plumbing.flags import SFT_PATH  # noqa: E402
 from kernels import kl_penalty                              # noqa: E402  the estimators under test
 from kernels import kl                                      # noqa: E402  the exact per-position KL
 from model import completion_logits  # noqa: E402
-from loading import load_model  # noqa: E402
+from plumbing.loading import load_model  # noqa: E402
 
 ESTIMATORS = ("k1", "k2", "k3")
 

@@ -90,7 +90,7 @@ def discover(root=ROOT):
     sft, and every top-level script whose parse_args has an --init flag defaulting to
     flags.SFT_PATH, except NOT_ALGORITHMS. A file that fails to import is left out with a warning
     (it may be half-written)."""
-    from flags import SFT_PATH
+    from plumbing.flags import SFT_PATH
     found = {}
     for file in sorted(os.listdir(root)):
         name = file[:-3]

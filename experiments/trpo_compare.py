@@ -51,10 +51,10 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import task  # noqa: E402
-from checkpoint import load_checkpoint  # noqa: E402
+from hf.checkpoint import load_checkpoint  # noqa: E402
 from kernels import kl  # noqa: E402
 from model import completion_logits  # noqa: E402
-from loading import load_model  # noqa: E402
+from plumbing.loading import load_model  # noqa: E402
 
 ALGORITHMS = {  # name -> (script, flags): 256 completions per update each
     "TRPO": ("trpo.py", ["--prompts_per_step", "32", "--group_size", "8", "--max_kl", "0.02"]),

@@ -156,7 +156,7 @@ def offloaded_runs(module, argv, out, monkeypatch, plain=(), offloaded=((),)):
     torch thread (the sums in one order). Asserts that AdamW's moments hold no memory whenever the
     sampler runs or a backward pass does, and that both folders log the same metrics (times aside).
     Returns the ParkedMoments made, one a run."""
-    import parking
+    from plumbing import parking
     import plumbing
     import sampler
     parks, real_backward = [], torch.Tensor.backward
@@ -206,7 +206,7 @@ def parked_runs(module, argv, out, monkeypatch):
     import plumbing
     import sampler
     from model import GPT
-    from parking import Parked
+    from plumbing.parking import Parked
     parks = []                                           # [Parked, the model, its forwards]
     real_parked = on_a_gpu(plumbing.Run.parked)
     real_hidden, real_backward = GPT.hidden, torch.Tensor.backward

@@ -12,7 +12,7 @@ handlers and sys.excepthook, what it replaced in the project's modules and torch
 use; tests/ddp_worker.py's fixed sampler), sys.argv, the environment, the working directory,
 torch's threads, flags and default dtype, grad mode, the random generators, the process group it
 joined. What a run must release itself and did not (a process it started, still alive) fails the
-call, naming it. sandbox.py's workers are this process's, kept between runs as within one (a
+call, naming it. hf/sandbox.py's workers are this process's, kept between runs as within one (a
 restarted worker replays its setups). tests/conftest.py's `isolated` fixture checks the same
 after every test.
 """
@@ -34,7 +34,7 @@ import warnings
 import numpy as np
 import torch
 
-import sandbox
+from hf import sandbox
 from kernels import invariant
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,7 +51,7 @@ def _exit(code):
 
 
 def children():
-    """{pid: command line} of this process's living children (zombies and sandbox.py's workers
+    """{pid: command line} of this process's living children (zombies and hf/sandbox.py's workers
     aside: this process's own, kept between tests and runs as they are within one run)."""
     mine, found = os.getpid(), {}
     workers = {w.proc.pid for w in sandbox._WORKERS.values() if w.proc is not None}
@@ -75,14 +75,14 @@ def project_modules():
     replaces one of their functions (tests/ddp_worker.py does, for its process) is then undone."""
     if not project_modules.done:
         importlib.import_module("torch._dynamo")         # which wraps torch.manual_seed on import
-        for folder in ("", "tasks", "kernels"):
+        for folder in ("", "tasks", "kernels", "plumbing", "hf"):
             for f in sorted(os.listdir(os.path.join(ROOT, folder))):
                 if f.endswith(".py") and f != "__init__.py":
                     importlib.import_module(".".join(filter(None, (folder, f[:-3]))))
         project_modules.done = True
     return [m for name, m in list(sys.modules.items()) if name in WATCHED or
             os.path.dirname(os.path.abspath(getattr(m, "__file__", None) or "/")).startswith(
-                (ROOT + os.sep + "tasks", ROOT + os.sep + "kernels")) or
+                tuple(ROOT + os.sep + d for d in ("tasks", "kernels", "plumbing", "hf"))) or
             os.path.dirname(os.path.abspath(getattr(m, "__file__", None) or "/")) == ROOT]
 
 

@@ -19,14 +19,14 @@ import torch
 import sampler
 import task
 from agent import agent_loss, batch_std, episode_rewards, grpo_advantages
-from checkpoint import load_checkpoint
 from conftest import ROOT, refuses_all, run_script, task_args
+from hf.checkpoint import load_checkpoint
+from hf.tokenizer import Tokenizer
 from kernels import invariant, logprobs
-from loading import load_model
 from model import GPT, GPTConfig, completion_logits, completion_logprobs
 from plumbing import Run
+from plumbing.loading import load_model
 from tasks import toolcalc
-from tokenizer import Tokenizer
 
 
 @pytest.fixture(autouse=True)
@@ -477,7 +477,7 @@ def test_lora_on_a_rotary_gelu_policy_and_the_two_attempt_length_refusal(tmp_pat
     projections it has (the default targets used to include gate: a KeyError). --turns 2: the length
     refusal names the flag's own value and an allowed value that runs (it named the episode's total,
     and a bound that was itself refused)."""
-    from checkpoint import save_checkpoint
+    from hf.checkpoint import save_checkpoint
     init = str(tmp_path / "rope.pt")
     torch.manual_seed(0)
     save_checkpoint(init, GPT(GPTConfig(block_size=toolcalc.BLOCK_SIZE, n_layer=1, n_head=2,
@@ -510,7 +510,7 @@ def test_the_chat_protocol_with_a_tool_on_every_task(name, extra, tmp_path):
     """--chat --tools calculator: episodes in the toy's chat template (bytes-chat) on each task,
     scored by its own grader; the step's tool metrics logged, the held-out ones too; and its
     refusals."""
-    from checkpoint import save_checkpoint
+    from hf.checkpoint import save_checkpoint
     init = str(tmp_path / "chat.pt")
     torch.manual_seed(0)
     save_checkpoint(init, GPT(GPTConfig(vocab_size=Tokenizer("bytes-chat").vocab_size,

@@ -8,10 +8,10 @@ import torch.nn as nn
 
 import sampler
 import task
+from hf.tokenizer import Tokenizer
 from model import GPT, GPTConfig, ScalarGPT, completion_logits
 from ppo import token_values
 from reward_model import score_pairs
-from tokenizer import Tokenizer
 
 PROMPTS = ["3+4*2=", "9-8-7=", "2*3+4=", "7-1*5="]
 

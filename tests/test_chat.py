@@ -1,4 +1,4 @@
-"""--chat: prompts through a checkpoint's own chat template (chat.py), against what transformers'
+"""--chat: prompts through a checkpoint's own chat template (hf/chat.py), against what transformers'
 apply_chat_template renders and encodes for the tiny Llama 3 (Llama 3.2's template) and Qwen3
 (Qwen2.5's ChatML template) folders of tests/golden (make_golden.py): the text and the ids exactly,
 a control token inside the message encoded as text (as sanitize_control_tokens=True does), the end
@@ -16,10 +16,10 @@ from datetime import datetime
 import pytest
 
 import task
-from chat import ChatTemplate
-from checkpoint import CheckpointError, load_checkpoint
 from conftest import ROOT, refuses_all, run_script, task_args
-from tokenizer import Tokenizer
+from hf.chat import ChatTemplate
+from hf.checkpoint import CheckpointError, load_checkpoint
+from hf.tokenizer import Tokenizer
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
 # folder: the end of an assistant turn, its id
@@ -201,7 +201,7 @@ HOSTILE = {
 
 @pytest.mark.parametrize("case", list(HOSTILE))
 def test_a_hostile_template_is_one_error(case, monkeypatch):
-    import chat
+    from hf import chat
     monkeypatch.setattr(chat, "RENDER_SECONDS", 0.5)
     tok = Tokenizer.from_pretrained(os.path.join(GOLDEN, "qwen3"))
     tok.template = (HOSTILE[case]
@@ -273,7 +273,7 @@ HEAVY = {
 def test_a_template_that_allocates_or_holds_the_cpu_is_stopped_in_its_worker(case, monkeypatch):
     import resource
 
-    import chat
+    from hf import chat
     monkeypatch.setattr(chat, "RENDER_SECONDS", 2.0)
     template = ChatTemplate(HEAVY[case] + "{{ messages[0]['content'] }}", {}, set(), {})
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -289,7 +289,7 @@ def test_compiling_rendering_and_a_runs_renders_are_bounded(monkeypatch):
     """A source past MAX_SOURCE_CHARS is refused unread, a slow compile stops at COMPILE_SECONDS, a
     rendering past MAX_CHARS stops at once (not at the timer), a template slow to render one message
     is refused at load (PROBE_SECONDS), and one whose renders add up past BUDGET stops the run."""
-    import chat
+    from hf import chat
     with pytest.raises(chat.ChatTemplateError, match="262,145 characters long .at most 262,144"):
         ChatTemplate("x" * (chat.MAX_SOURCE_CHARS + 1), {}, set(), {})
     ChatTemplate("x" * chat.MAX_SOURCE_CHARS, {}, set(), {})              # at the bound: read

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import ROOT, run_scripts
 
-SCRIPTS = sorted(f for f in os.listdir(ROOT) if f.endswith(".py") and f != "sandbox.py"
+SCRIPTS = sorted(f for f in os.listdir(ROOT) if f.endswith(".py")
                  and 'if __name__ == "__main__":' in open(os.path.join(ROOT, f)).read())
 
 

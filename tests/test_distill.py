@@ -13,9 +13,9 @@ import torch
 
 import distill
 import kernels
-from checkpoint import load_checkpoint
 from conftest import ROOT, refuses_all, run_script
 from distill import distillation_loss, topk_kl
+from hf.checkpoint import load_checkpoint
 
 ESTIMATORS = ["exact", "k1", "k3", "topk"]
 

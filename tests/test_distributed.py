@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import task
-from checkpoint import load_checkpoint, save_checkpoint
 from conftest import ROOT, as_a_process, task_args
+from hf.checkpoint import load_checkpoint, save_checkpoint
+from hf.tokenizer import Tokenizer
 from model import GPT, GPTConfig
-from tokenizer import Tokenizer
 
 WORKER = os.path.join(ROOT, "tests", "ddp_worker.py")
 
@@ -301,7 +301,7 @@ def test_fsdp_shards_every_block_then_the_root_and_sums_the_gradients():
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    from distributed import Distributed
+    from plumbing.distributed import Distributed
     from model import Block
 
     with as_a_process():                                  # a process of a group of one

@@ -99,7 +99,7 @@ def test_discover_picks_up_a_new_algorithm_file(tmp_path, monkeypatch):
     """A script is an algorithm when its parse_args has --init defaulting to flags.SFT_PATH; prm and
     search are not; a script whose --init defaults elsewhere is not; a file that does not import is
     left out with a warning."""
-    head = ("import argparse\nfrom flags import SFT_PATH\n\ndef parse_args(argv=None):\n"
+    head = ("import argparse\nfrom plumbing.flags import SFT_PATH\n\ndef parse_args(argv=None):\n"
             "    p = argparse.ArgumentParser()\n")
     tail = '    p.add_argument("--steps", type=int, default=3)\n    return p.parse_args(argv)\n'
     (tmp_path / "zz_newalgo.py").write_text(

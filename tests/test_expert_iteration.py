@@ -11,13 +11,13 @@ import pytest
 import torch
 
 import task
-from checkpoint import load_checkpoint, save_checkpoint
 from conftest import refused, refuses_all, run_script
 from expert_iteration import (demonstrations, hindsight_pairs, minibatches, reward_model_scores,
                               round_counts, select)
+from hf.checkpoint import load_checkpoint, save_checkpoint
+from hf.tokenizer import Tokenizer
 from model import GPTConfig, ScalarGPT
 from tasks import arithmetic
-from tokenizer import Tokenizer
 
 
 # -----------------------------------------------------------------------------

@@ -19,11 +19,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import export as export_py
-from checkpoint import from_pretrained, load_checkpoint, save_checkpoint
 from conftest import ROOT, as_a_process, refused, run_script
+from hf.checkpoint import from_pretrained, load_checkpoint, save_checkpoint
+from hf.tokenizer import Tokenizer, tokenizer_files
 from lora import LoRALinear, add_adapters
 from model import GPT, GPTConfig
-from tokenizer import Tokenizer, tokenizer_files
 
 GOLDEN = os.path.join(ROOT, "tests", "golden")
 FAMILIES = ["gpt2", "llama", "qwen2", "llama3", "qwen3"]

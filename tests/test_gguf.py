@@ -21,8 +21,8 @@ import torch
 from safetensors.torch import load_file
 
 import gguf_to_hf
-from checkpoint import from_pretrained
-from tokenizer import Tokenizer
+from hf.checkpoint import from_pretrained
+from hf.tokenizer import Tokenizer
 
 gguf = pytest.importorskip("gguf")
 HERE = os.path.dirname(os.path.abspath(__file__))

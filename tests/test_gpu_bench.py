@@ -13,8 +13,8 @@ import torch
 
 import task
 from conftest import ROOT, refused
+from hf.tokenizer import Tokenizer
 from model import GPT, GPTConfig, completion_logits
-from tokenizer import Tokenizer
 
 spec = importlib.util.spec_from_file_location("gpu_bench", os.path.join(ROOT, "bench", "gpu.py"))
 gpu = importlib.util.module_from_spec(spec)

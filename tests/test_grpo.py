@@ -13,9 +13,9 @@ import torch
 import grpo
 import kernels
 import task
-from checkpoint import load_checkpoint
 from conftest import as_a_process, refuses_all, run_script
 from grpo import dynamic_sampling_keep, grpo_advantages, grpo_loss, overlong_penalty
+from hf.checkpoint import load_checkpoint
 
 
 # -----------------------------------------------------------------------------
@@ -489,7 +489,7 @@ def test_bf16_reference_scores_as_its_float32_self_under_autocast(device):
     import warnings
 
     from model import GPT, GPTConfig, completion_hidden
-    from loading import bf16_linears
+    from plumbing.loading import bf16_linears
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA here")
     torch.manual_seed(0)

@@ -16,12 +16,12 @@ import torch.nn.functional as F
 
 import sampler
 import task
-from checkpoint import from_pretrained
 from conftest import ROOT, run_script, run_scripts
+from hf.checkpoint import from_pretrained
+from hf.tokenizer import Tokenizer
 from kernels import HAS_TRITON, TRITON_INTERPRET, invariant
 from lora import add_adapters
 from model import GPT, GPTConfig, completion_logprobs, token_logprobs
-from tokenizer import Tokenizer
 
 GOLDEN = os.path.join(ROOT, "tests", "golden")
 

@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from checkpoint import load_checkpoint, save_checkpoint
 from conftest import refuses_all, run_script
+from hf.checkpoint import load_checkpoint, save_checkpoint
 from lora import LoRALinear, adapters, add_adapters, base_model, merge, projections, trainable
 from model import GPT, GPTConfig
 from sampler import generate

@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from checkpoint import CheckpointError, from_pretrained, load_checkpoint, save_checkpoint
+from hf.checkpoint import CheckpointError, from_pretrained, load_checkpoint, save_checkpoint
+from hf.tokenizer import Tokenizer
 from model import GPT, GPTConfig, KVCache, ScalarGPT, completion_logits, last_real
-from tokenizer import Tokenizer
 
 
 def peaked_model(seed, vocab_size=258, **kw):
@@ -414,7 +414,7 @@ def test_a_pretrained_folder_with_fewer_tokenizer_ids_than_embedding_rows_has_th
     the model emits decodes."""
     import json
     import shutil
-    from checkpoint import pretrained_config
+    from hf.checkpoint import pretrained_config
     folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "qwen2")
     padded = tmp_path / "padded"
     shutil.copytree(folder, padded)

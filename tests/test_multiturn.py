@@ -11,14 +11,14 @@ import random
 import pytest
 import torch
 
-import chat
 import multiturn
 import task
-from checkpoint import load_checkpoint
-from model import GPT, GPTConfig, completion_logprobs
 from conftest import ROOT, refuses_all, run_script, task_args
+from hf import chat
+from hf.checkpoint import load_checkpoint
+from hf.tokenizer import Tokenizer
+from model import GPT, GPTConfig, completion_logprobs
 from tasks import guess
-from tokenizer import Tokenizer
 
 F64 = dict(dtype=torch.float64)
 

@@ -15,10 +15,10 @@ import reinforce
 import rloo
 import sampler
 import task
-from checkpoint import save_checkpoint
+from hf.checkpoint import save_checkpoint
+from hf.tokenizer import Tokenizer
 from kernels import logprobs
 from model import GPT, GPTConfig, completion_logits, masked_mean
-from tokenizer import Tokenizer
 
 
 def sampled_batch(seed=0, dropout=0.0, G=2):

@@ -1,4 +1,4 @@
-"""plumbing.py and the scripts' run behaviour, one test per class of bad input or inconsistency:
+"""plumbing/run.py and the scripts' run behaviour, one test per class of bad input or inconsistency:
 every numeric flag of every script refused at parse time when non-finite or out of range; limits
 known at start checked at start; device errors that say device; any working directory; the metrics
 log consistent with the checkpoint across kills and Ctrl-C; one run per output folder;
@@ -18,13 +18,13 @@ import time
 import pytest
 import torch
 
-import flags
-import loading
-import parking
 import plumbing
-from checkpoint import load_checkpoint, save_checkpoint
 from conftest import ROOT, refused, run_script, run_scripts
+from hf.checkpoint import load_checkpoint, save_checkpoint
 from model import GPT, GPTConfig
+from plumbing import flags
+from plumbing import loading
+from plumbing import parking
 
 SCRIPTS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "*.py"))
                  if "\ndef parse_args(" in open(p).read())
@@ -660,7 +660,7 @@ def test_resume_refuses_other_prompts_and_offloading_on_a_cpu_says_it_does_nothi
 def test_a_checkpoint_is_on_disk_before_it_takes_its_name(tmp_path, monkeypatch):
     """fsync of the temporary file, then the rename: a crash between them cannot leave the name
     on a file the disk has not written."""
-    import checkpoint
+    from hf import checkpoint
     events, fsync, replace = [], os.fsync, os.replace
     monkeypatch.setattr(checkpoint.os, "fsync", lambda fd: (
         events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))), fsync(fd))[1])

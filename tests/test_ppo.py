@@ -273,7 +273,7 @@ def test_ppo_runs_end_to_end_and_resumes(tiny_sft, tiny_rm, tmp_path):
         assert math.isfinite(rows[1][key]), key
     assert 0 <= rows[1]["sampler_logp_diff"] < 1e-4     # the sampler's log-probs, aligned
     assert "eval_accuracy" in rows[0] and "eval_accuracy" in rows[2]
-    from checkpoint import load_checkpoint
+    from hf.checkpoint import load_checkpoint
     _, ckpt = load_checkpoint(os.path.join(out, "ppo.pt"), kind="gpt")
     assert ckpt["step"] == 2 and "critic" in ckpt
     p = run_script("ppo.py", common + ["--steps", "3", "--resume"])

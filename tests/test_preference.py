@@ -10,9 +10,9 @@ import os
 import pytest
 import torch
 
-from checkpoint import load_checkpoint
 from conftest import ROOT, refused, run_script
-from tokenizer import Tokenizer
+from hf.checkpoint import load_checkpoint
+from hf.tokenizer import Tokenizer
 
 
 def load(name):

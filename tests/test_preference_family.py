@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import task
-from checkpoint import load_checkpoint
 from conftest import ROOT, refused, run_script
+from hf.checkpoint import load_checkpoint
 
 
 def load(name):

@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import sampler
-from checkpoint import CheckpointError, from_pretrained
+from hf.checkpoint import CheckpointError, from_pretrained
+from hf.tokenizer import Tokenizer
 from model import GPT, GPTConfig
-from tokenizer import Tokenizer
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
 FAMILIES = ["gpt2", "llama", "qwen2", "llama3", "qwen3"]
@@ -76,7 +76,7 @@ def test_a_text_the_tokenizer_cannot_take_is_a_value_error_at_its_bound_and_one_
     """tiktoken's split regex overflows its stack (a Rust panic) near a million whitespace
     characters in a row: a run of tokenizer.MAX_SPACE_RUN encodes, one more is refused before
     tiktoken sees it; any failure of tiktoken's, a panic included, is a ValueError."""
-    import tokenizer
+    from hf import tokenizer
     tok = Tokenizer.from_pretrained(golden(name)[0])
     run = tokenizer.MAX_SPACE_RUN
     assert len(tok.encode("a" + " " * run + "b")) >= 2
@@ -239,7 +239,7 @@ def test_a_checkpoint_that_does_not_fit_is_one_error_naming_what(tmp_path, edit,
 
 def test_scripts_take_a_hugging_face_folder_as_init_and_resume_from_what_they_wrote(tmp_path):
     from conftest import run_script
-    from loading import load_model
+    from plumbing.loading import load_model
     out, qwen = str(tmp_path), os.path.join(GOLDEN, "qwen2")
     small = ["--prompts_per_step", "4", "--group_size", "4", "--eval_n", "16", "--init", qwen,
              "--out", out]

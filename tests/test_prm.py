@@ -14,11 +14,11 @@ import torch
 import prm
 import sampler
 import task
-from checkpoint import load_checkpoint
 from conftest import refuses_all, run_script
+from hf.checkpoint import load_checkpoint
+from hf.tokenizer import Tokenizer
 from model import GPT, GPTConfig, ScalarGPT, scores_at
 from tasks import arithmetic
-from tokenizer import Tokenizer
 
 
 # -----------------------------------------------------------------------------

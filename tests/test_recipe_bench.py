@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
-from checkpoint import from_pretrained, pretrained_config
 from conftest import ROOT, run_script
-from tokenizer import Tokenizer
+from hf.checkpoint import from_pretrained, pretrained_config
+from hf.tokenizer import Tokenizer
 
 
 @pytest.mark.slow
@@ -48,7 +48,7 @@ def test_the_memory_ledger_counts_each_owner_once():
     import sys
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import recipe
-    import parking
+    from plumbing import parking
     import sampler
     from lora import add_adapters, base_model, trainable
     from model import GPT, GPTConfig

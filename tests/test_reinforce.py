@@ -11,8 +11,8 @@ import torch
 
 import kernels
 import reinforce
-from checkpoint import load_checkpoint
 from conftest import refused, run_script
+from hf.checkpoint import load_checkpoint
 from reinforce import (baseline_advantages, reinforce_loss, reinforce_pp_advantages,
                        update_moving_average)
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import task
-from checkpoint import load_checkpoint
 from conftest import ROOT, run_script
+from hf.checkpoint import load_checkpoint
+from hf.tokenizer import Tokenizer
 from model import GPT, GPTConfig, ScalarGPT
-from tokenizer import Tokenizer
 
 spec = importlib.util.spec_from_file_location("reward_model", os.path.join(ROOT, "reward_model.py"))
 reward_model = importlib.util.module_from_spec(spec)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import rloo
-from checkpoint import load_checkpoint
 from conftest import refused, run_script
+from hf.checkpoint import load_checkpoint
 from rloo import rloo_advantages, rloo_loss
 
 

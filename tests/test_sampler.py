@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import sampler
+from hf.tokenizer import Tokenizer
 from model import GPT, GPTConfig, completion_logits, completion_logprobs
-from tokenizer import Tokenizer
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA (the CUDA graph)"))]

@@ -1,4 +1,4 @@
-"""sandbox.py: the worker process untrusted code runs in. Its uses are tested with them
+"""hf/sandbox.py: the worker process untrusted code runs in. Its uses are tested with them
 (tests/test_chat.py: templates; tests/test_tools.py: tools); here what belongs to the worker alone:
 nothing it starts outlives it, however the run ends; a reply belongs to its call; the run's signals
 are the run's; a restart's replay is counted and named; where namespaces are allowed, the code
@@ -14,10 +14,10 @@ import time
 
 import pytest
 
-import sandbox
-import tools
 from conftest import ROOT
-from tools import Call, run_call
+from hf import sandbox
+from hf import tools
+from hf.tools import Call, run_call
 
 ESCAPING = ("forks", "spawns", "bomb", "spins", "lifts", "returns_twice", "forges", "burns",
             "budget", "signals", "to_parent", "writes", "connects", "sees")
@@ -46,7 +46,7 @@ def own_worker(monkeypatch, request):
     namespaces where the system allows them, and without (SANDBOX_NAMESPACES=0)."""
     if request.param == "process bounds":
         monkeypatch.setenv("SANDBOX_NAMESPACES", "0")
-    monkeypatch.setitem(sandbox._WORKERS, "tools", sandbox.Worker("tools", tools.MEMORY))
+    monkeypatch.setitem(sandbox._WORKERS, "hf.tools", sandbox.Worker("hf.tools", tools.MEMORY))
     yield
     tools._worker().stop()
 
@@ -98,7 +98,7 @@ def test_the_cpu_limit_is_each_calls_and_cannot_be_lifted(escaping):
 def test_the_runs_signals_are_the_runs():
     """A SIGTERM to the run's whole process group (what timeout, Slurm and kill -TERM -PGID send)
     is the run's to handle: the call in flight finishes as it would have."""
-    script = ("import signal, sys, tools, chat\n"
+    script = ("import signal, sys\nfrom hf import tools, chat\n"
               "signal.signal(signal.SIGTERM, lambda *a: print('SIGTERM', flush=True))\n"
               "tools.RUN_SECONDS = 30.0\n"           # the call's own deadline far off, under load
               "table = tools.resolve('hostile_tools:slow')\n"
@@ -166,7 +166,7 @@ def test_a_tool_cannot_see_or_signal_the_run_write_beside_it_or_reach_the_networ
 
 RUN = """
 import os, sys, time
-import chat, tools
+from hf import chat, tools
 template = chat.ChatTemplate("{{ messages[0]['content'] }}", {}, set(), {})
 template.render([{"role": "user", "content": "x"}])
 table = tools.resolve("escaping_tools:forks")
@@ -207,7 +207,7 @@ def test_the_worker_and_what_it_started_end_with_its_run(how, namespaces):
 def test_a_request_a_signal_interrupts_leaves_no_stale_reply(monkeypatch):
     """An exception raised by a signal's handler while the run waits (Run's SIGTERM while loading)
     kills the worker; the next request gets its own reply from a new one."""
-    import chat
+    from hf import chat
     template = chat.ChatTemplate("{% for i in range(100000) %}{% for j in range(100) %}"
                                  "{% endfor %}{% endfor %}{{ messages[0]['content'] }}", {}, set(),
                                  {})

@@ -15,11 +15,11 @@ import torch
 import sampler
 import search
 import task
-from checkpoint import load_checkpoint, save_checkpoint
 from conftest import refused, refuses_all, run_script
+from hf.checkpoint import load_checkpoint, save_checkpoint
+from hf.tokenizer import Tokenizer
 from model import GPT, GPTConfig, ScalarGPT
 from tasks import arithmetic
-from tokenizer import Tokenizer
 
 
 # -----------------------------------------------------------------------------
@@ -196,7 +196,7 @@ def test_best_of_n_with_no_samples_is_an_error_that_says_so():
 def test_beam_search_of_width_one_is_sampling(tiny_sft):
     """beam 1 x expand 1 keeps every step it samples: it draws what model.generate draws with the
     same generator."""
-    from loading import load_model
+    from plumbing.loading import load_model
     policy, tok, _ = load_model(tiny_sft, "cpu")
     prm = ScalarGPT.from_policy(policy).eval()
     prompts = task.eval_prompts()[:6]

@@ -16,8 +16,8 @@ import torch
 import kernels
 import self_distill
 import task
-from checkpoint import load_checkpoint
 from conftest import refuses_all, run_script
+from hf.checkpoint import load_checkpoint
 from self_distill import self_distillation_loss
 
 

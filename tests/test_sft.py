@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import task
-from checkpoint import load_checkpoint
 from conftest import TINY_SFT, run_script
-from tokenizer import Tokenizer
+from hf.checkpoint import load_checkpoint
+from hf.tokenizer import Tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # past the warm-up: the cosine schedule's lr goes into the checkpoint too

@@ -15,6 +15,10 @@ from conftest import ROOT
 
 # Every top-level file: the algorithms, and the shared modules they are read beside
 ALGORITHMS = sorted(f[:-3] for f in os.listdir(ROOT) if f.endswith(".py"))
+# ... and the shared modules in folders (hf/, plumbing/)
+FILES = ALGORITHMS + sorted(f"{d}/{f[:-3]}" for d in ("hf", "plumbing")
+                            for f in os.listdir(os.path.join(ROOT, d))
+                            if f.endswith(".py") and f != "__init__.py")
 
 
 def docstring_measure(path):
@@ -42,7 +46,7 @@ def test_ruff_passes():
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
 
 
-@pytest.mark.parametrize("name", ALGORITHMS)
+@pytest.mark.parametrize("name", FILES)
 def test_docstrings_frame_the_code_and_do_not_bury_it(name):
     module_doc, ratio = docstring_measure(os.path.join(ROOT, f"{name}.py"))
     assert module_doc <= 40, f"{name}.py: module docstring of {module_doc} lines (at most 40)"
@@ -57,36 +61,60 @@ def test_the_readme_is_a_first_page_and_its_links_resolve():
             assert os.path.exists(os.path.join(ROOT, target)), target
 
 
-# The shared modules, lowest first: each imports only modules before it (no cycle), at its top (no
-# import hidden in a function to dodge one)
-LAYERS = ["kernels", "tasks", "model", "lora", "sandbox", "chat", "tools", "tokenizer",
-          "checkpoint", "sampler", "task", "flags", "parking", "distributed", "lock", "loading",
-          "onpolicy", "plumbing"]
+# The shared modules, lowest first: each imports only modules before it (no cycle, no import back
+# up from a folder), at its top (no import hidden in a function to dodge one)
+LAYERS = ["kernels", "tasks", "model", "lora", "hf.sandbox", "hf.chat", "hf.tools", "hf.tokenizer",
+          "hf.checkpoint", "sampler", "onpolicy", "task", "plumbing.flags", "plumbing.parking",
+          "plumbing.distributed", "plumbing.lock", "plumbing.loading", "plumbing.run", "plumbing"]
+PACKAGES = {"hf": "hf.sandbox", "plumbing": "plumbing"}     # a package's name, as its lowest room
+
+
+def module_path(name):
+    return os.path.join(ROOT, *name.split(".")) + ".py" if name != "plumbing" else \
+        os.path.join(ROOT, "plumbing", "__init__.py")
 
 
 def project_imports(path):
-    """(module imported, at the top level?) for every import of a project module in `path`."""
+    """(module imported, at the top level?) for every import of a project module in `path`:
+    `from hf import chat` and `from hf.chat import X` are both hf.chat."""
     tree = ast.parse(open(path).read())
     top = {id(n) for n in tree.body}
     names = set(LAYERS) | set(ALGORITHMS)
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            mods = [a.name.split(".")[0] for a in node.names]
+            mods = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
-            mods = [node.module.split(".")[0]]
+            mods = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in names
+                    else node.module for a in node.names]
         else:
             continue
-        out += [(m, id(node) in top) for m in mods if m in names]
+        for m in mods:
+            m = m if m in names else m.split(".")[0]
+            if m in names or m in PACKAGES:
+                out.append((m, id(node) in top))
     return out
 
 
 @pytest.mark.parametrize("name", LAYERS[2:])
 def test_the_shared_modules_import_downwards_and_at_their_top(name):
-    for module, at_top in project_imports(os.path.join(ROOT, f"{name}.py")):
-        assert at_top, f"{name}.py imports {module} inside a function"
+    for module, at_top in project_imports(module_path(name)):
+        assert at_top, f"{name} imports {module} inside a function"
+        module = PACKAGES.get(module, module) if module != name.split(".")[0] else module
         assert module in LAYERS and LAYERS.index(module) < LAYERS.index(name), \
-            f"{name}.py imports {module}, which is not below it ({' < '.join(LAYERS)})"
+            f"{name} imports {module}, which is not below it ({' < '.join(LAYERS)})"
+
+
+def test_the_root_shows_the_algorithms():
+    """The root's .py files: the algorithms, the two commands and at most six shared files; every
+    other shared module sits in hf/ or plumbing/."""
+    shared = {m for m in LAYERS if "." not in m and os.path.exists(module_path(m))}
+    assert shared <= {"model", "lora", "sampler", "task", "onpolicy", "plumbing"}
+    root = {m for m in ALGORITHMS if m not in ("export", "gguf_to_hf")}
+    assert len(root & shared) <= 6, sorted(root & shared)
+    for folder in PACKAGES:
+        files = {f[:-3] for f in os.listdir(os.path.join(ROOT, folder)) if f.endswith(".py")}
+        assert {f"{folder}.{f}" for f in files - {"__init__"}} <= set(LAYERS), folder
 
 
 # A main reads as the algorithm's steps: what several scripts do alike lives in the plumbing

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import task
+from hf.tokenizer import Tokenizer
 from model import GPT, GPTConfig
 from tasks import arithmetic
-from tokenizer import Tokenizer
 
 
 def test_solutions_follow_precedence_and_left_to_right_mistakes_ignore_it():
@@ -137,7 +137,7 @@ def test_evaluation_samples_within_the_runs_own_budget(monkeypatch):
 
 
 def test_a_prompt_longer_than_the_context_is_refused_without_a_negative_budget():
-    from loading import check_fits
+    from plumbing.loading import check_fits
     with pytest.raises(SystemExit,
                        match="longest prompt of the task has 70 tokens.*block_size\\) is 64"):
         check_fits(70, 8, 64)

@@ -6,12 +6,12 @@ import random
 
 import pytest
 
-import flags
 import task
 from conftest import ROOT, refused, run_script, run_scripts, task_args
-from flags import add_run_flags, parser
+from hf.tokenizer import Tokenizer
+from plumbing import flags
+from plumbing.flags import add_run_flags, parser
 from tasks import arithmetic, countdown, gsm8k
-from tokenizer import Tokenizer
 
 # DeepSeek-R1's Table 1, typed here from the paper (not from task.py), with the question in place of
 # "prompt"

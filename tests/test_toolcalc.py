@@ -12,9 +12,9 @@ import pytest
 
 import task
 from conftest import ROOT, refused, run_scripts, task_args
+from hf.tokenizer import Tokenizer
 from tasks import toolcalc
 from tasks.toolcalc import calculator
-from tokenizer import Tokenizer
 
 
 # -----------------------------------------------------------------------------

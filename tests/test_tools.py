@@ -1,4 +1,4 @@
-"""tools.py: a Python function's JSON schema against transformers' get_json_schema
+"""hf/tools.py: a Python function's JSON schema against transformers' get_json_schema
 (tests/golden/tools.json, the same output key for key and in order, since a template renders it as
 it is); the calls a chat template teaches, parsed from well-formed and hostile text; a call run with
 its bounds, every failure an error text the model reads."""
@@ -12,12 +12,12 @@ import pytest
 import torch
 
 import task
-import tools
 from conftest import task_args
+from hf import tools
+from hf.tokenizer import Tokenizer
+from hf.tools import Call, json_schema, parse_calls, run_call
 from model import GPTConfig
 from tasks import toolcalc
-from tokenizer import Tokenizer
-from tools import Call, json_schema, parse_calls, run_call
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
 sys.path.insert(0, GOLDEN)
@@ -488,8 +488,8 @@ def test_a_template_that_teaches_no_call_form_or_writes_no_tool_message_is_refus
 def test_a_tool_that_cannot_be_loaded_is_one_line(tmp_path, monkeypatch):
     """--tools module:function whose module raises anything on import (SystemExit and
     KeyboardInterrupt too), ends its process, or never finishes importing, or whose string type
-    hint names nothing: ValueError naming the tool (flags.py makes it the parse error), never a
-    traceback and never the end of this process."""
+    hint names nothing: ValueError naming the tool (plumbing/flags.py makes it the parse error),
+    never a traceback and never the end of this process."""
     for name, body in (("boom", 'raise RuntimeError("boom")'), ("leave", 'raise SystemExit("bye")'),
                        ("ctrl", "raise KeyboardInterrupt"), ("gone", "import os; os._exit(3)"),
                        ("spin", "while True: pass"),
@@ -595,10 +595,11 @@ def test_each_bound_holds_at_its_limit_and_refuses_one_past_it():
 
 
 def test_the_tool_protocols_task_defaults_are_the_documented_ones():
-    """flags.py's docstring states the defaults --chat --tools fills in: the out folder, agent.py's
-    completion budget, sft.py's context. Each as documented, and as toolcalc defines it."""
+    """plumbing/flags.py's docstring states the defaults --chat --tools fills in: the out folder,
+    agent.py's completion budget, sft.py's context. Each as documented, and as toolcalc defines
+    it."""
     import agent
-    import flags
+    from plumbing import flags
     import sft
     args = agent.parse_args(["--task", "toolcalc", "--chat", "--tools", "calculator"])
     assert args.max_new_tokens == toolcalc.CHAT_MAX_NEW_TOKENS == 100

@@ -15,8 +15,8 @@ from torch.nn.utils import parameters_to_vector
 
 import kernels
 import trpo
-from checkpoint import load_checkpoint
 from conftest import as_a_process, refuses_all, run_script
+from hf.checkpoint import load_checkpoint
 from model import GPT, GPTConfig
 from trpo import (LineSearch, backtracking_line_search, conjugate_gradient, fisher_vector_product,
                   flat_grad, mean_kl, natural_gradient_step, rloo_advantages, set_flat_params,

@@ -28,13 +28,13 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import task
-from checkpoint import load_checkpoint, save_checkpoint
 from conftest import ROOT, run_script, task_args
 from ddp_worker import (fixed_chat_episode, fixed_completion, fixed_episode,
                         fixed_guess_episode)
+from hf.checkpoint import load_checkpoint, save_checkpoint
+from hf.tokenizer import Tokenizer
 from model import GPT, GPTConfig
 from tasks import arithmetic, guess, toolcalc
-from tokenizer import Tokenizer
 
 WORKER = os.path.join(ROOT, "tests", "ddp_worker.py")
 TOK = Tokenizer()

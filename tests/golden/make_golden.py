@@ -11,9 +11,9 @@ tokens added but not special, its embedding padded past its tokenizer) Qwen2.5's
 user messages, without and with a tool (for Qwen3 through templates/bare.jinja too: tags that '-'
 does not trim; and templates/think.jinja, a reasoning template: a demonstration rendered whole).
 Every norm's weight (and GPT-2's biases) is random, so that a norm read into the wrong place shows
-in the logits. Needs transformers 5.24 or newer (its docstring parser, which tools.py follows) and
-tokenizers, which are not in requirements.txt (the tests read only the files this writes); run from
-the repository root:
+in the logits. Needs transformers 5.24 or newer (its docstring parser, which hf/tools.py
+follows) and tokenizers, which are not in requirements.txt (the tests read only the files this
+writes); run from the repository root:
 
     pip install 'transformers>=5.24' && python tests/golden/make_golden.py [FAMILY ...]  # all
     pip install peft && python tests/golden/make_golden.py --peft [FAMILY ...]    # peft.json
@@ -337,7 +337,8 @@ if __name__ == "__main__":
     import sys
     if tuple(map(int, transformers.__version__.split(".")[:2])) < (5, 24):
         raise SystemExit(f"transformers {transformers.__version__}: 5.24 or newer is needed (its "
-                         f"get_json_schema reads 'name (type):' docstring lines as tools.py does)")
+                         f"get_json_schema reads 'name (type):' docstring lines as hf/tools.py "
+                         f"does)")
     names = [a for a in sys.argv[1:] if a not in ("--peft", "--tools", "--game")] or [
         "gpt2", "llama", "qwen2", "llama3", "qwen3"]
     if "--tools" in sys.argv:                  # the tool schemas alone

@@ -2,7 +2,7 @@
 Tools a policy can call. Any Python function with type hints and a Google-style docstring is a
 tool: its JSON schema is built as transformers' `get_json_schema` builds it (the form a chat
 template's `tools` renders); a model's calls are parsed as the served model's parser (vLLM's
-hermes or llama3_json) reads them; a call runs in a worker process (sandbox.py), and whatever
+hermes or llama3_json) reads them; a call runs in a worker process (hf/sandbox.py), and whatever
 goes wrong is an error text the model reads as the tool's reply, never a crash and never a
 silent reward.
 
@@ -34,8 +34,8 @@ import types
 import typing
 from typing import Any, Literal, NamedTuple, Union
 
-import sandbox
-from chat import PROBE, ChatTemplateError, demonstration
+from hf import sandbox
+from hf.chat import PROBE, ChatTemplateError, demonstration
 from tasks import toolcalc
 
 STYLES = ("hermes", "llama3")
@@ -430,7 +430,7 @@ def resolve(spec):
 
 
 def _worker():
-    return sandbox.worker("tools", MEMORY)
+    return sandbox.worker(__name__, MEMORY)
 
 
 _LOADED = {}                            # in the worker: spec -> function

@@ -3,7 +3,7 @@ torch.distributed in one room, as torchtitan keeps its parallelize apart: torchr
 their group, each rank's share of a batch, the global sums every normaliser goes through, DDP or
 FSDP2 with gradients summed over ranks, --grad_accum's micro-batches, the gradient's global norm.
 In one process each is what it means there, so a script reads the same with torchrun or without.
-A Run (plumbing.py) is a Distributed: run.shard, run.all_sum, run.ddp, ...
+A Run (plumbing/run.py) is a Distributed: run.shard, run.all_sum, run.ddp, ...
 
 --fsdp (FSDP2's fully_shard; Zhao et al. 2023, arXiv 2304.11277): run.ddp returns a twin whose
 weights, gradients and AdamW moments are split over the ranks, each block a unit gathered only

@@ -26,7 +26,7 @@ import math
 import os
 
 import task
-import tools
+from hf import tools
 from tasks import arithmetic, countdown, gsm8k, guess, toolcalc
 
 SFT_PATH = os.path.join("out", "sft.pt")   # default --init of the scripts that start from SFT
@@ -136,8 +136,8 @@ def add_run_flags(parser, script, log_every, eval_every):
              "take them as pi_old, skipping the policy's recompute; CPU only so far")
     add("--fsdp", action="store_true",
         help="shard the weights, gradients and AdamW moments of what trains over the torchrun "
-             "processes (FSDP2; distributed.py): each holds 1/world of them, one block whole at a "
-             "time, and a whole copy for sampling; in one process a single shard")
+             "processes (FSDP2; plumbing/distributed.py): each holds 1/world of them, one block "
+             "whole at a time, and a whole copy for sampling; in one process a single shard")
     if script not in ("rm", "{orm,prm}"):                     # the scripts that train a policy
         add("--lora_rank", type=Int(ge=0), default=0,
             help="LoRA (lora.py): train rank-r adapters on the projections, every weight frozen; "
@@ -172,13 +172,13 @@ def add_task_flags(parser):
     g.add_argument("--chat", action="store_true",
                    help="render each prompt through the checkpoint's own chat template as the "
                         "user's message (a Hugging Face folder's, or a checkpoint trained from "
-                        "one; chat.py); the end of the assistant's turn (<|im_end|>, <|eot_id|>) "
-                        "ends a completion and a demonstration")
+                        "one; hf/chat.py); the end of the assistant's turn (<|im_end|>, "
+                        "<|eot_id|>) ends a completion and a demonstration")
     g.add_argument("--tools", default=None, metavar="NAMES",
                    help="with --chat: tools the model calls in its chat template's own protocol "
                         "(agent.py episodes, sft.py demonstrations): comma-separated, built in "
                         "(calculator) or module:function (any function with type hints and a "
-                        "docstring; tools.py)")
+                        "docstring; hf/tools.py)")
     return g
 
 

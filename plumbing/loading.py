@@ -17,18 +17,18 @@ import numpy as np
 import torch
 
 import task
-from checkpoint import (CheckpointError, fingerprint, from_pretrained, is_pretrained_folder,
-                        load_checkpoint, pretrained_config)
-from flags import RM_PATH, SFT_PATH, default_path, task_flags
+from hf.checkpoint import (CheckpointError, fingerprint, from_pretrained, is_pretrained_folder,
+                           load_checkpoint, pretrained_config)
+from hf.tokenizer import Tokenizer
 from kernels import invariant
 from lora import add_adapters, base_model, compact, trainable
 from model import GPTConfig
-from parking import Parked, ParkedMoments
+from plumbing.flags import RM_PATH, SFT_PATH, default_path, task_flags
+from plumbing.parking import Parked, ParkedMoments
 from tasks import arithmetic
 from tasks.toolcalc import CHAT_BLOCK_SIZE
-from tokenizer import Tokenizer
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # where the scripts are
 
 
 def pick_device(requested=None):

@@ -8,7 +8,7 @@ a prompt is encoded (after a folder's BOS, or through its chat template).
   ones. A named tiktoken encoding ("gpt2") works where tiktoken can load it.
 - A Hugging Face folder's byte-level BPE tokenizer.json (GPT-2, Llama 3, Qwen2/3) read into a
   tiktoken Encoding: its ranks, its pre-tokenizer's split pattern, its added tokens; EOS, the stop
-  ids and pad from the folder's configs; the chat template, run by chat.py (--chat).
+  ids and pad from the folder's configs; the chat template, run by hf/chat.py (--chat).
 
 A downloaded folder is untrusted input: every file is read with a size bound, checked for its
 type, and refused in one line naming it (CheckpointError). A checkpoint keeps the sha256 of its
@@ -24,7 +24,7 @@ import regex                                    # tiktoken's own dependency
 import tiktoken
 import torch
 
-from chat import ChatTemplate, ChatTemplateError
+from hf.chat import ChatTemplate, ChatTemplateError
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"

@@ -20,9 +20,9 @@ from dataclasses import asdict, fields
 import torch
 from safetensors.torch import load_file
 
+from hf.tokenizer import CheckpointError, read_json, tokenizer_ids
 from lora import add_adapters, merge
 from model import GPT, GPTConfig, ScalarGPT
-from tokenizer import CheckpointError, read_json, tokenizer_ids
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "fingerprint",
            "is_pretrained_folder", "pretrained_config", "from_pretrained", "hf_tensors", "hf_names"]

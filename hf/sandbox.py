@@ -1,6 +1,6 @@
 """
-Untrusted code in a worker process: a downloaded folder's chat template (chat.py) and a user's
---tools function (tools.py) run here, never in the run's own process.
+Untrusted code in a worker process: a downloaded folder's chat template (hf/chat.py) and a user's
+--tools function (hf/tools.py) run here, never in the run's own process.
 
 A timer inside a process cannot stop one long C-level operation (a list membership test, `sum` of
 a huge range, a regex), and a size check after a value is built comes too late. So each kind of
@@ -27,11 +27,11 @@ Whatever the code does (raise SystemExit, end its process, loop, allocate past t
 the run gets the value, or Failed (the code's error, as text), or Timeout, or Died, never its own
 end. It bounds resources, not files: the code runs as the run's user and can open any file it may.
 
-    worker = sandbox.worker("chat", 2 ** 30)
+    worker = sandbox.worker("hf.chat", 2 ** 30)
     worker.setup("compile", {"key": k, "source": s, ...}, seconds=5)   # replayed after a restart
     worker.request("render", {"key": k, ...}, seconds=5)    # the value, or Failed / Timeout / Died
 
-The worker side: `python sandbox.py MODULE MEMORY REQUEST_FD REPLY_FD RUN_PID` serves
+The worker side: `python hf/sandbox.py MODULE MEMORY REQUEST_FD REPLY_FD RUN_PID` serves
 MODULE.WORKER_OPS ({name: function}); a function's keyword arguments are a request's "args".
 """
 import atexit
@@ -475,5 +475,7 @@ def serve(module, memory, request_fd, reply_fd, home, isolated):
 
 
 if __name__ == "__main__":
-    sys.modules["sandbox"] = sys.modules[__name__]    # chat's and tools' `import sandbox`: this
+    # started by path: the root on sys.path (not hf/), and this module chat's and tools' hf.sandbox
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.modules["hf.sandbox"] = sys.modules[__name__]
     keep(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))

@@ -17,7 +17,7 @@ Where this differs from transformers:
   3.2's template writes "Today Date", and a run resumed on another day must see the prompts it
   trained on.
 - A downloaded template is untrusted code, compiled and rendered in a worker process
-  (sandbox.py: MEMORY of address space, killed at COMPILE_SECONDS or RENDER_SECONDS), never in
+  (hf/sandbox.py: MEMORY of address space, killed at COMPILE_SECONDS or RENDER_SECONDS), never in
   the run's. A source past MAX_SOURCE_CHARS is refused unread; a template that takes more than
   PROBE_SECONDS to render one message at load, or whose renders take more than a minute plus a
   tenth of the run's time (BUDGET), is refused. Renders are cached per distinct input. Inside
@@ -38,7 +38,7 @@ import jinja2.nodes
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-import sandbox
+from hf import sandbox
 
 START, END = "\U000f0000", "\U000f0001"   # transformers' markers around a message's control token
 PROBE = "\U000f0002"                     # a message's content while end_of_turn looks past it
@@ -58,7 +58,7 @@ class ChatTemplateError(ValueError):
 
 
 # -----------------------------------------------------------------------------
-# The worker's side (sandbox.py runs these): transformers' Jinja sandbox, sizes bounded
+# The worker's side (hf/sandbox.py runs these): transformers' Jinja sandbox, sizes bounded
 
 class _Generation(jinja2.ext.Extension):
     """{% generation %} (transformers' tag around the assistant's tokens): renders its body."""
@@ -315,7 +315,7 @@ class ChatTemplate:
 
 
 def _worker():
-    return sandbox.worker("chat", MEMORY)
+    return sandbox.worker(__name__, MEMORY)
 
 
 def demonstration(tok, prompt, messages, **kwargs):

@@ -1,7 +1,7 @@
 """
 The run plumbing every training script shares, written once so that each algorithm file shows its
 algorithm and nothing else. No math lives here: a first reading of grpo.py can skip every `run.`
-line and lose nothing of GRPO. Its flags are parsed in flags.py.
+line and lose nothing of GRPO. Its flags are parsed in plumbing/flags.py.
 
 Run holds the run's life:
 - every check that can run before the first expensive step runs there (a --resume without a usable
@@ -17,9 +17,9 @@ Run holds the run's life:
   how to resume (SIGTERM while the run still loads: it stops at once); an error a step cannot go
   on from is one line naming the last checkpoint;
 - held-out evaluation and the summary line.
-The rest has rooms of its own: the device, seeds and loading (loading.py, whose Models a Run is),
-the output folder's lock (lock.py), torch.distributed (distributed.py, whose Distributed a Run
-is), device memory parking (parking.py).
+The rest has rooms of its own beside this file: the device, seeds and loading (loading.py, whose
+Models a Run is), the output folder's lock (lock.py), torch.distributed (distributed.py, whose
+Distributed a Run is), device memory parking (parking.py).
 """
 import atexit
 import contextlib
@@ -36,18 +36,18 @@ from dataclasses import asdict
 
 import torch
 
-import sandbox
 import task
-from chat import ChatTemplateError
-from checkpoint import CheckpointError, save_checkpoint
-from distributed import Distributed
-from flags import RM_PATH, SFT_PATH, default_path
-from lock import OutputLock
-from loading import (Models, autocast, check_modes, pick_device, read_checkpoint,
-                     seed_everything)
+from hf import sandbox
+from hf.chat import ChatTemplateError
+from hf.checkpoint import CheckpointError, save_checkpoint
 from lora import add_adapters
 from model import GPT, GPTConfig
 from onpolicy import OnPolicy
+from plumbing.distributed import Distributed
+from plumbing.flags import RM_PATH, SFT_PATH, default_path
+from plumbing.loading import (Models, autocast, check_modes, pick_device, read_checkpoint,
+                              seed_everything)
+from plumbing.lock import OutputLock
 
 # -----------------------------------------------------------------------------
 # The learning rate
@@ -97,7 +97,7 @@ class Run(Distributed, Models, OnPolicy):
         self.script, self.args, name = script, args, name or script
         self.total_steps = args.steps
         self.moments = contextlib.nullcontext()   # the optimizer's, where resume parks them
-        self.processes(solo)                      # world, rank, is_main (distributed.py)
+        self.processes(solo)                      # world, rank, is_main (plumbing/distributed.py)
         if batch_flag is not None:
             n, k = getattr(args, batch_flag), getattr(args, "grad_accum", 1)
             if n % self.world or n // self.world < k:

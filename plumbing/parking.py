@@ -3,7 +3,7 @@ Device memory parking: what a step does not use waits in host memory (pinned, fo
 and comes back when it is used, the numbers the same bit for bit. A frozen model (a reference, a
 reward model: Parked) is on the device only inside `with parked:`; with --offload_optimizer
 AdamW's two moments (ParkedMoments) only while a chunk of parameters is stepped. As verl's
-ref.fsdp_config.param_offload and actor optimizer_offload. Run (plumbing.py) decides where they
+ref.fsdp_config.param_offload and actor optimizer_offload. Run (plumbing/run.py) decides where they
 act: on a GPU only.
 """
 import torch

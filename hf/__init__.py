@@ -1,0 +1,1 @@
+"""What a Hugging Face checkpoint folder brings: tokenizer, chat template, tools, weights."""
