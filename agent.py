@@ -48,6 +48,7 @@ from lora import trainable
 from model import completion_logprobs
 from plumbing import Run
 from plumbing.flags import SFT_PATH, TEMPERATURE, Float, Int, add_run_flags, parser
+from sampler import score
 from tasks import toolcalc
 
 
@@ -275,13 +276,14 @@ def main(args):
         beta = (torch.where(ep.turn == 0, args.stage1_beta, args.beta) if stage1
                 else torch.full_like(mask, args.beta))
 
-        # 3. score without gradient (onpolicy.py): pi_old and pi_ref of every token (the
+        # 3. score without gradient (sampler.score): pi_old and pi_ref of every token (the
         #    environment's for the log), each model's forward once; on a logged step the exact KL
         #    and the entropy on the policy's tokens. --batch_invariant: pi_old is the sampler's
-        # the step's, over every rank
-        n_seqs, n_tokens = run.all_sum(len(mask)), run.all_sum(loss_mask.sum())
-        scored = run.score(policy, ref, ref_weights, prompt, prompt_mask, tokens, mask, ep.logp,
-                           temp, kl_mask=ep.sampled, n_kl=run.all_sum(ep.sampled.sum()))
+        n_seqs, n_tokens = run.all_sum(len(mask)), run.all_sum(loss_mask.sum())  # over all ranks
+        with ref_weights, run.autocast:
+            scored = score(policy, ref, prompt, prompt_mask, tokens, mask, ep.logp, temp,
+                           run.micro_batches(len(mask)), run.logging(), args.batch_invariant,
+                           kl_mask=ep.sampled, n_kl=run.all_sum(ep.sampled.sum()))
         old_logp, ref_logp = scored.old_logp, scored.ref_logp                    # (B, Tn)
 
         # 4. mu passes of the loss over the --grad_accum micro-batches, normalised by the whole
@@ -329,7 +331,7 @@ def main(args):
                        "completion_len": run.mean(ep.sampled.sum(1)),
                        "env_tokens": run.mean(env.sum(1)), "env_logp": run.mean(old_logp, env),
                        "truncated": run.mean(ep.truncated.float()), "grad_norm": grad_norm.item(),
-                       "sampler_logp_diff": scored.sampler_diff}
+                       "sampler_logp_diff": run.max(scored.sampler_gap)}
             if K == 2:
                 metrics["stage"] = 1 if stage1 else 2
                 first = ep.correct[:, 0]

@@ -46,6 +46,7 @@ from lora import trainable
 from model import completion_logprobs
 from plumbing import Run
 from plumbing.flags import SFT_PATH, TEMPERATURE, Float, Int, add_run_flags, parser
+from sampler import score
 
 
 # -----------------------------------------------------------------------------
@@ -429,13 +430,14 @@ def main(args):
                                                  args.overlong_buffer)
         run.samples += rounds * P * G
 
-        # 2. score without gradient (onpolicy.py): pi_old and pi_ref of every token, each model's
-        #    forward once through the function step 4 calls (on-policy, the same bits); on a
-        #    logged step the exact KL and the entropy. --batch_invariant: pi_old is the sampler's
-        # the step's, over every rank
-        n_seqs, n_tokens = run.all_sum(len(mask)), run.all_sum(mask.sum())
-        scored = run.score(policy, ref, ref_weights, prompt, prompt_mask, tokens, mask,
-                           sampler_logp, temp, n_kl=n_tokens)
+        # 2. score without gradient (sampler.score): pi_old and pi_ref of every token, each
+        #    model's forward once through the function step 4 calls (on-policy, the same bits); on
+        #    a logged step the exact KL and the entropy. --batch_invariant: pi_old is the sampler's
+        n_seqs, n_tokens = run.all_sum(len(mask)), run.all_sum(mask.sum())  # the step's, all ranks
+        with ref_weights, run.autocast:
+            scored = score(policy, ref, prompt, prompt_mask, tokens, mask, sampler_logp, temp,
+                           run.micro_batches(len(mask)), run.logging(), args.batch_invariant,
+                           n_kl=n_tokens)
         old_logp, ref_logp = scored.old_logp, scored.ref_logp                    # (B, Tn)
 
         # 3. advantages: the group is the baseline (--maxrl: and the scale)
@@ -481,7 +483,8 @@ def main(args):
                        **stats,
                        "completion_len": run.mean(mask.sum(1)),
                        "truncated": run.mean(truncated.float()),
-                       "grad_norm": grad_norm.item(), "sampler_logp_diff": scored.sampler_diff,
+                       "grad_norm": grad_norm.item(),
+                       "sampler_logp_diff": run.max(scored.sampler_gap),
                        "groups_sampled": rounds * P,
                        "groups_kept": kept}
             if run.eval_due():

@@ -337,11 +337,13 @@ def main(args):
         lengths = torch.zeros(len(ep.texts), device=run.device).index_add_(
             0, ep.episode, ep.sampled.sum(1))[ep.episode]                            # (R,) |o_i|
 
-        # 3. score without gradient (onpolicy.py): pi_old and pi_ref; the KL and the entropy on
+        # 3. score without gradient (sampler.score): pi_old and pi_ref; the KL and the entropy on
         #    logged steps. --batch_invariant: pi_old is the sampler's
         n_seqs, n_tokens = run.all_sum(len(ep.texts)), run.all_sum(ep.sampled.sum())
-        scored = run.score(policy, ref, ref_weights, prompt, prompt_mask, tokens, mask, ep.logp,
-                           temp, kl_mask=ep.sampled, n_kl=n_tokens)
+        with ref_weights, run.autocast:
+            scored = sampler.score(policy, ref, prompt, prompt_mask, tokens, mask, ep.logp, temp,
+                                   run.micro_batches(len(mask)), run.logging(),
+                                   args.batch_invariant, kl_mask=ep.sampled, n_kl=n_tokens)
 
         # 4. one pass of the loss over the --grad_accum micro-batches, normalised by the step's
         #    counts
@@ -374,7 +376,8 @@ def main(args):
                        **{k.replace("kl_est", f"kl_{args.kl_estimator}"): run.all_sum(v).item()
                           for k, v in stats.items()},
                        "advantage_abs": run.mean(turn_adv.abs(), present),
-                       "grad_norm": grad_norm.item(), "sampler_logp_diff": scored.sampler_diff}
+                       "grad_norm": grad_norm.item(),
+                       "sampler_logp_diff": run.max(scored.sampler_gap)}
             if run.eval_due():
                 metrics.update({**run.evaluate(policy, tok), **evaluate_turns(run, policy, tok,
                                                                               args)})

@@ -319,7 +319,7 @@ def main(args):
                 values = token_values(critic, seq[rows], seq_mask[rows], Tp, run.autocast)
                 old_values[rows] = torch.where(mask[rows] > 0, values, 0.0)         # V(s_t)
         # how far the trainer's log-probs are from the sampler's (same weights; invariant: 0.0)
-        sampler_diff = run.sampler_diff(sampler_logp, old_logp, mask)
+        sampler_diff = run.max(torch.where(mask > 0, (sampler_logp - old_logp).abs(), 0.0))
 
         # 3. rewards and advantages: the score on the last token, -beta KL on every token; GAE,
         #    whitened over all ranks

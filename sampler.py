@@ -1,6 +1,6 @@
 """
 Sampling completions from model.GPT: the rollout engine every script shares (nanochat's engine.py
-and nano-vllm are the anchors).
+and nano-vllm are the anchors); episodes with an environment; the scoring of what was sampled.
 
     tokens, mask, truncated = generate(model, prompt, prompt_mask, max_new_tokens,
                                        tok.stop_ids, tok.pad_id, num_samples=G, generator=g)
@@ -18,14 +18,9 @@ modes, the same tokens (tests/test_sampler.py):
   bfloat16 copies of the linear layers (sampling_copy). On CUDA the default from COMPILE_PARAMS
   parameters up, "graph" below.
 
-The draw: torch.multinomial(p, 1) draws argmax_v p_v / E_v, E_v ~ Exponential(1), from the
-generator, an exact sample of p; it also checks p on the host, a sync no CUDA graph can record.
-`draw` writes the same race out: the same tokens from the same generator, draw for draw (tested
-against torch.multinomial).
-
-Support: the logits are over the tokenizer's ids only (GPT.logits), so an embedding row past them
-(Qwen2.5 pads 151665 ids to 151936) is never drawn. The LM head: bfloat16 operands, float32 logits
-(model.py, Precision), its operand made once per call.
+The draw: torch.multinomial's own race, argmax_v p_v / E_v with E_v ~ Exponential(1), written out
+(`draw`: the same tokens from the same generator, without multinomial's host sync). The logits
+cover the tokenizer's ids only (GPT.logits): Qwen2.5's padding rows past 151665 are never drawn.
 
 Shapes: N = B * num_samples rows, Tp prompt length, Tn new tokens, V the support, C channels.
 """
@@ -40,7 +35,7 @@ import torch.nn.functional as F
 
 from kernels import invariant, logprobs
 from lora import LoRALinear
-from model import FUSED_VOCAB, KVCache, operand_dtype
+from model import FUSED_VOCAB, KVCache, completion_hidden, kl_entropy, operand_dtype
 
 MODES = ("eager", "graph", "compile")
 SYNC_EVERY = 16    # "graph", "compile" on CUDA: tokens between the host's checks for the end
@@ -262,9 +257,8 @@ def sampling_copy(model, dtype):
 
 
 def release_copy(model):
-    """Gives back the memory of the sampler's copy of model (0.67 GB at Qwen2.5-0.5B) until its next
-    call, while the scripts score and update: its tensors' storage shrinks to nothing, as FSDP frees
-    a gathered weight, so the objects, and a compiled step's graph over them, stay."""
+    """Frees the sampler's copy of model (0.67 GB at Qwen2.5-0.5B) until its next call: its storage
+    shrinks to nothing, as FSDP frees a gathered weight; the objects and compiled graphs stay."""
     copied = _copies.get(model)
     for mine, _ in copied[2] if copied else ():
         mine.untyped_storage().resize_(0)
@@ -566,3 +560,41 @@ def left_pad(seqs, pad_id, device="cpu"):
                           device=device)
     mask = torch.tensor([[0.0] * (T - len(s)) + [1.0] * len(s) for s in seqs], device=device)
     return tokens, mask
+
+
+# -----------------------------------------------------------------------------
+# Scoring what was sampled: step 2 of grpo, rloo, reinforce, agent and multiturn
+
+class Scored(NamedTuple):
+    old_logp: torch.Tensor      # (B, Tn) log pi_old of each token
+    ref_logp: torch.Tensor      # (B, Tn) log pi_ref
+    kl_exact: object            # KL(pi || ref) over kl_mask's tokens / n_kl (logged), else 0.0
+    entropy: object             # pi's entropy over the same tokens (logged), else 0.0
+    sampler_gap: object         # (B, Tn) |sampler's - trainer's log-prob| on kl_mask (logged)
+
+
+@torch.no_grad()
+def score(policy, ref, prompt, prompt_mask, tokens, mask, sampler_logp, temperature, parts,
+          logged, invariant=False, kl_mask=None, n_kl=1):
+    """Scored: each model's forward once per part (a micro-batch's rows) through what the loss's
+    completion_logprobs runs (on-policy, pi_old is the trainer's log-prob bit for bit). logged: also
+    the exact KL(pi || ref) and the entropy (model.kl_entropy) summed over kl_mask (default mask)
+    / n_kl. invariant (--batch_invariant): pi_old is sampler_logp, the same bits, and the policy
+    scores on logged steps alone."""
+    kl_mask = mask if kl_mask is None else kl_mask
+    old_logp, ref_logp = torch.zeros_like(mask), torch.zeros_like(mask)      # (B, Tn)
+    kl_exact = ent = 0.0
+    for rows in parts:                                 # (b, Tp+Tn-1, C) final hidden states
+        h_ref = completion_hidden(ref, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
+        ref_logp[rows] = ref.head_logprobs(h_ref, tokens[rows], temperature)
+        if logged or not invariant:
+            h = completion_hidden(policy, prompt[rows], prompt_mask[rows], tokens[rows],
+                                  mask[rows])
+            old_logp[rows] = policy.head_logprobs(h, tokens[rows], temperature)
+        if logged:                                     # (b, Tn) each
+            kl_t, ent_t = kl_entropy(policy, ref, h, h_ref, kl_mask[rows], temperature)
+            kl_exact += kl_t.sum() / n_kl                                   # KL(pi || ref)
+            ent += ent_t.sum() / n_kl
+    # how far the trainer's log-probs are from those the sampler drew with (same weights)
+    gap = torch.where(kl_mask > 0, (sampler_logp - old_logp).abs(), 0.0) if logged else None
+    return Scored(sampler_logp if invariant else old_logp, ref_logp, kl_exact, ent, gap)

@@ -287,7 +287,7 @@ def main(args):
             ent += torch.where(b.mask > 0, entropy(logits, temp), 0.0).sum() / n_tokens
 
         # how far the trainer's log-probs are from those the sampler drew with (same weights)
-        sampler_diff = run.sampler_diff(sampler_logp, old_logp, mask)
+        sampler_diff = run.max(torch.where(mask > 0, (sampler_logp - old_logp).abs(), 0.0))
 
         # 3. advantages: KL to the reference in the reward, the other k - 1 samples are the baseline
         kl_t = kl_penalty(old_logp, ref_logp, args.kl_estimator)                     # (B, Tn)

@@ -43,7 +43,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from hf import checkpoint  # noqa: E402
 import grpo  # noqa: E402
-import onpolicy  # noqa: E402
 from plumbing import parking  # noqa: E402
 import plumbing  # noqa: E402
 import sampler  # noqa: E402
@@ -325,12 +324,12 @@ def run(args):
     torch.optim.AdamW = AdamW
     sampler.KVCache.preallocated = preallocated
     grpo.rollout = timer.wrap("sampling", rollout)
-    onpolicy.completion_hidden = timer.wrap("scoring", onpolicy.completion_hidden)
+    sampler.completion_hidden = timer.wrap("scoring", sampler.completion_hidden)
     grpo.grpo_advantages = advantages
     plumbing.Run.load_policy, plumbing.Run.reference = load_policy, reference
     parking.Parked.__enter__ = enter
     parking.ParkedMoments.step = optimizer_step(real_parked_step)
-    onpolicy.kl_entropy = timer.wrap("scoring", onpolicy.kl_entropy)
+    sampler.kl_entropy = timer.wrap("scoring", sampler.kl_entropy)
     GPT.head_logprobs = timer.wrap("scoring", GPT.head_logprobs, when=no_grad)
     plumbing.Run.evaluate = timer.wrap("other", plumbing.Run.evaluate)
     plumbing.Run.save = lambda *a, **k: None        # the run's checkpoint (6 GB) is not needed here

@@ -42,7 +42,6 @@ from hf.chat import ChatTemplateError
 from hf.checkpoint import CheckpointError, save_checkpoint
 from lora import add_adapters
 from model import GPT, GPTConfig
-from onpolicy import OnPolicy
 from plumbing.distributed import Distributed
 from plumbing.flags import RM_PATH, SFT_PATH, default_path
 from plumbing.loading import (Models, autocast, check_modes, pick_device, read_checkpoint,
@@ -69,7 +68,7 @@ def lr_schedule(step, lr, warmup, total=None):
 # -----------------------------------------------------------------------------
 # The run
 
-class Run(Distributed, Models, OnPolicy):
+class Run(Distributed, Models):
     """The bookkeeping of one training run: where it writes, its random states, its step, its log.
     It never owns the loop: the script calls it (`run.log`, `run.save`, ...) where it needs it.
 
