@@ -38,6 +38,8 @@ Run:
     python grpo.py --mu 4 ...       # the family: experiments/README.md's flags
 Metrics: out/grpo/metrics.jsonl (docs/metrics.md); checkpoint out/grpo.pt.
 """
+from dataclasses import dataclass, fields
+
 import torch
 
 import task
@@ -98,62 +100,77 @@ def maxrl_advantages(rewards, group_size, eps=1e-6):
     return torch.where(all_equal, torch.zeros_like(advantages), advantages).view(-1)  # (P*G,)
 
 
-def grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps=0.2, beta=0.04,
-              kl_estimator="k3", num_seqs=None, num_tokens=None, eps_high=None, kl_clamp=None,
-              ratio_level="token", loss_type="clip", loss_agg="seq", max_tokens=None,
-              tau_pos=1.0, tau_neg=1.05, divergence="tv", delta=None, ratio_cap=10.0):
+@dataclass(frozen=True)
+class LossSettings:
+    """grpo_loss's settings (the flags of the same names), checked when made."""
+    clip_eps: float = 0.2         # rho kept in [1 - clip_eps, 1 + eps_high]
+    eps_high: float = None        # DAPO's clip-higher (default clip_eps)
+    beta: float = 0.04            # weight of the KL penalty
+    kl_estimator: str = "k3"      # KL_it's estimate, and its clamp: kernels.kl_penalty
+    kl_clamp: float = None
+    ratio_level: str = "token"    # "sequence": GSPO's one ratio per completion (gspo_ratio)
+    loss_type: str = "clip"       # the surrogate: clip_terms, cispo_terms, sapo_terms, dppo_terms
+    loss_agg: str = "seq"         # and max_tokens: aggregate
+    max_tokens: int = None
+    tau_pos: float = 1.0          # SAPO's gate temperatures (sapo_terms)
+    tau_neg: float = 1.05
+    divergence: str = "tv"        # DPPO's divergence, its bound, its ratio cap (dppo_terms)
+    delta: float = None
+    ratio_cap: float = 10.0
+
+    def __post_init__(self):
+        if self.ratio_level not in ("token", "sequence"):
+            raise ValueError(f"ratio_level {self.ratio_level!r} is unknown; allowed: 'token', "
+                             f"'sequence'")
+        if self.loss_type not in ("clip", "cispo", "sapo", "dppo"):
+            raise ValueError(f"loss_type {self.loss_type!r} is unknown; allowed: 'clip', "
+                             f"'cispo', 'sapo', 'dppo'")
+        if self.loss_type != "clip" and self.ratio_level != "token":
+            raise ValueError(f"loss_type {self.loss_type!r} weighs each token by its own ratio; "
+                             f"use ratio_level 'token'")
+
+
+def grpo_loss(logp, old_logp, ref_logp, advantages, mask, settings=LossSettings(),
+              num_seqs=None, num_tokens=None):
     """The GRPO loss (DeepSeekMath eq. 3, negated) and its metrics (detached tensors). logp (B, T)
     log pi_theta of the sampled tokens (with grad); old_logp (B, T) at sampling time; ref_logp
     (B, T) under the frozen reference; advantages (B,); mask (B, T) 1.0 on completion tokens (values
     elsewhere are never read). num_seqs, num_tokens: the whole step's counts when this batch is a
     part of it (a micro-batch, a rank's share), so that the parts' losses add up to the step's;
-    default: this batch's. The family: eps_high, DAPO's clip-higher (default clip_eps); kl_clamp,
-    see kernels.kl_penalty; ratio_level "sequence" is GSPO; loss_type "cispo" is CISPO, "sapo"
-    SAPO (tau_pos, tau_neg: sapo_terms), "dppo" DPPO (divergence, delta, ratio_cap: dppo_terms);
-    loss_agg
-    and max_tokens, see aggregate."""
-    eps_high = clip_eps if eps_high is None else eps_high
+    default: this batch's."""
+    s = settings
     real = mask > 0                                              # (B, T) bool
     logp, old_logp, ref_logp = (torch.where(real, x, 0.0)        # padding never leaks
                                 for x in (logp, old_logp, ref_logp))
     A = advantages[:, None]                                      # (B, 1): A_i on every token of o_i
     log_ratio = logp - old_logp                                  # (B, T)
     ratio = torch.exp(log_ratio)                                 # rho_it = pi_theta / pi_old
-    if ratio_level == "sequence":                                # GSPO: one ratio per completion
+    if s.ratio_level == "sequence":                              # GSPO: one ratio per completion
         ratio = gspo_ratio(log_ratio, mask)
-    elif ratio_level != "token":
-        raise ValueError(f"ratio_level {ratio_level!r} is unknown; allowed: 'token', 'sequence'")
-    if loss_type == "clip":                                      # PPO's clipped surrogate
-        pg = -torch.min(ratio * A, torch.clamp(ratio, 1 - clip_eps, 1 + eps_high) * A)  # (B, T)
-        # the clip took the gradient
-        clipped = ((A > 0) & (ratio > 1 + eps_high)) | ((A < 0) & (ratio < 1 - clip_eps))
-    elif loss_type == "cispo":
-        if ratio_level != "token":
-            raise ValueError("loss_type 'cispo' weights token log-probs by token ratios; use "
-                             "ratio_level 'token'")
-        pg, clipped = cispo_terms(logp, ratio, A, clip_eps, eps_high)
-    elif loss_type == "sapo":
-        if ratio_level != "token":
-            raise ValueError("loss_type 'sapo' gates each token by its own ratio; use ratio_level "
-                             "'token'")
-        pg, clipped = sapo_terms(ratio, A, tau_pos, tau_neg)
-    elif loss_type == "dppo":
-        if ratio_level != "token":
-            raise ValueError("loss_type 'dppo' bounds each token's divergence; use ratio_level "
-                             "'token'")
-        pg, clipped = dppo_terms(logp, old_logp, ratio, A, divergence, delta, ratio_cap)
+    eps_high = s.clip_eps if s.eps_high is None else s.eps_high
+    if s.loss_type == "clip":                                    # (B, T) terms, cut tokens
+        pg, clipped = clip_terms(ratio, A, s.clip_eps, eps_high)
+    elif s.loss_type == "cispo":
+        pg, clipped = cispo_terms(logp, ratio, A, s.clip_eps, eps_high)
+    elif s.loss_type == "sapo":
+        pg, clipped = sapo_terms(ratio, A, s.tau_pos, s.tau_neg)
     else:
-        raise ValueError(f"loss_type {loss_type!r} is unknown; allowed: 'clip', 'cispo', 'sapo', "
-                         f"'dppo'")
-    kl_t = kl_penalty(logp, ref_logp, kl_estimator, kl_clamp)          # (B, T) KL_it
-    per_token = torch.where(real, pg + beta * kl_t, 0.0)               # (B, T)
-    loss = aggregate(per_token, mask, loss_agg, num_seqs, num_tokens, max_tokens)
+        pg, clipped = dppo_terms(logp, old_logp, ratio, A, s.divergence, s.delta, s.ratio_cap)
+    kl_t = kl_penalty(logp, ref_logp, s.kl_estimator, s.kl_clamp)      # (B, T) KL_it
+    per_token = torch.where(real, pg + s.beta * kl_t, 0.0)             # (B, T)
+    loss = aggregate(per_token, mask, s.loss_agg, num_seqs, num_tokens, s.max_tokens)
     n_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
     token_mean = lambda x: torch.where(real, x.detach(), 0.0).sum() / n_tokens
     return loss, {"clip_frac": token_mean(clipped.float()),
-                  # k3 of KL(pi_old || pi_theta)
-                  "approx_kl": token_mean((log_ratio.exp() - 1) - log_ratio),
+                  "approx_kl": token_mean((log_ratio.exp() - 1) - log_ratio),  # k3, pi_old || pi
                   "kl_est": token_mean(kl_t)}
+
+
+def clip_terms(ratio, A, clip_eps, eps_high):
+    """PPO's clipped surrogate, -min(rho A, clip(rho, 1-eps, 1+eps_high) A) per token (B, T), and
+    where the clip took the gradient."""
+    pg = -torch.min(ratio * A, torch.clamp(ratio, 1 - clip_eps, 1 + eps_high) * A)
+    return pg, ((A > 0) & (ratio > 1 + eps_high)) | ((A < 0) & (ratio < 1 - clip_eps))
 
 
 def gspo_ratio(log_ratio, mask):
@@ -342,10 +359,6 @@ def parse_args(argv=None):
         p.error(f"--maxrl divides by the pass rate (the group's mean 0/1 reward); with "
                 f"--format_weight {args.format_weight:g} the mean is not a pass rate and a "
                 f"format-only difference weighs as a correct answer: allowed: --format_weight 0")
-    args.tau_pos = 1.0 if args.tau_pos is None else args.tau_pos
-    args.tau_neg = 1.05 if args.tau_neg is None else args.tau_neg
-    args.divergence = args.divergence or "tv"
-    args.ratio_cap = 10.0 if args.ratio_cap is None else args.ratio_cap
     if args.overlong_buffer > args.max_new_tokens:
         p.error(f"--overlong_buffer {args.overlong_buffer} exceeds "
                 f"--max_new_tokens {args.max_new_tokens}")
@@ -353,15 +366,14 @@ def parse_args(argv=None):
 
 
 def loss_settings(args):
-    """grpo_loss's settings from the flags, and what to say if its value is not finite."""
-    settings = dict(clip_eps=args.clip_eps, beta=args.beta, kl_estimator=args.kl_estimator,
-                    eps_high=args.eps_high, kl_clamp=args.kl_clamp, ratio_level=args.ratio_level,
-                    loss_type=args.loss_type, loss_agg=args.loss_agg,
-                    max_tokens=args.max_new_tokens, tau_pos=args.tau_pos, tau_neg=args.tau_neg,
-                    divergence=args.divergence, delta=args.delta, ratio_cap=args.ratio_cap)
-    constants = {"sapo": f", or --tau_pos {args.tau_pos:g} and --tau_neg {args.tau_neg:g}",
-                 "dppo": f", or --ratio_cap {args.ratio_cap:g}"}.get(args.loss_type, "")
-    return settings, f"lower --lr (now {args.lr}){constants}"
+    """grpo_loss's settings from the flags (one left unset: the record's default), and what to say
+    if the loss is not finite."""
+    flags = {f.name: getattr(args, "max_new_tokens" if f.name == "max_tokens" else f.name)
+             for f in fields(LossSettings)}
+    s = LossSettings(**{k: v for k, v in flags.items() if v is not None})
+    constants = {"sapo": f", or --tau_pos {s.tau_pos:g} and --tau_neg {s.tau_neg:g}",
+                 "dppo": f", or --ratio_cap {s.ratio_cap:g}"}.get(s.loss_type, "")
+    return s, f"lower --lr (now {args.lr}){constants}"
 
 
 def rollout(run, policy, tok, args):
@@ -456,8 +468,7 @@ def main(args):
                     logp = completion_logprobs(train_policy, prompt[rows], prompt_mask[rows],
                                                tokens[rows], mask[rows], temp)
                 part, part_stats = grpo_loss(logp, old_logp[rows], ref_logp[rows], advantages[rows],
-                                             mask[rows], num_seqs=n_seqs, num_tokens=n_tokens,
-                                             **settings)
+                                             mask[rows], settings, n_seqs, n_tokens)
                 run.check_finite(part, hint)
                 part.backward()
                 loss = loss + part.detach()

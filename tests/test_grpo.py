@@ -6,6 +6,7 @@ import inspect
 import json
 import math
 import os
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -14,7 +15,8 @@ import grpo
 import kernels
 import task
 from conftest import as_a_process, refuses_all, run_script
-from grpo import dynamic_sampling_keep, grpo_advantages, grpo_loss, overlong_penalty
+from grpo import (LossSettings, dynamic_sampling_keep, grpo_advantages, grpo_loss,
+                  overlong_penalty)
 from hf.checkpoint import load_checkpoint
 
 
@@ -159,9 +161,9 @@ def test_loss_and_gradient_match_reference(agg, estimator):
     logp, old, ref, adv, mask = random_batch()
     for eps_high in (None, 0.28):
         lp = logp.clone().requires_grad_(True)
-        loss, metrics = grpo_loss(lp, old, ref, adv, mask, clip_eps=0.2, beta=0.04,
-                                  eps_high=eps_high, kl_estimator=estimator, loss_agg=agg,
-                                  max_tokens=9)
+        loss, metrics = grpo_loss(lp, old, ref, adv, mask, LossSettings(
+            clip_eps=0.2, beta=0.04, eps_high=eps_high, kl_estimator=estimator, loss_agg=agg,
+            max_tokens=9))
         lp_ref = logp.clone().requires_grad_(True)
         want = ref_loss(lp_ref, old, ref, adv, mask, 0.2, 0.04, eps_high or 0.2, estimator, agg,
                         max_tokens=9)
@@ -182,8 +184,8 @@ def test_gspo_and_cispo_match_their_float64_reference(agg, ratio_level, loss_typ
         kwargs = dict(clip_eps=0.1, beta=0.04, eps_high=0.3, kl_estimator="k3", loss_agg=agg,
                       max_tokens=9)
         lp = logp.clone().requires_grad_(True)
-        loss, _ = grpo_loss(lp, old, ref, adv, mask, ratio_level=ratio_level, loss_type=loss_type,
-                            **kwargs)
+        loss, _ = grpo_loss(lp, old, ref, adv, mask, LossSettings(ratio_level=ratio_level,
+                                                              loss_type=loss_type, **kwargs))
         lp2 = logp.clone().requires_grad_(True)
         want = ref_loss(lp2, old, ref, adv, mask, 0.1, 0.04, 0.3, "k3", agg, 9, ratio_level,
                         loss_type)
@@ -199,17 +201,17 @@ def test_gspo_one_ratio_per_completion_hand_worked():
     logp = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
     old = torch.tensor([[-1.2, -1.9]], dtype=torch.float64)
     one, ones = torch.ones(1, dtype=torch.float64), torch.ones(1, 2, dtype=torch.float64)
-    loss, stats = grpo_loss(logp, old, logp.detach(), one, ones, beta=0.0, ratio_level="sequence")
+    seq = LossSettings(beta=0.0, ratio_level="sequence")
+    loss, stats = grpo_loss(logp, old, logp.detach(), one, ones, seq)
     assert loss.item() == pytest.approx(-math.exp(0.05))            # -s * A on each token, averaged
     g, = torch.autograd.grad(loss, logp)
     # d s / d logp_t = s / |o|
     assert torch.allclose(g, torch.full((1, 2), -math.exp(0.05) / 2, dtype=torch.float64))
     # s = e^1.05: clipped
-    far = grpo_loss(logp, old - 1.0, logp.detach(), one, ones, beta=0.0, ratio_level="sequence")
+    far = grpo_loss(logp, old - 1.0, logp.detach(), one, ones, seq)
     assert far[1]["clip_frac"] == 1.0 and torch.autograd.grad(far[0], logp)[0].abs().sum() == 0
     with pytest.raises(ValueError, match="'cispo'"):
-        grpo_loss(logp, old, old, torch.ones(1), torch.ones(1, 2), ratio_level="sequence",
-                  loss_type="cispo")
+        LossSettings(ratio_level="sequence", loss_type="cispo")
 
 
 def test_cispo_keeps_the_gradient_the_clip_drops():
@@ -219,8 +221,9 @@ def test_cispo_keeps_the_gradient_the_clip_drops():
     logp = torch.tensor([[math.log(0.45)]], dtype=torch.float64, requires_grad=True)
     old = torch.tensor([[math.log(0.30)]], dtype=torch.float64)
     A, m = torch.tensor([0.5], dtype=torch.float64), torch.ones(1, 1, dtype=torch.float64)
-    clip_loss, clip_stats = grpo_loss(logp, old, logp.detach(), A, m, beta=0.0)
-    cispo_loss, cispo_stats = grpo_loss(logp, old, logp.detach(), A, m, beta=0.0, loss_type="cispo")
+    clip_loss, clip_stats = grpo_loss(logp, old, logp.detach(), A, m, LossSettings(beta=0.0))
+    cispo_loss, cispo_stats = grpo_loss(logp, old, logp.detach(), A, m,
+                                        LossSettings(beta=0.0, loss_type="cispo"))
     assert torch.autograd.grad(clip_loss, logp)[0].item() == 0.0 and clip_stats["clip_frac"] == 1.0
     assert torch.autograd.grad(cispo_loss, logp)[0].item() == pytest.approx(-1.2 * 0.5)
     assert cispo_stats["clip_frac"] == 1.0                          # the weight was truncated
@@ -279,8 +282,8 @@ def test_at_mu_1_the_ratio_variants_give_grpos_gradient_and_the_other_options_do
 
     def grad(**kwargs):
         lp = logp.clone().requires_grad_(True)
-        loss, _ = grpo_loss(lp, lp.detach(), ref, kwargs.pop("advantages", adv), mask, max_tokens=9,
-                            **kwargs)
+        A = kwargs.pop("advantages", adv)
+        loss, _ = grpo_loss(lp, lp.detach(), ref, A, mask, LossSettings(max_tokens=9, **kwargs))
         return torch.autograd.grad(loss, lp)[0]
 
     base = grad()
@@ -297,16 +300,17 @@ def test_the_loss_runs_when_copied_with_torch_and_kl_penalty_alone():
     """What a user copying grpo_loss gets: its source and its helpers', plus kernels.kl_penalty's,
     executed in a fresh namespace that holds only torch. It must run and agree with the imported
     function."""
-    namespace = {"torch": torch}
-    for f in (kernels.kl_penalty, grpo.gspo_ratio, grpo.cispo_terms, grpo.sapo_terms,
-              grpo.dppo_terms, grpo.aggregate, grpo.grpo_loss, grpo.grpo_advantages,
-              grpo.maxrl_advantages):
+    namespace = {"torch": torch, "dataclass": dataclass}
+    for f in (kernels.kl_penalty, grpo.LossSettings, grpo.gspo_ratio, grpo.clip_terms,
+              grpo.cispo_terms, grpo.sapo_terms, grpo.dppo_terms, grpo.aggregate, grpo.grpo_loss,
+              grpo.grpo_advantages, grpo.maxrl_advantages):
         exec(inspect.getsource(f), namespace)
     logp, old, ref, adv, mask = random_batch(seed=4)
     for kwargs in (dict(), dict(ratio_level="sequence"), dict(loss_type="cispo", loss_agg="token"),
                    dict(loss_type="sapo"), dict(loss_type="dppo", divergence="kl", delta=0.01)):
-        got, got_stats = namespace["grpo_loss"](logp, old, ref, adv, mask, **kwargs)
-        want, want_stats = grpo_loss(logp, old, ref, adv, mask, **kwargs)
+        got, got_stats = namespace["grpo_loss"](logp, old, ref, adv, mask,
+                                                namespace["LossSettings"](**kwargs))
+        want, want_stats = grpo_loss(logp, old, ref, adv, mask, LossSettings(**kwargs))
         assert (torch.equal(got, want)
                 and all(torch.equal(got_stats[k], want_stats[k]) for k in want_stats))
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0])
@@ -325,7 +329,7 @@ def test_gradient_is_the_hand_derived_one_inside_and_outside_the_clip():
     for A, zero in ((1.0, [False, False, True, False]), (-1.0, [False, False, False, True])):
         lp = (old + ratios.log()).requires_grad_(True)
         loss, metrics = grpo_loss(lp, old, old, torch.tensor([A], dtype=torch.float64), mask,
-                                  clip_eps=0.2, beta=0.0)
+                                  LossSettings(clip_eps=0.2, beta=0.0))
         g, = torch.autograd.grad(loss, lp)
         want = torch.tensor([[0.0 if z else -A * r / 4 for z, r in zip(zero, ratios[0].tolist())]],
                             dtype=torch.float64)
@@ -336,7 +340,7 @@ def test_gradient_is_the_hand_derived_one_inside_and_outside_the_clip():
     lp = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
     ref = torch.tensor([[-1.5, -1.0]], dtype=torch.float64)
     zero, ones = torch.zeros(1, dtype=torch.float64), torch.ones(1, 2, dtype=torch.float64)
-    loss, _ = grpo_loss(lp, lp.detach(), ref, zero, ones, beta=0.1)
+    loss, _ = grpo_loss(lp, lp.detach(), ref, zero, ones, LossSettings(beta=0.1))
     g, = torch.autograd.grad(loss, lp)
     assert torch.allclose(g, 0.1 * (1 - torch.exp(ref - lp.detach())) / 2, atol=1e-12)
 
@@ -347,7 +351,7 @@ def test_on_policy_pass_is_policy_gradient():
     baseline."""
     logp, _, ref, adv, mask = random_batch()
     lp = logp.clone().requires_grad_(True)
-    loss, metrics = grpo_loss(lp, lp.detach(), ref, adv, mask, beta=0.0)
+    loss, metrics = grpo_loss(lp, lp.detach(), ref, adv, mask, LossSettings(beta=0.0))
     has_tokens = (mask.sum(1) > 0).double()
     assert abs(loss.item() + (adv * has_tokens).mean().item()) < 1e-12
     g, = torch.autograd.grad(loss, lp)
@@ -371,7 +375,7 @@ def test_edge_cases_one_token_and_fully_masked_rows():
                         torch.ones_like(extreme))
     assert torch.isfinite(loss)
     with pytest.raises(ValueError, match="'mean'"):
-        grpo_loss(logp, old, ref, adv, mask, loss_agg="mean")
+        grpo_loss(logp, old, ref, adv, mask, LossSettings(loss_agg="mean"))
 
 
 # -----------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import torch
 
 import grpo
 from conftest import run_script
-from grpo import grpo_advantages, grpo_loss, maxrl_advantages
+from grpo import LossSettings, grpo_advantages, grpo_loss, maxrl_advantages
 
 F64 = dict(dtype=torch.float64)
 
@@ -74,7 +74,7 @@ def random_batch(B=6, T=7, seed=0, spread=0.3):
 
 def loss_and_grad(logp, old, adv, mask, **kwargs):
     lp = logp.clone().requires_grad_(True)
-    loss, stats = grpo_loss(lp, old, old, adv, mask, beta=0.0, **kwargs)
+    loss, stats = grpo_loss(lp, old, old, adv, mask, LossSettings(beta=0.0, **kwargs))
     return loss, torch.autograd.grad(loss, lp)[0], stats
 
 

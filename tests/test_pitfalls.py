@@ -142,11 +142,14 @@ def outputs(fn, tensors, mask, junk):
 # name -> a function of (mask, A) giving fn(lp, old, ref); each argument gets junk where mask is 0
 CASES = {
     "grpo_loss seq": lambda mask, A: (
-        lambda lp, old, ref: grpo.grpo_loss(lp, old, ref, A, mask, loss_agg="seq")),
+        lambda lp, old, ref: grpo.grpo_loss(lp, old, ref, A, mask,
+                                            grpo.LossSettings(loss_agg="seq"))),
     "grpo_loss token": lambda mask, A: (
-        lambda lp, old, ref: grpo.grpo_loss(lp, old, ref, A, mask, loss_agg="token")),
+        lambda lp, old, ref: grpo.grpo_loss(lp, old, ref, A, mask,
+                                            grpo.LossSettings(loss_agg="token"))),
     "grpo_loss dr_grpo": lambda mask, A: (
-        lambda lp, old, ref: grpo.grpo_loss(lp, old, ref, A, mask, loss_agg="dr_grpo")),
+        lambda lp, old, ref: grpo.grpo_loss(lp, old, ref, A, mask,
+                                            grpo.LossSettings(loss_agg="dr_grpo"))),
     "rloo_loss": lambda mask, A: (lambda lp, old, ref: rloo.rloo_loss(lp, A, mask)),
     "reinforce_loss": lambda mask, A: (lambda lp, old, ref: reinforce.reinforce_loss(lp, A, mask)),
     "reinforce_loss per token": lambda mask, A: (
