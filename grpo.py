@@ -4,9 +4,9 @@ GRPO: Group Relative Policy Optimization, with the verifier as the reward.
 For each prompt, sample a group of G completions, score each with the verifier, and give every
 token of a completion the same advantage: its reward standardised within the group, how much
 better it did than its siblings. That group baseline replaces PPO's value network. The loss is
-PPO's clipped surrogate on those advantages plus a KL penalty to the SFT reference. With one
-optimisation pass per batch (mu = 1, the default, as in DeepSeek-R1) the ratio is exactly 1 and
-the clip never acts: the update is a group-baselined policy gradient, A * grad log pi.
+PPO's clipped surrogate on those advantages plus a KL penalty to the SFT reference. With one pass
+per batch (mu = 1, the default, as in DeepSeek-R1) the ratio is exactly 1 and the clip never acts:
+the update is a group-baselined policy gradient, A * grad log pi.
 
 Shao et al. 2024, "DeepSeekMath", arXiv 2402.03300, eq. 3 as a loss to minimise; DeepSeek-AI
 2025, "DeepSeek-R1", arXiv 2501.12948, for verifiable rewards. Completion i of a group, token t:
@@ -14,28 +14,23 @@ Shao et al. 2024, "DeepSeekMath", arXiv 2402.03300, eq. 3 as a loss to minimise;
     L = 1/G sum_i 1/|o_i| sum_t [ -min(rho_it A_i, clip(rho_it, 1-eps, 1+eps) A_i) + beta KL_it ]
     rho_it = pi_theta(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t);   KL_it: k3 (kernels.kl_penalty)
 
-The family, as flags: --std sample (TRL, verl, OpenRLHF); Dr. GRPO (arXiv 2503.20783): --loss_agg
-dr_grpo --no_std_scaling; DAPO (arXiv 2503.14476): --loss_agg token, --eps_high,
---dynamic_sampling, --overlong_buffer, --beta 0; GSPO (arXiv 2507.18071): --ratio_level sequence;
-CISPO (arXiv 2506.13585): --loss_type cispo; SAPO (arXiv 2511.20347): --loss_type sapo, a soft
-gate in place of the clip; DPPO (arXiv 2602.04879): --loss_type dppo, a trust region on the
-divergence of the sampled token's probability; MaxRL (arXiv 2602.02710): --maxrl, advantages
-divided by the group's mean reward. At mu = 1 the ratio is 1 and GSPO, CISPO, SAPO and DPPO
-give GRPO's gradient; experiments/README.md compares them at --mu 4.
+The family, as flags (experiments/README.md compares them at --mu 4): --std sample (TRL, verl);
+Dr. GRPO (arXiv 2503.20783) --loss_agg dr_grpo --no_std_scaling; DAPO (2503.14476) --loss_agg
+token --eps_high --dynamic_sampling --overlong_buffer --beta 0; GSPO (2507.18071) --ratio_level
+sequence; CISPO (2506.13585), SAPO (2511.20347), DPPO (2602.04879) --loss_type cispo, sapo, dppo
+(at mu = 1 these four give GRPO's gradient); MaxRL (2602.02710) --maxrl.
 
 Deviations and choices the papers leave open:
-- mu passes over the whole batch (no minibatches); the old log-probs are scored once per batch
-  (step 2), with the weights that sampled it, not taken from the sampler.
-- A group whose rewards are all equal gets advantage exactly 0 (never 0/0).
-- The reward is the task's verifier (1 correct, 0 otherwise; --format_weight adds a format bonus).
-- Small scale: a 0.8M-parameter policy, AdamW at a constant learning rate.
+1. mu passes over the whole batch (no minibatches); pi_old is scored once per batch (step 2),
+   with the weights that sampled it.
+2. A group whose rewards are all equal gets advantage exactly 0 (never 0/0).
+3. The reward is the task's verifier (1 correct, else 0; --format_weight adds a format bonus).
+4. Small scale: a 0.8M-parameter policy, AdamW at a constant learning rate.
 
 Shapes: P prompts, G completions each, B = P*G rows; T time (Tp prompt, Tn completion); V vocab.
 
-Run:
     python grpo.py                  # from out/sft.pt (built first if missing); ~1 min on 2 CPUs
     python grpo.py --resume         # continue from out/grpo.pt up to --steps
-    python grpo.py --mu 4 ...       # the family: experiments/README.md's flags
 Metrics: out/grpo/metrics.jsonl (docs/metrics.md); checkpoint out/grpo.pt.
 """
 from dataclasses import dataclass, fields
@@ -71,8 +66,7 @@ def grpo_advantages(rewards, group_size, eps=1e-6, scale_by_std=True, std="popul
         if std == "population":
             sd = r.std(dim=1, keepdim=True, unbiased=False)            # sqrt(1/G sum (r - mean)^2)
         else:
-            # 1/(G-1) in the root
-            sd = (advantages.pow(2).sum(1, keepdim=True) / max(group_size - 1, 1)).sqrt()
+            sd = (advantages.pow(2).sum(1, keepdim=True) / max(group_size - 1, 1)).sqrt()  # G-1
         advantages = advantages / (sd + eps)
     all_equal = (r == r[:, :1]).all(dim=1, keepdim=True)               # (P, 1) no signal
     return torch.where(all_equal, torch.zeros_like(advantages), advantages).view(-1)  # (P*G,)
@@ -176,8 +170,8 @@ def clip_terms(ratio, A, clip_eps, eps_high):
 def gspo_ratio(log_ratio, mask):
     """GSPO's s_i = exp(1/|o_i| sum_t log(pi_theta / pi_old)), on every token of completion i:
     (B, T) -> (B, T)."""
-    # (B, 1)
-    seq_log_ratio = log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+    n = mask.sum(1, keepdim=True).clamp(min=1)                         # (B, 1) |o_i|
+    seq_log_ratio = log_ratio.sum(1, keepdim=True) / n                 # (B, 1)
     return torch.exp(seq_log_ratio).expand_as(log_ratio)
 
 
@@ -240,8 +234,7 @@ def aggregate(per_token, mask, loss_agg="seq", num_seqs=None, num_tokens=None, m
     n_seqs = mask.size(0) if num_seqs is None else num_seqs
     n_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
     if loss_agg == "seq":
-        # 1/G sum_i 1/|o_i| sum_t
-        return (per_token.sum(1) / mask.sum(1).clamp(min=1)).sum() / n_seqs
+        return (per_token.sum(1) / mask.sum(1).clamp(min=1)).sum() / n_seqs  # 1/G sum_i 1/|o_i|
     if loss_agg == "token":
         return per_token.sum() / n_tokens                              # 1/sum_i |o_i| sum_i sum_t
     if loss_agg == "dr_grpo":
@@ -396,8 +389,8 @@ def rollout(run, policy, tok, args):
         keep = dynamic_sampling_keep(batch.correct, args.group_size)   # (B,) bool
         kept.append((task.Rollout(*(x[keep] for x in batch)), logp[keep]))
         rows = len(prompts) * args.group_size
-        # any rank short
-        short = run.all_sum(float(sum(len(b.rewards) for b, _ in kept) < rows)).item() > 0
+        mine_short = float(sum(len(b.rewards) for b, _ in kept) < rows)
+        short = run.all_sum(mine_short).item() > 0                      # any rank short
         if not short or rounds == args.max_sample_rounds:
             break
     if sum(len(b.rewards) for b, _ in kept) == 0:
@@ -432,8 +425,7 @@ def main(args):
         run.log_start(run.evaluate(policy, tok))
 
     while run.training():
-        # 1. rollout: G completions per prompt, scored by the verifier (DAPO's dynamic sampling
-        #    inside)
+        # 1. rollout: G completions per prompt, scored by the verifier (--dynamic_sampling inside)
         batch, sampler_logp, rounds = rollout(run, policy, tok, args)
         # (B, Tp), (B, Tn), (B,); B = P*G
         prompt, prompt_mask, tokens, mask, truncated, rewards, _ = batch
@@ -452,10 +444,12 @@ def main(args):
                            n_kl=n_tokens)
         old_logp, ref_logp = scored.old_logp, scored.ref_logp                    # (B, Tn)
 
-        # 3. advantages: the group is the baseline (--maxrl: and the scale)
-        # (B,)
-        advantages = maxrl_advantages(rewards, G) if args.maxrl else \
-            grpo_advantages(rewards, G, scale_by_std=not args.no_std_scaling, std=args.std)
+        # 3. advantages (B,): the group is the baseline (--maxrl: and the scale)
+        if args.maxrl:
+            advantages = maxrl_advantages(rewards, G)
+        else:
+            advantages = grpo_advantages(rewards, G, scale_by_std=not args.no_std_scaling,
+                                         std=args.std)
 
         # 4. mu passes of the loss, each over the --grad_accum micro-batches, normalised by the
         #    whole step's counts: the parts add up to one batch's loss. At mu = 1 its value is about
@@ -487,8 +481,7 @@ def main(args):
             metrics = {"loss": run.all_sum(loss).item(), "reward_mean": run.mean(rewards),
                        "reward_std": run.std(rewards),
                        "zero_var_groups": run.mean((groups == groups[:, :1]).all(1).float()),
-                       # groups with any reward at all
-                       "reward_groups": run.mean((groups != 0).any(1).float()),
+                       "reward_groups": run.mean((groups != 0).any(1).float()),  # any reward
                        "kl_exact": run.all_sum(scored.kl_exact).item(),
                        "entropy": run.all_sum(scored.entropy).item(),
                        **stats,

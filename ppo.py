@@ -61,11 +61,9 @@ def gae(rewards, values, mask, gamma=1.0, lam=0.95):
     (advantages, returns), (B, T), 0 on padding."""
     B, T = rewards.shape
     real = mask > 0                                                           # (B, T) bool
-    # padding never leaks
-    rewards, values = torch.where(real, rewards, 0.0), torch.where(real, values, 0.0)
+    rewards, values = torch.where(real, rewards, 0.0), torch.where(real, values, 0.0)  # no padding
     advantages = torch.zeros_like(rewards)
-    # V(s_{t+1}), 0 after the end
-    next_value = torch.zeros(B, dtype=rewards.dtype, device=rewards.device)
+    next_value = torch.zeros(B, dtype=rewards.dtype, device=rewards.device)  # V(s_t+1), 0 at end
     next_advantage = torch.zeros_like(next_value)                         # A_{t+1}, 0 after the end
     for t in reversed(range(T)):
         delta = rewards[:, t] + gamma * next_value - values[:, t]             # (B,) TD error
@@ -131,8 +129,7 @@ def rollout(policy, tok, prompts, temperature, max_new_tokens, generator, device
     tokens and mask (B, Tn), truncated (B,), the log-probs the sampler drew them with (B, Tn)."""
     idx, idx_mask = tok.encode_batch(prompts, device)                         # (B, Tp) left-padded
     with autocast:
-        # (B, Tn)
-        tokens, mask, truncated, logp = sampler.generate(
+        tokens, mask, truncated, logp = sampler.generate(                     # (B, Tn) each
             policy, idx, idx_mask, max_new_tokens, tok.stop_ids, tok.pad_id,
             temperature=temperature, generator=generator, return_logprobs=True)
     return (torch.cat([idx, tokens], 1), torch.cat([idx_mask, mask], 1), idx.size(1), tokens, mask,
@@ -292,16 +289,14 @@ def main(args):
         # 1. rollout: one completion for each of this rank's prompts, scored by the reward model and
         #    the verifier
         prompts = run.shard(task.sample_prompts(run.rng, args.batch_size))
-        # (B, Tp+Tn), (B, Tn)
-        seq, seq_mask, Tp, tokens, mask, truncated, sampler_logp = rollout(
+        seq, seq_mask, Tp, tokens, mask, truncated, sampler_logp = rollout(  # (B, Tp+Tn), (B, Tn)
             policy, tok, prompts, temp, args.max_new_tokens, run.gen, run.device, run.autocast)
         completions = tok.decode_completions(tokens, mask)
         run.samples += args.batch_size
         gold = torch.tensor([task.reward(p, c) for p, c in zip(prompts, completions)],
                             device=run.device)                                            # verifier
         with torch.no_grad(), run.autocast, rm_weights:
-            # (B,) at the last real token
-            rm_score = rm.score(seq, seq_mask).float() if rm is not None else None
+            rm_score = rm.score(seq, seq_mask).float() if rm is not None else None   # (B,) at end
 
         # 2. score without gradient, in micro-batches: pi_old, pi_ref and V_old along each
         #    completion, the exact KL
@@ -309,8 +304,8 @@ def main(args):
         kl_exact = torch.zeros(len(mask), device=run.device)          # (B,) exact KL per completion
         with torch.no_grad(), ref_weights:                         # pi_ref on the device here alone
             for rows in run.micro_batches(len(mask)):
-                # (b, Tn, V)
-                old_logits = token_logits(policy, seq[rows], seq_mask[rows], Tp, run.autocast)
+                old_logits = token_logits(policy, seq[rows], seq_mask[rows], Tp,
+                                          run.autocast)                             # (b, Tn, V)
                 ref_logits = token_logits(ref, seq[rows], seq_mask[rows], Tp, run.autocast)
                 old_logp[rows] = logprobs(old_logits, tokens[rows], temp)    # log pi_old(y_t | s_t)
                 ref_logp[rows] = logprobs(ref_logits, tokens[rows], temp)
@@ -325,8 +320,7 @@ def main(args):
         #    whitened over all ranks
         score = rm_score if args.reward == "rm" else gold
         rewards = kl_penalised_rewards(score, old_logp, ref_logp, mask, beta)        # (B, Tn)
-        # (B, Tn) each
-        advantages, returns = gae(rewards, old_values, mask, args.gamma, args.gae_lambda)
+        advantages, returns = gae(rewards, old_values, mask, args.gamma, args.gae_lambda)  # (B, Tn)
         if not args.no_whiten:
             advantages = masked_whiten(advantages, mask, all_sum=run.all_sum)
 
@@ -342,11 +336,11 @@ def main(args):
                 mb_stats = dict.fromkeys(stats, 0.0)
                 for rows in run.micro_batches(len(mb), train_policy, train_critic):
                     i, m = mb[rows], mask[mb[rows]]              # (b,) sample indices, (b, Tn)
-                    # (b, Tn, V)
-                    logits = token_logits(train_policy, seq[i], seq_mask[i], Tp, run.autocast)
+                    logits = token_logits(train_policy, seq[i], seq_mask[i], Tp,
+                                          run.autocast)                             # (b, Tn, V)
                     logp = logprobs(logits, tokens[i], temp)                        # (b, Tn)
-                    # (b, Tn)
-                    values = token_values(train_critic, seq[i], seq_mask[i], Tp, run.autocast)
+                    values = token_values(train_critic, seq[i], seq_mask[i], Tp,
+                                          run.autocast)                             # (b, Tn)
                     pg_tok, clip_taken = ppo_policy_loss(logp, old_logp[i], advantages[i],
                                                          args.clip_eps)
                     vf_tok = ppo_value_loss(values, old_values[i], returns[i], args.clip_value)

@@ -63,9 +63,6 @@ def lr_schedule(step, lr, warmup, total=None):
 
 
 # -----------------------------------------------------------------------------
-# Checkpoints: built when missing, loaded with one error line for any problem
-
-# -----------------------------------------------------------------------------
 # The run
 
 class Run(Distributed, Models):
@@ -77,8 +74,7 @@ class Run(Distributed, Models):
         optimizer = ...
         run.resume(policy, optimizer)                 # with --resume
         if not args.resume:
-            run.log_start(run.evaluate(policy, tok))   # held-out accuracy of the starting policy:
-            step 0
+            run.log_start(run.evaluate(policy, tok))  # step 0: the starting policy's accuracy
         while run.training():                         # False at the step limit or after Ctrl-C
             ...                                       # the algorithm's step, then run.step += 1
             if run.eval_due(): metrics.update(run.evaluate(policy, tok))
