@@ -136,3 +136,21 @@ def test_model_py_is_a_model():
     assert len(open(path).read().splitlines()) <= 560
     assert {m for m, _ in project_imports(path)} <= {"kernels"}
     assert docstring_measure(path)[0] <= 25
+
+
+def test_every_files_tests_are_in_the_table():
+    """tests/README.md's table names the tests of every file of the root, hf/, plumbing/, tasks/
+    and kernels/; every test file it names exists, and every test file is named in it."""
+    text = open(os.path.join(ROOT, "tests", "README.md")).read()
+    covered, named = set(), set()
+    for files, tests in re.findall(r"^\| (.+?) \| (.+?) \|$", text, re.M):
+        covered |= set(re.findall(r"`([\w/]+\.py)`", files))
+        named |= set(re.findall(r"`(test_\w+\.py)`", tests))
+    project = {f for f in os.listdir(ROOT) if f.endswith(".py")} | {
+        f"{d}/{f}" for d in ("hf", "plumbing", "tasks", "kernels")
+        for f in os.listdir(os.path.join(ROOT, d)) if f.endswith(".py") and f != "__init__.py"}
+    assert not project - covered, f"not in tests/README.md's table: {sorted(project - covered)}"
+    tests = {f for f in os.listdir(os.path.join(ROOT, "tests"))
+             if f.startswith("test_") and f.endswith(".py")}
+    assert not named - tests, f"named in the table, not in tests/: {sorted(named - tests)}"
+    assert not tests - named, f"in no row of the table: {sorted(tests - named)}"

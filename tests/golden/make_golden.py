@@ -1,5 +1,5 @@
 """
-Writes the golden files tests/test_pretrained.py and tests/test_chat.py compare model.py against:
+Writes the golden files tests/test_checkpoint.py and tests/test_chat.py compare model.py against:
 tiny random GPT-2, Llama, Qwen2, Llama 3 and Qwen3 checkpoints in the Hugging Face layout
 (config.json, model.safetensors, tokenizer.json), each with the logits transformers computes on
 fixed token ids and its greedy continuations of a left-padded batch, and the encodings of fixed

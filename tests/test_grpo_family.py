@@ -1,4 +1,4 @@
-"""grpo.py's 2026 family against float64 references written here from the papers' equations, token
+"""grpo.py's newer family against float64 references written here from the papers' equations, token
 by token: SAPO's soft gate (arXiv 2511.20347), DPPO's binary-divergence mask (arXiv 2602.04879,
 eqs. 11-14) and MaxRL's advantages (arXiv 2602.02710); forward and gradient, hand-worked and random
 cases, the edges (ratio exactly 1, zero advantages, one-token completions), and the refusals."""
