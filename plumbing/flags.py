@@ -36,12 +36,18 @@ RM_PATH = os.path.join("out", "rm.pt")     # default --rm of ppo.py and its kin
 # -----------------------------------------------------------------------------
 # Number types
 
+FLOAT_MAX = 1e9   # a float flag's upper bound unless it names one: float32 losses stay finite
+
+
 class _Number:
     """An argparse `type`: parses the flag's text, refuses non-finite values and values out of
-    range. Bounds are keyword arguments: gt, ge (lower), lt, le (upper)."""
+    range. Bounds are keyword arguments: gt, ge (lower), lt, le (upper; a float's at most
+    FLOAT_MAX)."""
     kind, noun = float, "a number"
 
     def __init__(self, gt=None, ge=None, lt=None, le=None):
+        if self.kind is float and lt is None and le is None:
+            le = FLOAT_MAX
         self.bounds = [(op, v) for op, v in (("gt", gt), ("ge", ge), ("lt", lt), ("le", le))
                        if v is not None]
         self.__name__ = self.kind.__name__  # argparse names the type in some messages

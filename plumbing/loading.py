@@ -117,25 +117,56 @@ def check_modes(script, args):
     invariant.enable()
 
 
+def progress(path):
+    """(step, total) of a run's checkpoint at `path` that stopped before its last step, else None
+    (a finished one, a Hugging Face folder, one from before total_steps was kept)."""
+    if os.path.isdir(path):
+        return None
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:                      # unreadable: the loading after says what is wrong
+        return None
+    step, total = ckpt.get("step"), ckpt.get("total_steps")
+    done = not isinstance(step, int) or not isinstance(total, int) or step >= total
+    return None if done else (step, total)
+
+
 def build_missing(path, default, command, device=None):
     """If `path` is missing and is the flag's `default`, build it by running `command` (a script and
     its flags, in this working directory) with --out set to the folder of `path`, so it is written
-    exactly where it is then loaded from. A missing path that is not the default is an error naming
-    the script that makes it."""
-    if os.path.exists(path):
+    exactly where it is then loaded from. A build there that stopped before its last step is
+    continued (--resume), and said so: never used as if finished. A missing path that is not the
+    default is an error naming the script that makes it; a partial one is used, with a note."""
+    default = os.path.abspath(path) == os.path.abspath(default)
+    partial = progress(path) if os.path.exists(path) else None
+    if partial and not default:
+        print(f"note: {path} is a run stopped at step {partial[0]} of {partial[1]}, used as it is",
+              flush=True)
+    if os.path.exists(path) and (partial is None or not default):
         return
-    if os.path.abspath(path) != os.path.abspath(default):
+    if not default:
         raise SystemExit(f"error: no checkpoint at {path}; train one with `python {command[0]}` or "
                          "pass another path")
     cmd = [sys.executable, os.path.join(ROOT, command[0]), *command[1:],
            "--out", os.path.dirname(path) or "."]
     if device is not None:
         cmd += ["--device", device]
-    print(f"{path} not found: building it first with `python {' '.join(command)}`", flush=True)
+    if partial:
+        cmd.append("--resume")
+        print(f"{path} is a partial build (step {partial[0]} of {partial[1]}): continuing it with "
+              f"`python {' '.join(command)} --resume`", flush=True)
+    else:
+        print(f"{path} not found: building it first with `python {' '.join(command)}`", flush=True)
     # one process: a child that inherited torchrun's variables would wait forever for its group
     env = {k: v for k, v in os.environ.items()
            if k not in TORCHRUN_VARIABLES and not k.startswith("TORCHELASTIC_")}
-    if subprocess.run(cmd, env=env).returncode != 0 or not os.path.exists(path):
+    code = subprocess.run(cmd, env=env).returncode
+    if code in (130, 143):                                  # Ctrl-C or SIGTERM: the build stopped
+        left = progress(path) if os.path.exists(path) else None
+        where = f" at step {left[0]} of {left[1]}" if left else ""
+        print(f"stopped while building {path}{where}; the same command continues it", flush=True)
+        raise SystemExit(code)
+    if code != 0 or not os.path.exists(path) or progress(path):
         raise SystemExit(f"error: building {path} with {command[0]} failed (its output is above)")
 
 

@@ -300,6 +300,9 @@ class Run(Distributed, Models):
         ignore = {"resume", "steps", "epochs", "log_every", "eval_every", "device"}
         changed = [f"--{k} {saved[k]} -> {v}" for k, v in vars(args).items()
                    if k in saved and k not in ignore and saved[k] != v]
+        if ckpt.get("threads", torch.get_num_threads()) != torch.get_num_threads():
+            changed.append(f"torch threads {ckpt['threads']} -> {torch.get_num_threads()} "
+                           f"(OMP_NUM_THREADS: bit-exact only with the same count)")
         try:
             self.load_whole(model, ckpt["model"], optimizer, ckpt["optimizer"])
             for name, module in modules.items():
@@ -457,6 +460,7 @@ class Run(Distributed, Models):
                                     sources=self.sources, rng=list(self.rng.getstate()),
                                     generator=generators[0], generators=generators,
                                     eval_before=self.before, samples=self.samples,
+                                    total_steps=self.total_steps, threads=torch.get_num_threads(),
                                     **{k: v for k, v in kept.items() if v}, **extra)
             except CheckpointError as e:
                 step = self.last_saved()

@@ -25,6 +25,7 @@ from model import GPT, GPTConfig
 from plumbing import flags
 from plumbing import loading
 from plumbing import parking
+from plumbing.lock import OutputLock, _start_ticks
 
 SCRIPTS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "*.py"))
                  if "\ndef parse_args(" in open(p).read())
@@ -86,7 +87,9 @@ def test_every_numeric_flag_is_range_checked_at_parse_time(name, monkeypatch, ca
 def test_number_types_accept_the_boundary_they_include():
     assert flags.Float(ge=0, le=1)("0") == 0.0 and flags.Float(ge=0, le=1)("1") == 1.0
     assert flags.Int(ge=1)("1") == 1
-    for t, text in ((flags.Float(gt=0), "0"), (flags.Float(lt=1), "1"), (flags.Int(ge=1), "1.5")):
+    assert flags.Float(gt=0)("1e9") == 1e9 and flags.Int(ge=1)("10000000000") == 10 ** 10
+    for t, text in ((flags.Float(gt=0), "0"), (flags.Float(lt=1), "1"), (flags.Int(ge=1), "1.5"),
+                    (flags.Float(ge=1), "1e39"), (flags.Float(ge=0), "1000000001")):
         with pytest.raises(Exception):
             t(text)
 
@@ -235,6 +238,63 @@ def test_a_prerequisite_is_built_as_one_process_under_torchrun(monkeypatch, tmp_
                 or k.startswith("TORCHELASTIC_")]
 
 
+@pytest.mark.slow
+def test_a_partial_prerequisite_is_continued_never_used_as_finished(monkeypatch, tmp_path,
+                                                                     capsys):
+    """A build stopped at step 2 of 4 (what Ctrl-C leaves at the default path): build_missing
+    continues it with --resume and says so, and leaves the finished checkpoint; a partial one at
+    another path is used with a note; a build its child stops (exit 130) stops the run with 130."""
+    sft = ["sft.py", "--steps", "4", "--warmup", "1", "--batch_size", "8", "--n_layer", "1",
+           "--n_head", "1", "--n_embd", "16", "--log_every", "1", "--eval_every", "2",
+           "--eval_n", "8"]
+    real = plumbing.Run.training
+
+    def ctrl_c_after_step_2(self):
+        self.interrupted = self.interrupted or self.step == 2
+        return real(self)
+
+    monkeypatch.setattr(plumbing.Run, "training", ctrl_c_after_step_2)
+    p = run_script(sft[0], sft[1:] + ["--out", str(tmp_path)])
+    monkeypatch.undo()
+    path = str(tmp_path / "sft.pt")
+    assert p.returncode == 130 and loading.progress(path) == (2, 4)
+    loading.build_missing(path, str(tmp_path / "elsewhere.pt"), sft)
+    assert "note: " in capsys.readouterr().out and loading.progress(path) == (2, 4)
+    loading.build_missing(path, path, sft)
+    assert "is a partial build (step 2 of 4): continuing it" in capsys.readouterr().out
+    assert loading.progress(path) is None and load_checkpoint(path)[1]["step"] == 4
+    rows = [json.loads(line) for line in open(tmp_path / "sft" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+
+    os.remove(path)
+    monkeypatch.setattr(loading.subprocess, "run",
+                        lambda cmd, env=None: subprocess.CompletedProcess(cmd, 130))
+    with pytest.raises(SystemExit) as stopped:
+        loading.build_missing(path, path, sft)
+    assert stopped.value.code == 130
+    assert f"stopped while building {path}" in capsys.readouterr().out
+
+
+def test_a_resume_under_another_thread_count_says_so(tmp_path):
+    """The checkpoint keeps torch's thread count; a resume under another one names both (a run
+    reproduces bit for bit only with the same count)."""
+    sft = ["--steps", "2", "--warmup", "1", "--batch_size", "8", "--n_layer", "1", "--n_head", "1",
+           "--n_embd", "16", "--log_every", "1", "--eval_every", "2", "--eval_n", "8",
+           "--out", str(tmp_path)]
+    assert run_script("sft.py", sft).returncode == 0
+    path = tmp_path / "sft.pt"
+    ckpt = torch.load(path, weights_only=True)
+    assert ckpt["threads"] == torch.get_num_threads() and ckpt["total_steps"] == 2
+    p = run_script("sft.py", sft[2:] + ["--steps", "3", "--resume"])
+    assert p.returncode == 0 and "torch threads" not in p.stdout
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["threads"] += 1
+    torch.save(ckpt, path)
+    p = run_script("sft.py", sft[2:] + ["--steps", "4", "--resume"])
+    assert p.returncode == 0, p.stderr
+    assert f"torch threads {ckpt['threads']} -> {torch.get_num_threads()}" in p.stdout
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 @pytest.mark.parametrize("script", ["dpo", "reward_model", "grpo"])
 def test_an_unavailable_device_is_one_line_about_the_device(script, tiny_sft, tmp_path):
@@ -342,12 +402,17 @@ def test_resume_with_the_log_missing_still_finishes(tiny_sft, tmp_path):
 def test_a_second_run_on_the_same_folder_is_refused_and_a_dead_lock_taken_over(tiny_sft, tmp_path):
     out = str(tmp_path)
     lock = os.path.join(out, "grpo.lock")
-    me = {"pid": os.getpid(), "host": socket.gethostname(), "command": "pytest (a live run)",
-          "started": "now"}
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    me = {"pid": live.pid, "host": socket.gethostname(), "command": "pytest (a live run)",
+          "started": "now", "start_ticks": _start_ticks(live.pid)}
     with open(lock, "w") as f:
         json.dump(me, f)
-    p = run_script("grpo.py", TINY_RL + ["--steps", "1", "--init", tiny_sft, "--out", out])
-    refused(p, "another run is using this output folder", str(os.getpid()), "pytest (a live run)")
+    try:
+        p = run_script("grpo.py", TINY_RL + ["--steps", "1", "--init", tiny_sft, "--out", out])
+    finally:
+        live.kill()
+        live.wait()
+    refused(p, "another run is using this output folder", str(live.pid), "pytest (a live run)")
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True)
     with open(lock, "w") as f:
@@ -356,6 +421,42 @@ def test_a_second_run_on_the_same_folder_is_refused_and_a_dead_lock_taken_over(t
     p = run_script("grpo.py", TINY_RL + ["--steps", "1", "--init", tiny_sft, "--out", out])
     assert p.returncode == 0, p.stderr
     assert sorted(os.listdir(out)) == ["grpo", "grpo.pt"]            # lock released, orphan removed
+
+
+@pytest.mark.parametrize("content", [
+    [1, 2], 42, "text", {"host": "HOST"}, {"pid": 1e100, "host": "HOST"},
+    {"pid": -1, "host": "HOST"}, {"pid": 2 ** 40, "host": "HOST"}, {"pid": "PID", "host": "HOST"},
+    {"pid": "ME", "host": "HOST"},
+    {"pid": 1, "host": "HOST", "start_ticks": -5}])
+def test_a_lock_that_is_no_runs_is_taken_over(content, tmp_path):
+    """A lock of another shape, a pid out of range, this process's own pid (the run itself: a
+    container restarted on the same host name) or a live pid whose start time is not the lock's
+    (a reused pid): no run holds it, so it is taken over, never a traceback or a refusal."""
+    fill = {"HOST": socket.gethostname(), "PID": str(os.getpid()), "ME": os.getpid()}
+    if isinstance(content, dict):
+        content = {k: fill.get(v, v) if isinstance(v, str) else v for k, v in content.items()}
+    path = tmp_path / "x.lock"
+    path.write_text(json.dumps(content))
+    lock = OutputLock(str(path))
+    assert lock.held and json.loads(path.read_text())["pid"] == os.getpid()
+    lock.release()
+    assert not path.exists()
+
+
+def test_a_live_run_on_another_host_or_with_its_own_start_time_keeps_its_lock(tmp_path):
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        for owner in ({"pid": live.pid, "host": socket.gethostname(),
+                       "start_ticks": _start_ticks(live.pid)},
+                      {"pid": live.pid, "host": socket.gethostname()},          # an older lock
+                      {"pid": 12345, "host": "another-machine"}):
+            path = tmp_path / "x.lock"
+            path.write_text(json.dumps(owner))
+            with pytest.raises(SystemExit, match=f"pid {owner['pid']} on {owner['host']} since"):
+                OutputLock(str(path))
+    finally:
+        live.kill()
+        live.wait()
 
 
 @pytest.mark.slow
