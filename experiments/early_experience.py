@@ -275,6 +275,9 @@ def main():
     if args.n < 1 or args.seed < 0:
         parser.error(f"--n {args.n}, --seed {args.seed}: n must be at least 1 and seed at least 0")
     pick_device(args.device)                                 # a device this machine lacks: said now
+    for path, flag in ((args.sft, "--sft"), (args.grpo, "--grpo"), (args.ei, "--ei")):
+        if os.path.exists(os.path.join(ROOT, path)):
+            read_checkpoint(os.path.join(ROOT, path), flag)        # unreadable: one line now
     try:                                        # the folder it writes: said now, not after the runs
         os.makedirs(os.path.join(ROOT, OUT), exist_ok=True)
         with open(os.path.join(ROOT, OUT, f".write_test{os.getpid()}"), "w"):
@@ -282,9 +285,6 @@ def main():
         os.remove(os.path.join(ROOT, OUT, f".write_test{os.getpid()}"))
     except OSError as e:
         parser.error(f"cannot write to {os.path.join(ROOT, OUT)} ({e.strerror or e})")
-    for path, flag in ((args.sft, "--sft"), (args.grpo, "--grpo"), (args.ei, "--ei")):
-        if os.path.exists(os.path.join(ROOT, path)):
-            read_checkpoint(os.path.join(ROOT, path), flag)        # unreadable: one line now
     for name in args.section or list(SECTIONS):
         print(f"\n## {name}\n", flush=True)
         SECTIONS[name](args)

@@ -375,4 +375,6 @@ def test_early_experience_refuses_a_device_or_a_checkpoint_it_cannot_use_before_
     junk.write_bytes(os.urandom(300))
     refused(run_script("experiments/early_experience.py", ["--device", "cuda"]),
             "cuda is not available")
+    absent = not os.path.exists(os.path.join(ROOT, "out", "early_experience"))
     refused(run_script("experiments/early_experience.py", ["--sft", str(junk)]), "--sft", "junk.pt")
+    assert not absent or not os.path.exists(os.path.join(ROOT, "out", "early_experience"))
