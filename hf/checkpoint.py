@@ -15,6 +15,7 @@ and a missing, unused, mis-shaped or non-finite tensor is one error line naming 
 import contextlib
 import math
 import os
+import zipfile
 from dataclasses import asdict, fields
 
 import torch
@@ -86,6 +87,14 @@ def load_checkpoint(path, device="cpu", kind=None, tokenizer=None):
     if head != b"PK\x03\x04":                                 # torch.save writes a zip archive
         raise CheckpointError(f"{path} is not a checkpoint: torch.save's files are zip archives "
                               f"(a Hugging Face model is given as its folder, not as a file in it)")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()                 # each part's CRC-32: torch.load checks none
+    except (zipfile.BadZipFile, OSError):
+        bad = None                                  # a truncated archive: torch.load says so below
+    if bad is not None:
+        raise CheckpointError(f"checkpoint {path} is corrupt: its part {bad} fails its CRC check; "
+                              f"delete it and re-run the script that wrote it")
     try:
         ckpt = torch.load(path, map_location=device, weights_only=True)
     except Exception as e:

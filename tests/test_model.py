@@ -3,6 +3,8 @@ logits under autocast, the compiled sampler against the eager one, the scalar he
 checkpoints."""
 import os
 import random
+import struct
+import zipfile
 
 import pytest
 import torch
@@ -205,6 +207,26 @@ def test_truncated_checkpoint_raises_a_clear_error(tmp_path):
     with open(path, "wb") as f:
         f.write(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match="truncated or corrupt") as err:
+        load_checkpoint(path)
+    assert path in str(err.value)
+
+
+def test_a_checkpoint_with_corrupt_tensor_bytes_is_refused_by_its_crc(tmp_path):
+    """Bytes overwritten inside a tensor (the zip's sizes intact, so torch.load would read wrong
+    weights as if whole): the part's CRC-32 fails and the load is one error naming the file; the
+    intact file loads."""
+    path = str(tmp_path / "ckpt.pt")
+    save_checkpoint(path, peaked_model(11), "bytes")
+    load_checkpoint(path)
+    data = bytearray(open(path, "rb").read())
+    with zipfile.ZipFile(path) as archive:
+        part = max(archive.infolist(), key=lambda i: i.file_size)       # the largest tensor
+    head = part.header_offset                         # the local header: 30 bytes, name, extra
+    name_len, extra_len = struct.unpack("<HH", data[head + 26:head + 30])
+    start = head + 30 + name_len + extra_len + part.file_size // 2
+    data[start:start + 8] = b"garbage!"
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(CheckpointError, match=f"{part.filename} fails its CRC check") as err:
         load_checkpoint(path)
     assert path in str(err.value)
 
