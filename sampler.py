@@ -146,8 +146,7 @@ def record(out, nxt, logp, stops, pad_id):
     return tokens
 
 
-def check_finite(logits):
-    # once per call (one device sync): NaN weights would otherwise sample garbage
+def check_finite(logits):               # once per call (a device sync): NaN would sample garbage
     if not torch.isfinite(logits).all():
         raise ValueError("the model's logits are not finite (NaN or inf): its weights hold NaN or "
                          "inf, or have diverged; nothing can be sampled from it")
@@ -507,6 +506,7 @@ def episodes(policy, tokenizer, prompts, env, group_size=1, temperature=1.0, max
     Tn = turns * max_new_tokens + (turns - 1) * (between + 1)                 # longest episode
     cache = KVCache(policy.config.n_layer, B, prompt.size(1) + Tn, device)
     logits = policy(prompt, prompt_mask, cache)[:, -1].float()                # (B, V) the first's
+    check_finite(logits)
     state = [_Episode(turns) for _ in range(B)]
     for _ in range(Tn):
         if not tool:

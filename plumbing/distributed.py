@@ -216,12 +216,18 @@ class Distributed:
 
     def clip_grad_norm(self, model, max_norm):
         """Clip the gradient of `model` to max_norm by its global 2-norm, returned (pre-clip); a
-        twin's from every rank's shards (a norm per shard would clip each by another factor)."""
+        twin's from every rank's shards (a norm per shard would clip each by another factor). A
+        norm that is not finite stops the run (check_finite) before any optimizer applies it."""
         if id(model) not in {id(t) for _, t in self.twins.values()}:
-            return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            self.check_finite(norm, f"lower --lr (now {getattr(self.args, 'lr', '?')})",
+                              "the gradient's norm")
+            return norm
         grads = [p.grad.to_local() for p in model.parameters() if p.grad is not None]
         squares = sum((g.float().pow(2).sum() for g in grads), torch.zeros((), device=self.device))
         norm = self.all_sum(squares).sqrt()                           # || g ||_2 over all ranks
+        self.check_finite(norm, f"lower --lr (now {getattr(self.args, 'lr', '?')})",
+                          "the gradient's norm")
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for g in grads:
             g.mul_(scale.to(g.dtype))

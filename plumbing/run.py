@@ -545,6 +545,10 @@ class Run(Distributed, Models):
         Anything else as Python prints it."""
         if isinstance(error, ChatTemplateError):
             what = f"--chat: {error}"
+        elif isinstance(error, ValueError) and str(error).startswith("the model's logits are "
+                                                                    "not finite"):
+            lr = f"; if it diverged, lower --lr (now {self.args.lr})" if "lr" in self.args else ""
+            what = f"{error} (step {self.step + 1}){lr}"
         elif self.peer_gone(error):
             what = "another process of this run stopped"
         else:
@@ -557,8 +561,9 @@ class Run(Distributed, Models):
                 f"{self.launcher()} {self.script}.py {shlex.join(argv)}")
             print(f"error: {what}; {last}", file=sys.stderr, flush=True)
 
-    def check_finite(self, loss, hint):
-        """A NaN or infinite loss stops the run with one line (the last checkpoint is kept). Under
+    def check_finite(self, loss, hint, what="the loss"):
+        """A NaN or infinite loss (or gradient norm: what) stops the run with one line (the last
+        checkpoint is kept). Under
         torchrun every rank learns whether any rank's loss is bad, so that they stop together: a
         rank that left alone would leave the others waiting for it in the next collective."""
         bad = torch.zeros(self.world, device=self.device)
@@ -572,5 +577,5 @@ class Run(Distributed, Models):
             ranks_text = ", ".join(map(str, ranks))
             where = f" on rank {ranks_text} of {self.world}" if self.world > 1 else ""
             value = f" {loss.item()}" if ranks[0] == 0 else " not finite"
-            raise SystemExit(f"error: the loss is{value}{where} at step {self.step + 1}; {hint} "
+            raise SystemExit(f"error: {what} is{value}{where} at step {self.step + 1}; {hint} "
                              f"(the last checkpoint, if any, is {self.ckpt_path})")

@@ -3,6 +3,7 @@ every numeric flag of every script refused at parse time when non-finite or out 
 known at start checked at start; device errors that say device; any working directory; the metrics
 log consistent with the checkpoint across kills and Ctrl-C; one run per output folder;
 --eval_every on its own; resume refusing what it should not resume."""
+import argparse
 import glob
 import importlib
 import json
@@ -394,6 +395,39 @@ def test_resume_with_the_log_missing_still_finishes(tiny_sft, tmp_path):
     # the summary's "before" comes from the checkpoint
     assert "done: 3 steps" in p.stdout and "->" in p.stdout
     assert steps_logged(out, "dpo") == [3]
+
+
+@pytest.mark.parametrize("script", ["grpo", "agent", "multiturn"])
+def test_non_finite_weights_stop_the_run_with_one_line(script, tiny_sft, tmp_path):
+    """An --init whose weights hold NaN: the sampler (generate, and episodes for agent.py and
+    multiturn.py) finds the logits not finite, and the run stops with one error line, no
+    traceback."""
+    init = tiny_sft if script != "agent" else os.path.join(ROOT, "tests", "fixtures",
+                                                            "tiny_tool_sft.pt")
+    policy, ckpt = load_checkpoint(init)
+    with torch.no_grad():
+        next(policy.parameters()).fill_(float("nan"))
+    path = str(tmp_path / "nan.pt")
+    save_checkpoint(path, policy, ckpt["tokenizer"])
+    p = run_script(f"{script}.py", TINY_RL + ["--steps", "1", "--init", path,
+                                               "--out", str(tmp_path / "out")])
+    refused(p, "the model's logits are not finite", "(step 1)", "lower --lr")
+    assert "Traceback" not in p.stderr
+
+
+def test_a_gradient_norm_that_is_not_finite_stops_the_step_before_the_optimizer():
+    """clip_grad_norm hands its norm to check_finite, which stops the run with one line naming the
+    gradient's norm; a finite norm passes."""
+    model = torch.nn.Linear(2, 1)
+    model(torch.ones(1, 2)).sum().backward()
+    seen = []
+    run = type("R", (), {"twins": {}, "args": argparse.Namespace(lr=0.1),
+                         "check_finite": lambda self, *a: seen.append(a)})()
+    assert torch.isfinite(plumbing.Run.clip_grad_norm(run, model, 1.0))
+    model.weight.grad[0, 0] = float("nan")
+    assert not torch.isfinite(plumbing.Run.clip_grad_norm(run, model, 1.0))
+    assert [a[1:] for a in seen] == [("lower --lr (now 0.1)", "the gradient's norm")] * 2
+    assert torch.isfinite(seen[0][0]) and not torch.isfinite(seen[1][0])
 
 
 # -----------------------------------------------------------------------------
