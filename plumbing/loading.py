@@ -117,6 +117,9 @@ def check_modes(script, args):
     invariant.enable()
 
 
+BUILDING = {}     # {"path": the prerequisite being built} while build_missing's child runs
+
+
 def progress(path):
     """(step, total) of a run's checkpoint at `path` that stopped before its last step, else None
     (a finished one, a Hugging Face folder, one from before total_steps was kept)."""
@@ -160,7 +163,11 @@ def build_missing(path, default, command, device=None):
     # one process: a child that inherited torchrun's variables would wait forever for its group
     env = {k: v for k, v in os.environ.items()
            if k not in TORCHRUN_VARIABLES and not k.startswith("TORCHELASTIC_")}
-    code = subprocess.run(cmd, env=env).returncode
+    BUILDING["path"] = path                                 # a Ctrl-C now waits for its save
+    try:
+        code = subprocess.run(cmd, env=env).returncode
+    finally:
+        BUILDING.clear()
     if code in (130, 143):                                  # Ctrl-C or SIGTERM: the build stopped
         left = progress(path) if os.path.exists(path) else None
         where = f" at step {left[0]} of {left[1]}" if left else ""

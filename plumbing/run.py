@@ -44,7 +44,7 @@ from lora import add_adapters
 from model import GPT, GPTConfig
 from plumbing.distributed import Distributed
 from plumbing.flags import RM_PATH, SFT_PATH, default_path
-from plumbing.loading import (Models, autocast, check_modes, pick_device, read_checkpoint,
+from plumbing.loading import (BUILDING, Models, autocast, check_modes, pick_device, read_checkpoint,
                               seed_everything)
 from plumbing.lock import OutputLock
 
@@ -284,7 +284,6 @@ class Run(Distributed, Models):
 
     def _load(self, model, optimizer=None, **modules):
         args = self.args
-        self.loading = False
         if not args.resume:
             return None
         ckpt = self.resume_ckpt                              # read and checked in _check_inputs
@@ -356,6 +355,7 @@ class Run(Distributed, Models):
         together)."""
         if self.t0 is None:                                  # wall time counts from the first step
             self.t0 = self.t_log = time.time()
+            self.loading = False
         if self.world > 1:
             self.interrupted = bool(self.all_sum(float(self.interrupted)).item())
         going = self.step < self.total_steps and not self.interrupted
@@ -384,8 +384,9 @@ class Run(Distributed, Models):
 
     def evaluate(self, model, tok):
         """Held-out metrics of `model` (task.evaluate: greedy accuracy, and pass@1 of 4 samples at T
-        = 1), as eval_*. Rank 0 alone evaluates; the other ranks get {}."""
-        self.loading = False
+        = 1), as eval_*. Rank 0 alone evaluates; the other ranks get {}. In one process the run
+        still loads until the first evaluation has ended: a Ctrl-C in it stops at once."""
+        self.loading = self.loading and self.world == 1
         if not self.is_main:
             self.eval_step = self.step
             return {}
@@ -398,7 +399,7 @@ class Run(Distributed, Models):
         self.last_eval = {"eval_accuracy": e["greedy_accuracy"], "eval_pass_at_1": e["pass_at_1"],
                           "eval_accuracy_precedence": e["greedy_accuracy_precedence"],
                           "eval_accuracy_other": e["greedy_accuracy_other"]}
-        self.eval_step = self.step
+        self.eval_step, self.loading = self.step, False
         return dict(self.last_eval)
 
     def log_start(self, evaluation, what="the SFT policy"):
@@ -526,17 +527,20 @@ class Run(Distributed, Models):
 
     def _stop(self, signum, frame):
         """First Ctrl-C (or SIGTERM): finish the step, checkpoint, exit. A second Ctrl-C aborts at
-        once. A SIGTERM while the run is still loading (before the starting evaluation or the
-        resume) stops it there: nothing is trained or written yet, and what loads may take long
-        (building the SFT policy, a slow chat template)."""
-        if signum == signal.SIGTERM and self.loading:
-            self.print("\nSIGTERM while loading: stopped; nothing was trained or written")
-            raise SystemExit(143)
+        once. While the run still loads (before the starting evaluation or the resume) it stops at
+        once: nothing is trained or written yet, and what loads may take long (a slow chat
+        template, sampling preference pairs). A Ctrl-C while a prerequisite is built waits for the
+        build, which the terminal's Ctrl-C reached too, to save and stop (the same command
+        continues it)."""
+        name, building = signal.Signals(signum).name, BUILDING.get("path")
+        if self.loading and (signum == signal.SIGTERM or building is None):
+            self.print(f"\n{name} while loading: stopped; nothing was trained or written")
+            raise SystemExit(143 if signum == signal.SIGTERM else 130)
         self.interrupted = True
         signal.signal(signal.SIGINT, signal.default_int_handler)
         when = f"after step {self.current}" if self.current else "before the first step"
-        self.print(f"\n{signal.Signals(signum).name}: stopping {when} and writing a checkpoint "
-                   f"(Ctrl-C again to abort without one)")
+        then = f"once {building} has saved" if self.loading else f"{when} and writing a checkpoint"
+        self.print(f"\n{name}: stopping {then} (Ctrl-C again to abort without one)")
 
     def _uncaught(self, kind, error, traceback):
         """An error a step cannot go on from, found deep inside it, as one line with the last

@@ -189,8 +189,11 @@ def test_a_fresh_run_killed_before_its_first_checkpoint_leaves_no_older_checkpoi
 
 
 @pytest.mark.slow
-def test_ctrl_c_during_the_starting_evaluation_then_resume_logs_step_0_once(tiny_sft, tmp_path):
-    out = str(tmp_path)
+def test_ctrl_c_during_the_starting_evaluation_stops_at_once_and_leaves_nothing(tiny_sft, tmp_path):
+    """The run still loads until its first evaluation has ended: a Ctrl-C then stops it at once
+    (exit 130), nothing trained or written, no folder left; the same command then starts afresh
+    and logs step 0 once."""
+    out = str(tmp_path / "run")
     flags = ["--prompts_per_step", "2", "--group_size", "2", "--log_every", "1",
              "--eval_every", "1000", "--init", tiny_sft, "--out", out]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -203,8 +206,9 @@ def test_ctrl_c_during_the_starting_evaluation_then_resume_logs_step_0_once(tiny
     p.send_signal(signal.SIGINT)
     stdout, stderr = p.communicate(timeout=120)
     assert p.returncode == 130, stderr
-    assert "stopping before the first step" in stdout and "stopped at step 0" in stdout, stdout
-    p = run_script("grpo.py", flags + ["--steps", "2", "--resume"])
+    assert "SIGINT while loading: stopped; nothing was trained or written" in stdout, stdout
+    assert "Traceback" not in stderr and not os.path.exists(out), stderr
+    p = run_script("grpo.py", flags + ["--steps", "2"])
     assert p.returncode == 0, p.stderr
     assert steps_logged(out) == [0, 1, 2]
 
