@@ -437,3 +437,58 @@ def test_bad_arguments_are_refused():
                       (dict(mode="fast"), "sampler mode 'fast'")]:
         with pytest.raises(ValueError, match=words):
             sampler.generate(model, p, m, **{"max_new_tokens": 4, "eos_id": 14, **kw})
+
+
+# -----------------------------------------------------------------------------
+# score: step 2 of the on-policy scripts
+
+def test_score_is_the_float64_reference_over_any_micro_batches_and_kl_mask():
+    """pi_old, pi_ref, the exact KL(pi || ref) and pi's entropy summed over kl_mask / n_kl, and the
+    gap to the sampler's log-probs, against float64 recomputed here from each model's logits
+    (softmax at the temperature over the whole support): one part or three give the same; a
+    kl_mask that leaves tokens out (the environment's) counts only the rest; --batch_invariant
+    takes pi_old from the sampler and scores the policy on logged steps alone."""
+    policy, ref = peaked_model(1), peaked_model(2)
+    g = torch.Generator().manual_seed(0)
+    B, Tp, Tn, T = 5, 4, 6, 0.7
+    prompt = torch.randint(3, 200, (B, Tp), generator=g)
+    prompt_mask = torch.ones(B, Tp)
+    prompt_mask[0, :2] = prompt_mask[3, :1] = 0                               # left padding
+    tokens = torch.randint(3, 200, (B, Tn), generator=g)
+    mask = torch.ones(B, Tn)
+    mask[1, 4:] = mask[2, 2:] = 0                                             # right padding
+    kl_mask = mask.clone()
+    kl_mask[0, 1:3] = kl_mask[4, 0] = 0                                       # the environment's
+    with torch.no_grad():
+        lp, lq = (F.log_softmax(completion_logits(m, prompt, prompt_mask, tokens, mask).double()
+                                / T, -1) for m in (policy, ref))              # (B, Tn, V)
+    p = lp.exp()
+    want_old, want_ref = (x.gather(-1, tokens[..., None])[..., 0] for x in (lp, lq))
+    n_kl = 13.0
+    want_kl = ((p * (lp - lq)).sum(-1) * kl_mask).sum() / n_kl
+    want_ent = (-(p * lp).sum(-1) * kl_mask).sum() / n_kl
+    sampler_logp = (want_old + 0.01 * torch.rand(B, Tn, generator=g, dtype=torch.float64)).float()
+    whole = None
+    for parts in ([slice(0, B)], [slice(0, 2), slice(2, 3), slice(3, B)]):
+        s = sampler.score(policy, ref, prompt, prompt_mask, tokens, mask, sampler_logp, T, parts,
+                          logged=True, kl_mask=kl_mask, n_kl=n_kl)
+        real = mask > 0
+        assert torch.allclose(s.old_logp[real].double(), want_old[real], atol=1e-5)
+        assert torch.allclose(s.ref_logp[real].double(), want_ref[real], atol=1e-5)
+        assert abs(float(s.kl_exact) - want_kl.item()) < 1e-5 < want_kl.item()
+        assert abs(float(s.entropy) - want_ent.item()) < 1e-5 < want_ent.item()
+        gap = torch.where(kl_mask > 0, (sampler_logp.double() - want_old).abs(), 0.0)
+        assert torch.allclose(s.sampler_gap.double(), gap, atol=1e-5)
+        whole = whole or s
+    quiet = sampler.score(policy, ref, prompt, prompt_mask, tokens, mask, sampler_logp, T,
+                          [slice(0, B)], logged=False)
+    assert quiet.kl_exact == quiet.entropy == 0.0 and quiet.sampler_gap is None
+    assert torch.equal(quiet.old_logp, whole.old_logp)          # the same forward, logged or not
+    invariant = sampler.score(policy, ref, prompt, prompt_mask, tokens, mask, sampler_logp, T,
+                              [slice(0, B)], logged=False, invariant=True)
+    assert torch.equal(invariant.old_logp, sampler_logp) and invariant.sampler_gap is None
+    logged = sampler.score(policy, ref, prompt, prompt_mask, tokens, mask, sampler_logp, T,
+                           [slice(0, B)], logged=True, invariant=True)
+    assert torch.equal(logged.old_logp, sampler_logp)                      # the sampler's bits
+    assert torch.equal(logged.sampler_gap,
+                       torch.where(mask > 0, (sampler_logp - whole.old_logp).abs(), 0.0))
