@@ -89,7 +89,7 @@ def main(args):
     if args.init is not None:                    # a checkpoint or a Hugging Face folder, fine-tuned
         model, tok = run.load(args.init)
         model = run.adapt(model)                 # --lora_rank: adapters, every weight frozen
-        run.check_lengths(model, tok, task.default_max_new_tokens())
+        run.check_demonstrations(model, tok)     # its prompts and demonstrations fit
     else:                                        # a new model
         try:
             tok = Tokenizer(args.tokenizer)

@@ -25,7 +25,7 @@ from lora import add_adapters, base_model, compact, trainable
 from model import GPTConfig
 from plumbing.flags import RM_PATH, SFT_PATH, default_path, task_flags
 from plumbing.parking import Parked, ParkedMoments
-from tasks import arithmetic
+from tasks import arithmetic, guess
 from tasks.toolcalc import CHAT_BLOCK_SIZE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # where the scripts are
@@ -356,6 +356,17 @@ class Models:
         longest = (arithmetic.max_prompt_tokens(tok, True) if parenthesised
                    else task.max_prompt_tokens(tok))
         check_fits(longest, max_new_tokens, model.config.block_size, turns, extra)
+
+    def check_demonstrations(self, model, tok):
+        """sft.py on a model it did not build: the task's longest prompt and its longest
+        demonstration must fit the model's context, before any work; a guess game's demonstration
+        is every turn and the replies between them, as multiturn.py checks its episodes."""
+        if task.name() != "guess":
+            return self.check_lengths(model, tok, task.default_max_new_tokens())
+        reply = max(len(r if isinstance(r, list) else tok.encode(r))
+                    for r in task.environment(0, tok).replies)
+        K = guess.MAX_TURNS                             # between turns: an answer, an end token
+        self.check_lengths(model, tok, guess.MAX_NEW_TOKENS, turns=K, extra=(K - 1) * (reply + 1))
 
     def parked_moments(self, optimizer):
         """With --offload_optimizer on a GPU, ParkedMoments(optimizer); elsewhere nothing moves."""

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import task
-from conftest import TINY_SFT, run_script
+from conftest import TINY_SFT, refused, run_script
 from hf.checkpoint import load_checkpoint
 from hf.tokenizer import Tokenizer
 
@@ -76,3 +76,18 @@ def test_sft_learns_the_task(tmp_path):
     losses = [r["loss"] for r in rows if "loss" in r]
     assert rows[0]["eval_accuracy"] == 0.0 and 0 < losses[-1] < 0.3
     assert rows[-1]["eval_accuracy"] > 0.15 and rows[-1]["eval_accuracy_other"] > 0.3
+
+
+GOLDEN_QWEN3 = os.path.join(ROOT, "tests", "golden", "qwen3")
+
+
+def test_a_game_that_does_not_fit_the_models_context_is_refused_before_any_work(tmp_path):
+    """sft.py --task guess --chat on a folder of 128 positions: a demonstration is the whole game
+    (four turns and the replies between them, 98 + 81 tokens before the turns' own), so it is
+    refused in one line before any work, as multiturn.py refuses it, no folder left (it used to
+    fail mid-run, its log written)."""
+    out = tmp_path / "out"
+    p = run_script("sft.py", ["--task", "guess", "--chat", "--init", GOLDEN_QWEN3, "--steps", "20",
+                              "--out", str(out)])
+    refused(p, "98 tokens and 81 more come between attempts", "block_size) is 128")
+    assert not out.exists()
