@@ -403,10 +403,12 @@ def test_an_fsdp_checkpoint_is_one_processs_and_resumes_on_another_number_of_pro
 @pytest.mark.slow
 def test_a_resumed_fsdp_run_takes_the_uninterrupted_runs_next_step(tiny_sft, tmp_path):
     """Its weights and its loss, not only its step count: 2 steps and a resume to 3 on 2 processes
-    with --fsdp equal 3 steps in one go, metrics.jsonl (times aside) and every tensor."""
-    flags = lambda out: ["grpo.py", "--prompts_per_step", "4", "--group_size", "2", "--log_every",
-                         "1", "--eval_every", "2", "--eval_n", "4", "--init", tiny_sft, "--out",
-                         out, "--fsdp"]
+    with --fsdp equal 3 steps in one go, metrics.jsonl (times aside) and every tensor. Groups of 8
+    at a high learning rate, so that the steps move the weights (at --group_size 2 every group
+    ties: loss and gradient 0, and a twin left at --init would pass)."""
+    flags = lambda out: ["grpo.py", "--prompts_per_step", "4", "--group_size", "8", "--lr", "3e-3",
+                         "--log_every", "1", "--eval_every", "2", "--eval_n", "4", "--init",
+                         tiny_sft, "--out", out, "--fsdp"]
     cut, whole = str(tmp_path / "cut"), str(tmp_path / "whole")
     for p in [finished(q) for q in (launch(flags(cut) + ["--steps", "2"], nproc=2),
                                     launch(flags(whole) + ["--steps", "3"], nproc=2))]:
@@ -417,9 +419,12 @@ def test_a_resumed_fsdp_run_takes_the_uninterrupted_runs_next_step(tiny_sft, tmp
                          if k not in ("elapsed_s", "tokens_per_sec")}
                         for line in open(os.path.join(out, "grpo", "metrics.jsonl"))]
     assert rows(cut) == rows(whole) and [r["step"] for r in rows(cut)] == [0, 1, 2, 3]
+    assert all(r["grad_norm"] > 0 and r["loss"] != 0 for r in rows(cut)[1:]), rows(cut)
     a, b = (load_checkpoint(os.path.join(out, "grpo.pt"))[1] for out in (cut, whole))
     assert a["model"].keys() == b["model"].keys()
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    start = load_checkpoint(tiny_sft)[1]["model"]
+    assert not all(torch.equal(a["model"][k], start[k]) for k in start)    # the steps moved it
 
 
 @pytest.mark.slow
