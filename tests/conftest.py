@@ -59,6 +59,19 @@ def run_scripts(calls, cwd=ROOT, timeout=600, env=None, fresh=False):
     return done
 
 
+class Counted:
+    """A compiled regex that appends the length of each text it is given to `scanned`: a
+    verifier's work counted, not timed."""
+    def __init__(self, scanned, pattern):
+        self.scanned, self.pattern = scanned, pattern
+
+    def __getattr__(self, name):
+        def call(text, *a, **k):
+            self.scanned.append(len(text))
+            return getattr(self.pattern, name)(text, *a, **k)
+        return call
+
+
 def refuses_all(script, cases, tmp_path, cwd=ROOT):
     """Each (args, words) of `cases` is refused by `script` (refused(p, *words)), each run with its
     own --out under tmp_path unless its args name one. Returns the CompletedProcesses."""

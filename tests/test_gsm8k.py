@@ -5,6 +5,7 @@ from decimal import Decimal
 
 import pytest
 
+from conftest import Counted
 from tasks import gsm8k
 
 PROBLEMS = [
@@ -103,21 +104,10 @@ def test_the_verifier_stays_fast_on_hostile_completions(monkeypatch):
     a number: each scored 0 with no regex run at all (past MAX_CHARS nothing is read); at MAX_CHARS
     and one past it, the work counted, not timed: two scans at most, of MAX_CHARS characters."""
     scanned = []
-
-    class Counted:                                  # a compiled pattern that counts what it reads
-        def __init__(self, pattern):
-            self.pattern = pattern
-
-        def __getattr__(self, name):
-            def call(text, *a, **k):
-                scanned.append(len(text))
-                return getattr(self.pattern, name)(text, *a, **k)
-            return call
-
     # the tag regex's worst case is quadratic in what it scans: MAX_CHARS^2 / 9 steps, ~0.1 s
     assert gsm8k.MAX_CHARS <= 20_000
     for name in ("_NUMBER", "_MARKS", "_ANSWER_TAG"):
-        monkeypatch.setattr(gsm8k, name, Counted(getattr(gsm8k, name)))
+        monkeypatch.setattr(gsm8k, name, Counted(scanned, getattr(gsm8k, name)))
     for text in ("<answer>1" * 50_000, "#### x" * 80_000, "#" * (gsm8k.MAX_CHARS + 1)):
         assert gsm8k.score_gsm8k(text, 1) is False and scanned == []
     for text in (("<answer>1" * 3000)[:gsm8k.MAX_CHARS], ("#### x" * 4000)[:gsm8k.MAX_CHARS]):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import task
-from conftest import ROOT, refused, run_script, run_scripts, task_args
+from conftest import ROOT, Counted, refused, run_script, run_scripts, task_args
 from hf.tokenizer import Tokenizer
 from model import GPT, GPTConfig
 from plumbing import flags
@@ -468,16 +468,21 @@ def test_grpo_trains_on_countdown_from_a_countdown_sft_policy(tmp_path):
     assert rows[0]["step"] == 0 and rows[-1]["step"] == 2 and "eval_accuracy" in rows[-1]
 
 
-def test_the_r1_verifier_stays_fast_on_hostile_completions():
+def test_the_r1_verifier_stays_fast_on_hostile_completions(monkeypatch):
     """400 kB of unclosed <answer> tags took the tag regex minutes (quadratic); past
-    task.R1_MAX_CHARS a completion scores 0 unread, and at the limit it is still well under a
-    second."""
-    import time
+    task.R1_MAX_CHARS a completion scores 0 with no regex run, and at the limit the two tag regexes
+    scan it once each: the work counted, not timed."""
+    scanned = []
     task.use(task_args("arithmetic", "r1"))
     prompt = task.eval_prompts()[0]
-    for text in ("<answer>1" * 50_000, ("<answer>" * 5000)[:task.R1_MAX_CHARS]):
-        t = time.time()
-        assert task.reward(prompt, text, 0.5) == 0.0 and time.time() - t < 1.0
+    for name in ("_R1_ANSWER", "_R1_COMPLETION"):
+        monkeypatch.setattr(task, name, Counted(scanned, getattr(task, name)))
+    for text in ("<answer>1" * 50_000, "<" * (task.R1_MAX_CHARS + 1)):
+        assert task.reward(prompt, text, 0.5) == 0.0 and scanned == []
+    text = ("<answer>" * 5000)[:task.R1_MAX_CHARS]
+    assert len(text) == task.R1_MAX_CHARS and task.reward(prompt, text, 0.5) == 0.0
+    assert scanned == [task.R1_MAX_CHARS] * 2, scanned
+    assert task.R1_MAX_CHARS <= 20_000              # the tag regexes' quadratic worst case
     task.use(task_args("arithmetic"))
 
 
