@@ -12,8 +12,7 @@ Formats (--format):
             ' <think>{reasoning}</think> <answer>{answer}</answer>'. Reward: the task's verifier
             on the text of the last <answer> tag (1 or 0), plus --format_weight when the whole
             completion is one think block then one answer block (the paper's format reward; its
-            weight is not published). The template is about 400 bytes: with the byte tokenizer it
-            needs a model whose block_size exceeds that.
+            weight is not published). The template is about 400 bytes (the byte tokenizer's).
 """
 import functools
 import json
@@ -486,6 +485,8 @@ def preference_pairs(prompts, policy=None, tokenizer=None, samples_per_prompt=4,
             pass  # unreadable, stale or malformed cache: make the pairs again
     samples = [[] for _ in prompts]
     if policy is not None:
+        print(f"preference pairs: sampling {samples_per_prompt} completions for each of "
+              f"{len(prompts)} prompts{f', then cached in {cache}' if cache else ''}", flush=True)
         g = torch.Generator(device=next(policy.parameters()).device).manual_seed(seed)
         was_training = policy.training
         policy.eval()
@@ -521,9 +522,8 @@ def preference_pairs(prompts, policy=None, tokenizer=None, samples_per_prompt=4,
 
 
 def preference_dataset(policy, tokenizer, n_train=2048, seed=0, cache_dir="out"):
-    """The pairs reward_model.py, dpo.py and ipo.py share: (train, held_out) lists, on n_train
-    training prompts and the 512 held-out ones, sampled from `policy` (the SFT policy) and cached
-    in cache_dir/pairs_train.json and cache_dir/pairs_eval.json."""
+    """(train, held_out) pairs on n_train prompts and the 512 held-out ones, sampled from `policy`
+    (the SFT policy), cached in cache_dir/pairs_{train,eval}.json: reward_model, dpo, ipo's."""
     train_prompts = sample_prompts(random.Random(seed), n_train)
     train = preference_pairs(train_prompts, policy, tokenizer, seed=seed,
                              cache=os.path.join(cache_dir, "pairs_train.json"))

@@ -390,9 +390,11 @@ class Run(Distributed, Models):
         if not self.is_main:
             self.eval_step = self.step
             return {}
-        t = time.time()
+        t, prompts = time.time(), task.eval_prompts()[:self.args.eval_n]
+        if self.loading:                     # the starting policy's: minutes on a busy CPU
+            self.print(f"evaluating the starting policy on {len(prompts)} held-out problems")
         with self.autocast:
-            e = task.evaluate(model, tok, task.eval_prompts()[:self.args.eval_n], num_samples=4,
+            e = task.evaluate(model, tok, prompts, num_samples=4,
                               temperature=1.0, seed=self.args.seed,
                               max_new_tokens=getattr(self.args, "max_new_tokens", None))
         self.t_log += time.time() - t                        # evaluation is not training time
