@@ -193,6 +193,30 @@ def test_any_one_piece_made_batch_variant_again_breaks_the_agreement(variant, mo
         assert largest_gap(model, tok, 1.0, trials=6) > 0.0
 
 
+@pytest.mark.slow
+def test_loras_addmm_made_batch_variant_breaks_the_agreement(monkeypatch):
+    """LoRA's low-rank path is one addmm (lora.py): under the mode it must be the tiled product.
+    Made batch-variant in the mode alone (the inner sum reversed for small batches: a plain addmm
+    may give the tiled product's bits on some machines), the LoRA model's sampler and trainer
+    disagree; the plain model, with no addmm, still agrees."""
+    real = invariant.BatchInvariant.__torch_function__
+    tiled_mm = invariant.tiled_mm
+
+    def variant_addmm(self, func, types, args=(), kwargs=None):
+        if func in (torch.addmm, torch.Tensor.addmm) and args[1].reshape(
+                -1, args[1].size(-1)).size(0) <= 16:
+            bias, a, b = args[:3]
+            kw = kwargs or {}
+            return bias * kw.get("beta", 1) + kw.get("alpha", 1) * tiled_mm(
+                a.flip(-1), b.flip(0))
+        return real(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(invariant.BatchInvariant, "__torch_function__", variant_addmm)
+    with invariant.BatchInvariant():
+        assert largest_gap(*tiny("lora"), 1.0, trials=6) > 0.0
+        assert largest_gap(*tiny("gpt"), 1.0, trials=6) == 0.0
+
+
 def layout_gap(model, tok, trials=4):
     """The sampler's log-probs against the same sequences scored in other layouts: more left
     padding (1 to 70 columns), and whole sequences from slot 0, right-padded (task.completion_batch,
