@@ -33,6 +33,21 @@ def named(tag):
     return out
 
 
+def cpu_below(pid):
+    """CPU seconds used so far by the processes below `pid` (from /proc: ppid links)."""
+    stats = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            stats[int(entry)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+    below, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, (ppid, _) in stats.items() if ppid in frontier} - below
+        below |= frontier
+    return sum(stats[p][1] for p in below) / os.sysconf("SC_CLK_TCK")
+
+
 def eventually(condition, seconds=10.0):
     started = time.time()
     while not condition() and time.time() - started < seconds:
@@ -173,28 +188,37 @@ import os, sys, time
 from hf import chat, tools
 template = chat.ChatTemplate("{{ messages[0]['content'] }}", {}, set(), {})
 template.render([{"role": "user", "content": "x"}])
-table = tools.resolve("escaping_tools:forks")
+table = tools.resolve("escaping_tools:forks,escaping_tools:burns")
 print(tools.run_call(table, tools.Call("forks", {"tag": sys.argv[1], "n": 3})).text, flush=True)
 print(chat._worker().proc.pid, tools._worker().proc.pid, flush=True)
+if sys.argv[2] == "busy":               # killed while the worker computes, not on its pipe
+    tools.RUN_SECONDS = 120.0
+    print(tools.run_call(table, tools.Call("burns", {"seconds": 60})).text, flush=True)
 time.sleep(60)
 """
 
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM])
 @pytest.mark.parametrize("namespaces", ["1", "0"])
+@pytest.mark.parametrize("when", ["idle", "busy"])
 @pytest.mark.slow
-def test_the_worker_and_what_it_started_end_with_its_run(how, namespaces):
+def test_the_worker_and_what_it_started_end_with_its_run(how, namespaces, when):
+    """Killed or stopped, idle or while its worker is in the middle of a long call (a worker that
+    is computing never sees its pipe close): the workers and what they started end with it."""
     tag = f"end{os.getpid() % 10 ** 6}"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]),
            "SANDBOX_NAMESPACES": namespaces}
-    run = subprocess.Popen([sys.executable, "-c", RUN, tag], cwd=ROOT, stdout=subprocess.PIPE,
-                           text=True, env=env)
+    run = subprocess.Popen([sys.executable, "-c", RUN, tag, when], cwd=ROOT,
+                           stdout=subprocess.PIPE, text=True, env=env)
     assert run.stdout.readline() == "forked\n"
     workers = [int(pid) for pid in run.stdout.readline().split()]
     for pid in workers:
         os.kill(pid, 0)                                    # alive while the run is
         assert os.getsid(pid) == pid                       # in a session of its own
     assert eventually(lambda: len(named(tag)) == 3)
+    if when == "busy":                     # the call in flight: the tools worker burning CPU
+        start = cpu_below(workers[1])
+        assert eventually(lambda: cpu_below(workers[1]) > start + 0.3, 60)
     run.send_signal(how)
     run.wait(timeout=30)
 
