@@ -33,19 +33,29 @@ def named(tag):
     return out
 
 
-def cpu_below(pid):
-    """CPU seconds used so far by the processes below `pid` (from /proc: ppid links)."""
-    stats = {}
+def below(pid):
+    """The pids below `pid` (from /proc: ppid links)."""
+    parents = {}
     for entry in filter(str.isdigit, os.listdir("/proc")):
         with contextlib.suppress(OSError, IndexError, ValueError):
             with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            stats[int(entry)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
-    below, frontier = set(), {pid}
+                parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+    out, frontier = set(), {pid}
     while frontier:
-        frontier = {p for p, (ppid, _) in stats.items() if ppid in frontier} - below
-        below |= frontier
-    return sum(stats[p][1] for p in below) / os.sysconf("SC_CLK_TCK")
+        frontier = {p for p, ppid in parents.items() if ppid in frontier} - out
+        out |= frontier
+    return out
+
+
+def cpu_below(pid):
+    """CPU seconds used so far by the processes below `pid`."""
+    ticks = 0
+    for p in below(pid):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def eventually(condition, seconds=10.0):
@@ -157,6 +167,22 @@ def test_a_restarts_replay_is_counted_in_the_next_calls_deadline_and_named(tmp_p
         assert failed and text.startswith(words), text
         assert time.time() - started < 3, text             # before: 0.5 s plus the 6 s import
     assert eventually(lambda: run_call(table, Call("quick", {"x": 0})) == ("quick", False), 30)
+
+
+def test_the_namespaces_the_worker_reports_are_the_ones_the_kernel_shows(escaping):
+    """Read from /proc, not from the worker's word: with namespaces, the process that serves the
+    call (below the keeper) is in a user, PID, mount and network namespace other than the run's;
+    without them (SANDBOX_NAMESPACES=0), in the run's own."""
+    table, _ = escaping
+    assert run_call(table, Call("burns", {"seconds": 0.0})) == ("burnt", False)
+    isolated = tools._worker().isolation.startswith(sandbox.NAMESPACES)
+    assert not isolated or os.environ.get("SANDBOX_NAMESPACES") != "0"
+    served = below(tools._worker().proc.pid)
+    assert served, "no process below the keeper"
+    for ns in ("user", "pid", "mnt", "net"):
+        mine = os.readlink(f"/proc/self/ns/{ns}")
+        theirs = {os.readlink(f"/proc/{p}/ns/{ns}") for p in served}
+        assert (mine not in theirs) == isolated, (ns, mine, theirs)
 
 
 def test_a_tool_cannot_see_or_signal_the_run_write_beside_it_or_reach_the_network(escaping):
