@@ -381,6 +381,7 @@ def keep(module, memory, request_fd, reply_fd, run):
     child = os.fork()
     if child == 0:
         os.close(status_r)
+        os.setpgid(0, 0)              # its own group: a tool's kill(0, ...) spares the keeper
         if isolated == NAMESPACES:
             _die_with_parent(signal.SIGKILL)
             isolated += "" if _own_proc() else " (the system's /proc)"

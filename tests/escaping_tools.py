@@ -178,3 +178,15 @@ def to_parent(name: str) -> str:
     """
     os.kill(os.getppid(), getattr(signal, name))
     return "sent"
+
+
+def kills_group(tag: str) -> str:
+    """Write a file named `tag` in its folder, then SIGKILL its own process group.
+
+    Args:
+        tag: the file's name
+    """
+    with open(tag, "w") as f:
+        f.write("left behind?")
+    os.kill(0, signal.SIGKILL)
+    return "survived"

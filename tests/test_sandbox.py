@@ -5,11 +5,13 @@ are the run's; a restart's replay is counted and named; where namespaces are all
 cannot see or signal the run, nor reach the network; a request a signal interrupts leaves no stale
 reply for the next one. The tools that try: tests/escaping_tools.py."""
 import contextlib
+import glob
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -20,7 +22,7 @@ from hf import tools
 from hf.tools import Call, run_call
 
 ESCAPING = ("forks", "spawns", "bomb", "spins", "lifts", "returns_twice", "forges", "burns",
-            "budget", "signals", "to_parent", "writes", "connects", "sees")
+            "budget", "signals", "to_parent", "writes", "connects", "sees", "kills_group")
 
 
 def named(tag):
@@ -98,6 +100,18 @@ def test_nothing_a_tool_starts_outlives_its_worker(escaping):
     text, failed = run_call(table, Call("bomb", {"tag": tag, "doublings": 4}))
     assert failed and "bomb ran past 1 s" in text, text
     assert named(tag) == []
+
+
+def test_a_tool_that_kills_its_process_group_leaves_no_folder_and_the_next_call_works(escaping):
+    """A tool's kill(0, SIGKILL) reaches its own process group, not the keeper: the call is
+    answered as ended, the worker's folder (what the tool wrote in it too) is removed, and the next
+    call runs in a new worker."""
+    table, tag = escaping
+    text, failed = run_call(table, Call("kills_group", {"tag": tag}))
+    assert failed and "ended its process" in text, text
+    left = lambda: glob.glob(os.path.join(tempfile.gettempdir(), "sandbox-*", tag))
+    assert eventually(lambda: not left(), 10), left()
+    assert run_call(table, Call("burns", {"seconds": 0.0})) == ("burnt", False)
 
 
 def test_a_reply_belongs_to_its_call(escaping):
