@@ -127,6 +127,12 @@ def load_checkpoint(path, device="cpu", kind=None, tokenizer=None):
     except RuntimeError as e:
         raise CheckpointError(f"checkpoint {path}: weights do not match its config "
                               f"({str(e)[:300]})") from None
+    bad = [k for k, t in ckpt["model"].items()
+           if torch.is_tensor(t) and t.is_floating_point() and not torch.isfinite(t).all()]
+    if bad:
+        raise CheckpointError(f"checkpoint {path}: tensor {bad[0]} holds NaN or infinite values "
+                              f"({len(bad)} such tensors); delete it and re-run the script that "
+                              f"wrote it")
     if ckpt.get("lora"):
         model = merge(model)
     return model.to(device), ckpt
