@@ -422,6 +422,7 @@ def test_non_finite_logits_stop_the_run_with_one_line(script, tiny_sft, tmp_path
             refused(p, path, "tensor wte.weight holds NaN or infinite values")
         else:
             refused(p, "the model's logits are not finite", "(step 1)", "lower --lr")
+        assert not os.path.exists(tmp_path / name)      # nothing left: stopped before any step
         policy = load_checkpoint(init)[0]
 
 
