@@ -17,15 +17,18 @@ The worker is three processes, two of them ours:
     the run -> keeper (its own session: a signal to the run's process group never reaches it)
                -> init (pid 1 of new user, PID, mount and network namespaces)
                   -> server (the code: it sees no process of the run and no network, its /proc
-                     is its own, its working directory an empty one of its own)
+                     is its own, every file read-only but its working directory, an empty
+                     folder of its own)
 When the keeper ends, however it ends, init ends and the kernel kills every process in the
-namespaces: nothing the code started outlives its worker. Where the system allows no namespaces
-(or with SANDBOX_NAMESPACES=0), the keeper is the server's parent and a child subreaper: it kills
-every process below it, those that left its session included; the code can then see and signal
-the run (the run says so).
+namespaces: nothing the code started outlives its worker, nor the call that started it (after
+each call the server kills every process there but init and itself). Where the system allows no
+namespaces (or with SANDBOX_NAMESPACES=0), the keeper is the server's parent and a child
+subreaper, and the same kills reach every process below it, those that left its session too; the
+code can then see and signal the run, and write files (the run says so).
 Whatever the code does (raise SystemExit, end its process, loop, allocate past the limit, fork),
 the run gets the value, or Failed (the code's error, as text), or Timeout, or Died, never its own
-end. It bounds resources, not files: the code runs as the run's user and can open any file it may.
+end. Its environment is ENV_KEPT's variables (and those of --tools_env). It runs as the run's
+user and can read any file that user may.
 
     worker = sandbox.worker("hf.chat", 2 ** 30)
     worker.setup("compile", {"key": k, "source": s, ...}, seconds=5)   # replayed after a restart
@@ -41,6 +44,7 @@ import fcntl
 import importlib
 import json
 import os
+import re
 import resource
 import secrets
 import select
@@ -60,6 +64,10 @@ STOP_SECONDS = 2.0                 # for the keeper to clean up at stop(), befor
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, \
     0x40000000
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_NOATIME, MS_NODIRATIME, MS_BIND, \
+    MS_REC, MS_RELATIME, ST_RELATIME = 1, 2, 4, 8, 32, 1024, 2048, 4096, 0x4000, 1 << 21, 4096
+ENV_KEPT = ("PATH", "HOME", "LANG", "LANGUAGE", "TZ", "PYTHONPATH", "PYTHONHOME",
+            "LD_LIBRARY_PATH", "SANDBOX_NAMESPACES")    # and LC_*: the worker's environment
 
 
 class Failed(Exception):
@@ -97,6 +105,7 @@ class Worker:
         self.module, self.memory = module, memory
         self.proc, self.owner, self.setups, self.isolation = None, None, {}, None
         self.cpu, self.replays = 0.0, []
+        self.env_names = ()        # the run's environment it keeps besides ENV_KEPT (--tools_env)
 
     def setup(self, op, args, seconds):
         """request(op, args), remembered under args["key"] and replayed, in order, by every new
@@ -140,7 +149,9 @@ class Worker:
         self.stop()
         request_r, request_w = os.pipe()
         reply_r, reply_w = os.pipe()
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+        env = {name: value for name, value in os.environ.items()
+               if name in ENV_KEPT or name.startswith("LC_") or name in self.env_names}
+        env = {**env, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
                "MKL_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
         try:
             self.proc = subprocess.Popen(
@@ -274,9 +285,11 @@ def isolation():
     if not said:
         return None
     if said[0].startswith(NAMESPACES):
-        return ("note: a chat template's and a tool's code run in a worker process with its own "
-                "user, PID, mount and network namespaces: it cannot see or signal this run, nor "
-                "reach the network (docs/errors.md)")
+        files = "; it can write files" if "files writable" in said[0] else \
+            ", or write a file but its own"
+        return (f"note: a chat template's and a tool's code run in a worker process with its own "
+                f"user, PID, mount and network namespaces: it cannot see or signal this run, "
+                f"reach the network{files} (docs/errors.md)")
     return (f"note: no namespaces here ({said[0]}): a chat template's and a tool's code run in a "
             f"worker process bounded in memory, time and processes, but it can see and signal "
             f"this run (docs/errors.md)")
@@ -325,6 +338,29 @@ def _own_proc():
             or _libc.mount(b"none", b"/proc", b"tmpfs", flags, None) == 0)
 
 
+def _read_only(home):
+    """In the new mount namespace (init): every mount read-only but `home` (a bind mount of its
+    own) and /proc; False where one could not be."""
+    if _libc.mount(home.encode(), home.encode(), None, MS_BIND | MS_REC, None) != 0:
+        return False
+    with open("/proc/self/mountinfo", "rb") as f:          # field 5: the mount point, escaped
+        points = [re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m[1], 8)]), line.split()[4])
+                  for line in f]
+    done = True
+    for point in points:
+        if point == home.encode() or point == b"/proc" or point.startswith(b"/proc/"):
+            continue
+        try:                   # a remount keeps the flags the parent namespace locked
+            flag = os.statvfs(point).f_flag
+        except OSError:
+            done = False
+            continue
+        keep = flag & (MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_NOATIME | MS_NODIRATIME)
+        keep |= MS_RELATIME if flag & ST_RELATIME else 0
+        done &= _libc.mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | keep, None) == 0
+    return done
+
+
 def _descendants(root):
     """Every process below `root`, from /proc (the fallback's cleanup)."""
     children = {}
@@ -341,24 +377,39 @@ def _descendants(root):
     return out
 
 
-def _kill_below():
-    """The fallback (a subreaper): stop every process below this one until none is new, then
-    kill them all and reap them (a fork bomb cannot outrun it: a stopped process cannot fork)."""
-    seen = set()
+def _kill_below(root, spare=None):
+    """Without namespaces: stop every process below `root` but `spare` until none is new, then
+    kill them all and reap this one's (a fork bomb cannot outrun it: a stopped process cannot
+    fork; the keeper, a subreaper, reaps the rest)."""
+    seen = {spare}
     for _ in range(1000):
-        new = set(_descendants(os.getpid())) - seen
+        new = set(_descendants(root)) - seen
         if not new:
             break
         for pid in new:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGSTOP)
         seen |= new
-    for pid in seen:
+    for pid in seen - {spare}:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
     with contextlib.suppress(ChildProcessError):
         while os.waitpid(-1, 0)[0] > 0:
             pass
+
+
+def _end_the_calls(isolated, keeper):
+    """The server, after each call: what the call started ends with it (a process left running
+    could read the next request). In the namespaces, kill(-1) reaches every process there but
+    init and this one."""
+    if isolated.startswith(NAMESPACES):
+        with contextlib.suppress(OSError):
+            os.kill(-1, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            while os.waitpid(-1, 0)[0] > 0:
+                pass
+    else:
+        _kill_below(keeper, spare=os.getpid())
 
 
 def _reap(server):
@@ -385,6 +436,7 @@ def keep(module, memory, request_fd, reply_fd, run):
         if isolated == NAMESPACES:
             _die_with_parent(signal.SIGKILL)
             isolated += "" if _own_proc() else " (the system's /proc)"
+            isolated += "" if _read_only(home) else " (files writable)"
             server = os.fork()
             if server == 0:
                 os.close(status_w)
@@ -406,7 +458,7 @@ def keep(module, memory, request_fd, reply_fd, run):
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(child, 0)
         else:
-            _kill_below()
+            _kill_below(os.getpid())
         shutil.rmtree(home, ignore_errors=True)
     signal.signal(signal.SIGTERM, lambda *_: (clean_up(), os._exit(1)))
     if isolated == NAMESPACES:
@@ -433,6 +485,8 @@ def serve(module, memory, request_fd, reply_fd, home, isolated):
     _die_with_parent(signal.SIGKILL)
     parent = os.getppid()
     os.chdir(home)
+    os.environ["TMPDIR"] = home                       # the one folder it may write in
+    tempfile.tempdir = None
     with contextlib.suppress(ValueError, OSError):       # where the system has no such limit
         resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
@@ -462,6 +516,7 @@ def serve(module, memory, request_fd, reply_fd, home, isolated):
             reply = {"error": describe(e)}
         if os.getpid() != served:                     # a child the code forked returned here
             os._exit(0)
+        _end_the_calls(isolated, parent)
         used = resource.getrusage(resource.RUSAGE_SELF)
         try:
             data = json.dumps({**reply, "id": rid, **said,

@@ -433,6 +433,19 @@ def _worker():
     return sandbox.worker(__name__, MEMORY)
 
 
+def keep_environment(names):
+    """--tools_env: the run's environment variables (a comma-separated string) the tools' worker
+    keeps besides sandbox.ENV_KEPT; ValueError naming one that is not a set variable."""
+    names = tuple(n for n in names.split(",") if n)
+    for name in names:
+        if name not in os.environ:
+            raise ValueError(f"--tools_env {name}: no such variable in this run's environment "
+                             f"(names of set variables, comma-separated)")
+    if names != _worker().env_names:
+        _worker().stop()
+        _worker().env_names = names
+
+
 _LOADED = {}                            # in the worker: spec -> function
 
 

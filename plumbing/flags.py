@@ -185,6 +185,10 @@ def add_task_flags(parser):
                         "(agent.py episodes, sft.py demonstrations): comma-separated, built in "
                         "(calculator) or module:function (any function with type hints and a "
                         "docstring; hf/tools.py)")
+    g.add_argument("--tools_env", default="", metavar="NAMES",
+                   help="with --tools: the run's environment variables the tools' worker keeps "
+                        "(comma-separated); it has none but PATH, HOME, locale and Python's "
+                        "(docs/errors.md)")
     return g
 
 
@@ -204,6 +208,8 @@ def fill_task_defaults(parser, args):
         parser.error(f"--data takes one or two files (training, held-out); got {len(args.data)}")
     if getattr(args, "tools", None) is not None:
         _tools(parser, args)
+    elif getattr(args, "tools_env", ""):
+        parser.error(f"--tools_env {args.tools_env}: for the worker of --tools; add --tools")
     if args.task == "toolcalc":
         _tool_defaults(parser, args)
     if args.task == "guess":
@@ -241,6 +247,7 @@ def _tools(parser, args):
     if args.format != "plain":
         parser.error(f"--tools is defined in the plain format only; got --format {args.format}")
     try:
+        tools.keep_environment(args.tools_env)
         tools.resolve(args.tools)
     except ValueError as e:
         parser.error(str(e))

@@ -2,6 +2,7 @@
 reply, a lifted CPU limit, a signal to the run, a file beside it, the network. Each child names
 itself `tag` (its /proc comm) so that the test can look for it afterwards."""
 import ctypes
+import json
 import os
 import resource
 import signal
@@ -16,19 +17,51 @@ def _name(tag):
 
 
 def forks(tag: str, n: int) -> str:
-    """Start n children that leave the process group (setsid) and sleep.
+    """Start n children that leave the process group (setsid) and sleep; return once each has
+    taken its name.
 
     Args:
         tag: the children's name
         n: how many
     """
+    named_r, named_w = os.pipe()
     for _ in range(n):
         if os.fork() == 0:
             os.setsid()
             _name(tag)
+            os.write(named_w, b"x")
             time.sleep(120)
             os._exit(0)
+    for _ in range(n):
+        os.read(named_r, 1)
     return "forked"
+
+
+def forks_and_burns(tag: str, n: int, seconds: float) -> str:
+    """forks, then burns: a call in flight with its children alive.
+
+    Args:
+        tag: the children's name
+        n: how many
+        seconds: the CPU time to use
+    """
+    forks(tag, n)
+    return burns(seconds)
+
+
+def steals(x: int) -> str:
+    """Fork a child that reads the next request on the worker's request pipe and answers it with
+    its id.
+
+    Args:
+        x: unused
+    """
+    if os.fork() == 0:
+        line = os.read(int(sys.argv[3]), 1 << 16).split(b"\n")[0]
+        rid = json.loads(line)["id"]
+        os.write(int(sys.argv[4]), json.dumps({"ok": "STOLEN", "id": rid}).encode() + b"\n")
+        os._exit(0)
+    return "stealing"
 
 
 def spawns(tag: str) -> str:
@@ -190,3 +223,24 @@ def kills_group(tag: str) -> str:
         f.write("left behind?")
     os.kill(0, signal.SIGKILL)
     return "survived"
+
+
+def environment(x: int) -> str:
+    """Its environment's names, comma-separated.
+
+    Args:
+        x: unused
+    """
+    return ",".join(sorted(os.environ))
+
+
+def temp_file(x: int) -> str:
+    """Make a temporary file; its path.
+
+    Args:
+        x: unused
+    """
+    import tempfile
+    fd, path = tempfile.mkstemp()
+    os.close(fd)
+    return path

@@ -22,7 +22,8 @@ from hf import tools
 from hf.tools import Call, run_call
 
 ESCAPING = ("forks", "spawns", "bomb", "spins", "lifts", "returns_twice", "forges", "burns",
-            "budget", "signals", "to_parent", "writes", "connects", "sees", "kills_group")
+            "budget", "signals", "to_parent", "writes", "connects", "sees", "kills_group", "steals",
+            "temp_file")
 
 
 def named(tag):
@@ -85,18 +86,16 @@ def escaping(monkeypatch, own_worker):
     return table, f"esc{os.getpid() % 10 ** 6}"
 
 
-def test_nothing_a_tool_starts_outlives_its_worker(escaping):
+def test_nothing_a_tool_starts_outlives_its_call(escaping):
     """Children that leave the session, a program in a session of its own, a child that lifts
-    its CPU limit and spins: gone when the worker is stopped (the run's end, a deadline); a
-    fork bomb's processes gone when its call's deadline ends it."""
+    its CPU limit and spins: gone when the call that started them returns; a fork bomb's
+    processes gone when its call's deadline ends it."""
     table, tag = escaping
     for call, reply in ((Call("forks", {"tag": tag, "n": 4}), "forked"),
                         (Call("spawns", {"tag": tag}), "spawned"),
                         (Call("spins", {"tag": tag}), "spinning")):
         assert run_call(table, call) == (reply, False)
-    assert eventually(lambda: len(named(tag)) == 6), named(tag)
-    tools._worker().stop()
-    assert named(tag) == []
+        assert eventually(lambda: named(tag) == []), named(tag)
     text, failed = run_call(table, Call("bomb", {"tag": tag, "doublings": 4}))
     assert failed and "bomb ran past 1 s" in text, text
     assert named(tag) == []
@@ -115,9 +114,11 @@ def test_a_tool_that_kills_its_process_group_leaves_no_folder_and_the_next_call_
 
 
 def test_a_reply_belongs_to_its_call(escaping):
-    """A forked child that returns into the worker's loop serves nothing; a line the code writes on
-    the reply pipe itself is dropped."""
+    """A forked child that returns into the worker's loop serves nothing, nor one left to read
+    the next request and answer it with its id; a line the code writes on the reply pipe itself
+    is dropped."""
     table, _ = escaping
+    assert run_call(table, Call("steals", {"x": 0})) == ("stealing", False)
     assert [run_call(table, Call("returns_twice", {"x": i})).text for i in range(3)] == \
         ["parent 0", "parent 1", "parent 2"]
     assert [run_call(table, Call("forges", {"x": i})).text for i in range(3)] == \
@@ -199,7 +200,8 @@ def test_the_namespaces_the_worker_reports_are_the_ones_the_kernel_shows(escapin
         assert (mine not in theirs) == isolated, (ns, mine, theirs)
 
 
-def test_a_tool_cannot_see_or_signal_the_run_write_beside_it_or_reach_the_network(escaping):
+def test_a_tool_cannot_see_or_signal_the_run_write_beside_it_or_reach_the_network(escaping,
+                                                                                  tmp_path):
     table, _ = escaping
     isolation = tools._worker().isolation
     if not isolation.startswith(sandbox.NAMESPACES):
@@ -218,9 +220,30 @@ def test_a_tool_cannot_see_or_signal_the_run_write_beside_it_or_reach_the_networ
     written, failed = run_call(table, Call("writes", {"path": "victim.pt"}))
     assert not failed and os.path.dirname(written) != os.getcwd(), written
     assert not os.path.exists("victim.pt")
+    temp, failed = run_call(table, Call("temp_file", {"x": 0}))
+    assert not failed and os.path.dirname(temp) == os.path.dirname(written), (temp, written)
+    if "files writable" not in isolation:               # every file read-only but its own
+        victim = str(tmp_path / "victim.pt")
+        text, failed = run_call(table, Call("writes", {"path": victim}))
+        assert failed and "Read-only file system" in text, text
+        assert not os.path.exists(victim)
     assert run_call(table, Call("burns", {"seconds": 0.0})) == ("burnt", False)   # it goes on
     tools._worker().stop()                                # as at the run's end
     assert not os.path.exists(written)                    # its folder goes with it
+
+
+def test_the_worker_keeps_only_the_environment_it_is_given(monkeypatch, own_worker):
+    """A token in the run's environment is not the tool's; --tools_env passes one by name, and a
+    name that is not set is refused in one line."""
+    monkeypatch.setenv("MY_SECRET", "s3cret")
+    table = tools.resolve("escaping_tools:environment")
+    names = run_call(table, Call("environment", {"x": 0})).text.split(",")
+    assert "MY_SECRET" not in names and "PATH" in names, names
+    tools.keep_environment("MY_SECRET")
+    table = tools.resolve("escaping_tools:environment")
+    assert "MY_SECRET" in run_call(table, Call("environment", {"x": 0})).text.split(",")
+    with pytest.raises(ValueError, match=r"^--tools_env NOT_SET_X: no such variable"):
+        tools.keep_environment("NOT_SET_X")
 
 
 RUN = """
@@ -228,12 +251,15 @@ import os, sys, time
 from hf import chat, tools
 template = chat.ChatTemplate("{{ messages[0]['content'] }}", {}, set(), {})
 template.render([{"role": "user", "content": "x"}])
-table = tools.resolve("escaping_tools:forks,escaping_tools:burns")
-print(tools.run_call(table, tools.Call("forks", {"tag": sys.argv[1], "n": 3})).text, flush=True)
+table = tools.resolve("escaping_tools:forks,escaping_tools:forks_and_burns")
 print(chat._worker().proc.pid, tools._worker().proc.pid, flush=True)
 if sys.argv[2] == "busy":               # killed while the worker computes, not on its pipe
     tools.RUN_SECONDS = 120.0
-    print(tools.run_call(table, tools.Call("burns", {"seconds": 60})).text, flush=True)
+    tools.run_call(table, tools.Call("forks_and_burns", {"tag": sys.argv[1], "n": 3,
+                                                         "seconds": 60}))
+else:
+    print(tools.run_call(table, tools.Call("forks", {"tag": sys.argv[1], "n": 3})).text,
+          flush=True)
 time.sleep(60)
 """
 
@@ -250,13 +276,15 @@ def test_the_worker_and_what_it_started_end_with_its_run(how, namespaces, when):
            "SANDBOX_NAMESPACES": namespaces}
     run = subprocess.Popen([sys.executable, "-c", RUN, tag, when], cwd=ROOT,
                            stdout=subprocess.PIPE, text=True, env=env)
-    assert run.stdout.readline() == "forked\n"
     workers = [int(pid) for pid in run.stdout.readline().split()]
     for pid in workers:
         os.kill(pid, 0)                                    # alive while the run is
         assert os.getsid(pid) == pid                       # in a session of its own
-    assert eventually(lambda: len(named(tag)) == 3)
-    if when == "busy":                     # the call in flight: the tools worker burning CPU
+    if when == "idle":                     # what the call started ended with it
+        assert run.stdout.readline() == "forked\n"
+        assert eventually(lambda: named(tag) == [])
+    else:                                  # the call in flight: its children, the worker burning
+        assert eventually(lambda: len(named(tag)) == 3, 30)
         start = cpu_below(workers[1])
         assert eventually(lambda: cpu_below(workers[1]) > start + 0.3, 60)
     run.send_signal(how)
