@@ -195,6 +195,25 @@ def episode_rows(ep, tok):
                 torch.arange(len(ep.tokens), device=ep.tokens.device), task.turn_texts(ep, tok))
 
 
+def check_step_prompt(n, k, max_new_tokens, block_size):
+    """--layout steps: turn k's prompt of n tokens and its turn must fit the context."""
+    if n + max_new_tokens > block_size:
+        raise SystemExit(f"error: --layout steps: turn {k}'s prompt, the game so far rendered "
+                         f"again by the chat template, is {n} tokens, and {max_new_tokens} more "
+                         f"(--max_new_tokens) pass the model's context of {block_size}: its "
+                         f"template writes the history longer than the episode; allowed: a "
+                         f"context of {n + max_new_tokens}, or --layout episode")
+
+
+def check_step_prompts(policy, tok, max_new_tokens, K):
+    """Before any work: the longest held-out game's last turn after K - 1 misses (a template may
+    write earlier turns longer as the game goes on: the episode's check cannot see it)."""
+    prompt = max(task.eval_prompts(), key=len)
+    misses = [str(n) for n in range(10, 16) if n != guess.secret(prompt)][:K - 1]
+    check_step_prompt(len(step_prompt(tok, prompt, misses)), K, max_new_tokens,
+                      policy.config.block_size)
+
+
 @torch.no_grad()
 def step_rows(policy, tok, prompts, G, temperature, max_new_tokens, K, generator=None):
     """G episodes a game sampled a turn at a time, each turn from step_prompt (ended by a stop id,
@@ -205,8 +224,10 @@ def step_rows(policy, tok, prompts, G, temperature, max_new_tokens, K, generator
     for k in range(K):
         if not live:
             break
-        prompt, prompt_mask = sampler.left_pad([step_prompt(tok, games[i], texts[i])
-                                                for i in live], tok.pad_id, device)
+        prompts_k = [step_prompt(tok, games[i], texts[i]) for i in live]
+        check_step_prompt(max(map(len, prompts_k)), k + 1, max_new_tokens,
+                          policy.config.block_size)
+        prompt, prompt_mask = sampler.left_pad(prompts_k, tok.pad_id, device)
         tokens, mask, truncated, *logp = sampler.generate(
             policy, prompt, prompt_mask, max_new_tokens, tok.stop_ids, tok.pad_id,
             temperature=temperature, generator=generator, return_logprobs=temperature > 0)
@@ -308,6 +329,8 @@ def main(args):
     reply = max(len(r if isinstance(r, list) else tok.encode(r))
                 for r in task.environment(0, tok).replies)
     run.check_lengths(policy, tok, args.max_new_tokens, turns=K, extra=(K - 1) * (reply + 1))
+    if args.layout == "steps":
+        check_step_prompts(policy, tok, args.max_new_tokens, K)
     train_policy = run.ddp(policy)  # DDP or --fsdp's shards under torchrun, else the policy
     optimizer = torch.optim.AdamW(trainable(train_policy), lr=args.lr, betas=(0.9, 0.99))
     run.resume(policy, optimizer)

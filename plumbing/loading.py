@@ -367,6 +367,17 @@ class Models:
                     for r in task.environment(0, tok).replies)
         K = guess.MAX_TURNS                             # between turns: an answer, an end token
         self.check_lengths(model, tok, guess.MAX_NEW_TOKENS, turns=K, extra=(K - 1) * (reply + 1))
+        if tok.chat is None:
+            return
+        demos = task.sample_demonstrations(random.Random(0), 8, 0.5)   # as its template renders
+        try:
+            tokens = task.completion_batch([p for p, _ in demos], [c for _, c in demos], tok)[0]
+        except ValueError as e:
+            raise SystemExit(f"error: --chat: {e}") from None
+        if tokens.shape[1] > model.config.block_size:
+            raise SystemExit(f"error: {self.args.init}: its chat template writes a game's "
+                             f"demonstration in {tokens.shape[1]} tokens; its context holds "
+                             f"{model.config.block_size}")
 
     def parked_moments(self, optimizer):
         """With --offload_optimizer on a GPU, ParkedMoments(optimizer); elsewhere nothing moves."""

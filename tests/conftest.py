@@ -266,3 +266,21 @@ def parked_runs(module, argv, out, monkeypatch):
     script = module.__name__
     assert run_metrics(out / "parked", script) == run_metrics(out / "plain", script)
     return [park[2] for park in parks]
+
+
+GROWING = open(os.path.join(ROOT, "tests", "golden", "qwen3", "chat_template.jinja")).read()
+GROWING = GROWING.replace(
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}",
+    "{{- '<|im_start|>' + message.role + '\\n' }}{%- for _ in range(8 if loop.index0 < "
+    "messages|length - 2 else 1) %}{{- message.content }}{%- endfor %}{{- '<|im_end|>\\n' }}")
+
+
+def growing_folder(path, positions):
+    """tests/golden/qwen3 at `path`, with `positions` of context and a template that writes each
+    message older than the last two 8 times: the history grows as the game goes on."""
+    assert GROWING.count("range(8") == 1
+    shutil.copytree(os.path.join(ROOT, "tests", "golden", "qwen3"), path)
+    (path / "chat_template.jinja").write_text(GROWING)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": positions}))
+    return str(path)

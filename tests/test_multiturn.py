@@ -13,7 +13,7 @@ import torch
 
 import multiturn
 import task
-from conftest import ROOT, refuses_all, run_script, task_args
+from conftest import ROOT, growing_folder, refused, refuses_all, run_script, task_args
 from hf import chat
 from hf.checkpoint import load_checkpoint
 from hf.tokenizer import Tokenizer
@@ -373,6 +373,33 @@ def test_each_steps_prompt_is_transformers_apply_chat_template(case):
                 prompt, turns)
         previous = ids
     assert appended == (template == "own")
+
+
+def test_a_template_whose_history_outgrows_the_context_is_refused_in_the_step_layout(tmp_path):
+    """A template that writes older messages 8 times: the episode (the prompt, the turns appended)
+    fits 200 positions, but the last turn's step prompt, the game rendered again, is 346 tokens.
+    Refused before any work, in one line; and in the loop, a game whose turns outgrow what that
+    probe read stops in the same line (here, a policy that ends each turn at once: turn 2, its
+    prompt one token past the bound)."""
+    folder, out = growing_folder(tmp_path / "grow", 200), tmp_path / "out"
+    p = run_script("multiturn.py", ["--chat", "--layout", "steps", "--init", folder, "--steps",
+                                    "1", "--out", str(out)])
+    refused(p, "--layout steps: turn 4's prompt", "is 346 tokens", "context of 200",
+            "allowed: a context of 349")
+    assert not out.exists()
+    task.use(task_args("guess", chat=True))
+    tok = Tokenizer.from_pretrained(folder).use_chat("2026-01-01")
+    policy = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=200, n_layer=1, n_head=1,
+                           n_embd=8, tie_embeddings=False))
+    with torch.no_grad():                   # every position's greedy token: a stop id
+        policy.ln_f.weight.zero_()
+        policy.ln_f.bias.fill_(1.0)
+        policy.lm_head.weight.zero_()
+        policy.lm_head.weight[next(iter(tok.stop_ids))] = 1.0
+    with pytest.raises(SystemExit, match=r"^error: --layout steps: turn 2's prompt, .* is 198 "
+                                         r"tokens, .* allowed: a context of 201"):   # one past
+        multiturn.step_rows(policy, tok, task.eval_prompts()[:1], 1, 0.0, 3, guess.MAX_TURNS)
+    multiturn.check_step_prompt(197, 2, 3, 200)                                   # the bound
 
 
 def layouts(tok, prompt, texts):

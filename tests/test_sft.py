@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import task
-from conftest import TINY_SFT, refused, run_script
+from conftest import TINY_SFT, growing_folder, refused, run_script
 from hf.checkpoint import load_checkpoint
 from hf.tokenizer import Tokenizer
 
@@ -90,4 +90,17 @@ def test_a_game_that_does_not_fit_the_models_context_is_refused_before_any_work(
     p = run_script("sft.py", ["--task", "guess", "--chat", "--init", GOLDEN_QWEN3, "--steps", "20",
                               "--out", str(out)])
     refused(p, "98 tokens and 81 more come between attempts", "block_size) is 128")
+    assert not out.exists()
+
+
+def test_a_template_that_writes_a_game_otherwise_once_it_goes_on_is_refused_before_any_work(
+        tmp_path):
+    """A template that writes older messages otherwise as the game goes on (8 times) cannot give a
+    game's demonstration as one sequence: refused in one line, naming the folder, before any work
+    (it used to fail after step 0's evaluation, its log written)."""
+    folder = growing_folder(tmp_path / "grow", 4096)
+    out = tmp_path / "out"
+    p = run_script("sft.py", ["--task", "guess", "--chat", "--init", folder, "--steps", "2",
+                              "--out", str(out)])
+    refused(p, f"error: --chat: hf:{folder}", "writes an assistant message differently")
     assert not out.exists()
