@@ -34,7 +34,7 @@ user and can read any file that user may.
     worker.setup("compile", {"key": k, "source": s, ...}, seconds=5)   # replayed after a restart
     worker.request("render", {"key": k, ...}, seconds=5)    # the value, or Failed / Timeout / Died
 
-The worker side: `python hf/sandbox.py MODULE MEMORY REQUEST_FD REPLY_FD RUN_PID` serves
+The worker side: `python hf/sandbox.py MODULE MEMORY REQUEST_FD REPLY_FD RUN_PID CPU_LIFE` serves
 MODULE.WORKER_OPS ({name: function}); a function's keyword arguments are a request's "args".
 """
 import atexit
@@ -101,8 +101,8 @@ class Worker:
     """One worker for `module`'s WORKER_OPS, started on the first request (and again at once after
     a kill), with `memory` bytes of address space."""
 
-    def __init__(self, module, memory):
-        self.module, self.memory = module, memory
+    def __init__(self, module, memory, cpu_life=CPU_LIFE):
+        self.module, self.memory, self.cpu_life = module, memory, cpu_life
         self.proc, self.owner, self.setups, self.isolation = None, None, {}, None
         self.cpu, self.replays = 0.0, []
         self.env_names = ()        # the run's environment it keeps besides ENV_KEPT (--tools_env)
@@ -120,7 +120,7 @@ class Worker:
         interrupts the wait (a signal's exception) it is gone, and the next request starts one."""
         deadline = time.monotonic() + seconds
         if (self.proc is None or self.owner != os.getpid() or self.proc.poll() is not None
-                or self.cpu + seconds + STOP_GRACE + 1 > CPU_LIFE):
+                or self.cpu + seconds + STOP_GRACE + 1 > self.cpu_life):
             self._start()
         while self.replays:                # a restarted worker's setups, in this deadline
             rid, what, each = self.replays[0]
@@ -156,7 +156,8 @@ class Worker:
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), self.module, str(self.memory),
-                 str(request_r), str(reply_w), str(os.getpid())], pass_fds=(request_r, reply_w),
+                 str(request_r), str(reply_w), str(os.getpid()), str(self.cpu_life)],
+                pass_fds=(request_r, reply_w),
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 env=env, start_new_session=True)
         finally:
@@ -420,7 +421,7 @@ def _reap(server):
             return status
 
 
-def keep(module, memory, request_fd, reply_fd, run):
+def keep(module, memory, request_fd, reply_fd, run, cpu_life):
     """The keeper: starts init (or, without namespaces, the server) and cleans up after it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(signal.SIGTERM)
@@ -440,13 +441,13 @@ def keep(module, memory, request_fd, reply_fd, run):
             server = os.fork()
             if server == 0:
                 os.close(status_w)
-                serve(module, memory, request_fd, reply_fd, home, isolated)
+                serve(module, memory, cpu_life, request_fd, reply_fd, home, isolated)
             os.close(request_fd)
             os.close(reply_fd)
             os.write(status_w, str(_reap(server)).encode())
             os._exit(0)                           # pid 1's end: the kernel kills the rest
         os.close(status_w)
-        serve(module, memory, request_fd, reply_fd, home, isolated)
+        serve(module, memory, cpu_life, request_fd, reply_fd, home, isolated)
     os.close(status_w)
     os.close(request_fd)
     os.close(reply_fd)
@@ -473,12 +474,13 @@ def keep(module, memory, request_fd, reply_fd, run):
     clean_up()
     if os.WIFSIGNALED(status):                    # the server's end, as the run reads it
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+        if os.WTERMSIG(status) not in (signal.SIGKILL, signal.SIGSTOP):    # no handler
+            signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
         os.kill(os.getpid(), os.WTERMSIG(status))
     os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
 
 
-def serve(module, memory, request_fd, reply_fd, home, isolated):
+def serve(module, memory, cpu_life, request_fd, reply_fd, home, isolated):
     """The server: MODULE's ops for each request line, one reply line each; never returns."""
     for sig in (signal.SIGINT, signal.SIGTERM):   # the run's to handle, and the keeper's
         signal.signal(sig, signal.SIG_IGN)
@@ -490,7 +492,7 @@ def serve(module, memory, request_fd, reply_fd, home, isolated):
     with contextlib.suppress(ValueError, OSError):       # where the system has no such limit
         resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        resource.setrlimit(resource.RLIMIT_CPU, (CPU_LIFE, CPU_LIFE))
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu_life, cpu_life))
     served = os.getpid()
     ops = importlib.import_module(module).WORKER_OPS
     if os.getpid() != served:                     # the module forked at import: not a server
@@ -506,9 +508,9 @@ def serve(module, memory, request_fd, reply_fd, home, isolated):
             rid = request["id"]
             used = resource.getrusage(resource.RUSAGE_SELF)
             used = used.ru_utime + used.ru_stime
-            soft = min(int(used + float(request["seconds"]) + STOP_GRACE) + 1, CPU_LIFE)
+            soft = min(int(used + float(request["seconds"]) + STOP_GRACE) + 1, cpu_life)
             with contextlib.suppress(ValueError, OSError):
-                resource.setrlimit(resource.RLIMIT_CPU, (soft, CPU_LIFE))
+                resource.setrlimit(resource.RLIMIT_CPU, (soft, cpu_life))
             reply = {"ok": ops[request["op"]](**request["args"])}
         except Failed as e:                           # the op's own words
             reply = {"error": str(e)}
@@ -534,4 +536,4 @@ if __name__ == "__main__":
     # started by path: the root on sys.path (not hf/), and this module chat's and tools' hf.sandbox
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sys.modules["hf.sandbox"] = sys.modules[__name__]
-    keep(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+    keep(sys.argv[1], *map(int, sys.argv[2:7]))

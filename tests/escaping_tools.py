@@ -244,3 +244,24 @@ def temp_file(x: int) -> str:
     fd, path = tempfile.mkstemp()
     os.close(fd)
     return path
+
+
+def holds_on(seconds: float) -> str:
+    """Ignore SIGXCPU (the soft CPU limit) and use `seconds` of CPU time.
+
+    Args:
+        seconds: how long
+    """
+    signal.signal(signal.SIGXCPU, signal.SIG_IGN)
+    return burns(seconds)
+
+
+def terms_itself(x: int) -> str:
+    """Send SIGTERM to its own process (what a library's cleanup may do), then return.
+
+    Args:
+        x: unused
+    """
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.05)
+    return "alive"
