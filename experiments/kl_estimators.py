@@ -39,6 +39,8 @@ Run:
     python experiments/kl_estimators.py
     # redo the measurements on the checkpoints there, no training
     python experiments/kl_estimators.py --table_only
+    # redraw the figure from results/kl_estimators.json alone
+    python experiments/kl_estimators.py --figure_only
 """
 import argparse
 import json
@@ -262,11 +264,12 @@ def figure(rows, path):
     axes[1].set(title="relative bias per token", ylabel="bias / mean exact KL")
     axes[2].set(title="gradient as a loss: cosine with the exact gradient",
                 ylabel="cosine similarity", ylim=(-0.2, 1.05))
-    for ax in axes:
-        ax.set(xlabel="exact KL(pi_theta || pi_ref) per token (GRPO, beta 0, along training)",
-               xscale="log")
+    for ax in axes:                       # legends below the curves, never over them
+        ax.set(xscale="log")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2)
+    fig.supxlabel("exact KL(pi_theta || pi_ref) per token (GRPO, beta 0, along training)",
+                  fontsize=9)
     fig.suptitle("KL estimators k1, k2, k3 against the exact KL (python "
                  "experiments/kl_estimators.py)", fontsize=10)
     fig.tight_layout()
@@ -293,7 +296,13 @@ def main():
     parser.add_argument("--seed", type=int, default=0, help="grpo.py --seed, and the sampling here")
     parser.add_argument("--table_only", action="store_true",
                         help="measure the checkpoints already there, train nothing")
+    parser.add_argument("--figure_only", action="store_true",
+                        help="redraw the figure from the results folder's kl_estimators.json")
     args = parser.parse_args()
+    if args.figure_only:
+        with open(os.path.join(ROOT, args.results, "kl_estimators.json")) as f:
+            figure(json.load(f)["rows"], os.path.join(ROOT, args.results, "kl_estimators.png"))
+        return print(f"wrote {args.results}/kl_estimators.png")
     if (sorted(set(args.checkpoints)) != args.checkpoints or args.checkpoints[0] < 1 or args.lr <= 0
             or min(args.prompts, args.samples_per_prompt, args.grad_samples) < 1 or args.seed < 0):
         parser.error(f"--checkpoints {args.checkpoints} must increase from at least 1; "

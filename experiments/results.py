@@ -44,6 +44,8 @@ Run:
     python experiments/results.py --seeds 0 --only grpo
     # rebuild the table and figures from the runs already there
     python experiments/results.py --table_only
+    # redraw the figures from results.json alone (no runs needed)
+    python experiments/results.py --figures_only
     # the pipeline on tiny settings, into results/quick/ (~3 min)
     python experiments/results.py --quick
 """
@@ -488,6 +490,8 @@ def main():
                              "finished run")
     parser.add_argument("--table_only", action="store_true",
                         help="only rebuild the table and figures from the runs there")
+    parser.add_argument("--figures_only", action="store_true",
+                        help="only redraw the figures from the folder's results.json")
     parser.add_argument("--quick", action="store_true",
                         help="tiny settings (a smoke test of the pipeline), in results/quick/")
     parser.add_argument("--dir", default=None,
@@ -519,6 +523,12 @@ def main():
     except OSError as e:
         parser.error(f"--dir {out_dir}: cannot write there ({e.strerror or e})")
     scripts = discover()
+    if args.figures_only:
+        with open(os.path.join(out_dir, "results.json")) as f:
+            runs = json.load(f)["runs"]
+        labels = {n: LABELS.get(n) or _label(scripts[n], n) for n in runs}
+        print("wrote " + ", ".join(figures(runs, labels, out_dir)))
+        return
     flags = shlex.split(args.flags)                        # for the --only scripts (all without it)
     extra = {n: (["--task", args.task] if task else [])
              + (flags if args.only is None or n in args.only else []) for n in scripts}
