@@ -239,6 +239,58 @@ def fixed_episodes(policy, tokenizer, prompts, group_size=1, temperature=1.0, ma
                     turns, tool, generator)
 
 
+class PlannedTurns(torch.nn.Module):
+    """multiturn.py --layout steps: a policy that writes each row's next turn as planned, found by
+    the row's step prompt (rows of one prompt take their plans in order: the games' order)."""
+    sampler_mode = "eager"
+
+    def __init__(self, config, turns, device, eos_id):
+        super().__init__()
+        self.config, self.turns, self.eos_id, self.plans, self.k = config, turns, eos_id, [], 0
+        self.anchor = torch.nn.Parameter(torch.zeros(1, device=device))
+
+    def hidden(self, idx, mask, cache):                   # the prompts: each row's plan found
+        self.plans = [self.turns[tuple(row[m > 0].tolist())].pop(0) for row, m in zip(idx, mask)]
+        self.k = 0
+        return torch.zeros(idx.size(0), idx.size(1), 1, device=idx.device)
+
+    def logits(self, h, *args, **kwargs):
+        out = torch.zeros(*h.shape[:-1], self.config.vocab_size, device=h.device)
+        last = out if out.dim() == 2 else out[:, -1]
+        for i, plan in enumerate(self.plans):
+            last[i, plan[self.k] if self.k < len(plan) else self.eos_id] = 100.0
+        return out
+
+    def forward(self, idx, mask=None, cache=None):
+        self.k += 1
+        return self.logits(torch.zeros(idx.size(0), idx.size(1), 1, device=idx.device))
+
+
+def fixed_step_rows(script):
+    """multiturn.step_rows with the planned games (fixed_guess_episode) when it samples for
+    training (a generator given); the held-out evaluation's as is."""
+    step_rows = script.step_rows
+
+    def step_rows_(policy, tok, prompts, G, temperature, max_new_tokens, K, generator=None):
+        if generator is None:
+            return step_rows(policy, tok, prompts, G, temperature, max_new_tokens, K, generator)
+        record("episodes", prompts=list(prompts), group_size=G)
+        turns = {}                                 # step prompt ids -> its turns' ids, j's order
+        for p in prompts:
+            for j in range(G):
+                plan, said = fixed_guess_episode(p, j), []
+                for k, (text, who) in enumerate(plan):
+                    if who == "policy" and text is not None:
+                        ended = k + 1 < len(plan) and plan[k + 1][0] is None
+                        ids = tok.encode(text) + ([tok.eos_id] if ended else [])
+                        turns.setdefault(tuple(script.step_prompt(tok, p, said)), []).append(ids)
+                        said.append(text)
+        planned = PlannedTurns(policy.config, turns, next(policy.parameters()).device,
+                               tok.eos_id)
+        return step_rows(planned, tok, prompts, G, temperature, max_new_tokens, K, generator)
+    script.step_rows = step_rows_
+
+
 def fixed_ppo_rollout(policy, tok, prompts, temperature, max_new_tokens, generator, device,
                       autocast):
     """ppo.rollout's contract, with the fixed completions (one per prompt) and the policy's
@@ -380,6 +432,8 @@ if __name__ == "__main__":
         trpo_init()
     if name == "async_grpo":                # its actors run this command too: the fixed completions
         recording_unpack(script)
+    if name == "multiturn":
+        fixed_step_rows(script)
     # this rank's log-probs are NaN
     if os.environ.get("DDP_WORKER_NAN_RANK") == os.environ.get("RANK", "0"):
         completion_logprobs = script.completion_logprobs

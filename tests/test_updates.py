@@ -1367,6 +1367,7 @@ def test_agent_update(case, tmp_path):
     check_weights(result, model, far=[(k, m) for k, (m, _) in far])
 
 
+
 class ChatEpisode:
     """A planned episode in the chat protocol (ddp_worker.fixed_chat_episode) played out by its
     rules, rebuilt from its pieces: the policy's turns and the environment's tool messages; every
@@ -1429,6 +1430,7 @@ def test_agent_update_in_the_chat_protocol(tmp_path):
     far = [(str(w), agent_expected(gpt, batches, {**c, **w})) for w in CHAT_WRONG]
     check_grads(result, grads, far=[(k, g) for k, (_, g) in far])
     check_weights(result, model, far=[(k, m) for k, (m, _) in far])
+
 
 
 # -----------------------------------------------------------------------------
@@ -1731,7 +1733,9 @@ def multiturn_expected(gpt, batches, c):
     equations in floats), then 1/B sum_i 1/|o_i| sum_(t in o_i) [-rho A_(turn of t) + beta k3] at
     ratio 1. Planted mistakes: c["shift"] each turn's A on the next turn's tokens; c["reverse"]
     the discount over the turns before, not after; c["all_turns"] GiGPO's step groups over every
-    turn of the group, not equal states; c["env"] the environment's tokens in o_i."""
+    turn of the group, not equal states; c["env"] the environment's tokens in o_i; (--layout
+    steps) c["per_row"] each turn's row over its own tokens, not its episode's |o_i|, c["rows"]
+    over the rows (the turns), not the B episodes."""
     from test_multiturn import reference
     ref, model, grads = frozen(gpt), copy.deepcopy(gpt), []
     for eps in batches:
@@ -1758,7 +1762,13 @@ def multiturn_expected(gpt, batches, c):
                              dtype=torch.float64)
             per_token = (-torch.exp(lp - lp.detach()) * adv
                          + c["beta"] * kl_estimate(lp, ref_lp[i], "k3")) * m
-            total = total + per_token.sum() / m.sum() / B
+            rows = sum(len(e.texts) for e in eps) if c.get("rows") else B
+            if c.get("per_row"):
+                turn = torch.tensor(e.turn)
+                total = total + sum((per_token * (turn == k)).sum() / (m * (turn == k)).sum()
+                                    for k in range(len(e.texts))) / rows
+            else:
+                total = total + per_token.sum() / m.sum() / rows
         g = grad_of(total, model)
         grads.append(g)
         sgd_step(model, g, SGD_LR)
@@ -1795,5 +1805,29 @@ def test_multiturn_update(credit, tmp_path):
     gpt = f64(result.model, result.start)
     model, grads = multiturn_expected(gpt, batches, c)
     far = [(str(w), multiturn_expected(gpt, batches, {**c, **w})) for w in MULTITURN_WRONG[credit]]
+    check_grads(result, grads, far=[(k, g) for k, (_, g) in far])
+    check_weights(result, model, far=[(k, m) for k, (m, _) in far])
+
+
+def test_multiturn_update_in_the_step_layout(tmp_path):
+    """--layout steps: a row a turn, sampled by the loop's own step_rows from each turn's step
+    prompt; the compact protocol appends, so the update is the episodes' (one per game), each row
+    normalised by its episode's |o_i| and the sum by the B episodes: normalising a row by its own
+    tokens, or the sum by the rows, is far."""
+    task.use(task_args("guess"))
+    torch.manual_seed(0)
+    init = str(tmp_path / "init.pt")
+    save_checkpoint(init, GPT(GPTConfig(vocab_size=TOK.vocab_size, block_size=96, n_layer=2,
+                                        n_head=2, n_embd=32)), TOK.name)
+    result = train("multiturn", ["--init", init, "--credit", "mt_grpo", "--layout", "steps",
+                                 *MULTITURN_FLAGS], str(tmp_path / "run"))
+    batches = [[GuessEpisode(p, j, guess.MAX_NEW_TOKENS) for p in e["prompts"]
+                for j in range(e["group_size"])] for e in result.of("episodes")]
+    assert len(batches) == 2 and {len(e.texts) for b in batches for e in b} >= {1, 2, 3}
+    c = {**MULTITURN, "credit": "mt_grpo"}
+    gpt = f64(result.model, result.start)
+    model, grads = multiturn_expected(gpt, batches, c)
+    far = [(str(w), multiturn_expected(gpt, batches, {**c, **w}))
+           for w in ({"per_row": True}, {"rows": True}, {"shift": 1})]
     check_grads(result, grads, far=[(k, g) for k, (_, g) in far])
     check_weights(result, model, far=[(k, m) for k, (m, _) in far])
