@@ -218,9 +218,7 @@ def test_a_killed_actor_stops_the_run_with_its_exit_code(tiny_sft, tmp_path):
     wait_for_rows(p, tmp_path, 3)
     actor_pid = children(p)[0]
     os.kill(actor_pid, signal.SIGKILL)
-    killed = time.time()
-    stdout, stderr = p.communicate(timeout=60)
-    assert time.time() - killed < 10
+    stdout, stderr = p.communicate(timeout=60)     # a hang (gloo's 30-minute timeout) is an error
     assert p.returncode != 0 and "Traceback" not in stderr
     assert f"actor 1 (pid {actor_pid}) exited with code -9" in stderr, stderr[-2000:]
 

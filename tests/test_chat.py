@@ -309,9 +309,12 @@ def test_compiling_rendering_and_a_runs_renders_are_bounded(monkeypatch):
         writes.render([{"role": "user", "content": "hi"}])     # the size's words, not the timer's
     slow = ("{% for i in range(3000) %}{% for j in range(100) %}{% endfor %}{% endfor %}"
             "{{ messages[0]['content'] }}")
-    one = time.time()
-    ChatTemplate(slow, {}, set(), {}).render([{"role": "user", "content": "x"}])
-    one = time.time() - one                               # one render of it, here
+    times = []                            # one render of it, here: the fastest of three (a
+    for k in range(3):                    # load spike in one makes the budgets below no laxer)
+        times.append(time.time())
+        ChatTemplate(slow, {}, set(), {}).render([{"role": "user", "content": f"x{k}"}])
+        times[-1] = time.time() - times[-1]
+    one = min(times)
     monkeypatch.setattr(chat, "PROBE_SECONDS", one / 4)
     with pytest.raises(chat.ChatTemplateError, match="to render one message .at most"):
         ChatTemplate(slow, {}, set(), {}).check()

@@ -78,21 +78,22 @@ HOSTILE = ["", " ", "9" * 100, "9" * 13, "999999*999999*999999", "(" * 9 + "1" +
 
 @pytest.mark.parametrize("expression", HOSTILE, ids=range(len(HOSTILE)))
 def test_calculator_refuses_hostile_input_fast_and_never_raises(expression):
-    t = time.perf_counter()
+    """Fast in CPU seconds, which load does not stretch: 3e-5 here, the bound 0.05."""
+    t = time.process_time()
     result = calculator(expression)
-    assert time.perf_counter() - t < 0.05
+    assert time.process_time() - t < 0.05
     assert isinstance(result, str) and result.startswith("error"), (expression, result)
 
 
 def test_calculator_never_raises_on_random_strings():
     rng, alphabet = random.Random(1), "0123456789+-*()/ %.e_x\n\t-٣１"
-    t = time.perf_counter()
+    t = time.process_time()                   # CPU seconds: 0.06 here
     for _ in range(5000):
         text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 80)))
         result = calculator(text)
         assert result.startswith("error") or re.fullmatch(r"-?[0-9]+", result), (text, result)
         assert not result.startswith("error") or toolcalc.tool_reply(text) == "error"
-    assert time.perf_counter() - t < 5.0
+    assert time.process_time() - t < 5.0
 
 
 def test_calculator_never_evaluates_code():
