@@ -5,22 +5,19 @@ and nano-vllm are the anchors); episodes with an environment; the scoring of wha
     tokens, mask, truncated = generate(model, prompt, prompt_mask, max_new_tokens,
                                        tok.stop_ids, tok.pad_id, num_samples=G, generator=g)
 
-A call runs the prompts (left-padded) through the model once, filling a KV cache allocated for the
-prompt plus every new token in the dtype the model computes in, then makes one token per step. Three
+A call runs the (left-padded) prompts through the model once, filling a KV cache allocated for the
+prompt plus every new token in the model's compute dtype, then makes one token per step. Three
 modes, the same tokens (tests/test_sampler.py):
 - "eager": the model's own forward on an appending cache: the reference, and the default off CUDA.
 - "graph": a step of fixed shapes (decode_step: the new key and value written at a slot held in a
-  tensor, attention over every slot, the empty ones masked) recorded once per call as a CUDA graph
-  with the LM head, the draw and the bookkeeping of which rows have ended, then replayed: one launch
-  a token instead of hundreds. The host checks for the end every SYNC_EVERY tokens only, so the GPU
-  never waits for it. Off CUDA the same step runs eagerly.
-- "compile": "graph" with the transformer part of the step under torch.compile (fullgraph), on
-  bfloat16 copies of the linear layers (sampling_copy). On CUDA the default from COMPILE_PARAMS
-  parameters up, "graph" below.
-
-The draw: torch.multinomial's own race, argmax_v p_v / E_v with E_v ~ Exponential(1), written out
-(`draw`: the same tokens from the same generator, without multinomial's host sync). The logits
-cover the tokenizer's ids only (GPT.logits): Qwen2.5's padding rows past 151665 are never drawn.
+  tensor, attention over every slot, the empty ones masked), with the LM head, the draw and the
+  end bookkeeping, recorded once per call as a CUDA graph and replayed: one launch a token. The
+  host checks for the end every SYNC_EVERY tokens only. Off CUDA the same step runs eagerly.
+- "compile": "graph" with the step's transformer under torch.compile (fullgraph), on bfloat16
+  copies of the linear layers (sampling_copy); on CUDA the default from COMPILE_PARAMS up.
+The draw: torch.multinomial's race, argmax_v p_v / E_v with E_v ~ Exponential(1), written out
+(`draw`: the same tokens from the same generator, without multinomial's host sync), over the
+tokenizer's ids only (GPT.logits: Qwen2.5's padding rows past 151665 are never drawn).
 
 Shapes: N = B * num_samples rows, Tp prompt length, Tn new tokens, V the support, C channels.
 """
@@ -45,19 +42,23 @@ COMPILE_PARAMS = 50_000_000   # on CUDA the default is "compile" from this many 
 
 @torch.no_grad()
 def generate(model, prompt, prompt_mask, max_new_tokens, eos_id, pad_id=None, num_samples=1,
-             temperature=1.0, top_k=None, generator=None, mode=None, return_logprobs=False):
+             temperature=1.0, top_k=None, generator=None, mode=None, return_logprobs=False,
+             top_p=None):
     """prompt (B, Tp) left-padded ids, prompt_mask (B, Tp) 1 on real tokens; num_samples completions
     per prompt on consecutive rows. eos_id: an id, or a sequence of ids (a tokenizer's stop_ids),
-    any of which ends a row. temperature 0: greedy; top_k: keep the k likeliest (None: the full
-    softmax, as RL needs). mode: "eager", "graph" or "compile"; None reads model.sampler_mode
-    (--compile), else default_mode. Returns tokens (N, Tn), pad_id after each row's end; mask (N,
-    Tn) 1.0 through the token that ended it; truncated (N,) bool; and with return_logprobs the
-    sampler's own log softmax(logits / T)[token] (N, Tn) float32, 0 after the end. pad_id None:
-    eos_id[0]."""
+    any of which ends a row. temperature 0: greedy; top_k, top_p: keep the k likeliest, then the
+    nucleus of mass top_p (keep_likeliest; None: the full softmax, as RL needs). mode: "eager",
+    "graph" or "compile"; None reads model.sampler_mode (--compile), else default_mode. Returns
+    tokens (N, Tn), pad_id after each row's end; mask (N, Tn) 1.0 through the token that ended it;
+    truncated (N,) bool; with return_logprobs the sampler's log-prob of each token (N, Tn) float32,
+    of the distribution it drew from (softmax(logits / T) over what is kept), 0 after the end.
+    pad_id None: eos_id[0]."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens = {max_new_tokens}; it must be at least 1")
     if temperature < 0:
         raise ValueError(f"temperature = {temperature}; it must be >= 0 (0 = greedy)")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p = {top_p}; allowed: 0 < top_p <= 1")
     mode = mode or getattr(model, "sampler_mode", None) or default_mode(model, prompt.device)
     if mode not in MODES:
         raise ValueError(f"sampler mode {mode!r} is unknown; allowed: {', '.join(MODES)}")
@@ -68,7 +69,7 @@ def generate(model, prompt, prompt_mask, max_new_tokens, eos_id, pad_id=None, nu
     idx_mask = prompt_mask.repeat_interleave(num_samples, dim=0)
     N, Tp = idx.shape
     out = Outputs(N, max_new_tokens, pad_id, idx.device)
-    settings = (temperature, top_k, generator, stops, pad_id, return_logprobs)
+    settings = (temperature, top_k, generator, stops, pad_id, return_logprobs, top_p)
     if mode == "eager":
         eager_loop(model, idx, idx_mask, max_new_tokens, out, settings)
     else:
@@ -106,21 +107,33 @@ class Outputs:
         return (*outs, self.logp[:, :Tn]) if return_logprobs else outs
 
 
-def draw(logits, temperature, top_k, generator, want_logp=False):
-    """The next token (N,) from logits (N, V) float32 (and its log-prob, with want_logp):
-    torch.multinomial's draw."""
-    if temperature == 0:
-        return logits.argmax(-1), None
-    raw, logits = logits, logits / temperature
-    if top_k is not None:                                               # the k largest; the rest: 0
+def keep_likeliest(logits, top_k=None, top_p=None):
+    """logits (N, V), all but the k likeliest at -inf, then all but the nucleus (Holtzman et al.
+    2019): the smallest set of the likeliest whose probability reaches top_p, a token dropped when
+    those likelier than it already hold top_p (transformers' top-k then top-p, as vLLM's)."""
+    if top_k is not None:                                               # the k largest
         kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1:
+        ranked, order = logits.sort(-1, descending=True)                # (N, V) likeliest first
+        p = F.softmax(ranked, dim=-1)
+        drop = p.cumsum(-1) - p >= top_p                                # mass above it >= top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
+def draw(logits, temperature, top_k, generator, want_logp=False, top_p=None):
+    """The next token (N,) from logits (N, V) float32 (and its log-prob, with want_logp):
+    torch.multinomial's draw from what keep_likeliest keeps."""
+    if temperature == 0:
+        return logits.argmax(-1), None
+    raw, logits = logits, keep_likeliest(logits / temperature, top_k, top_p)
     probs = F.softmax(logits, dim=-1)                                   # (N, V)
     race = torch.empty_like(probs).exponential_(1.0, generator=generator)   # E_v ~ Exp(1)
     nxt = (probs / race).argmax(-1)                                     # (N,) argmax_v p_v / E_v
     if not want_logp:
         return nxt, None
-    if invariant.active():
+    if invariant.active() and top_k is None and top_p is None:         # the trainer's function
         return nxt, token_logp(raw, nxt, temperature)
     return nxt, F.log_softmax(logits, dim=-1).gather(1, nxt[:, None]).squeeze(1)
 
@@ -165,14 +178,14 @@ def last_logits(model, h, head=None):
 
 def eager_loop(model, idx, idx_mask, max_new_tokens, out, settings):
     """"eager": the model's own forward on an appending cache, the end checked every token."""
-    temperature, top_k, generator, stops, pad_id, want_logp = settings
+    temperature, top_k, generator, stops, pad_id, want_logp, top_p = settings
     N, Tp = idx.shape
     cache = KVCache(model.config.n_layer, N, Tp + max_new_tokens, idx.device)
     logits = last_logits(model, model.hidden(idx, idx_mask, cache))     # (N, V): the first token's
     check_finite(logits)
     ones = torch.ones(N, 1, device=idx.device)
     for t in range(max_new_tokens):
-        nxt, logp = draw(logits, temperature, top_k, generator, want_logp)
+        nxt, logp = draw(logits, temperature, top_k, generator, want_logp, top_p)
         token = record(out, nxt, logp, stops, pad_id)
         if t == max_new_tokens - 1 or out.done.all():
             break
@@ -197,9 +210,8 @@ _compiled = []   # decode_step under torch.compile, made at first use, shared by
 
 
 def compiled_decode_step():
-    """decode_step under torch.compile (fullgraph; static_loop records the CUDA graph). A second
-    shape recompiles with dynamic sizes; past the recompile limit (where fullgraph would raise) the
-    step runs eagerly."""
+    """decode_step under torch.compile (fullgraph; static_loop records the CUDA graph); past the
+    recompile limit (where fullgraph would raise) the step runs eagerly."""
     if not _compiled:
         compiled = torch.compile(decode_step, fullgraph=True)   # a second shape: dynamic sizes
 
@@ -216,13 +228,11 @@ _copies = weakref.WeakKeyDictionary()   # model -> the sampler's copy of it (sam
 
 
 def sampling_copy(model, dtype):
-    """Under bfloat16 autocast, a copy of the model whose linear layers hold bfloat16 weights, the
-    rest shared with it, as an inference engine keeps its own weights; refreshed at every call. The
-    same products (autocast casts to these very numbers), without a cast of every matrix at every
-    token inside a compiled step (2 GB at Qwen2.5-0.5B). LoRA adapters (any dtype) are merged into
-    the copy's weights, W + (alpha / r) B A, as vLLM serves a merged model: no adapter work per
-    token (the same tokens as the adapters unmerged, tests/test_sampler.py). Between calls its
-    weights hold no memory (release_copy)."""
+    """Under bfloat16 autocast, a copy of the model whose linear layers hold bfloat16 weights (the
+    rest shared), as an inference engine keeps its own, refreshed at every call: autocast's very
+    products without a cast of every matrix at every token (2 GB at Qwen2.5-0.5B). LoRA adapters
+    are merged into its weights, W + (alpha / r) B A, as vLLM serves a merged model (the same
+    tokens, tests/test_sampler.py). Between calls its weights hold no memory (release_copy)."""
     lora = any(isinstance(m, LoRALinear) for m in model.modules())
     if dtype == torch.float32 and not lora:
         return model
@@ -265,7 +275,7 @@ def release_copy(model):
 
 def static_loop(model, idx, idx_mask, max_new_tokens, out, settings, compiled=False):
     """"graph" and "compile": the fixed-shape step, recorded as a CUDA graph on CUDA."""
-    temperature, top_k, generator, stops, pad_id, want_logp = settings
+    temperature, top_k, generator, stops, pad_id, want_logp, top_p = settings
     N, Tp = idx.shape
     device, c = idx.device, model.config
     slots = Tp + max_new_tokens
@@ -285,11 +295,11 @@ def static_loop(model, idx, idx_mask, max_new_tokens, out, settings, compiled=Fa
     def step():   # one token: everything a CUDA graph records
         h = body(model, token, cache, slot)                             # (N, C)
         logits = model.logits(h, head=head, fast=True)                  # (N, V)
-        nxt, logp = draw(logits, temperature, top_k, generator, want_logp)
+        nxt, logp = draw(logits, temperature, top_k, generator, want_logp, top_p)
         token.copy_(record(out, nxt, logp, stops, pad_id))
         slot.add_(1)
 
-    nxt, logp = draw(logits, temperature, top_k, generator, want_logp)  # token 0, the prompt's
+    nxt, logp = draw(logits, temperature, top_k, generator, want_logp, top_p)   # token 0
     token.copy_(record(out, nxt, logp, stops, pad_id))
     run = step
     every = SYNC_EVERY if device.type == "cuda" else 1                  # steps between end checks
@@ -326,14 +336,12 @@ def cuda_graph(step, generator):
 # Episodes: the policy's tokens and an environment's, in turn (agent.py)
 
 class Environment(NamedTuple):
-    """What answers the policy in an episode (task.environment builds them). The compact
-    protocol: a call is the text between call_open and call_close, answered with reply(call)
-    right after it; revision(prompt) comes between attempts, or feedback(prompt, the attempts'
-    texts so far), one of `replies` (a text, or ids), where what the environment says depends on
-    the turn (None: the episode ends). The chat protocol (chat, a tools.ChatTools): the calls of
-    a turn are answered when a stop id ends it, in the template's tool messages; a turn without a
-    call ends the attempt. score(prompt, the attempt's text; in the chat protocol its last
-    turn's) says whether an attempt is right."""
+    """What answers the policy in an episode (task.environment builds them). Compact protocol: a
+    call is the text between call_open and call_close, answered with reply(call) right after it;
+    between attempts comes revision(prompt), or feedback(prompt, the attempts' texts so far), one
+    of `replies` (None: the episode ends). Chat protocol (chat, a tools.ChatTools): a turn's calls
+    are answered when a stop id ends it, in the template's tool messages; a turn without a call
+    ends the attempt. score(prompt, the attempt's text or last turn) says if it is right."""
     call_open: str | None
     call_close: str | None
     reply: Callable[[str], str] | None
@@ -346,9 +354,8 @@ class Environment(NamedTuple):
 
 
 class Episodes(NamedTuple):
-    """A batch of episodes: each the prompt, then one sequence of the policy's and the
-    environment's tokens, a prompt's G episodes on consecutive rows (B = P*G). Built from ids as
-    they were sampled and written, never re-tokenised, so the masks are exact."""
+    """A batch of episodes: each the prompt, then the policy's and the environment's tokens in one
+    sequence, a prompt's G on consecutive rows (B = P*G); never re-tokenised: exact masks."""
     prompt: torch.Tensor       # (B, Tp) prompt ids, left-padded
     prompt_mask: torch.Tensor  # (B, Tp) 1.0 on prompt tokens
     tokens: torch.Tensor       # (B, Tn) the policy's and the environment's tokens, right-padded
@@ -359,18 +366,15 @@ class Episodes(NamedTuple):
     correct: torch.Tensor      # (B, turns) float32: 1.0 where that attempt's answer is right
     calls: torch.Tensor        # (B, turns) float32: calls the policy opened in each attempt
     malformed: torch.Tensor    # (B, turns) float32: of those, the ones answered with an error
-    policy_turns: torch.Tensor  # (B,) float32: the policy's turns (each ended by a stop id or
-                                # by the budget)
-    logp: torch.Tensor         # (B, Tn) the policy's log-prob of each token as it was written
-                                # (at temperature 0: 0.0)
+    policy_turns: torch.Tensor  # (B,) float32: the policy's turns (ended by a stop id, or cut)
+    logp: torch.Tensor         # (B, Tn) the sampler's log-prob of each token (greedy: 0.0)
 
 
 _POLICY, _ENV = 1, 2           # who wrote a token (0: padding)
 
 
 class _Episode:
-    """One episode while it is sampled: what is written so far, by whom, and what the
-    environment has yet to write (a tool's reply, the revision prompt)."""
+    """One episode being sampled: what is written, by whom, what the environment has yet to."""
 
     def __init__(self, turns):
         self.ids, self.who, self.turn_of, self.queue, self.segment = [], [], [], [], []
@@ -391,8 +395,7 @@ class _Episode:
 
 @functools.lru_cache(maxsize=8)
 def _markers(tokenizer, call_open, call_close):
-    """(ids whose text holds call_open, ids whose text holds call_close), the tokenizer's added
-    tokens excepted (<|im_start|> is not a call's end)."""
+    """(ids whose text holds call_open, those holding call_close), added tokens excepted."""
     special = {tokenizer.eos_id, tokenizer.pad_id, *tokenizer.stop_ids, *tokenizer.added_ids}
     texts = [(i, tokenizer.decode([i])) for i in range(tokenizer.vocab_size) if i not in special]
     opens = [i for i, t in texts if call_open in t]
@@ -432,10 +435,9 @@ def _chat_turn_end(e, sampled, tokenizer, env, tool):
 
 def _advance(e, sampled, tokenizer, env, closes, revise, turns, budget, tool=True):
     """Write one position of episode e, return the token written: the environment's next queued
-    token if it has one, else the policy's `sampled`, acted on: a token that closes a call gets
-    the tool's reply queued (past env.max_calls: "error"); any stop id ends the attempt, kept as
-    sampled and trained with it (as a chat template trains the end of a turn), and before the
-    last attempt `revise` follows. The chat protocol: a stop id ends a turn (_chat_turn_end)."""
+    token, else the policy's `sampled`, acted on: a call's close queues the tool's reply (past
+    env.max_calls: "error"); a stop id ends the attempt, kept and trained as a chat template trains
+    a turn's end, `revise` following before the last. Chat protocol: see _chat_turn_end."""
     if e.done:
         return tokenizer.pad_id
     if e.queue:
@@ -541,8 +543,7 @@ def episodes(policy, tokenizer, prompts, env, group_size=1, temperature=1.0, max
 
 
 def _feedback(tokenizer, env, prompt, e):
-    """The ids of what env.feedback writes after episode e's attempts so far (a text, or ids as
-    a chat template renders them), or None."""
+    """The ids env.feedback writes after episode e's attempts so far (or None)."""
     said = env.feedback(prompt, [tokenizer.decode(ids) for ids in e.answer_ids[:e.turn + 1]])
     return tokenizer.encode(said) if isinstance(said, str) else said      # ids as they are
 
@@ -576,11 +577,10 @@ class Scored(NamedTuple):
 @torch.no_grad()
 def score(policy, ref, prompt, prompt_mask, tokens, mask, sampler_logp, temperature, parts,
           logged, invariant=False, kl_mask=None, n_kl=1):
-    """Scored: each model's forward once per part (a micro-batch's rows) through what the loss's
-    completion_logprobs runs (on-policy, pi_old is the trainer's log-prob bit for bit). logged: also
-    the exact KL(pi || ref) and the entropy (model.kl_entropy) summed over kl_mask (default mask)
-    / n_kl. invariant (--batch_invariant): pi_old is sampler_logp, the same bits, and the policy
-    scores on logged steps alone."""
+    """Scored: each model's forward once per part (a micro-batch's rows) through the loss's own
+    completion_logprobs path (pi_old is the trainer's log-prob bit for bit). logged: also the exact
+    KL(pi || ref) and the entropy (model.kl_entropy) over kl_mask (default mask) / n_kl. invariant
+    (--batch_invariant): pi_old is sampler_logp, the same bits; the policy scores when logged."""
     kl_mask = mask if kl_mask is None else kl_mask
     old_logp, ref_logp = torch.zeros_like(mask), torch.zeros_like(mask)      # (B, Tn)
     kl_exact = ent = 0.0

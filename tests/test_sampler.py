@@ -80,6 +80,80 @@ def test_draw_is_torch_multinomials_draw_for_draw(V):
             assert (x.gather(1, got[:, None]) > float("-inf")).all()
 
 
+def nucleus_reference(logits, T, top_p):
+    """The nucleus from its definition in float64 (Holtzman et al. 2019): per row, the likeliest
+    tokens in order until their probability reaches top_p; (kept (N, V) bool, the renormalised
+    distribution (N, V), rows where a token's mass above it lies within 1e-6 of top_p)."""
+    p = F.softmax(logits.double() / T, -1)
+    ranked, order = p.sort(-1, descending=True)
+    above = ranked.cumsum(-1) - ranked                                   # the mass likelier than it
+    kept = torch.zeros_like(p, dtype=torch.bool).scatter(-1, order, above < top_p)
+    near = ((above - top_p).abs() < 1e-6).any(-1)
+    q = torch.where(kept, p, 0.0)
+    return kept, q / q.sum(-1, keepdim=True), near
+
+
+def hf_top_p(scores, top_p, min_tokens_to_keep=1):
+    """transformers' TopPLogitsWarper.__call__ (generation/logits_process.py), ported."""
+    sorted_logits, sorted_indices = torch.sort(scores, descending=False)
+    cumulative_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    sorted_indices_to_remove = cumulative_probs <= (1 - top_p)
+    sorted_indices_to_remove[..., -min_tokens_to_keep:] = 0
+    indices_to_remove = sorted_indices_to_remove.scatter(1, sorted_indices,
+                                                         sorted_indices_to_remove)
+    return scores.masked_fill(indices_to_remove, float("-inf"))
+
+
+@pytest.mark.parametrize("V", [2, 37, 1000])
+def test_top_p_keeps_the_nucleus_and_draws_from_it_renormalised(V):
+    """keep_likeliest's nucleus against the float64 definition and transformers' warper (the kept
+    set, row for row, away from rows within 1e-6 of the bound); draw() picks what multinomial picks
+    from the renormalised nucleus, never outside it, and reports its log-prob there."""
+    torch.manual_seed(V)
+    g1, g2 = torch.Generator().manual_seed(V), torch.Generator().manual_seed(V)
+    for i in range(30):
+        logits = 3 * torch.randn(64, V)
+        T, top_p = [1.0, 0.7, 2.5][i % 3], [0.5, 0.9, 0.95][i % 3 - 1]
+        kept, q, near = nucleus_reference(logits, T, top_p)
+        mine = sampler.keep_likeliest(logits / T, top_p=top_p) > float("-inf")
+        theirs = hf_top_p(logits / T, top_p) > float("-inf")
+        assert near.sum() <= 2 and torch.equal(mine[~near], kept[~near]), i
+        assert torch.equal(theirs[~near], kept[~near]), i
+        got, logp = sampler.draw(logits, T, None, g1, want_logp=True, top_p=top_p)
+        want = torch.multinomial(q.float(), 1, generator=g2).squeeze(1)
+        assert torch.equal(got[~near], want[~near]) and kept.gather(1, got[:, None]).all(), i
+        torch.testing.assert_close(logp[~near], q.log().gather(1, got[:, None]).squeeze(1)[
+            ~near].float(), rtol=0, atol=1e-5)
+
+
+def test_top_p_by_hand_the_bound_reached_and_one_past():
+    """Four equal tokens (every sum exact): top_p 0.25 keeps one, 0.5 keeps two (their mass reaches
+    it exactly), a hair past 0.5 three, 1 all; 1/2, 1/4, 1/8, 1/8 at top_p 0.6: two. top-k runs
+    first (as transformers' and vLLM's order): top_k 3 then top_p 0.7 of what is left."""
+    flat = torch.zeros(1, 4)
+    for top_p, n in ((0.25, 1), (0.5, 2), (0.5 + 1e-6, 3), (1.0, 4)):
+        assert int((sampler.keep_likeliest(flat, top_p=top_p) > float("-inf")).sum()) == n, top_p
+    halves = torch.tensor([[0.5, 0.25, 0.125, 0.125]]).log()
+    assert (sampler.keep_likeliest(halves, top_p=0.6) > float("-inf")).tolist() == \
+        [[True, True, False, False]]
+    both = sampler.keep_likeliest(torch.tensor([[4.0, 3.0, 2.0, 1.0]]), top_k=3, top_p=0.7)
+    assert (both > float("-inf")).tolist() == [[True, True, False, False]]   # 0.665 < 0.7
+
+
+def test_top_p_one_is_the_full_softmax_and_a_tiny_one_is_greedy():
+    tok = Tokenizer()
+    model = peaked_model(6)
+    p, m = tok.encode_batch(["3+4*2=", "1="])
+    full = lambda **kw: sampler.generate(model, p, m, 8, tok.eos_id, tok.pad_id, temperature=1.0,
+                                         generator=torch.Generator().manual_seed(3), **kw)
+    assert all(torch.equal(a, b) for a, b in zip(full(), full(top_p=1.0)))
+    greedy, _, _ = sampler.generate(model, p, m, 8, tok.eos_id, tok.pad_id, temperature=0)
+    assert torch.equal(greedy, full(top_p=1e-6)[0])
+    for bad in (0.0, 1.5, -0.1):
+        with pytest.raises(ValueError, match=f"top_p = {bad}; allowed: 0 < top_p <= 1"):
+            full(top_p=bad)
+
+
 # -----------------------------------------------------------------------------
 # The modes give the eager sampler's tokens
 
@@ -91,7 +165,7 @@ def test_draw_is_torch_multinomials_draw_for_draw(V):
                          ids=["gpt2-like", "qwen2-like"])
 @pytest.mark.slow
 def test_every_mode_gives_the_eager_samplers_tokens(device, config):
-    """Greedy, temperature 1 and temperature 0.7 with top-k, each from the same generator seed: the
+    """Greedy, temperature 1, 0.7 with top-k and 0.9 with top-p, each from one generator seed: the
     fixed-shape step ("graph": a CUDA graph on CUDA) and its compiled form return exactly the eager
     sampler's tokens, masks and truncation flags, and log-probs within float32 rounding (attention
     sums over every cache slot there), over prompts of different lengths (left padding) with 3
@@ -103,7 +177,8 @@ def test_every_mode_gives_the_eager_samplers_tokens(device, config):
     modes = ["eager", "graph"] + ([] if compilation_unavailable() else ["compile"])
     ended = truncated = 0
     for seed, kw in [(17, dict(temperature=0.0)), (18, dict(temperature=1.0)),
-                     (19, dict(temperature=1.0)), (20, dict(temperature=0.7, top_k=5))]:
+                     (19, dict(temperature=1.0)), (20, dict(temperature=0.7, top_k=5)),
+                     (21, dict(temperature=0.9, top_p=0.9))]:
         runs = {}
         for mode in modes:
             g = torch.Generator(device=device).manual_seed(seed)
