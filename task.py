@@ -264,11 +264,12 @@ def read_positions(prompt_ids, ids, tok, kind, finished=True):
 
 @torch.no_grad()
 def complete(model, tokenizer, prompts, num_samples=1, temperature=0.0, max_new_tokens=None,
-             batch_size=256, generator=None, return_ids=False, return_logprobs=False):
+             batch_size=256, generator=None, return_ids=False, return_logprobs=False, top_p=None):
     """Completions (strings, the stop token dropped) for each prompt, num_samples consecutive
-    entries a prompt. return_ids: also each completion's ids as sampled, the stop token that
-    ended it included (none in one cut at max_new_tokens): (texts, ids), as completion_batch
-    takes them; return_logprobs: (texts, ids, the log-prob the sampler gave each id)."""
+    entries a prompt (top_p: the nucleus, single completions only). return_ids: also each
+    completion's ids as sampled, the stop token that ended it included (none in one cut at
+    max_new_tokens): (texts, ids), as completion_batch takes them; return_logprobs: (texts, ids,
+    the log-prob the sampler gave each id)."""
     device = next(model.parameters()).device
     max_new_tokens = max_new_tokens or default_max_new_tokens()
     texts, ids, logps = [], [], []
@@ -283,7 +284,7 @@ def complete(model, tokenizer, prompts, num_samples=1, temperature=0.0, max_new_
             tokens, cmask, _, *logp = sampler.generate(
                 model, idx, mask, max_new_tokens, tokenizer.stop_ids, tokenizer.pad_id,
                 num_samples=num_samples, temperature=temperature, generator=generator,
-                return_logprobs=return_logprobs)
+                return_logprobs=return_logprobs, top_p=top_p)
         if name() == "guess":                   # its text, whatever the protocol wrote around it
             batch = [p for p in prompts[i:i + batch_size] for _ in range(num_samples)]
             texts += [guess.episode_text(p, t) for p, t in zip(batch, turn_texts(e, tokenizer))]
@@ -408,32 +409,6 @@ def episodes(policy, tokenizer, prompts, group_size=1, temperature=1.0, max_new_
     return sampler.episodes(policy, tokenizer, prompts, env, group_size,
                             temperature, max_new_tokens or default_max_new_tokens(), turns, tool,
                             generator)
-
-
-def evaluate(model, tokenizer, prompts=None, num_samples=4, temperature=1.0, seed=0,
-             max_new_tokens=None):
-    """Greedy accuracy and sampled pass@1 (the mean correctness of num_samples samples at
-    `temperature`) on the held-out set (or `prompts`); greedy accuracy on precedence and other
-    problems too. max_new_tokens: the run's own budget (default: the task's)."""
-    prompts = eval_prompts() if prompts is None else prompts
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    greedy = complete(model, tokenizer, prompts, temperature=0.0, max_new_tokens=max_new_tokens)
-    g = torch.Generator(device=device).manual_seed(seed)
-    sampled = complete(model, tokenizer, prompts, num_samples, temperature, max_new_tokens,
-                       generator=g)
-    model.train(was_training)
-    correct = [reward(p, c) for p, c in zip(prompts, greedy)]
-    prec = [r for p, r in zip(prompts, correct) if is_precedence(p)]
-    other = [r for p, r in zip(prompts, correct) if not is_precedence(p)]
-    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")
-    return {
-        "greedy_accuracy": mean(correct),
-        "pass_at_1": mean([reward(prompts[i // num_samples], c) for i, c in enumerate(sampled)]),
-        "greedy_accuracy_precedence": mean(prec),
-        "greedy_accuracy_other": mean(other),
-    }
 
 
 # -----------------------------------------------------------------------------

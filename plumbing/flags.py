@@ -24,6 +24,7 @@ value is one line naming the flag, the value and what is allowed (exit 2), befor
 import argparse
 import math
 import os
+import shlex
 
 import task
 from hf import tools
@@ -89,8 +90,18 @@ TEMPERATURE = Float(ge=0.05, le=20.0)
 # The parser and the shared flags
 
 class _Parser(argparse.ArgumentParser):
+    """@FILE reads flags from a file (`python grpo.py @recipe.txt --lr 1e-6`: later flags win),
+    split as a shell splits them, # starting a comment."""
+
+    def __init__(self, **kwargs):
+        super().__init__(fromfile_prefix_chars="@", **kwargs)
+
+    def convert_arg_line_to_args(self, arg_line):
+        return shlex.split(arg_line, comments=True)
+
     def parse_args(self, args=None, namespace=None):
         parsed = super().parse_args(args, namespace)
+        check_eval_flags(self, parsed)
         fill_task_defaults(self, parsed)
         return parsed
 
@@ -118,6 +129,12 @@ def add_run_flags(parser, script, log_every, eval_every):
         help="evaluate on the held-out set and checkpoint every this many steps (and at the last)")
     add("--eval_n", type=Int(ge=1), default=None,
         help="held-out prompts to evaluate on (default: all)")
+    add("--eval_temperature", type=Float(ge=0, le=20.0), default=0.0,
+        help="held-out decoding: 0 is greedy; above it --eval_k samples a problem, avg@k and "
+             "pass@k (evaluation.py)")
+    add("--eval_top_p", type=Float(gt=0, le=1), default=1.0,
+        help="held-out sampling's nucleus (0.95 in SimpleRL-Zoo's and DeepSeek-R1's reports)")
+    add("--eval_k", type=Int(ge=1), default=1, help="held-out samples a problem (sampled)")
     add("--out", default="out", help=f"folder for {script}.pt and {script}/metrics.jsonl")
     add("--seed", type=Int(ge=0, lt=2**32), default=0, help="seeds python, numpy and torch")
     add("--resume", action="store_true",
@@ -194,6 +211,23 @@ def add_task_flags(parser):
 
 # -----------------------------------------------------------------------------
 # The task's defaults and the checks between flags
+
+def check_eval_flags(parser, args):
+    """--eval_k and --eval_top_p sample: they need --eval_temperature above 0; the nucleus is
+    drawn for single completions, not for episodes (the game, tools)."""
+    if getattr(args, "eval_temperature", None) != 0:
+        if getattr(args, "eval_top_p", 1.0) < 1 and (getattr(args, "tools", None) is not None
+                                                     or getattr(args, "task", None) in
+                                                     ("guess", "toolcalc")):
+            parser.error(f"--eval_top_p {args.eval_top_p}: episodes (--task {args.task}"
+                         f"{' --tools' if getattr(args, 'tools', None) else ''}) sample the "
+                         f"full softmax; allowed: --eval_top_p 1")
+        return
+    for flag, default in (("eval_k", 1), ("eval_top_p", 1.0)):
+        if getattr(args, flag, default) != default:
+            parser.error(f"--{flag} {getattr(args, flag)}: greedy decoding (--eval_temperature "
+                         f"0) gives one answer; allowed with --eval_temperature above 0")
+
 
 def fill_task_defaults(parser, args):
     """The checks and defaults of the module docstring, on parsed `args` (parse_args calls it)."""

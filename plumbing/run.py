@@ -36,6 +36,7 @@ from dataclasses import asdict
 
 import torch
 
+import evaluation
 import task
 from hf import sandbox
 from hf.chat import ChatTemplateError
@@ -383,9 +384,10 @@ class Run(Distributed, Models):
             print(*a, flush=True)
 
     def evaluate(self, model, tok):
-        """Held-out metrics of `model` (task.evaluate: greedy accuracy, and pass@1 of 4 samples at T
-        = 1), as eval_*. Rank 0 alone evaluates; the other ranks get {}. In one process the run
-        still loads until the first evaluation has ended: a Ctrl-C in it stops at once."""
+        """Held-out metrics of `model` (evaluation.evaluate at the run's --eval_temperature,
+        --eval_top_p and --eval_k), as eval_*. Rank 0 alone evaluates; the other ranks get {}. In
+        one process the run still loads until the first evaluation has ended: a Ctrl-C in it
+        stops at once."""
         self.loading = self.loading and self.world == 1
         if not self.is_main:
             self.eval_step = self.step
@@ -393,14 +395,12 @@ class Run(Distributed, Models):
         t, prompts = time.time(), task.eval_prompts()[:self.args.eval_n]
         if self.loading:                     # the starting policy's: minutes on a busy CPU
             self.print(f"evaluating the starting policy on {len(prompts)} held-out problems")
+        a = self.args
         with self.autocast:
-            e = task.evaluate(model, tok, prompts, num_samples=4,
-                              temperature=1.0, seed=self.args.seed,
-                              max_new_tokens=getattr(self.args, "max_new_tokens", None))
+            self.last_eval = evaluation.evaluate(
+                model, tok, prompts, a.eval_temperature, a.eval_top_p, a.eval_k, a.seed,
+                getattr(a, "max_new_tokens", None))
         self.t_log += time.time() - t                        # evaluation is not training time
-        self.last_eval = {"eval_accuracy": e["greedy_accuracy"], "eval_pass_at_1": e["pass_at_1"],
-                          "eval_accuracy_precedence": e["greedy_accuracy_precedence"],
-                          "eval_accuracy_other": e["greedy_accuracy_other"]}
         self.eval_step, self.loading = self.step, False
         return dict(self.last_eval)
 
@@ -435,8 +435,7 @@ class Run(Distributed, Models):
             metrics["elapsed_s"] = now - self.t0
         self.t_log, self.tokens = now, 0
         if "eval_accuracy" in metrics:
-            line += (f" | held-out greedy {metrics['eval_accuracy']:.3f} pass@1 "
-                     f"{metrics['eval_pass_at_1']:.3f}")
+            line += f" | held-out {evaluation.line(metrics)}"
         if self.isolation is None and sandbox.isolation():  # once, before the first step's line
             self.isolation = sandbox.isolation()
             self.print(self.isolation)
@@ -507,7 +506,7 @@ class Run(Distributed, Models):
                      f"other {f'{other:.3f}' if other == other else 'n/a'})")
             prec = final["eval_accuracy_precedence"]
             split = split if prec == prec else ""              # NaN: no precedence split (gsm8k)
-            summary = (f"held-out greedy accuracy {b('eval_accuracy')}"
+            summary = (f"held-out {evaluation.name(final)} {b('eval_accuracy')}"
                        f"{final['eval_accuracy']:.3f}{split} | sampled pass@1 "
                        f"{b('eval_pass_at_1')}{final['eval_pass_at_1']:.3f}")
         samples = f" | {self.samples:,} completions sampled" if self.samples else ""
