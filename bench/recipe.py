@@ -34,6 +34,7 @@ run's checkpoint is not written (6 GB of weights and AdamW moments, not part of 
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 
@@ -59,8 +60,8 @@ SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>"
            "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
            "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
            "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
-RECIPE = ["--task", "countdown", "--format", "r1", "--group_size", "8", "--prompts_per_step", "16",
-          "--max_new_tokens", "1024", "--grad_accum", "16", "--grad_checkpoint", "--lr", "1e-6"]
+with open(os.path.join(ROOT, "recipes", "grpo_one_gpu.txt")) as _f:   # the README's: @this file
+    RECIPE = shlex.split(_f.read(), comments=True)
 
 
 def parse_args(argv=None):

@@ -443,7 +443,11 @@ def report(scripts, seeds, runs_dir, out_dir, quick, threads=1, extra=None, rege
     on = setting(results, threads)
     seen = "; ".join(f"{r['device']}, {r['threads']} thread(s), torch {r['torch']}"
                      for r in on["recorded"])
-    header = (f"Seeds {seeds_run}, each with its own SFT policy; mean +- std over seeds (sample "
+    import evaluation
+    decoding = "; ".join(sorted({evaluation.name(r["after"]) for runs in results.values()
+                                 for r in runs if "eval_accuracy" in r["after"]}))
+    header = (f"Held-out decoding: {decoding} (pass@1: 4 samples at temperature 1). "
+              f"Seeds {seeds_run}, each with its own SFT policy; mean +- std over seeds (sample "
               f"std), [min, max] of the final accuracy. Each command ran as "
               f"`OMP_NUM_THREADS={threads} python "
               f"X.py {''.join(x + ' ' for x in extra.get('sft', ()))}--seed S --init D/sft.pt "

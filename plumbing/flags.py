@@ -28,6 +28,7 @@ import shlex
 
 import task
 from hf import tools
+from plumbing import live
 from tasks import arithmetic, countdown, gsm8k, guess, toolcalc
 
 SFT_PATH = os.path.join("out", "sft.pt")   # default --init of the scripts that start from SFT
@@ -101,6 +102,8 @@ class _Parser(argparse.ArgumentParser):
 
     def parse_args(self, args=None, namespace=None):
         parsed = super().parse_args(args, namespace)
+        if live.check(getattr(parsed, "report_to", "none")):
+            self.error(live.check(parsed.report_to))
         check_eval_flags(self, parsed)
         fill_task_defaults(self, parsed)
         return parsed
@@ -135,6 +138,9 @@ def add_run_flags(parser, script, log_every, eval_every):
     add("--eval_top_p", type=Float(gt=0, le=1), default=1.0,
         help="held-out sampling's nucleus (0.95 in SimpleRL-Zoo's and DeepSeek-R1's reports)")
     add("--eval_k", type=Int(ge=1), default=1, help="held-out samples a problem (sampled)")
+    add("--report_to", default="none", metavar="TRACKER",
+        help="mirror every logged row live: tensorboard (into <out>/<script>/, the package "
+             "installed apart), or none")
     add("--out", default="out", help=f"folder for {script}.pt and {script}/metrics.jsonl")
     add("--seed", type=Int(ge=0, lt=2**32), default=0, help="seeds python, numpy and torch")
     add("--resume", action="store_true",

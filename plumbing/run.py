@@ -47,6 +47,7 @@ from plumbing.distributed import Distributed
 from plumbing.flags import RM_PATH, SFT_PATH, default_path
 from plumbing.loading import (BUILDING, Models, autocast, check_modes, pick_device, read_checkpoint,
                               seed_everything)
+from plumbing import live
 from plumbing.lock import OutputLock
 
 # -----------------------------------------------------------------------------
@@ -113,6 +114,8 @@ class Run(Distributed, Models):
         self.device = pick_device(args.device)
         self.ckpt_path = os.path.join(args.out, f"{name}.pt")
         self.metrics_path = os.path.join(args.out, name, "metrics.jsonl")
+        self.live = live.Mirror(getattr(args, "report_to", "none"), os.path.dirname(
+            self.metrics_path))
         # before anything is built, locked or written
         self._check_inputs()
         self.join()                               # under torchrun: the process group
@@ -443,6 +446,7 @@ class Run(Distributed, Models):
         if self.is_main:
             with open(self.metrics_path, "a") as f:
                 f.write(json.dumps(metrics) + "\n")
+            self.live.log(metrics)                           # --report_to
 
     def save(self, model, optimizer=None, **extra):
         """Checkpoint <out>/<script>.pt atomically: weights, optimiser, step, flags, random states
@@ -517,6 +521,7 @@ class Run(Distributed, Models):
     def close(self, finished=False, code=0):
         """Release the lock and, under torchrun, tear the process group down (Distributed.leave:
         finished, every rank is here and leaves at once with `code`)."""
+        self.live.close()
         if self.lock is not None:
             self.lock.release()
             self.lock = None

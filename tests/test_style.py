@@ -64,8 +64,9 @@ def test_the_readme_is_a_first_page_and_its_links_resolve():
 # The shared modules, lowest first: each imports only modules before it (no cycle, no import back
 # up from a folder), at its top (no import hidden in a function to dodge one)
 LAYERS = ["kernels", "tasks", "model", "lora", "hf.sandbox", "hf.chat", "hf.tools", "hf.tokenizer",
-          "hf.checkpoint", "sampler", "task", "evaluation", "plumbing.flags", "plumbing.parking",
-          "plumbing.distributed", "plumbing.lock", "plumbing.loading", "plumbing.run", "plumbing"]
+          "hf.checkpoint", "sampler", "task", "evaluation", "plumbing.live", "plumbing.flags",
+          "plumbing.parking", "plumbing.distributed", "plumbing.lock", "plumbing.loading",
+          "plumbing.run", "plumbing.plot", "plumbing"]
 PACKAGES = {"hf": "hf.sandbox", "plumbing": "plumbing"}     # a package's name, as its lowest room
 
 
