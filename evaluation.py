@@ -24,21 +24,25 @@ def pass_at_k(n, c, k):
 
 
 def evaluate(model, tokenizer, prompts=None, temperature=0.0, top_p=1.0, k=1, seed=0,
-             max_new_tokens=None, num_samples=4):
-    """eval_* metrics on the held-out set (or `prompts`), within the run's max_new_tokens."""
+             max_new_tokens=None, num_samples=4, progress=None):
+    """eval_* metrics on the held-out set (or `prompts`), within the run's max_new_tokens;
+    progress(done, total): the prompts done of both passes, after each batch."""
     prompts = task.eval_prompts() if prompts is None else prompts
+    P = len(prompts)
+    first, second = ((lambda n: progress(n, 2 * P)), (lambda n: progress(P + n, 2 * P))) \
+        if progress else (None, None)
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     g = torch.Generator(device=device).manual_seed(seed)
     if temperature == 0:
         answers = task.complete(model, tokenizer, prompts, temperature=0.0,
-                                max_new_tokens=max_new_tokens)
+                                max_new_tokens=max_new_tokens, done=first)
     else:
         answers = task.complete(model, tokenizer, prompts, k, temperature, max_new_tokens,
-                                generator=g, top_p=top_p)
+                                generator=g, top_p=top_p, done=first)
     sampled = task.complete(model, tokenizer, prompts, num_samples, 1.0, max_new_tokens,
-                            generator=g)
+                            generator=g, done=second)
     model.train(was_training)
     n = 1 if temperature == 0 else k
     right = [sum(task.reward(p, c) == 1.0 for c in answers[i * n:(i + 1) * n])      # (P,)

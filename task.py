@@ -264,12 +264,13 @@ def read_positions(prompt_ids, ids, tok, kind, finished=True):
 
 @torch.no_grad()
 def complete(model, tokenizer, prompts, num_samples=1, temperature=0.0, max_new_tokens=None,
-             batch_size=256, generator=None, return_ids=False, return_logprobs=False, top_p=None):
+             batch_size=256, generator=None, return_ids=False, return_logprobs=False, top_p=None,
+             done=None):
     """Completions (strings, the stop token dropped) for each prompt, num_samples consecutive
     entries a prompt (top_p: the nucleus, single completions only). return_ids: also each
     completion's ids as sampled, the stop token that ended it included (none in one cut at
     max_new_tokens): (texts, ids), as completion_batch takes them; return_logprobs: (texts, ids,
-    the log-prob the sampler gave each id)."""
+    the log-prob the sampler gave each id). done(n): called with the prompts done after a batch."""
     device = next(model.parameters()).device
     max_new_tokens = max_new_tokens or default_max_new_tokens()
     texts, ids, logps = [], [], []
@@ -292,6 +293,8 @@ def complete(model, tokenizer, prompts, num_samples=1, temperature=0.0, max_new_
             texts += tokenizer.decode_completions(tokens, cmask)
         ids += kept(tokens, cmask) if return_ids or return_logprobs else []
         logps += kept(logp[0], cmask) if return_logprobs else []
+        if done is not None:
+            done(min(i + batch_size, len(prompts)))
     if return_logprobs:
         return texts, ids, logps
     return (texts, ids) if return_ids else texts

@@ -3,6 +3,8 @@
 same folder (`tensorboard --logdir out`); the package imported only when asked for.
 """
 import importlib.util
+import sys
+import time
 
 TRACKERS = ("none", "tensorboard")
 
@@ -40,3 +42,24 @@ class Mirror:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+
+
+class Progress:
+    """A long phase's progress, once it has run `after` seconds: `what: done/total (N s)`, one line
+    updated in place on a terminal, a line each time in a log (rank 0's, through `say`)."""
+
+    def __init__(self, what, say=print, after=5.0, stream=sys.stdout):
+        self.what, self.say, self.after, self.t0 = what, say, after, time.time()
+        self.tty = stream.isatty()
+        self.stream = stream
+
+    def __call__(self, done, total):
+        elapsed = time.time() - self.t0
+        if elapsed < self.after:
+            return
+        text = f"{self.what}: {done}/{total} ({elapsed:.0f} s)"
+        if self.tty:
+            self.stream.write(f"\r{text}" + ("\n" if done == total else ""))
+            self.stream.flush()
+        else:
+            self.say(text)

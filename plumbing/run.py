@@ -402,7 +402,8 @@ class Run(Distributed, Models):
         with self.autocast:
             self.last_eval = evaluation.evaluate(
                 model, tok, prompts, a.eval_temperature, a.eval_top_p, a.eval_k, a.seed,
-                getattr(a, "max_new_tokens", None))
+                getattr(a, "max_new_tokens", None),
+                progress=live.Progress("evaluating (prompts of both passes)", self.print))
         self.t_log += time.time() - t                        # evaluation is not training time
         self.eval_step, self.loading = self.step, False
         return dict(self.last_eval)

@@ -7,7 +7,11 @@ import os
 
 import pytest
 
-from conftest import ROOT, refuses_all, run_script
+import evaluation
+import task
+from conftest import ROOT, refuses_all, run_script, task_args
+from hf.checkpoint import load_checkpoint
+from hf.tokenizer import Tokenizer
 from plumbing import live, plot
 
 TINY_SFT = os.path.join(ROOT, "tests", "fixtures", "tiny_sft.pt")
@@ -71,3 +75,45 @@ def test_a_finished_runs_folder_draws_its_own_plot(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 0, "loss": 1.0}\n')
     with pytest.raises(ValueError, match="none of reward_mean"):
         plot.plot(str(tmp_path))
+
+
+class Stream:
+    """A terminal or a log file, as Progress sees it."""
+
+    def __init__(self, tty):
+        self.tty, self.text = tty, ""
+
+    def isatty(self):
+        return self.tty
+
+    def write(self, text):
+        self.text += text
+
+    def flush(self):
+        pass
+
+
+def test_a_long_phase_says_how_far_along_it_is_on_one_line_or_a_line_each():
+    said = []
+    quiet = live.Progress("evaluating", said.append, after=3600, stream=Stream(False))
+    quiet(1, 2)
+    assert said == []                                    # a short phase says nothing
+    log = live.Progress("evaluating", said.append, after=0, stream=Stream(False))
+    log(1, 2), log(2, 2)
+    assert [s.split(" (")[0] for s in said] == ["evaluating: 1/2", "evaluating: 2/2"]
+    terminal = Stream(True)
+    shown = live.Progress("evaluating", said.append, after=0, stream=terminal)
+    shown(1, 2), shown(2, 2)
+    assert len(said) == 2 and terminal.text.count("\r") == 2 and terminal.text.endswith(" s)\n")
+    assert terminal.text.count("\n") == 1                # one line, updated in place
+
+
+def test_the_evaluation_reports_each_batch_of_both_passes():
+    task.use(task_args())
+    model, _ = load_checkpoint(TINY_SFT)
+    seen = []
+    prompts = task.eval_prompts()[:300]                  # two batches of 256 a pass
+    out = evaluation.evaluate(model, Tokenizer(), prompts, num_samples=1,
+                              progress=lambda done, total: seen.append((done, total)))
+    assert seen == [(256, 600), (300, 600), (556, 600), (600, 600)]
+    assert out == evaluation.evaluate(model, Tokenizer(), prompts, num_samples=1)
