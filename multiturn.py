@@ -56,10 +56,11 @@ CREDITS = ("outcome", "mt_grpo", "returns", "gigpo")
 # -----------------------------------------------------------------------------
 # The algorithm: advantages per turn, each from its estimator's equation
 
-def normalise(x, present, groups, eps=1e-6):
+def normalise(x, present, groups, eps=1e-6, tol=1e-6):
     """z-scores of x (N,) within each group (groups (N,) int64, any ids) over the present
     entries (present (N,) bool), population std; 0 for absent entries and for a group whose
-    present entries are all equal (a group of one too)."""
+    present entries are all equal (a group of one too): within tol * max(1, |x|), as float32 sums
+    equal in arithmetic are (searches that all find the number: 1 + 1 each, to 1e-7)."""
     ids, idx = torch.unique(groups, return_inverse=True)
     w, zeros = present.to(x.dtype), lambda: x.new_zeros(len(ids))
     n = zeros().index_add_(0, idx, w).clamp(min=1)
@@ -70,7 +71,8 @@ def normalise(x, present, groups, eps=1e-6):
     lo = x.new_full((len(ids),), torch.inf).scatter_reduce_(
         0, idx, torch.where(present, x, torch.inf), "amin")
     z = (x - mean[idx]) / (var[idx].sqrt() + eps)
-    return torch.where(present & (hi[idx] > lo[idx]), z, torch.zeros_like(z))
+    spread = hi - lo > tol * torch.maximum(hi.abs(), lo.abs()).clamp(min=1.0)
+    return torch.where(present & spread[idx], z, torch.zeros_like(z))
 
 
 def episode_z(values, G):

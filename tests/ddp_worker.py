@@ -111,14 +111,17 @@ def fixed_rollout(policy, tokenizer, prompts, group_size, temperature, max_new_t
 
 
 def fixed_complete(model, tokenizer, prompts, num_samples=1, temperature=0.0, max_new_tokens=None,
-                   batch_size=256, generator=None, return_ids=False, return_logprobs=False):
+                   batch_size=256, generator=None, return_ids=False, return_logprobs=False,
+                   top_p=None, done=None):
     """task.complete's contract, with the fixed completions (expert_iteration.py's and prm.py's
     samples) and the policy's log-probs of them as the sampler's; the tool task's evaluation
     (agent.py's) samples its episodes."""
     if task.name() in ("toolcalc", "guess"):
         return COMPLETE(model, tokenizer, prompts, num_samples, temperature, max_new_tokens,
-                        batch_size, generator, return_ids, return_logprobs)
+                        batch_size, generator, return_ids, return_logprobs, top_p, done)
     record("complete", prompts=list(prompts), n=num_samples)
+    if done is not None:
+        done(len(prompts))
     texts = [fixed_completion(p, j) for p in prompts for j in range(num_samples)]
     ids = [tokenizer.encode(t) + [tokenizer.eos_id] for t in texts]                      # ended
     if return_logprobs:

@@ -201,6 +201,31 @@ def test_the_tokens_of_turn_k_get_turn_ks_advantage_and_the_environments_none():
     assert torch.allclose(grad, want)
 
 
+# eight searches that all find 15 (guess.eval_prompts()[0]): every r' sums to 2 in arithmetic
+SEARCHES = [["1", "2", "3", "15"], ["2", "4", "13", "15"], ["1", "2", "4", "15"],
+            ["3", "4", "13", "15"], ["1", "2", "5", "15"], ["3", "7", "13", "15"],
+            ["1", "2", "6", "15"], ["4", "13", "14", "15"]]
+
+
+def test_groups_equal_in_arithmetic_get_exactly_zero():
+    """The environment's float32 turn rewards of these searches sum to 2 within 1e-7, not
+    exactly; the episode z and gamma-1 returns were up to 0.114 on two of them, always the same
+    paths. Equal within tol * max(1, |x|): 0; a spread at the tolerance is equal, past it not."""
+    prompt = guess.eval_prompts()[0]
+    assert guess.secret(prompt) == 15
+    r, o, present, _ = multiturn.judged([prompt], 8, SEARCHES, 4, "cpu")
+    totals = multiturn.with_outcome(r, present, o).sum(1)
+    assert totals.max() > totals.min()                       # float32: not equal as stored
+    assert torch.equal(multiturn.episode_z(totals, 8), torch.zeros(8))
+    assert torch.equal(multiturn.returns_advantages(r, o, present, 8, gamma=1.0)[:, 0],
+                       torch.zeros(8))                       # R_0 = 1 + O: 2 for every one
+    one, group = torch.ones(2, dtype=torch.bool), torch.zeros(2, dtype=torch.long)
+    at = torch.tensor([1.0, 1.0 + 1e-6], **F64)
+    past = torch.tensor([1.0, 1.0 + 1.1e-6], **F64)
+    assert torch.equal(multiturn.normalise(at, one, group), torch.zeros(2, **F64))
+    assert (multiturn.normalise(past, one, group).abs() > 0.3).all()
+
+
 # -----------------------------------------------------------------------------
 # Episodes the sampler plays with the environment
 
