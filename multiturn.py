@@ -11,12 +11,10 @@ the loss is the same sum, each turn's row normalised by its episode's |o_i|.
 
 Group of G episodes of one game, episode i, turn k (K_i turns), r_ik the turn's reward, O_i the
 outcome; every token the policy wrote in turn k gets A_ik, the environment's tokens none:
-    outcome  A_ik = z(O_i)                                   GRPO on the whole episode (baseline)
-    mt_grpo  A_ik = z_k(r_ik) + lambda z(O_i)                MT-GRPO (Zeng et al. 2025, arXiv
-                                                             2505.11821)
+    outcome  A_ik = z(O_i)                           GRPO on the whole episode (baseline)
+    mt_grpo  A_ik = z_k(r_ik) + lambda z(O_i)        MT-GRPO (Zeng et al. 2025, arXiv 2505.11821)
     returns  A_ik = z_k(R_ik),  R_ik = sum_{j>=k} gamma^(j-k) r'_ij,  r'_ij = r_ij + O_i [j = K_i-1]
-    gigpo    A_ik = z(sum_j r'_ij) + omega z_s(R_ik)         GiGPO (Feng et al. 2025, arXiv
-                                                             2505.10978)
+    gigpo    A_ik = z(sum_j r'_ij) + omega z_s(R_ik) GiGPO (Feng et al. 2025, arXiv 2505.10978)
 z: (x - mean) / (std + eps) over the group (population std), 0 where all are equal; z_k over the
 group's episodes that reached turn k; z_s over the group's turns that start from the same state s
 (the same guesses so far: the anchor states), 0 for a state seen once. lambda and omega:
@@ -30,10 +28,13 @@ Deviations and choices:
   (1 for any episode that ends knowing the number) plus the outcome, so a longer search is not
   paid more; its step returns are discounted (gamma, the paper's 0.95 by default here too).
 - An episode cut by the token budget ends there; its turns so far keep their rewards.
+- z: the population std (the papers'; the official code's torch.std is Bessel's), 0 for a group
+  of one. GiGPO's episode term over the G episodes (Eq. 3; verl-agent's default: over the group's
+  turns). MT-GRPO's lambda weighs the outcome (its trainer's coef, the turn term: 1 / lambda, the
+  advantage times lambda). --official: the official numbers of all three (tests/test_multiturn.py).
 
 Shapes: P prompts, G episodes each, B = P*G rows; Tn episode tokens; K turns at most.
-Run (builds out/guess/sft.pt first, sft.py --task guess):
-    python multiturn.py                      # --credit outcome
+Run (builds out/guess/sft.pt first, sft.py --task guess): python multiturn.py (--credit outcome)
     python multiturn.py --credit gigpo       # or mt_grpo, returns (experiments/multiturn_credit.py)
 Metrics: out/guess/multiturn/metrics.jsonl (docs/metrics.md); checkpoint out/guess/multiturn.pt.
 """
@@ -56,16 +57,19 @@ CREDITS = ("outcome", "mt_grpo", "returns", "gigpo")
 # -----------------------------------------------------------------------------
 # The algorithm: advantages per turn, each from its estimator's equation
 
-def normalise(x, present, groups, eps=1e-6, tol=1e-6):
+def normalise(x, present, groups, eps=1e-6, tol=1e-6, counts=None, bessel=False):
     """z-scores of x (N,) within each group (groups (N,) int64, any ids) over the present
     entries (present (N,) bool), population std; 0 for absent entries and for a group whose
     present entries are all equal (a group of one too): within tol * max(1, |x|), as float32 sums
-    equal in arithmetic are (searches that all find the number: 1 + 1 each, to 1e-7)."""
+    equal in arithmetic are (searches that all find the number: 1 + 1 each, to 1e-7). counts (N,):
+    each entry counted so many times in the mean and std; bessel: std over n - 1 (torch.std)."""
     ids, idx = torch.unique(groups, return_inverse=True)
-    w, zeros = present.to(x.dtype), lambda: x.new_zeros(len(ids))
+    w = present.to(x.dtype) * (1.0 if counts is None else counts.to(x.dtype))
+    zeros = lambda: x.new_zeros(len(ids))
     n = zeros().index_add_(0, idx, w).clamp(min=1)
     mean = zeros().index_add_(0, idx, w * x) / n
-    var = zeros().index_add_(0, idx, w * (x - mean[idx]) ** 2) / n
+    var = zeros().index_add_(0, idx, w * (x - mean[idx]) ** 2) / (n - 1 if bessel else n).clamp(
+        min=1)
     hi = x.new_full((len(ids),), -torch.inf).scatter_reduce_(
         0, idx, torch.where(present, x, -torch.inf), "amax")
     lo = x.new_full((len(ids),), torch.inf).scatter_reduce_(
@@ -75,18 +79,19 @@ def normalise(x, present, groups, eps=1e-6, tol=1e-6):
     return torch.where(present & spread[idx], z, torch.zeros_like(z))
 
 
-def episode_z(values, G):
-    """values (B,) -> z over each group of G consecutive episodes (B,)."""
+def episode_z(values, G, **stats):
+    """values (B,) -> z over each group of G consecutive episodes (B,); stats: normalise's."""
     groups = torch.arange(len(values), device=values.device) // G
-    return normalise(values, torch.ones_like(values, dtype=torch.bool), groups)
+    return normalise(values, torch.ones_like(values, dtype=torch.bool), groups, **stats)
 
 
-def turn_z(values, present, G):
+def turn_z(values, present, G, **stats):
     """values, present (B, K) -> z_k: over each group's episodes that reached turn k (B, K)."""
     B, K = values.shape
     rows, turns = (torch.arange(n, device=values.device) for n in (B, K))
     groups = (rows[:, None] // G) * K + turns[None, :]                           # (B, K)
-    return normalise(values.reshape(-1), present.reshape(-1), groups.reshape(-1)).view(B, K)
+    return normalise(values.reshape(-1), present.reshape(-1), groups.reshape(-1),
+                     **stats).view(B, K)
 
 
 def with_outcome(rewards, present, outcome):
@@ -109,8 +114,13 @@ def outcome_advantages(outcome, present, G):
     return torch.where(present, episode_z(outcome, G)[:, None], 0.0)
 
 
-def mt_grpo_advantages(rewards, outcome, present, G, weight=1.0):
-    """MT-GRPO: A_ik = z_k(r_ik) + lambda z(O_i) (B, K)."""
+def mt_grpo_advantages(rewards, outcome, present, G, weight=1.0, official=False):
+    """MT-GRPO: A_ik = z_k(r_ik) + lambda z(O_i) (B, K); official: A_ik = lambda z_k(r_ik) + z(O_i),
+    Bessel's std and eps 1e-4, as its trainer computes them (--turn_advantage_coef)."""
+    if official:
+        z = dict(eps=1e-4, bessel=True)
+        return torch.where(present, weight * turn_z(rewards, present, G, **z) +
+                           episode_z(outcome, G, **z)[:, None], 0.0)
     return torch.where(present, turn_z(rewards, present, G) + weight *
                        episode_z(outcome, G)[:, None], 0.0)
 
@@ -121,24 +131,32 @@ def returns_advantages(rewards, outcome, present, G, gamma=0.95):
     return turn_z(R, present, G)
 
 
-def gigpo_advantages(rewards, outcome, present, states, G, gamma=0.95, weight=1.0):
+def gigpo_advantages(rewards, outcome, present, states, G, gamma=0.95, weight=1.0,
+                     official=False):
     """GiGPO: A_ik = z(sum_j r'_ij) + omega z_s(R_ik); states (B, K) int64, the same id for the
-    same state (ids never shared across groups), z_s over the turns of each state (B, K)."""
+    same state (ids never shared across groups), z_s over the turns of each state (B, K).
+    official: as verl-agent computes them, Bessel's std, the episode term's mean and std over the
+    group's turns (an episode counted once per turn: compute_mean_std_cross_steps)."""
     full = with_outcome(rewards, present, outcome)                     # (B, K) r'
     R = discounted_returns(full, present, gamma)                       # (B, K) step returns
-    step = normalise(R.reshape(-1), present.reshape(-1), states.reshape(-1)).view_as(R)
-    return torch.where(present, episode_z(full.sum(1), G)[:, None] + weight * step, 0.0)
+    step = normalise(R.reshape(-1), present.reshape(-1), states.reshape(-1),
+                     bessel=official).view_as(R)
+    episode = episode_z(full.sum(1), G, bessel=official,
+                        counts=present.sum(1) if official else None)
+    return torch.where(present, episode[:, None] + weight * step, 0.0)
 
 
-def turn_advantages(credit, rewards, outcome, present, states, G, gamma, weight):
-    """--credit's estimator: (B, K) advantages of each episode's turns."""
+def turn_advantages(credit, rewards, outcome, present, states, G, gamma, weight,
+                    official=False):
+    """--credit's estimator: (B, K) advantages of each episode's turns (--official: mt_grpo's
+    and gigpo's as their code computes them)."""
     if credit == "outcome":
         return outcome_advantages(outcome, present, G)
     if credit == "mt_grpo":
-        return mt_grpo_advantages(rewards, outcome, present, G, weight)
+        return mt_grpo_advantages(rewards, outcome, present, G, weight, official)
     if credit == "returns":
         return returns_advantages(rewards, outcome, present, G, gamma)
-    return gigpo_advantages(rewards, outcome, present, states, G, gamma, weight)
+    return gigpo_advantages(rewards, outcome, present, states, G, gamma, weight, official)
 
 
 # -----------------------------------------------------------------------------
@@ -288,6 +306,9 @@ def parse_args(argv=None):
                    help="discount of later turns' rewards (returns, gigpo)")
     g.add_argument("--turn_weight", type=Float(ge=0), default=1.0,
                    help="lambda (mt_grpo: the outcome's weight) or omega (gigpo: the step's)")
+    g.add_argument("--official", action="store_true",
+                   help="mt_grpo and gigpo as their official code computes them (module "
+                        "docstring: Bessel's std, the episode term over turns, lambda's place)")
     g.add_argument("--layout", default="episode", choices=["episode", "steps"],
                    help="a row an episode, or a row a turn, its prompt re-rendered (what the "
                         "policy read where a template rewrites earlier turns)")
@@ -357,7 +378,7 @@ def main(args):
         #    |o_i| (a step is part of one)
         rewards, outcome, present, states = judged(prompts, G, ep.texts, K, run.device)
         turn_adv = turn_advantages(args.credit, rewards, outcome, present, states, G, args.gamma,
-                                   args.turn_weight)                                   # (B, K)
+                                   args.turn_weight, args.official)                    # (B, K)
         advantages = turn_adv[ep.episode[:, None], ep.turn]                           # (R, Tn)
         lengths = torch.zeros(len(ep.texts), device=run.device).index_add_(
             0, ep.episode, ep.sampled.sum(1))[ep.episode]                            # (R,) |o_i|

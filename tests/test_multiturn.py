@@ -169,6 +169,93 @@ def test_each_estimator_on_random_groups(credit):
         assert got[i, :len(row)].tolist() == pytest.approx(row, abs=1e-9)
 
 
+# verl-agent's gigpo/core_gigpo.py (mode mean_std_norm, the episode term across steps) and
+# MT-GRPO's trainer (SiliangZeng/Multi-Turn-RL-Agent, mt_grpo_env_trainer.py), ported: a row a turn
+
+def verl_agent_episode_norm(scores, index, epsilon=1e-6):
+    """episode_norm_reward: each row's score is its episode's; mean and std over the group's rows
+    (compute_mean_std_cross_steps=True), torch.std; a group of one row: mean 0, std 1."""
+    by = {}
+    for i, x in zip(index, scores):
+        by.setdefault(i, []).append(x)
+    stat = {i: ((0.0, 1.0) if len(v) == 1 else (torch.tensor(v, **F64).mean().item(),
+                                                  torch.tensor([v], **F64).std().item()))
+            for i, v in by.items()}
+    return [(x - stat[i][0]) / (stat[i][1] + epsilon) for i, x in zip(index, scores)]
+
+
+def verl_agent_step_norm(returns, step_groups, epsilon=1e-6):
+    """step_norm_reward: over the rows of each anchor state, torch.std; one row: mean itself."""
+    by = {}
+    for g, x in zip(step_groups, returns):
+        by.setdefault(g, []).append(x)
+    stat = {g: (torch.tensor(v, **F64).mean().item(), 1.0 if len(v) == 1 else
+                torch.tensor([v], **F64).std().item()) for g, v in by.items()}
+    return [(x - stat[g][0]) / (stat[g][1] + epsilon) for g, x in zip(step_groups, returns)]
+
+
+def mt_grpo_trainer_norm(rewards, num_generations):
+    """_compute_normalized_advantages: (r - mean) / (std + 1e-4) over each group, torch.std."""
+    r = torch.tensor(rewards, **F64).view(-1, num_generations)
+    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1).tolist()
+
+
+def official_groups(rng, G, n_groups):
+    episodes = []
+    for g in range(n_groups):
+        for _ in range(G):
+            n = rng.randint(1, 4)
+            prefix = [f"{g}"] + [f"{g}{rng.choice('ab')}" * (k + 1) for k in range(n - 1)]
+            episodes.append(([rng.choice([0.0, 0.25, 0.5, 1.0]) for _ in range(n)],
+                             float(rng.random() < 0.5), prefix))
+    return episodes
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_official_gigpo_is_verl_agents(seed):
+    """--official gigpo against verl-agent's functions on step rows (each turn a row with its
+    episode's score, its anchor state and its discounted return): equal in float64, on the
+    hand-worked groups and on random ones; the project's own choice differs (Bessel, and the
+    episode statistics over turns)."""
+    rng = random.Random(seed)
+    for episodes, G in ((HAND, 3), (official_groups(rng, 4, 5), 4)):
+        rewards, outcome, present, states = as_tensors(episodes, 4)
+        gamma, omega = 0.9, 0.7
+        got = multiturn.gigpo_advantages(rewards, outcome, present, states, G, gamma, omega,
+                                         official=True)
+        full = multiturn.with_outcome(rewards, present, outcome)
+        R = multiturn.discounted_returns(full, present, gamma)
+        rows = [(i, k) for i in range(len(episodes)) for k in range(len(episodes[i][0]))]
+        episode = verl_agent_episode_norm([full[i].sum().item() for i, _ in rows],
+                                          [i // G for i, _ in rows])
+        step = verl_agent_step_norm([R[i, k].item() for i, k in rows],
+                                    [int(states[i, k]) for i, k in rows])
+        want = [e + omega * s for e, s in zip(episode, step)]
+        assert [got[i, k].item() for i, k in rows] == pytest.approx(want, abs=1e-9)
+        mine = multiturn.gigpo_advantages(rewards, outcome, present, states, G, gamma, omega)
+        assert (mine - got).abs().max() > 1e-3
+
+
+def test_official_mt_grpo_is_its_trainers():
+    """--official mt_grpo against the trainer's assignment on its two-turn setting (a reward on
+    the first turn, the outcome alone on the second): A_1 = z(O) + coef z(r_1), A_2 = z(O), with
+    its std and eps, here for coef 0.5 and 2; the project's lambda weighs the outcome instead."""
+    rng = random.Random(0)
+    G, groups = 4, 3
+    r1 = [rng.choice([0.0, 0.5, 1.0]) for _ in range(G * groups)]
+    o = [float(rng.random() < 0.5) for _ in range(G * groups)]
+    episodes = [([a, 0.0], b, ["s", "t"]) for a, b in zip(r1, o)]
+    rewards, outcome, present, states = as_tensors(episodes, 2)
+    for coef in (0.5, 2.0):
+        got = multiturn.mt_grpo_advantages(rewards, outcome, present, G, coef, official=True)
+        z_o, z_t = mt_grpo_trainer_norm(o, G), mt_grpo_trainer_norm(r1, G)
+        assert got[:, 0].tolist() == pytest.approx([a + coef * b for a, b in zip(z_o, z_t)],
+                                                   abs=1e-9)
+        assert got[:, 1].tolist() == pytest.approx(z_o, abs=1e-9)
+        mine = multiturn.mt_grpo_advantages(rewards, outcome, present, G, coef)
+        assert (mine - got).abs().max() > 1e-2
+
+
 def test_hand_worked_returns_and_gigpo():
     """Group b at gamma 1: r' = [0.5, 1.5], [2.0], [0.2, 0.2, 1.6]; R_0 = 2.0, 2.0, 2.0: z_0 all
     0; R_1 = 1.5, 1.8 over the two that reached turn 1: -1, +1. GiGPO there: episode sums 2, 2, 2
