@@ -17,9 +17,9 @@ outcome; every token the policy wrote in turn k gets A_ik, the environment's tok
     gigpo    A_ik = z(sum_j r'_ij) + omega z_s(R_ik) GiGPO (Feng et al. 2025, arXiv 2505.10978)
 z: (x - mean) / (std + eps) over the group (population std), 0 where all are equal; z_k over the
 group's episodes that reached turn k; z_s over the group's turns that start from the same state s
-(the same guesses so far: the anchor states), 0 for a state seen once. lambda and omega:
---turn_weight; gamma: --gamma. The loss is agent.py's: the clipped surrogate plus beta KL, on the
-tokens the policy sampled.
+(the numbers guessed so far, as the environment reads them: the anchor states), 0 for a state
+seen once. lambda and omega: --turn_weight; gamma: --gamma. The loss is agent.py's: the clipped
+surrogate plus beta KL, on the tokens the policy sampled.
 
 Deviations and choices:
 - MT-GRPO's paper has two turns, a tool call's reward on the first and the outcome alone on the
@@ -175,7 +175,7 @@ def judged(prompts, G, texts, K, device):
         p = prompts[i // G]
         for k, (r, s) in enumerate(zip(guess.turn_rewards(p, t), guess.states(p, t))):
             rewards[i, k], present[i, k] = r, True
-            states[i, k] = ids.setdefault(s, len(ids))             # the game is in the state
+            states[i, k] = ids.setdefault((i // G, s), len(ids))   # ids of this group alone
     return rewards, outcome, present, states
 
 

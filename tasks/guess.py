@@ -102,8 +102,10 @@ def outcome(prompt, guesses):
 
 
 def states(prompt, guesses):
-    """The state each turn starts from: the game and the guesses before it, as written."""
-    return [(prompt, *guesses[:k]) for k in range(len(guesses))]
+    """The state each turn starts from, as the environment sees it: the game and the numbers
+    guessed before it ("8", " 8" and "08" are 8, whatever reasoning came first; None unread)."""
+    read = [parse_guess(t) for t in guesses]
+    return [(prompt, *read[:k]) for k in range(len(guesses))]
 
 
 def demonstrator(prompt, rng, slip_rate=SLIP_RATE):

@@ -65,7 +65,7 @@ def test_binary_search_takes_49_15_turns_and_the_information_adds_up_to_one():
     assert guess.turn_rewards(p, ["4", "4", "12", "11"]) == pytest.approx(
         [w / math.log2(15) for w in want])
     assert guess.outcome(p, ["1", "2", "3", "4", "11"]) == 0.0               # a fifth guess: late
-    assert guess.states(p, ["4", "x"]) == [(p,), (p, "4")]
+    assert guess.states(p, ["4", "x"]) == [(p,), (p, 4)]
 
 
 def test_the_demonstrator_leaves_room_and_its_episode_text_round_trips():
@@ -292,6 +292,20 @@ def test_the_tokens_of_turn_k_get_turn_ks_advantage_and_the_environments_none():
 SEARCHES = [["1", "2", "3", "15"], ["2", "4", "13", "15"], ["1", "2", "4", "15"],
             ["3", "4", "13", "15"], ["1", "2", "5", "15"], ["3", "7", "13", "15"],
             ["1", "2", "6", "15"], ["4", "13", "14", "15"]]
+
+
+def test_anchor_states_are_what_the_environment_sees_and_each_groups_own():
+    """"8", " 8", "08" and "<think>...</think>8" are one state after them, as two unread turns
+    are; a state's id is never shared with another group, the same game drawn twice included."""
+    p = guess.eval_prompts()[0]
+    texts = [["8", "12"], [" 8", "12"], ["08", "12"], ["<think>mid</think>8", "12"],
+             ["x", "12"], ["y?", "12"]]
+    assert len({tuple(guess.states(p, t)) for t in texts[:4]}) == 1
+    assert guess.states(p, texts[4]) == guess.states(p, texts[5]) != guess.states(p, texts[0])
+    _, _, present, states = multiturn.judged([p, p], 6, texts * 2, 4, "cpu")
+    assert states[:4, 1].unique().numel() == 1 and states[4, 1] == states[5, 1]
+    assert states[0, 1] != states[4, 1]
+    assert set(states[:6][present[:6]].tolist()).isdisjoint(states[6:][present[6:]].tolist())
 
 
 def test_groups_equal_in_arithmetic_get_exactly_zero():
