@@ -11,11 +11,13 @@ import os
 import random
 import subprocess
 import sys
+import time
 from dataclasses import asdict
 
 import numpy as np
 import torch
 
+import sampler
 import task
 from hf.checkpoint import (CheckpointError, fingerprint, from_pretrained, is_pretrained_folder,
                            load_checkpoint, pretrained_config)
@@ -265,7 +267,20 @@ class Models:
     def load(self, path, kind="gpt", expect=None):
         """load_model on this run's device, remembering what was loaded (resume checks it). Returns
         (model, tok)."""
+        folder, t = is_pretrained_folder(path), time.time()
+        if folder:                                   # a real model: seconds to minutes
+            size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
+                       if f.endswith((".safetensors", ".bin")))
+            self.print(f"loading {path} ({size / 2 ** 30:.2f} GiB of weights)")
         model, tok, ckpt = load_model(path, self.device, kind, expect, self.chat_date)
+        if folder:
+            self.print(f"loaded in {time.time() - t:.0f} s")
+        if kind == "gpt" and not getattr(self, "compile_said", False) and (
+                getattr(self.args, "compile", False) or
+                sampler.default_mode(model, torch.device(self.device)) == "compile"):
+            self.print("the first rollout compiles the sampler's decode step (torch.compile: "
+                       "about 30 s, once)")
+            self.compile_said = True
         protocol = task.chat_tools(tok) if tok.chat is not None else None
         if protocol is not None and protocol.note and not getattr(self, "noted", False):
             self.print(protocol.note)                   # a template not prefix-stable: said once

@@ -91,6 +91,8 @@ def test_a_game_that_does_not_fit_the_models_context_is_refused_before_any_work(
                               "--out", str(out)])
     refused(p, "98 tokens and 81 more come between attempts", "block_size) is 128")
     assert not out.exists()
+    assert f"loading {GOLDEN_QWEN3} (0.00 GiB of weights)" in p.stdout      # a real model: said
+    assert "loaded in " in p.stdout and "torch.compile" not in p.stdout
 
 
 def test_a_template_that_writes_a_game_otherwise_once_it_goes_on_is_refused_before_any_work(
