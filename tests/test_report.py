@@ -55,7 +55,6 @@ def test_tensorboard_mirrors_every_number_the_log_writes(tmp_path):
 
 def test_a_tracker_unknown_or_not_installed_is_refused_before_any_work(tmp_path):
     missing = importlib.util.find_spec("tensorboard") is None
-    assert (live.check("tensorboard") is not None) == missing
     cases = [(["--report_to", "wandb"], ["--report_to wandb: unknown", "allowed: none, "
                                                                        "tensorboard"])]
     if missing:
