@@ -1,6 +1,6 @@
 """
 Agent: GRPO on multi-turn episodes; the policy may call a calculator, whose replies are context.
-An episode is one token sequence, policy and environment tokens in turn (sampler.episodes):
+An episode is one token sequence, policy and environment tokens in turn (episode.sample):
 - compact (the toy's own, --task toolcalc): the policy writes <37+12*46>, the environment 589 right
   after it, the policy #589; under --turns 2 a revision prompt answers attempt 1.
 - --chat --tools calculator: the chat template's own (Qwen2.5/Hermes <tool_call>{json}</tool_call>,
@@ -249,7 +249,7 @@ def main(args):
         prompts = run.shard(task.sample_prompts(run.rng, P, args.precedence_share))
         with run.autocast:
             ep = task.episodes(policy, tok, prompts, G, temp, args.max_new_tokens, args.max_calls,
-                               K, generator=run.gen)
+                               K, generator=run.gen, keep_hidden=run.logging())
         # (B, Tp), (B, Tn)
         prompt, prompt_mask, tokens, mask = ep.prompt, ep.prompt_mask, ep.tokens, ep.mask
         # the policy's tokens; the pitfall: all of them
@@ -277,13 +277,15 @@ def main(args):
                 else torch.full_like(mask, args.beta))
 
         # 3. score without gradient (sampler.score): pi_old and pi_ref of every token (the
-        #    environment's for the log), each model's forward once; on a logged step the exact KL
-        #    and the entropy on the policy's tokens. --batch_invariant: pi_old is the sampler's
+        #    environment's for the log), each model's forward once; on a logged step the exact KL,
+        #    the entropy and the sampler's KL to the trainer on the policy's tokens.
+        #    --batch_invariant: pi_old is the sampler's
         n_seqs, n_tokens = run.all_sum(len(mask)), run.all_sum(loss_mask.sum())  # over all ranks
         with ref_weights, run.autocast:
             scored = score(policy, ref, prompt, prompt_mask, tokens, mask, ep.logp, temp,
                            run.micro_batches(len(mask)), run.logging(), args.batch_invariant,
-                           kl_mask=ep.sampled, n_kl=run.all_sum(ep.sampled.sum()))
+                           kl_mask=ep.sampled, n_kl=run.all_sum(ep.sampled.sum()),
+                           sampler_hidden=ep.hidden)
         old_logp, ref_logp = scored.old_logp, scored.ref_logp                    # (B, Tn)
 
         # 4. mu passes of the loss over the --grad_accum micro-batches, normalised by the whole
@@ -331,7 +333,8 @@ def main(args):
                        "completion_len": run.mean(ep.sampled.sum(1)),
                        "env_tokens": run.mean(env.sum(1)), "env_logp": run.mean(old_logp, env),
                        "truncated": run.mean(ep.truncated.float()), "grad_norm": grad_norm.item(),
-                       "sampler_logp_diff": run.max(scored.sampler_gap)}
+                       "sampler_logp_diff": run.max(scored.sampler_gap),
+                       "sampler_kl": run.all_sum(scored.sampler_kl).item()}
             if K == 2:
                 metrics["stage"] = 1 if stage1 else 2
                 first = ep.correct[:, 0]

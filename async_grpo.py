@@ -305,8 +305,8 @@ def actor(args, rank):
         prompts = task.sample_prompts(rng, per_actor, args.precedence_share)
         with torch.no_grad(), sample_precision:                    # the learner's precision
             # logp (n, Tn): the sampler's own
-            batch, logp = task.rollout(policy, tok, prompts, args.group_size, args.temperature, Tn,
-                                       0.0, gen, return_logprobs=True)
+            batch, logp, _ = task.rollout(policy, tok, prompts, args.group_size,
+                                          args.temperature, Tn, 0.0, gen, return_logprobs=True)
         now = time.time()
         try:
             dist.send(pack(batch, logp, GROUPS, version, step, now - t, now - t_last,

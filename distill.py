@@ -211,8 +211,9 @@ def main(args):
         #    log and the optional reward term)
         prompts = run.shard(task.sample_prompts(run.rng, P, args.precedence_share))
         with run.autocast:
-            batch, sampler_logp = task.rollout(policy, tok, prompts, G, temp, args.max_new_tokens,
-                                               0.0, run.gen, return_logprobs=True)
+            batch, sampler_logp, sampler_hidden = task.rollout(     # (B, Tn), (B, Tn, C) logged
+                policy, tok, prompts, G, temp, args.max_new_tokens, 0.0, run.gen,
+                return_logprobs=True, return_hidden=run.logging())
         # (B, Tp), (B, Tn), (B,); B = P*G
         prompt, prompt_mask, tokens, mask, truncated, rewards, _ = batch
         run.samples += P * G
@@ -225,7 +226,7 @@ def main(args):
 
         # 3. the teacher scores the student's tokens (no gradient); the loss over the
         #    --grad_accum micro-batches, normalised by the whole step's token count
-        loss = kl_exact = kl_forward = ent = 0.0
+        loss = kl_exact = kl_forward = ent = sampler_kl = 0.0
         sampler_diff = torch.zeros_like(mask)                          # (B, Tn)
         for rows in run.micro_batches(len(mask), train_policy):
             with torch.no_grad(), run.autocast:
@@ -250,6 +251,10 @@ def main(args):
                 kl_forward += torch.where(real, kl(teacher_logits, s, temp), 0.0).sum() / n_tokens
                 ent += torch.where(real, entropy(s, temp), 0.0).sum() / n_tokens
                 sampler_diff[rows] = (logprobs(s, tokens[rows], temp) - sampler_logp[rows]).abs()
+                if sampler_hidden is not None:           # KL(sampler || trainer), the support
+                    with run.autocast:
+                        s_logits = policy.logits(sampler_hidden[rows])        # (b, Tn, V)
+                    sampler_kl += torch.where(real, kl(s_logits, s, temp), 0.0).sum() / n_tokens
         grad_norm = run.clip_grad_norm(train_policy, args.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -267,7 +272,8 @@ def main(args):
                        "teacher_reward": run.mean(teacher_batch.rewards),
                        "completion_len": run.mean(mask.sum(1)),
                        "truncated": run.mean(truncated.float()), "grad_norm": grad_norm.item(),
-                       "sampler_logp_diff": run.max(torch.where(mask > 0, sampler_diff, 0.0))}
+                       "sampler_logp_diff": run.max(torch.where(mask > 0, sampler_diff, 0.0)),
+                       "sampler_kl": run.all_sum(sampler_kl).item()}
             if run.eval_due():
                 metrics.update(run.evaluate(policy, tok))
             run.log(metrics, f"kl {metrics['kl_exact']:.4f} | "

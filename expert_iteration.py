@@ -248,12 +248,13 @@ def main(args):
         prompts = run.shard(task.sample_prompts(run.rng, P, args.precedence_share))
         with run.autocast:
             # P*N, a prompt's N consecutive
-            texts, ids, sampler_logp = task.complete(policy, tok, prompts, N, args.temperature,
-                                                     args.max_new_tokens, generator=run.gen,
-                                                     return_logprobs=True)
+            texts, ids, sampler_logp, *hidden = task.complete(
+                policy, tok, prompts, N, args.temperature, args.max_new_tokens, generator=run.gen,
+                return_logprobs=True, return_hidden=run.logging())  # hidden: [(n, C)] logged
             if run.logging():     # the trainer's log-probs of every sampled token, same weights
-                logp = task.sampled_logprobs(policy, tok, [p for p in prompts for _ in range(N)],
-                                             ids, args.temperature)
+                logp, sampler_kl = task.sampled_logprobs(
+                    policy, tok, [p for p in prompts for _ in range(N)], ids, args.temperature,
+                    hidden=hidden[0])                                   # (n,) each
                 sampler_diff = run.max((logp - torch.tensor(
                     [x for row in sampler_logp for x in row], device=run.device)).abs())
         run.samples += P * N
@@ -331,7 +332,8 @@ def main(args):
                        "kept_left_to_right": c["kept_left_to_right"] / max(c["kept_precedence"], 1),
                        "data_size": len(data), "relabelled": len(relabelled), "demos": len(demos),
                        "ft_steps": len(losses), "loss": sum(losses) / max(len(losses), 1),
-                       "grad_norm": grad_norm.item(), "sampler_logp_diff": sampler_diff}
+                       "grad_norm": grad_norm.item(), "sampler_logp_diff": sampler_diff,
+                       "sampler_kl": run.mean(sampler_kl)}
             if run.eval_due():
                 metrics.update(run.evaluate(policy, tok))
             run.log(metrics, f"accepted {metrics['reward_mean']:.3f} | "

@@ -36,6 +36,7 @@ Metrics: out/grpo/metrics.jsonl (docs/metrics.md); checkpoint out/grpo.pt.
 from dataclasses import dataclass, fields
 
 import torch
+import torch.nn.functional as F
 
 import task
 from kernels import kl_penalty
@@ -371,7 +372,8 @@ def loss_settings(args):
 
 def rollout(run, policy, tok, args):
     """Step 1, G completions for each of this rank's prompts, scored: (task.Rollout, the log-probs
-    the sampler drew each token with (B, Tn), rounds). --dynamic_sampling: keep
+    the sampler drew each token with (B, Tn), the hidden states it drew them from (B, Tn, C) on a
+    logged step, else None, rounds). --dynamic_sampling: keep
     dynamic_sampling_keep's groups, sampling again (at most --max_sample_rounds) until every rank
     has its share of P of them. A rank that keeps none trains on its last round, each reward set to
     its group's mean (A = 0)."""
@@ -380,27 +382,31 @@ def rollout(run, policy, tok, args):
         prompts = run.shard(task.sample_prompts(run.rng, args.prompts_per_step,
                                                 args.precedence_share))
         with run.autocast:
-            batch, logp = task.rollout(policy, tok, prompts, args.group_size, args.temperature,
-                                       args.max_new_tokens, args.format_weight, run.gen,
-                                       return_logprobs=True)
+            batch, logp, hidden = task.rollout(policy, tok, prompts, args.group_size,
+                                               args.temperature, args.max_new_tokens,
+                                               args.format_weight, run.gen, return_logprobs=True,
+                                               return_hidden=run.logging())
         rounds += 1
         if not args.dynamic_sampling:
-            return batch, logp, rounds
+            return batch, logp, hidden, rounds
         keep = dynamic_sampling_keep(batch.correct, args.group_size)   # (B,) bool
-        kept.append((task.Rollout(*(x[keep] for x in batch)), logp[keep]))
+        kept.append((task.Rollout(*(x[keep] for x in batch)), logp[keep],
+                     hidden[keep] if hidden is not None else None))
         rows = len(prompts) * args.group_size
-        mine_short = float(sum(len(b.rewards) for b, _ in kept) < rows)
+        mine_short = float(sum(len(b.rewards) for b, *_ in kept) < rows)
         short = run.all_sum(mine_short).item() > 0                      # any rank short
         if not short or rounds == args.max_sample_rounds:
             break
-    if sum(len(b.rewards) for b, _ in kept) == 0:
+    if sum(len(b.rewards) for b, *_ in kept) == 0:
         # nothing informative: the last round, its rewards set to their group's mean (A = 0)
         mean = batch.rewards.view(-1, args.group_size).mean(1)
-        return batch._replace(rewards=mean.repeat_interleave(args.group_size)), logp, rounds
-    batch = task.concat_rollouts([b for b, _ in kept], tok.pad_id)
+        return batch._replace(rewards=mean.repeat_interleave(args.group_size)), logp, hidden, rounds
+    batch = task.concat_rollouts([b for b, *_ in kept], tok.pad_id)
     Tn = batch.tokens.size(1)                     # every round's log-probs padded as its tokens
-    logp = torch.cat([torch.nn.functional.pad(lp, (0, Tn - lp.size(1))) for _, lp in kept])
-    return task.Rollout(*(x[:rows] for x in batch)), logp[:rows], rounds
+    logp = torch.cat([F.pad(lp, (0, Tn - lp.size(1))) for _, lp, _ in kept])
+    if hidden is not None:
+        hidden = torch.cat([F.pad(h, (0, 0, 0, Tn - h.size(1))) for *_, h in kept])[:rows]
+    return task.Rollout(*(x[:rows] for x in batch)), logp[:rows], hidden, rounds
 
 
 def main(args):
@@ -426,7 +432,7 @@ def main(args):
 
     while run.training():
         # 1. rollout: G completions per prompt, scored by the verifier (--dynamic_sampling inside)
-        batch, sampler_logp, rounds = rollout(run, policy, tok, args)
+        batch, sampler_logp, sampler_hidden, rounds = rollout(run, policy, tok, args)
         # (B, Tp), (B, Tn), (B,); B = P*G
         prompt, prompt_mask, tokens, mask, truncated, rewards, _ = batch
         if args.overlong_buffer > 0:                                    # DAPO's overlong punishment
@@ -436,12 +442,13 @@ def main(args):
 
         # 2. score without gradient (sampler.score): pi_old and pi_ref of every token, each
         #    model's forward once through the function step 4 calls (on-policy, the same bits); on
-        #    a logged step the exact KL and the entropy. --batch_invariant: pi_old is the sampler's
+        #    a logged step the exact KL, the entropy and the sampler's KL to the trainer.
+        #    --batch_invariant: pi_old is the sampler's
         n_seqs, n_tokens = run.all_sum(len(mask)), run.all_sum(mask.sum())  # the step's, all ranks
         with ref_weights, run.autocast:
             scored = score(policy, ref, prompt, prompt_mask, tokens, mask, sampler_logp, temp,
                            run.micro_batches(len(mask)), run.logging(), args.batch_invariant,
-                           n_kl=n_tokens)
+                           n_kl=n_tokens, sampler_hidden=sampler_hidden)
         old_logp, ref_logp = scored.old_logp, scored.ref_logp                    # (B, Tn)
 
         # 3. advantages (B,): the group is the baseline (--maxrl: and the scale)
@@ -489,6 +496,7 @@ def main(args):
                        "truncated": run.mean(truncated.float()),
                        "grad_norm": grad_norm.item(),
                        "sampler_logp_diff": run.max(scored.sampler_gap),
+                       "sampler_kl": run.all_sum(scored.sampler_kl).item(),
                        "groups_sampled": rounds * P,
                        "groups_kept": kept}
             if run.eval_due():

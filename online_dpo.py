@@ -224,13 +224,15 @@ def main(args):
             group["lr"] = args.lr * min(1.0, (run.step + 1) / max(args.warmup, 1))
         prompts = run.shard(task.sample_prompts(run.rng, args.batch_size, args.precedence_share))
         with run.autocast:
-            batch, sampler_logp = task.rollout(model, tok, prompts, G, args.temperature,
-                                               args.max_new_tokens, generator=run.gen,
-                                               return_logprobs=True)
+            batch, sampler_logp, hidden = task.rollout(model, tok, prompts, G, args.temperature,
+                                                       args.max_new_tokens, generator=run.gen,
+                                                       return_logprobs=True,
+                                                       return_hidden=run.logging())
             if run.logging():     # the trainer's log-probs of every sampled token, same weights
-                logp = task.sampled_logprobs(model, tok, [p for p in prompts for _ in range(G)],
-                                             task.kept(batch.tokens, batch.mask),
-                                             args.temperature)
+                logp, sampler_kl = task.sampled_logprobs(
+                    model, tok, [p for p in prompts for _ in range(G)],
+                    task.kept(batch.tokens, batch.mask), args.temperature,
+                    hidden=hidden[batch.mask > 0])                      # (n,) each
                 sampler_diff = run.max((logp - sampler_logp[batch.mask > 0]).abs())
         run.samples += args.batch_size * G
 
@@ -290,7 +292,8 @@ def main(args):
                        "logratio_margin": run.mean(h, weight),                                 # h
                        "chosen_logp": run.mean(policy_chosen, weight),
                        "rejected_logp": run.mean(policy_rejected, weight),
-                       "grad_norm": grad_norm.item(), "sampler_logp_diff": sampler_diff}
+                       "grad_norm": grad_norm.item(), "sampler_logp_diff": sampler_diff,
+                       "sampler_kl": run.mean(sampler_kl)}
             line = (f"loss {metrics['loss']:.4f} | reward {metrics['reward_mean']:.3f} | "
                     f"informative {metrics['informative']:.2f} | "
                     f"reward acc {metrics['reward_accuracy']:.2f} "

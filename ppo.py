@@ -126,14 +126,15 @@ def adaptive_kl_beta(beta, kl_value, kl_target, horizon, n_steps):
 @torch.no_grad()
 def rollout(policy, tok, prompts, temperature, max_new_tokens, generator, device, autocast):
     """One completion per prompt: seq, seq_mask (B, Tp + Tn) prompt + completion, Tp, the completion
-    tokens and mask (B, Tn), truncated (B,), the log-probs the sampler drew them with (B, Tn)."""
+    tokens and mask (B, Tn), truncated (B,), the log-probs the sampler drew them with (B, Tn) and
+    the hidden states it drew them from (B, Tn, C)."""
     idx, idx_mask = tok.encode_batch(prompts, device)                         # (B, Tp) left-padded
     with autocast:
-        tokens, mask, truncated, logp = sampler.generate(                     # (B, Tn) each
+        tokens, mask, truncated, logp, hidden = sampler.generate(             # (B, Tn) each
             policy, idx, idx_mask, max_new_tokens, tok.stop_ids, tok.pad_id,
-            temperature=temperature, generator=generator, return_logprobs=True)
+            temperature=temperature, generator=generator, return_logprobs=True, return_hidden=True)
     return (torch.cat([idx, tokens], 1), torch.cat([idx_mask, mask], 1), idx.size(1), tokens, mask,
-            truncated, logp)
+            truncated, logp, hidden)
 
 
 def token_logits(model, seq, seq_mask, Tp, autocast):
@@ -289,7 +290,7 @@ def main(args):
         # 1. rollout: one completion for each of this rank's prompts, scored by the reward model and
         #    the verifier
         prompts = run.shard(task.sample_prompts(run.rng, args.batch_size))
-        seq, seq_mask, Tp, tokens, mask, truncated, sampler_logp = rollout(  # (B, Tp+Tn), (B, Tn)
+        seq, seq_mask, Tp, tokens, mask, truncated, sampler_logp, sampler_hidden = rollout(
             policy, tok, prompts, temp, args.max_new_tokens, run.gen, run.device, run.autocast)
         completions = tok.decode_completions(tokens, mask)
         run.samples += args.batch_size
@@ -300,7 +301,7 @@ def main(args):
 
         # 2. score without gradient, in micro-batches: pi_old, pi_ref and V_old along each
         #    completion, the exact KL
-        old_logp, ref_logp, old_values = (torch.zeros_like(mask) for _ in range(3))   # (B, Tn) each
+        old_logp, ref_logp, old_values, sampler_kl = (torch.zeros_like(mask) for _ in range(4))
         kl_exact = torch.zeros(len(mask), device=run.device)          # (B,) exact KL per completion
         with torch.no_grad(), ref_weights:                         # pi_ref on the device here alone
             for rows in run.micro_batches(len(mask)):
@@ -311,6 +312,10 @@ def main(args):
                 ref_logp[rows] = logprobs(ref_logits, tokens[rows], temp)
                 kl_exact[rows] = torch.where(mask[rows] > 0, kl(old_logits, ref_logits, temp),
                                              0.0).sum(1)
+                if run.logging():            # (b, Tn) KL(sampler || trainer) over the support
+                    with run.autocast:
+                        sampler_kl[rows] = kl(policy.logits(sampler_hidden[rows]), old_logits,
+                                              temp)
                 values = token_values(critic, seq[rows], seq_mask[rows], Tp, run.autocast)
                 old_values[rows] = torch.where(mask[rows] > 0, values, 0.0)         # V(s_t)
         # how far the trainer's log-probs are from the sampler's (same weights; invariant: 0.0)
@@ -383,7 +388,7 @@ def main(args):
                        "explained_variance": explained_variance(run, returns, old_values, mask),
                        "completion_len": run.mean(mask.sum(1)),
                        "truncated": run.mean(truncated.float()), "epochs_done": epoch + 1,
-                       "sampler_logp_diff": sampler_diff,
+                       "sampler_logp_diff": sampler_diff, "sampler_kl": run.mean(sampler_kl, mask),
                        **{k: float(np.mean(v)) for k, v in stats.items()}}
             if run.eval_due():
                 metrics.update(run.evaluate(policy, tok))

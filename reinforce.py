@@ -168,20 +168,22 @@ def main(args):
         # this rank's share
         prompts = run.shard(task.sample_prompts(run.rng, P, args.precedence_share))
         with run.autocast:
-            batch, sampler_logp = task.rollout(policy, tok, prompts, G, temp, args.max_new_tokens,
-                                               args.format_weight, run.gen, return_logprobs=True)
+            batch, sampler_logp, sampler_hidden = task.rollout(     # (B, Tn), (B, Tn, C) logged
+                policy, tok, prompts, G, temp, args.max_new_tokens, args.format_weight, run.gen,
+                return_logprobs=True, return_hidden=run.logging())
         # (B, Tp), (B, Tn), (B,); B = P*G
         prompt, prompt_mask, tokens, mask, truncated, rewards, _ = batch
         run.samples += P * G
 
         # 2. score without gradient (sampler.score): pi_old and pi_ref of every token, each
         #    model's forward once through the function step 4 calls (on-policy, the same bits); on
-        #    a logged step the exact KL and the entropy. --batch_invariant: pi_old is the sampler's
+        #    a logged step the exact KL, the entropy and the sampler's KL to the trainer.
+        #    --batch_invariant: pi_old is the sampler's
         n_seqs, n_tokens = run.all_sum(len(mask)), run.all_sum(mask.sum())  # the step's, all ranks
         with ref_weights, run.autocast:
             scored = score(policy, ref, prompt, prompt_mask, tokens, mask, sampler_logp, temp,
                            run.micro_batches(len(mask)), run.logging(), args.batch_invariant,
-                           n_kl=n_tokens)
+                           n_kl=n_tokens, sampler_hidden=sampler_hidden)
         old_logp, ref_logp = scored.old_logp, scored.ref_logp                    # (B, Tn)
 
         # 3. advantages: KL to the reference in the reward, minus the baseline (statistics over
@@ -228,6 +230,7 @@ def main(args):
                        "completion_len": run.mean(mask.sum(1)),
                        "truncated": run.mean(truncated.float()), "grad_norm": grad_norm.item(),
                        "sampler_logp_diff": run.max(scored.sampler_gap),
+                       "sampler_kl": run.all_sum(scored.sampler_kl).item(),
                        "seq_logp": run.all_sum(stats["seq_logp"]).item()}
             if run.eval_due():
                 metrics.update(run.evaluate(policy, tok))

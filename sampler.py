@@ -1,6 +1,7 @@
 """
 Sampling completions from model.GPT: the rollout engine every script shares (nanochat's engine.py
-and nano-vllm are the anchors); episodes with an environment; the scoring of what was sampled.
+and nano-vllm are the anchors), and the scoring of what was sampled. Episodes with an environment,
+the policy's tokens and the environment's in turn, are episode.py's.
 
     tokens, mask, truncated = generate(model, prompt, prompt_mask, max_new_tokens,
                                        tok.stop_ids, tok.pad_id, num_samples=G, generator=g)
@@ -22,9 +23,8 @@ tokenizer's ids only (GPT.logits: Qwen2.5's padding rows past 151665 are never d
 Shapes: N = B * num_samples rows, Tp prompt length, Tn new tokens, V the support, C channels.
 """
 import copy
-import functools
 import weakref
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -43,7 +43,7 @@ COMPILE_PARAMS = 50_000_000   # on CUDA the default is "compile" from this many 
 @torch.no_grad()
 def generate(model, prompt, prompt_mask, max_new_tokens, eos_id, pad_id=None, num_samples=1,
              temperature=1.0, top_k=None, generator=None, mode=None, return_logprobs=False,
-             top_p=None):
+             top_p=None, return_hidden=False):
     """prompt (B, Tp) left-padded ids, prompt_mask (B, Tp) 1 on real tokens; num_samples completions
     per prompt on consecutive rows. eos_id: an id, or a sequence of ids (a tokenizer's stop_ids),
     any of which ends a row. temperature 0: greedy; top_k, top_p: keep the k likeliest, then the
@@ -51,8 +51,9 @@ def generate(model, prompt, prompt_mask, max_new_tokens, eos_id, pad_id=None, nu
     "graph" or "compile"; None reads model.sampler_mode (--compile), else default_mode. Returns
     tokens (N, Tn), pad_id after each row's end; mask (N, Tn) 1.0 through the token that ended it;
     truncated (N,) bool; with return_logprobs the sampler's log-prob of each token (N, Tn) float32,
-    of the distribution it drew from (softmax(logits / T) over what is kept), 0 after the end.
-    pad_id None: eos_id[0]."""
+    of the distribution it drew from (softmax(logits / T) over what is kept), 0 after the end;
+    with return_hidden also the final hidden state each token was drawn from (N, Tn, C), which
+    sampler_kl compares with the trainer's. pad_id None: eos_id[0]."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens = {max_new_tokens}; it must be at least 1")
     if temperature < 0:
@@ -68,7 +69,7 @@ def generate(model, prompt, prompt_mask, max_new_tokens, eos_id, pad_id=None, nu
     idx = prompt.repeat_interleave(num_samples, dim=0)                  # (N, Tp)
     idx_mask = prompt_mask.repeat_interleave(num_samples, dim=0)
     N, Tp = idx.shape
-    out = Outputs(N, max_new_tokens, pad_id, idx.device)
+    out = Outputs(N, max_new_tokens, pad_id, idx.device, return_hidden)
     settings = (temperature, top_k, generator, stops, pad_id, return_logprobs, top_p)
     if mode == "eager":
         eager_loop(model, idx, idx_mask, max_new_tokens, out, settings)
@@ -78,7 +79,7 @@ def generate(model, prompt, prompt_mask, max_new_tokens, eos_id, pad_id=None, nu
                         compiled=mode == "compile")
         finally:
             release_copy(model)
-    return out.result(return_logprobs)
+    return out.result(return_logprobs, return_hidden)
 
 
 def default_mode(model, device):
@@ -93,18 +94,20 @@ class Outputs:
     """What the steps write, on the device; t, the next column, is a tensor so that a recorded step
     advances it."""
 
-    def __init__(self, N, max_new_tokens, pad_id, device):
+    def __init__(self, N, max_new_tokens, pad_id, device, keep_hidden=False):
+        self.keep_hidden, self.hidden = keep_hidden, None     # (N, Tn, C) at the first record
         self.tokens = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=device)
         self.mask = torch.zeros(N, max_new_tokens, device=device)
         self.logp = torch.zeros(N, max_new_tokens, device=device)
         self.done = torch.zeros(N, dtype=torch.bool, device=device)
         self.t = torch.zeros(1, dtype=torch.long, device=device)
 
-    def result(self, return_logprobs):
+    def result(self, return_logprobs, return_hidden=False):
         # trimmed after the last column any row sampled (steps past every row's end wrote padding)
         Tn = int(self.mask.sum(0).nonzero().max()) + 1               # column 0 is always sampled
         outs = (self.tokens[:, :Tn], self.mask[:, :Tn], ~self.done)
-        return (*outs, self.logp[:, :Tn]) if return_logprobs else outs
+        outs += (self.logp[:, :Tn],) if return_logprobs else ()
+        return (*outs, self.hidden[:, :Tn]) if return_hidden else outs
 
 
 def keep_likeliest(logits, top_k=None, top_p=None):
@@ -146,9 +149,13 @@ def token_logp(logits, tokens, temperature):
     return F.log_softmax(logits / temperature, dim=-1).gather(1, tokens[:, None]).squeeze(1)
 
 
-def record(out, nxt, logp, stops, pad_id):
-    """The drawn tokens at column out.t (pad_id, mask 0 past a row's end: any of stops); graph-safe
-    device work."""
+def record(out, nxt, logp, stops, pad_id, h):
+    """The drawn tokens at column out.t (pad_id, mask 0 past a row's end: any of stops), and the
+    hidden state h (N, C) they were drawn from if kept; graph-safe device work."""
+    if out.keep_hidden:
+        if out.hidden is None:
+            out.hidden = h.new_zeros(h.size(0), out.tokens.size(1), h.size(1))
+        out.hidden.index_copy_(1, out.t, h[:, None])
     tokens = torch.where(out.done, pad_id, nxt)[:, None]               # (N, 1)
     out.tokens.index_copy_(1, out.t, tokens)
     out.mask.index_copy_(1, out.t, (~out.done).float()[:, None])
@@ -181,15 +188,17 @@ def eager_loop(model, idx, idx_mask, max_new_tokens, out, settings):
     temperature, top_k, generator, stops, pad_id, want_logp, top_p = settings
     N, Tp = idx.shape
     cache = KVCache(model.config.n_layer, N, Tp + max_new_tokens, idx.device)
-    logits = last_logits(model, model.hidden(idx, idx_mask, cache))     # (N, V): the first token's
+    h = model.hidden(idx, idx_mask, cache)                              # (N, Tp, C)
+    logits = last_logits(model, h)                                      # (N, V): the first token's
     check_finite(logits)
     ones = torch.ones(N, 1, device=idx.device)
     for t in range(max_new_tokens):
         nxt, logp = draw(logits, temperature, top_k, generator, want_logp, top_p)
-        token = record(out, nxt, logp, stops, pad_id)
+        token = record(out, nxt, logp, stops, pad_id, h[:, -1])
         if t == max_new_tokens - 1 or out.done.all():
             break
-        logits = model(token, ones, cache)[:, -1, :]                    # (N, V)
+        h = model.hidden(token, ones, cache)                            # (N, 1, C)
+        logits = model.logits(h)[:, -1]                                 # (N, V): model(token)
 
 
 def decode_step(model, token, cache, slot):
@@ -285,7 +294,8 @@ def static_loop(model, idx, idx_mask, max_new_tokens, out, settings, compiled=Fa
     cache = KVCache.preallocated(c.n_layer, N, slots, c.kv_heads, c.head_size, dtype, device)
     head = model.head_weight(pad=True)                                  # (V, C) made once
     model = sampling_copy(model, dtype)                                 # bfloat16 under autocast
-    logits = last_logits(model, model.hidden(idx, idx_mask, cache), head)   # (N, V) the first's
+    h = model.hidden(idx, idx_mask, cache)                              # (N, Tp, C)
+    logits = last_logits(model, h, head)                                # (N, V) the first token's
     check_finite(logits)
     longest = int(idx_mask.sum(1).max())                                # the longest prompt's
     token = torch.empty(N, 1, dtype=torch.long, device=device)          # the step's input
@@ -296,11 +306,11 @@ def static_loop(model, idx, idx_mask, max_new_tokens, out, settings, compiled=Fa
         h = body(model, token, cache, slot)                             # (N, C)
         logits = model.logits(h, head=head, fast=True)                  # (N, V)
         nxt, logp = draw(logits, temperature, top_k, generator, want_logp, top_p)
-        token.copy_(record(out, nxt, logp, stops, pad_id))
+        token.copy_(record(out, nxt, logp, stops, pad_id, h))
         slot.add_(1)
 
     nxt, logp = draw(logits, temperature, top_k, generator, want_logp, top_p)   # token 0
-    token.copy_(record(out, nxt, logp, stops, pad_id))
+    token.copy_(record(out, nxt, logp, stops, pad_id, h[:, -1]))
     run = step
     every = SYNC_EVERY if device.type == "cuda" else 1                  # steps between end checks
     for t in range(1, max_new_tokens):
@@ -332,228 +342,6 @@ def cuda_graph(step, generator):
     return graph.replay
 
 
-# -----------------------------------------------------------------------------
-# Episodes: the policy's tokens and an environment's, in turn (agent.py)
-
-class Environment(NamedTuple):
-    """What answers the policy in an episode (task.environment builds them). Compact protocol: a
-    call is the text between call_open and call_close, answered with reply(call) right after it;
-    between attempts comes revision(prompt), or feedback(prompt, the attempts' texts so far), one
-    of `replies` (None: the episode ends). Chat protocol (chat, a tools.ChatTools): a turn's calls
-    are answered when a stop id ends it, in the template's tool messages; a turn without a call
-    ends the attempt. score(prompt, the attempt's text or last turn) says if it is right."""
-    call_open: str | None
-    call_close: str | None
-    reply: Callable[[str], str] | None
-    revision: Callable[[str], str] | None
-    score: Callable[[str, str], bool]
-    max_calls: int                    # calls answered per episode; later ones get "error"
-    chat: object = None               # tools.ChatTools: the chat template's protocol
-    feedback: Callable[[str, list], str | None] | None = None
-    replies: tuple = ()               # every text feedback may write
-
-
-class Episodes(NamedTuple):
-    """A batch of episodes: each the prompt, then the policy's and the environment's tokens in one
-    sequence, a prompt's G on consecutive rows (B = P*G); never re-tokenised: exact masks."""
-    prompt: torch.Tensor       # (B, Tp) prompt ids, left-padded
-    prompt_mask: torch.Tensor  # (B, Tp) 1.0 on prompt tokens
-    tokens: torch.Tensor       # (B, Tn) the policy's and the environment's tokens, right-padded
-    mask: torch.Tensor         # (B, Tn) 1.0 on every real token (what attention sees)
-    sampled: torch.Tensor      # (B, Tn) 1.0 on the tokens the policy sampled (what a loss sees)
-    turn: torch.Tensor         # (B, Tn) int64: the attempt each token belongs to (0, 1, ...)
-    truncated: torch.Tensor    # (B,) bool: an attempt ran out of max_new_tokens
-    correct: torch.Tensor      # (B, turns) float32: 1.0 where that attempt's answer is right
-    calls: torch.Tensor        # (B, turns) float32: calls the policy opened in each attempt
-    malformed: torch.Tensor    # (B, turns) float32: of those, the ones answered with an error
-    policy_turns: torch.Tensor  # (B,) float32: the policy's turns (ended by a stop id, or cut)
-    logp: torch.Tensor         # (B, Tn) the sampler's log-prob of each token (greedy: 0.0)
-
-
-_POLICY, _ENV = 1, 2           # who wrote a token (0: padding)
-
-
-class _Episode:
-    """One episode being sampled: what is written, by whom, what the environment has yet to."""
-
-    def __init__(self, turns):
-        self.ids, self.who, self.turn_of, self.queue, self.segment = [], [], [], [], []
-        self.logp = []
-        self.turn, self.used, self.done, self.truncated = 0, 0, False, False
-        self.policy_turns = 0
-        self.answer_ids = [[] for _ in range(turns)]   # each attempt's tokens, replies included
-        self.calls, self.malformed = [0] * turns, [0] * turns
-
-    def write(self, token, who, counts=True):
-        self.ids.append(token)
-        self.who.append(who)
-        self.turn_of.append(self.turn)
-        self.used += counts
-        if counts:
-            self.answer_ids[self.turn].append(token)
-
-
-@functools.lru_cache(maxsize=8)
-def _markers(tokenizer, call_open, call_close):
-    """(ids whose text holds call_open, those holding call_close), added tokens excepted."""
-    special = {tokenizer.eos_id, tokenizer.pad_id, *tokenizer.stop_ids, *tokenizer.added_ids}
-    texts = [(i, tokenizer.decode([i])) for i in range(tokenizer.vocab_size) if i not in special]
-    opens = [i for i, t in texts if call_open in t]
-    return opens, frozenset(i for i, t in texts if call_close in t)
-
-
-def _unclosed_call(e, tokenizer, env):
-    """At the end of an attempt: a call opened and never closed is a call, and malformed. In the
-    chat protocol (the budget ran out): every call of the cut turn, never run."""
-    text = tokenizer.decode(e.segment)
-    if env.chat is not None:
-        calls, errors = env.chat.unfinished(text)
-        e.calls[e.turn] += calls
-        e.malformed[e.turn] += errors
-        e.answer_ids[e.turn] = list(e.segment)
-    elif env.call_open is not None and text.rfind(env.call_open) > text.rfind(env.call_close):
-        e.calls[e.turn] += 1
-        e.malformed[e.turn] += 1
-
-
-def _chat_turn_end(e, sampled, tokenizer, env, tool):
-    """A stop id in the chat protocol: the turn's calls answered (the template's tool messages
-    and next opening queued, the stop id counted in the budget), or with no call the attempt's
-    end, its last turn the answer."""
-    e.policy_turns += 1
-    reply = env.chat.reply(tokenizer.decode(e.segment), sum(e.calls), env.max_calls, tool)
-    if reply is None:
-        e.write(sampled, _POLICY, counts=False)
-        e.answer_ids[e.turn], e.done = list(e.segment), True
-        return
-    calls, errors, ids = reply
-    e.calls[e.turn] += calls
-    e.malformed[e.turn] += errors
-    e.write(sampled, _POLICY)
-    e.queue, e.segment = [(t, True) for t in ids], []
-
-
-def _advance(e, sampled, tokenizer, env, closes, revise, turns, budget, tool=True):
-    """Write one position of episode e, return the token written: the environment's next queued
-    token, else the policy's `sampled`, acted on: a call's close queues the tool's reply (past
-    env.max_calls: "error"); a stop id ends the attempt, kept and trained as a chat template trains
-    a turn's end, `revise` following before the last. Chat protocol: see _chat_turn_end."""
-    if e.done:
-        return tokenizer.pad_id
-    if e.queue:
-        token, counts = e.queue.pop(0)
-        e.write(token, _ENV, counts)
-    elif sampled in tokenizer.stop_ids and env.chat is not None:
-        _chat_turn_end(e, sampled, tokenizer, env, tool)
-        if e.done:
-            return sampled
-    elif sampled in tokenizer.stop_ids:
-        e.policy_turns += 1
-        _unclosed_call(e, tokenizer, env)
-        e.write(sampled, _POLICY, counts=False)          # the end of this attempt: the policy's
-        revise = revise(e) if callable(revise) and e.turn + 1 < turns else revise
-        if e.turn + 1 < turns and revise is not None:
-            e.turn, e.used, e.segment = e.turn + 1, 0, []
-            e.queue = [(t, False) for t in revise]       # the revision prompt (feedback) is next
-        else:
-            e.done = True
-        return sampled
-    else:
-        e.write(sampled, _POLICY)
-        e.segment.append(sampled)
-        if sampled in closes:
-            text = tokenizer.decode(e.segment)
-            close = text.rfind(env.call_close)
-            start = text.rfind(env.call_open, 0, close)
-            if start >= 0:                                # a call: <expression>
-                e.calls[e.turn] += 1
-                call = text[start + len(env.call_open):close]
-                reply = env.reply(call) if sum(e.calls) <= env.max_calls else "error"
-                e.malformed[e.turn] += reply == "error"
-                e.queue, e.segment = [(t, True) for t in tokenizer.encode(reply)], []
-    if e.used >= budget:                                  # out of tokens: the episode ends
-        _unclosed_call(e, tokenizer, env)
-        e.done = e.truncated = True
-        e.policy_turns += not e.queue and e.who[-1] == _POLICY   # a turn it began, cut
-    return e.ids[-1]
-
-
-@torch.no_grad()
-def episodes(policy, tokenizer, prompts, env, group_size=1, temperature=1.0, max_new_tokens=16,
-             turns=1, tool=True, generator=None):
-    """Episodes with `env`, sampled token by token with a KV cache, all rows at once: at each
-    position a row takes the environment's next queued token if it has one, else the policy's
-    (at `temperature`, the full softmax; 0: greedy). Each attempt gets max_new_tokens (replies
-    included); tool=False bans every token that opens a call. Returns Episodes, scored."""
-    device = next(policy.parameters()).device
-    if env.chat is None:
-        opens, closes = (_markers(tokenizer, env.call_open, env.call_close) if env.call_open
-                         else ([], frozenset()))
-        if env.feedback is None:
-            revise = [tokenizer.encode(env.revision(p)) for p in prompts for _ in range(group_size)]
-        else:                         # what the environment says after each attempt, as it goes
-            revise = [functools.partial(_feedback, tokenizer, env, p) for p in prompts
-                      for _ in range(group_size)]
-        prompt, prompt_mask = tokenizer.encode_batch(prompts, device)         # (P, Tp)
-    else:                             # calls at a turn's end; one attempt
-        opens, closes = _openers(tokenizer, env.chat.opener), frozenset()
-        revise = [[]] * (len(prompts) * group_size)
-        prompt, prompt_mask = left_pad([env.chat.prompt(p) for p in prompts], tokenizer.pad_id,
-                                       device)
-    prompt = prompt.repeat_interleave(group_size, 0)                          # (B, Tp)
-    prompt_mask = prompt_mask.repeat_interleave(group_size, 0)
-    B = prompt.size(0)
-    between = (max(len(tokenizer.encode(r) if isinstance(r, str) else r) for r in env.replies)
-               if env.feedback else max(map(len, revise)))
-    Tn = turns * max_new_tokens + (turns - 1) * (between + 1)                 # longest episode
-    cache = KVCache(policy.config.n_layer, B, prompt.size(1) + Tn, device)
-    logits = policy(prompt, prompt_mask, cache)[:, -1].float()                # (B, V) the first's
-    check_finite(logits)
-    state = [_Episode(turns) for _ in range(B)]
-    for _ in range(Tn):
-        if not tool:
-            logits[:, opens] = float("-inf")
-        if temperature == 0:
-            sampled = logits.argmax(-1)                                       # (B,)
-        else:
-            probs = F.softmax(logits / temperature, -1)
-            sampled = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-        written = [_advance(e, s, tokenizer, env, closes, r, turns, max_new_tokens, tool)
-                   for e, s, r in zip(state, sampled.tolist(), revise)]
-        if temperature > 0:                   # the log-prob of what each row wrote (N,)
-            lp = token_logp(logits, torch.tensor(written, device=device), temperature).tolist()
-            for e, x in zip(state, lp):
-                e.logp += [x] * (len(e.ids) - len(e.logp))
-        if all(e.done for e in state):
-            break
-        logits = policy(torch.tensor(written, device=device)[:, None],
-                        torch.ones(B, 1, device=device), cache)[:, -1].float()
-    T = max(len(e.ids) for e in state)
-    pad = lambda rows, v: torch.tensor([r + [v] * (T - len(r)) for r in rows], device=device)
-    who = pad([e.who for e in state], 0)                                      # (B, T)
-    correct = [[env.score(prompts[i // group_size], tokenizer.decode(ids)) for ids in e.answer_ids]
-               for i, e in enumerate(state)]
-    as_float = lambda rows: torch.tensor(rows, dtype=torch.float32, device=device)
-    return Episodes(prompt, prompt_mask, pad([e.ids for e in state], tokenizer.pad_id),
-                    (who > 0).float(), (who == _POLICY).float(), pad([e.turn_of for e in state], 0),
-                    torch.tensor([e.truncated for e in state], device=device), as_float(correct),
-                    as_float([e.calls for e in state]), as_float([e.malformed for e in state]),
-                    as_float([e.policy_turns for e in state]),
-                    as_float([e.logp + [0.0] * (T - len(e.logp)) for e in state]))
-
-
-def _feedback(tokenizer, env, prompt, e):
-    """The ids env.feedback writes after episode e's attempts so far (or None)."""
-    said = env.feedback(prompt, [tokenizer.decode(ids) for ids in e.answer_ids[:e.turn + 1]])
-    return tokenizer.encode(said) if isinstance(said, str) else said      # ids as they are
-
-
-@functools.lru_cache(maxsize=8)
-def _openers(tokenizer, opener):
-    """The ids whose text holds a chat protocol's call opener (<tool_call>), added tokens too."""
-    return [i for i in range(tokenizer.vocab_size) if opener in tokenizer.decode([i])]
-
-
 def left_pad(seqs, pad_id, device="cpu"):
     """Id lists -> left-padded tokens (B, T) and mask (B, T), as the sampler takes prompts."""
     T = max(len(s) for s in seqs)
@@ -572,18 +360,27 @@ class Scored(NamedTuple):
     kl_exact: object            # KL(pi || ref) over kl_mask's tokens / n_kl (logged), else 0.0
     entropy: object             # pi's entropy over the same tokens (logged), else 0.0
     sampler_gap: object         # (B, Tn) |sampler's - trainer's log-prob| on kl_mask (logged)
+    sampler_kl: object = 0.0    # KL(sampler || trainer) over the same tokens / n_kl (logged)
+
+
+def sampler_kl(policy, sampler_hidden, h, mask, temperature=1.0):
+    """KL(sampler || trainer) (B, Tn) over the whole support where mask is 1 (0 elsewhere): the
+    next-token distributions of the sampler's final hidden states (B, Tn, C) and the trainer's
+    (B, T, C; the last Tn predict the tokens), both through the policy's head (kl_entropy)."""
+    return kl_entropy(policy, policy, sampler_hidden, h, mask, temperature)[0]
 
 
 @torch.no_grad()
 def score(policy, ref, prompt, prompt_mask, tokens, mask, sampler_logp, temperature, parts,
-          logged, invariant=False, kl_mask=None, n_kl=1):
+          logged, invariant=False, kl_mask=None, n_kl=1, sampler_hidden=None):
     """Scored: each model's forward once per part (a micro-batch's rows) through the loss's own
     completion_logprobs path (pi_old is the trainer's log-prob bit for bit). logged: also the exact
     KL(pi || ref) and the entropy (model.kl_entropy) over kl_mask (default mask) / n_kl. invariant
-    (--batch_invariant): pi_old is sampler_logp, the same bits; the policy scores when logged."""
+    (--batch_invariant): pi_old is sampler_logp, the same bits; the policy scores when logged.
+    sampler_hidden (B, Tn, C), logged: also sampler_kl over kl_mask / n_kl."""
     kl_mask = mask if kl_mask is None else kl_mask
     old_logp, ref_logp = torch.zeros_like(mask), torch.zeros_like(mask)      # (B, Tn)
-    kl_exact = ent = 0.0
+    kl_exact = ent = skl = 0.0
     for rows in parts:                                 # (b, Tp+Tn-1, C) final hidden states
         h_ref = completion_hidden(ref, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
         ref_logp[rows] = ref.head_logprobs(h_ref, tokens[rows], temperature)
@@ -595,6 +392,9 @@ def score(policy, ref, prompt, prompt_mask, tokens, mask, sampler_logp, temperat
             kl_t, ent_t = kl_entropy(policy, ref, h, h_ref, kl_mask[rows], temperature)
             kl_exact += kl_t.sum() / n_kl                                   # KL(pi || ref)
             ent += ent_t.sum() / n_kl
+        if logged and sampler_hidden is not None:
+            skl += sampler_kl(policy, sampler_hidden[rows], h, kl_mask[rows],
+                              temperature).sum() / n_kl
     # how far the trainer's log-probs are from those the sampler drew with (same weights)
     gap = torch.where(kl_mask > 0, (sampler_logp - old_logp).abs(), 0.0) if logged else None
-    return Scored(sampler_logp if invariant else old_logp, ref_logp, kl_exact, ent, gap)
+    return Scored(sampler_logp if invariant else old_logp, ref_logp, kl_exact, ent, gap, skl)

@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+import episode
 import sampler
 from hf import chat as templates
 from hf import tools
@@ -265,27 +266,29 @@ def read_positions(prompt_ids, ids, tok, kind, finished=True):
 @torch.no_grad()
 def complete(model, tokenizer, prompts, num_samples=1, temperature=0.0, max_new_tokens=None,
              batch_size=256, generator=None, return_ids=False, return_logprobs=False, top_p=None,
-             done=None):
+             done=None, return_hidden=False):
     """Completions (strings, the stop token dropped) for each prompt, num_samples consecutive
     entries a prompt (top_p: the nucleus, single completions only). return_ids: also each
     completion's ids as sampled, the stop token that ended it included (none in one cut at
     max_new_tokens): (texts, ids), as completion_batch takes them; return_logprobs: (texts, ids,
-    the log-prob the sampler gave each id). done(n): called with the prompts done after a batch."""
+    the log-prob the sampler gave each id); return_hidden: also the hidden state each id was drawn
+    from, flat (sum of lengths, C). done(n): called with the prompts done after a batch."""
     device = next(model.parameters()).device
     max_new_tokens = max_new_tokens or default_max_new_tokens()
-    texts, ids, logps = [], [], []
+    texts, ids, logps, hidden = [], [], [], []
     for i in range(0, len(prompts), batch_size):
         if uses_tools() or name() == "guess":    # episodes: tools answer calls, or the game
             e = episodes(model, tokenizer, prompts[i:i + batch_size], num_samples, temperature,
                          max_new_tokens, turns=guess.MAX_TURNS if name() == "guess" else 1,
-                         generator=generator)
-            tokens, cmask, logp = e.tokens, e.mask, [e.logp]
+                         generator=generator, keep_hidden=return_hidden)
+            tokens, cmask, logp = e.tokens, e.mask, [e.logp, e.hidden]
         else:
             idx, mask = tokenizer.encode_batch(prompts[i:i + batch_size], device)
             tokens, cmask, _, *logp = sampler.generate(
                 model, idx, mask, max_new_tokens, tokenizer.stop_ids, tokenizer.pad_id,
                 num_samples=num_samples, temperature=temperature, generator=generator,
-                return_logprobs=return_logprobs, top_p=top_p)
+                return_logprobs=return_logprobs or return_hidden, top_p=top_p,
+                return_hidden=return_hidden)
         if name() == "guess":                   # its text, whatever the protocol wrote around it
             batch = [p for p in prompts[i:i + batch_size] for _ in range(num_samples)]
             texts += [guess.episode_text(p, t) for p, t in zip(batch, turn_texts(e, tokenizer))]
@@ -293,15 +296,16 @@ def complete(model, tokenizer, prompts, num_samples=1, temperature=0.0, max_new_
             texts += tokenizer.decode_completions(tokens, cmask)
         ids += kept(tokens, cmask) if return_ids or return_logprobs else []
         logps += kept(logp[0], cmask) if return_logprobs else []
+        hidden += [logp[-1][cmask > 0]] if return_hidden else []                  # (n, C)
         if done is not None:
             done(min(i + batch_size, len(prompts)))
     if return_logprobs:
-        return texts, ids, logps
+        return (texts, ids, logps, torch.cat(hidden)) if return_hidden else (texts, ids, logps)
     return (texts, ids) if return_ids else texts
 
 
 def turn_texts(ep, tokenizer):
-    """Each episode's turns (sampler.Episodes) as the policy wrote them, stop ids dropped."""
+    """Each episode's turns (episode.Episodes) as the policy wrote them, stop ids dropped."""
     out = []
     for row, turn, sampled in zip(ep.tokens.tolist(), ep.turn.tolist(), ep.sampled.tolist()):
         turns = {}
@@ -318,17 +322,23 @@ def kept(x, mask):
 
 
 @torch.no_grad()
-def sampled_logprobs(model, tokenizer, prompts, ids, temperature, chunk=64):
+def sampled_logprobs(model, tokenizer, prompts, ids, temperature, chunk=64, hidden=None):
     """The trainer's log-probs at `temperature` of completions as sampled (ids, one prompt each),
     every token in order, flat (N,) float32: the side sampler_logp_diff compares with the
-    sampler's, each sequence scored whole from slot 0 (completion_batch's layout)."""
-    device, parts = next(model.parameters()).device, []
+    sampler's, each sequence scored whole from slot 0 (completion_batch's layout). hidden: the
+    sampler's hidden states of those tokens (N, C): also sampler.sampler_kl of each (N,)."""
+    device, parts, kls, n = next(model.parameters()).device, [], [], 0
     for i in range(0, len(ids), chunk):
         tokens, attn, mask = completion_batch(prompts[i:i + chunk], ids[i:i + chunk], tokenizer,
                                               device)
-        logp = model(tokens[:, :-1], attn[:, :-1], targets=tokens[:, 1:], temperature=temperature)
-        parts.append(logp[mask > 0])
-    return torch.cat(parts)
+        h = model.hidden(tokens[:, :-1], attn[:, :-1])                  # model(..., targets=)
+        parts.append(model.head_logprobs(h, tokens[:, 1:], temperature)[mask > 0])
+        if hidden is not None:                                          # (1, n) -> (n,)
+            mine = hidden[n:n + len(parts[-1])][None]
+            kls.append(sampler.sampler_kl(model, mine, h[mask > 0][None], torch.ones_like(
+                parts[-1])[None], temperature)[0])
+            n += len(parts[-1])
+    return (torch.cat(parts), torch.cat(kls)) if hidden is not None else torch.cat(parts)
 
 
 class Rollout(NamedTuple):
@@ -344,17 +354,18 @@ class Rollout(NamedTuple):
 
 @torch.no_grad()
 def rollout(policy, tokenizer, prompts, group_size, temperature, max_new_tokens=None,
-            format_weight=0.0, generator=None, return_logprobs=False):
+            format_weight=0.0, generator=None, return_logprobs=False, return_hidden=False):
     """The RL scripts' rollout: group_size completions per prompt at `temperature` (the full
     softmax, no top-k), scored by the verifier; a Rollout on the policy's device.
-    return_logprobs: (Rollout, the sampler's log-probs (P*G, Tn)), see sampler.generate."""
+    return_logprobs: (Rollout, the sampler's log-probs (P*G, Tn), with return_hidden the hidden
+    states it drew from (P*G, Tn, C), else None), see sampler.generate."""
     device = next(policy.parameters()).device
     max_new_tokens = max_new_tokens or default_max_new_tokens()
     prompt, prompt_mask = tokenizer.encode_batch(prompts, device)             # (P, Tp)
     tokens, mask, truncated, *logp = sampler.generate(
         policy, prompt, prompt_mask, max_new_tokens, tokenizer.stop_ids, tokenizer.pad_id,
         num_samples=group_size, temperature=temperature, generator=generator,
-        return_logprobs=return_logprobs)
+        return_logprobs=return_logprobs, return_hidden=return_hidden)
     completions = tokenizer.decode_completions(tokens, mask)
     G = group_size
     rewards = torch.tensor([reward(prompts[i // G], c, format_weight)
@@ -363,7 +374,7 @@ def rollout(policy, tokenizer, prompts, group_size, temperature, max_new_tokens=
                            device=device)
     batch = Rollout(prompt.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0), tokens,
                     mask, truncated, rewards, correct)
-    return (batch, logp[0]) if return_logprobs else batch
+    return (batch, logp[0], logp[1] if return_hidden else None) if return_logprobs else batch
 
 
 def concat_rollouts(batches, pad_id):
@@ -380,7 +391,7 @@ def concat_rollouts(batches, pad_id):
 
 
 def environment(max_calls=None, tokenizer=None):
-    """The episodes' environment (sampler.Environment), each attempt scored by the verifier.
+    """The episodes' environment (episode.Environment), each attempt scored by the verifier.
     --tools: the chat template's protocol (tools.ChatTools for `tokenizer`). Else the tool task's
     compact one: calls <expression> answered by the calculator, the revision prompt between
     attempts."""
@@ -396,22 +407,22 @@ def environment(max_calls=None, tokenizer=None):
                 turn + [{"role": "user", "content": text}], tokenizer.encode_special,
                 tokenizer.encode) for r, text in guess.CHAT_REPLIES.items()}
         feedback = lambda p, turns: said.get(guess.feedback(p, turns))
-        return sampler.Environment(None, None, None, None, score, 0, None, feedback,
+        return episode.Environment(None, None, None, None, score, 0, None, feedback,
                                    tuple(said.values()))
     if protocol is not None:
-        return sampler.Environment(None, None, None, None, score, max_calls, protocol)
-    return sampler.Environment(toolcalc.CALL_OPEN, toolcalc.CALL_CLOSE, toolcalc.tool_reply,
+        return episode.Environment(None, None, None, None, score, max_calls, protocol)
+    return episode.Environment(toolcalc.CALL_OPEN, toolcalc.CALL_CLOSE, toolcalc.tool_reply,
                                toolcalc.revision, score, max_calls)
 
 
 def episodes(policy, tokenizer, prompts, group_size=1, temperature=1.0, max_new_tokens=None,
-             max_calls=None, turns=1, tool=True, generator=None):
-    """Episodes with the task's tools (sampler.episodes in `environment`), each attempt given
+             max_calls=None, turns=1, tool=True, generator=None, keep_hidden=False):
+    """Episodes with the task's tools (episode.sample in `environment`), each attempt given
     max_new_tokens (default: the task's), scored by the verifier."""
     env = environment(max_calls, tokenizer)
-    return sampler.episodes(policy, tokenizer, prompts, env, group_size,
-                            temperature, max_new_tokens or default_max_new_tokens(), turns, tool,
-                            generator)
+    return episode.sample(policy, tokenizer, prompts, env, group_size, temperature,
+                          max_new_tokens or default_max_new_tokens(), turns, tool, generator,
+                          keep_hidden)
 
 
 # -----------------------------------------------------------------------------

@@ -262,8 +262,9 @@ def main(args):
         # this rank's share
         prompts = run.shard(task.sample_prompts(run.rng, P, args.precedence_share))
         with run.autocast:
-            batch, sampler_logp = task.rollout(policy, tok, prompts, G, temp, args.max_new_tokens,
-                                               args.format_weight, run.gen, return_logprobs=True)
+            batch, sampler_logp, sampler_hidden = task.rollout(     # (B, Tn), (B, Tn, C) logged
+                policy, tok, prompts, G, temp, args.max_new_tokens, args.format_weight, run.gen,
+                return_logprobs=True, return_hidden=run.logging())
         mask, rewards = batch.mask, batch.rewards                                  # (B, Tn), (B,)
         run.samples += P * G
         t_rollout = time.perf_counter() - t_start
@@ -275,10 +276,13 @@ def main(args):
         # (B, Tn) each
         old_logits, old_logp, ref_logp = [], torch.zeros_like(mask), torch.zeros_like(mask)
         n_tokens = run.all_sum(mask.sum())                                      # N, over every rank
-        kl_ref = ent = 0.0
+        kl_ref = ent = sampler_kl = 0.0
         for rows, b in parts:
             with torch.no_grad(), run.autocast:
                 logits, ref_logits = logits_of(policy, b), logits_of(ref, b)      # (b, Tn, V)
+                if sampler_hidden is not None:     # KL(sampler || trainer) over the support
+                    sampler_kl += torch.where(b.mask > 0, kl(policy.logits(sampler_hidden[rows]),
+                                                             logits, temp), 0.0).sum() / n_tokens
             old_logits.append(logits)
             old_logp[rows], ref_logp[rows] = (logprobs(logits, b.tokens, temp),
                                               logprobs(ref_logits, b.tokens, temp))
@@ -371,6 +375,7 @@ def main(args):
                        "improve_ratio": ls.gain / (frac * expected) if frac * expected > 0 else 0.0,
                        "cg_residual": stats["cg_residual"], "grad_norm": g.norm().item(),
                        "sampler_logp_diff": sampler_diff,
+                       "sampler_kl": run.all_sum(sampler_kl).item(),
                        "step_norm": frac * full_step.norm().item(),
                        "kl_exact": run.all_sum(kl_ref).item(),
                        f"kl_{args.kl_estimator}": run.mean(kl_t, mask),

@@ -272,10 +272,10 @@ def run(args):
     real_enter, real_parked_step = parking.Parked.__enter__, parking.ParkedMoments.step
 
     def rollout(run, policy, tok, a):
-        batch, sampler_logp, rounds = real_rollout(run, policy, tok, a)
+        batch, *drawn, rounds = real_rollout(run, policy, tok, a)   # log-probs, hidden states
         timer.tokens, timer.rows = int(batch.mask.sum()), len(batch.mask)
         timer.real = int(batch.prompt_mask.sum() + batch.mask.sum())   # real tokens a forward reads
-        return batch, sampler_logp, rounds
+        return batch, *drawn, rounds
 
     def load_policy(self, *a, **k):                   # the policy and the reference, for the ledger
         policy, tok = real_load(self, *a, **k)

@@ -514,7 +514,7 @@ def call_style(source):
 
 
 class ChatTools:
-    """Episodes in a chat template's protocol (sampler.episodes, env.chat): the prompt rendered
+    """Episodes in a chat template's protocol (episode.sample, env.chat): the prompt rendered
     with the tools' schemas; a finished assistant turn's calls parsed and run; the replies
     rendered as the template's tool messages, then its next generation prompt: the environment's
     ids, from just after the model's end of turn (the model's own ids stay as it sampled them).

@@ -217,6 +217,7 @@ def parked_runs(module, argv, out, monkeypatch):
     log the same metrics (times aside). Returns the number of forwards of each parked model, in the
     order they were parked."""
     import plumbing
+    import episode
     import sampler
     from model import GPT
     from plumbing.parking import Parked
@@ -256,7 +257,7 @@ def parked_runs(module, argv, out, monkeypatch):
         monkeypatch.setattr(GPT, "hidden", hidden)
         monkeypatch.setattr(torch.Tensor, "backward", spy(real_backward))
         monkeypatch.setattr(sampler, "generate", spy(sampler.generate))
-        monkeypatch.setattr(sampler, "episodes", spy(sampler.episodes))
+        monkeypatch.setattr(episode, "sample", spy(episode.sample))
         torch.manual_seed(0)
         with as_a_process():
             module.main(module.parse_args([*argv, "--out", str(out / "parked")]))

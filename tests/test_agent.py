@@ -16,7 +16,7 @@ import pytest
 import tiktoken
 import torch
 
-import sampler
+import episode
 import task
 from agent import agent_loss, batch_std, episode_rewards, grpo_advantages
 from conftest import ROOT, refuses_all, run_script, task_args
@@ -43,6 +43,13 @@ class Scripted(torch.nn.Module):
         super().__init__()
         self.tok, self.respond, self.config = tok, respond, GPTConfig(vocab_size=tok.vocab_size)
         self.dummy = torch.nn.Parameter(torch.zeros(1))          # the device
+
+    def hidden(self, idx, mask=None, cache=None):   # the sampler's call; logits() reads its logits
+        self.out = self.forward(idx, mask, cache)
+        return torch.zeros(*self.out.shape[:-1], 1)
+
+    def logits(self, h, *args, **kwargs):
+        return self.out
 
     def forward(self, idx, mask=None, cache=None):
         if cache.length == 0:                                   # the prompts
@@ -148,19 +155,20 @@ def test_every_stop_id_ends_an_attempt_as_sampled_and_no_added_token_is_a_call_m
     and sampling ran on), and <|im_start|> does not close a call."""
     tok = Tokenizer.from_pretrained(os.path.join(os.path.dirname(__file__), "golden", "qwen3"))
     assert len(tok.stop_ids) == 2 and tok.stop_ids[1] != tok.eos_id
-    opens, closes = sampler._markers(tok, toolcalc.CALL_OPEN, toolcalc.CALL_CLOSE)
+    opens, closes = (episode._holding(tok, toolcalc.CALL_OPEN),
+                     set(episode._holding(tok, toolcalc.CALL_CLOSE)))
     assert (not (set(opens) | closes) & tok.added_ids
             and tok.encode_special("<|im_start|>")[0] in tok.added_ids)
     assert tok.encode("<")[0] in opens and tok.encode(">")[0] in closes
     env = task.environment(max_calls=2)
     for stop in tok.stop_ids:
-        e = sampler._Episode(turns=1)
+        e = episode._Episode(turns=1)
         for s in tok.encode("1#5") + [stop] + tok.encode("2"):
-            sampler._advance(e, s, tok, env, closes, [], 1, 36)
-        assert e.done and e.ids == tok.encode("1#5") + [stop] and e.who[-1] == sampler._POLICY
-    e = sampler._Episode(turns=1)
+            episode._advance(e, s, tok, env, closes, [], 1, 36)
+        assert e.done and e.ids == tok.encode("1#5") + [stop] and e.who[-1] == episode._POLICY
+    e = episode._Episode(turns=1)
     for s in tok.encode("<1+1") + tok.encode_special("<|im_start|>") + tok.encode("#2"):
-        sampler._advance(e, s, tok, env, closes, [], 1, 36)
+        episode._advance(e, s, tok, env, closes, [], 1, 36)
     assert e.calls == [0] and not e.queue      # no call closed, nothing of the environment's queued
 
 

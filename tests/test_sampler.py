@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import sampler
 from hf.tokenizer import Tokenizer
-from model import GPT, GPTConfig, completion_logits, completion_logprobs
+from model import GPT, GPTConfig, completion_hidden, completion_logits, completion_logprobs
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA (the CUDA graph)"))]
@@ -471,6 +471,85 @@ def test_ids_past_the_tokenizer_are_never_sampled_and_the_trainer_scores_the_sam
     over_all = everything[:, prompt.size(1) - 1:].gather(2, tokens[..., None]).squeeze(2)
     assert (over_all[real] - logp[real]).abs().mean() > 0.5           # what one support prevents
     assert model(prompt, pmask).shape[-1] == 30                       # the logits: the support only
+
+
+# -----------------------------------------------------------------------------
+# The sampler's whole distribution: its hidden states, and sampler_kl over the support
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_the_hidden_states_kept_are_those_each_token_was_drawn_from(mode):
+    """return_hidden: through the model's head and log-softmax, each kept state (N, Tn, C) gives
+    the sampler's own log-prob of the token drawn from it, the first token's (the prompt's last
+    position) included; the tokens and log-probs are those of a call without it."""
+    torch.manual_seed(2)
+    model = GPT(GPTConfig(vocab_size=12, n_layer=2, n_head=2, n_embd=16)).eval()
+    prompts, pmask = torch.randint(0, 10, (6, 4)), torch.ones(6, 4)
+    pmask[:2, :2] = 0                                                    # left padding
+    draw = lambda **k: sampler.generate(model, prompts, pmask, 9, 11, 10, num_samples=2,
+                                        temperature=1.4, mode=mode, return_logprobs=True,
+                                        generator=torch.Generator().manual_seed(3), **k)
+    tokens, mask, truncated, logp, hidden = draw(return_hidden=True)
+    assert hidden.shape == (*tokens.shape, 16)
+    for a, b in zip((tokens, mask, truncated, logp), draw()):
+        assert torch.equal(a, b)
+    with torch.no_grad():
+        again = model.logits(hidden).div(1.4).log_softmax(-1).gather(2, tokens[..., None])[..., 0]
+    real = mask > 0
+    torch.testing.assert_close(again[real], logp[real], rtol=0, atol=1e-6)
+
+
+def kl_float64(h_p, h_q, w, T):
+    """sum_v p_v (log p_v - log q_v): p, q = softmax(h W^T / T) of h_p, h_q; in float64."""
+    lp = (h_p.double() @ w.double().T / T).log_softmax(-1)
+    lq = (h_q.double() @ w.double().T / T).log_softmax(-1)
+    return (lp.exp() * (lp - lq)).sum(-1)
+
+
+def test_sampler_kl_is_kl_of_the_samplers_distribution_from_the_trainers():
+    """sampler_kl against float64 from its equation on random states: KL(sampler || trainer), not
+    the reverse (the two differ on these), 0 where masked, exactly 0 on equal states, and on the
+    trainer's positions: the last Tn of (B, T, C)."""
+    torch.manual_seed(5)
+    model = GPT(GPTConfig(vocab_size=50, n_layer=1, n_head=1, n_embd=8)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.normal_()                                  # logits of size ~10
+    B, Tn, T = 3, 4, 7
+    mine, h = torch.randn(B, Tn, 8) * 3, torch.randn(B, T, 8) * 3
+    mask = torch.ones(B, Tn)
+    mask[0, 2:] = 0
+    with torch.no_grad():
+        got = sampler.sampler_kl(model, mine, h, mask, temperature=0.7)
+        same = sampler.sampler_kl(model, h[:, -Tn:], h, mask, temperature=0.7)
+    want = kl_float64(mine, h[:, -Tn:], model.lm_head.weight, 0.7) * mask
+    reverse = kl_float64(h[:, -Tn:], mine, model.lm_head.weight, 0.7) * mask
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6)
+    assert (got.double() - reverse).abs().max() > 1 and (got[mask == 0] == 0).all()
+    assert (same == 0).all() and (got[mask > 0] > 0).all()
+
+
+def test_score_logs_the_samplers_kl_from_its_hidden_states():
+    """sampler.score on a logged step: sampler_kl is the mean over kl_mask's tokens of
+    sampler_kl (n_kl the count), about 0 for the sampler's own states (float32 sums in another
+    order) and the float64 figure for planted ones; not logged: 0.0."""
+    torch.manual_seed(6)
+    model = GPT(GPTConfig(vocab_size=12, n_layer=2, n_head=2, n_embd=16)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0, 0.3)                           # logits of size ~2
+    prompt, pmask = torch.randint(0, 10, (4, 3)), torch.ones(4, 3)
+    tokens, mask, _, logp, hidden = sampler.generate(
+        model, prompt, pmask, 6, 11, 10, temperature=1.0, return_logprobs=True,
+        return_hidden=True, generator=torch.Generator().manual_seed(7))
+    n = mask.sum()
+    run = lambda states, logged=True: sampler.score(model, model, prompt, pmask, tokens, mask, logp,
+                                                    1.0, [torch.arange(4)], logged, n_kl=n,
+                                                    sampler_hidden=states).sampler_kl
+    assert 0 <= float(run(hidden)) < 1e-7
+    planted = hidden + torch.randn_like(hidden)
+    with torch.no_grad():
+        h = completion_hidden(model, prompt, pmask, tokens, mask)
+    want = (kl_float64(planted, h[:, -tokens.size(1):], model.lm_head.weight, 1.0) * mask).sum() / n
+    assert float(run(planted)) == pytest.approx(float(want), rel=1e-4) and float(want) > 0.05
+    assert run(planted, logged=False) == 0.0
 
 
 def test_decoding_never_raises_on_an_id_the_model_can_emit():

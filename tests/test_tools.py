@@ -255,7 +255,7 @@ def test_a_tool_that_cannot_be_called_from_json_or_shares_a_name_is_refused():
 
 
 # -----------------------------------------------------------------------------
-# Episodes in a chat template's protocol (sampler.episodes with tools.ChatTools)
+# Episodes in a chat template's protocol (episode.sample with tools.ChatTools)
 
 class Turns(torch.nn.Module):
     """A policy that writes turns[n] in its n-th assistant turn (n: the times `opening` was written
@@ -267,6 +267,13 @@ class Turns(torch.nn.Module):
         self.config, self.opening, self.turns, self.after = (GPTConfig(vocab_size=vocab_size),
                                                              opening, turns, after)
         self.anchor = torch.nn.Parameter(torch.zeros(1))
+
+    def hidden(self, idx, mask=None, cache=None):   # the sampler's call; logits() reads its logits
+        self.out = self.forward(idx, mask, cache)
+        return torch.zeros(*self.out.shape[:-1], 1)
+
+    def logits(self, h, *args, **kwargs):
+        return self.out
 
     def forward(self, idx, mask=None, cache=None):
         if cache.length == 0:
