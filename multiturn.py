@@ -5,9 +5,10 @@ to 15 found by at most four guesses, each wrong one answered higher or lower (bi
 3.27 turns on average); every turn has a reward the environment computes (the information its
 answer gives), and the episode an outcome (found or not). --chat: each guess an assistant turn and
 each answer a user turn, in the checkpoint's chat template. --layout steps: each turn its own
-sample, sampled from and trained on the game so far as the template renders it then (a template
-that rewrites earlier turns, as Qwen3's drops earlier reasoning, is read as the model read it);
-the loss is the same sum, each turn's row normalised by its episode's |o_i|.
+sample, trained on the game so far as the template renders it then (as the model read it where a
+template rewrites earlier turns: Qwen3's drops earlier reasoning), each row normalised by its
+episode's |o_i|; --history k keeps the last k turns, summary none, the prompt saying the range
+still possible.
 
 Group of G episodes of one game, episode i, turn k (K_i turns), r_ik the turn's reward, O_i the
 outcome; every token the policy wrote in turn k gets A_ik, the environment's tokens none:
@@ -32,7 +33,6 @@ Deviations and choices:
   of one. GiGPO's episode term over the G episodes (Eq. 3; verl-agent's default: over the group's
   turns). MT-GRPO's lambda weighs the outcome (its trainer's coef, the turn term: 1 / lambda, the
   advantage times lambda). --official: the official numbers of all three (tests/test_multiturn.py).
-
 Shapes: P prompts, G episodes each, B = P*G rows; Tn episode tokens; K turns at most.
 Run (builds out/guess/sft.pt first, sft.py --task guess): python multiturn.py (--credit outcome)
     python multiturn.py --credit gigpo       # or mt_grpo, returns (experiments/multiturn_credit.py)
@@ -41,6 +41,7 @@ Metrics: out/guess/multiturn/metrics.jsonl (docs/metrics.md); checkpoint out/gue
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 import sampler
 import task
@@ -193,13 +194,20 @@ class Rows(NamedTuple):
     turn: torch.Tensor          # (R, Tn) int64: each token's turn
     episode: torch.Tensor       # (R,) int64: each row's episode
     texts: list                 # each episode's turns as written
+    hidden: object = None       # (R, Tn, C) the sampler's hidden states (logged steps)
 
 
-def step_prompt(tok, prompt, turns):
+def step_prompt(tok, prompt, turns, history=None):
     """The ids the policy reads before the turn after `turns`: through the chat template, the
     user's prompt, each turn and its answer, then the generation prompt, rendered whole (a
     template may write earlier turns otherwise than it did then); compact: the prompt, then each
-    turn, its end token and its answer."""
+    turn, its end token and its answer. history (--history): None, every turn; k, the last k
+    (an answer reads only its own guess); "summary", none, the prompt rewritten with the range
+    still possible (guess.summary)."""
+    if history == "summary":
+        prompt, turns = guess.summary(prompt, turns), []
+    elif history is not None:
+        turns = turns[len(turns) - history:] if history else []
     if tok.chat is not None:
         chat = [{"role": "user", "content": prompt}, *guess.messages(prompt, turns, True)]
         return tok.chat.encode(chat, tok.encode_special, tok.encode)
@@ -210,9 +218,10 @@ def step_prompt(tok, prompt, turns):
 
 
 def episode_rows(ep, tok):
-    """Rows of whole episodes (sampler.Episodes)."""
+    """Rows of whole episodes (episode.Episodes)."""
     return Rows(ep.prompt, ep.prompt_mask, ep.tokens, ep.mask, ep.sampled, ep.logp, ep.turn,
-                torch.arange(len(ep.tokens), device=ep.tokens.device), task.turn_texts(ep, tok))
+                torch.arange(len(ep.tokens), device=ep.tokens.device), task.turn_texts(ep, tok),
+                ep.hidden)
 
 
 def check_step_prompt(n, k, max_new_tokens, block_size):
@@ -225,39 +234,43 @@ def check_step_prompt(n, k, max_new_tokens, block_size):
                          f"context of {n + max_new_tokens}, or --layout episode")
 
 
-def check_step_prompts(policy, tok, max_new_tokens, K):
+def check_step_prompts(policy, tok, max_new_tokens, K, history=None):
     """Before any work: the longest held-out game's last turn after K - 1 misses (a template may
     write earlier turns longer as the game goes on: the episode's check cannot see it)."""
     prompt = max(task.eval_prompts(), key=len)
     misses = [str(n) for n in range(10, 16) if n != guess.secret(prompt)][:K - 1]
-    check_step_prompt(len(step_prompt(tok, prompt, misses)), K, max_new_tokens,
+    check_step_prompt(len(step_prompt(tok, prompt, misses, history)), K, max_new_tokens,
                       policy.config.block_size)
 
 
 @torch.no_grad()
-def step_rows(policy, tok, prompts, G, temperature, max_new_tokens, K, generator=None):
+def step_rows(policy, tok, prompts, G, temperature, max_new_tokens, K, generator=None,
+              keep_hidden=False, history=None):
     """G episodes a game sampled a turn at a time, each turn from step_prompt (ended by a stop id,
-    or by the budget, which ends the episode; a right guess ends it too): a row each turn."""
+    or by the budget, which ends the episode; a right guess ends it too): a row each turn, its
+    prompt what the policy read (history: step_prompt's)."""
     device = next(policy.parameters()).device
     games = [p for p in prompts for _ in range(G)]
     texts, live, made = [[] for _ in games], list(range(len(games))), []
     for k in range(K):
         if not live:
             break
-        prompts_k = [step_prompt(tok, games[i], texts[i]) for i in live]
+        prompts_k = [step_prompt(tok, games[i], texts[i], history) for i in live]
         check_step_prompt(max(map(len, prompts_k)), k + 1, max_new_tokens,
                           policy.config.block_size)
         prompt, prompt_mask = sampler.left_pad(prompts_k, tok.pad_id, device)
         tokens, mask, truncated, *logp = sampler.generate(
             policy, prompt, prompt_mask, max_new_tokens, tok.stop_ids, tok.pad_id,
-            temperature=temperature, generator=generator, return_logprobs=temperature > 0)
+            temperature=temperature, generator=generator, return_logprobs=temperature > 0,
+            return_hidden=keep_hidden)
         still = []
         for j, i in enumerate(live):
             n = int(mask[j].sum())
             ids = tokens[j, :n].tolist()
             texts[i].append(tok.decode([t for t in ids if t not in tok.stop_ids]))
             made.append((i, k, prompt[j][prompt_mask[j] > 0].tolist(), ids,
-                         logp[0][j, :n].tolist() if logp else [0.0] * n))
+                         logp[0][j, :n].tolist() if temperature > 0 else [0.0] * n,
+                         logp[-1][j, :n] if keep_hidden else None))
             if not truncated[j] and guess.feedback(games[i], texts[i]) is not None:
                 still.append(i)
         live = still
@@ -266,19 +279,22 @@ def step_rows(policy, tok, prompts, G, temperature, max_new_tokens, K, generator
     Tn = max(len(r[3]) for r in made)
     pad = lambda rows, v: torch.tensor([r + [v] * (Tn - len(r)) for r in rows], device=device)
     mask = pad([[1.0] * len(r[3]) for r in made], 0.0)
+    hidden = (torch.stack([F.pad(r[5], (0, 0, 0, Tn - len(r[5]))) for r in made])
+              if keep_hidden else None)                                  # (R, Tn, C)
     return Rows(prompt, prompt_mask, pad([r[3] for r in made], tok.pad_id), mask, mask,
                 pad([r[4] for r in made], 0.0),
                 torch.tensor([r[1] for r in made], device=device)[:, None].expand(-1, Tn),
-                torch.tensor([r[0] for r in made], device=device), texts)
+                torch.tensor([r[0] for r in made], device=device), texts, hidden)
 
 
-def sample(policy, tok, prompts, G, temperature, args, generator=None):
-    """--layout's rows of G episodes a game."""
+def sample(policy, tok, prompts, G, temperature, args, generator=None, keep_hidden=False):
+    """--layout's rows of G episodes a game (keep_hidden: and the sampler's hidden states)."""
     if args.layout == "steps":
         return step_rows(policy, tok, prompts, G, temperature, args.max_new_tokens,
-                         guess.MAX_TURNS, generator)
+                         guess.MAX_TURNS, generator, keep_hidden, history(args))
     return episode_rows(task.episodes(policy, tok, prompts, G, temperature, args.max_new_tokens,
-                                      0, guess.MAX_TURNS, generator=generator), tok)
+                                      0, guess.MAX_TURNS, generator=generator,
+                                      keep_hidden=keep_hidden), tok)
 
 
 def evaluate_turns(run, policy, tok, args):
@@ -297,6 +313,12 @@ def evaluate_turns(run, policy, tok, args):
 # -----------------------------------------------------------------------------
 # Hyperparameters
 
+def history(args):
+    """--history as step_prompt takes it: None (full), a number of turns, or "summary"."""
+    h = args.history
+    return None if h == "full" else h if h == "summary" else int(h)
+
+
 def parse_args(argv=None):
     p = parser(__doc__)
     g = p.add_argument_group("algorithm")
@@ -312,6 +334,10 @@ def parse_args(argv=None):
     g.add_argument("--layout", default="episode", choices=["episode", "steps"],
                    help="a row an episode, or a row a turn, its prompt re-rendered (what the "
                         "policy read where a template rewrites earlier turns)")
+    g.add_argument("--history", default="full",
+                   help="--layout steps: what a turn's prompt holds of the game so far: full, the "
+                        "last k turns (0 to the game's 4), or summary (the range still "
+                        "possible, in the prompt's words)")
     g.add_argument("--group_size", type=Int(ge=2), default=8, help="G: episodes sampled per game")
     g.add_argument("--clip_eps", type=Float(gt=0, le=1), default=0.2,
                    help="PPO clip: the ratio kept in [1-eps, 1+eps]")
@@ -339,6 +365,13 @@ def parse_args(argv=None):
     if args.task != "guess":
         p.error(f"--task {args.task}: multiturn.py's turns and their rewards are the guessing "
                 f"game's; allowed: --task guess")
+    allowed = {"full", "summary", *map(str, range(guess.MAX_TURNS + 1))}
+    if args.history not in allowed:
+        p.error(f"--history {args.history}: allowed: full, summary, or the last k turns, k from 0 "
+                f"to {guess.MAX_TURNS} (a game's turns)")
+    if args.history != "full" and args.layout != "steps":
+        p.error(f"--history {args.history} needs --layout steps: an episode's row is the whole "
+                f"game as one sequence")
     return args
 
 
@@ -353,14 +386,16 @@ def main(args):
                 for r in task.environment(0, tok).replies)
     run.check_lengths(policy, tok, args.max_new_tokens, turns=K, extra=(K - 1) * (reply + 1))
     if args.layout == "steps":
-        check_step_prompts(policy, tok, args.max_new_tokens, K)
+        check_step_prompts(policy, tok, args.max_new_tokens, K, history(args))
     train_policy = run.ddp(policy)  # DDP or --fsdp's shards under torchrun, else the policy
     optimizer = torch.optim.AdamW(trainable(train_policy), lr=args.lr, betas=(0.9, 0.99))
     run.resume(policy, optimizer)
     P, G, temp = args.prompts_per_step, args.group_size, args.temperature
     run.print(f"multi-turn ({args.credit} credit): {policy.num_params() / 1e6:.2f}M parameters "
               f"on {run.device}, {args.steps} steps of {P} games x {G} episodes of at most {K} "
-              f"turns, gamma {args.gamma}, turn weight {args.turn_weight}, beta {args.beta}")
+              f"turns, gamma {args.gamma}, turn weight {args.turn_weight}, beta {args.beta}, "
+              f"{args.layout} layout" + (f", history {args.history}" if args.layout == "steps"
+                                         else ""))
     if not args.resume:                                 # a fresh run: the starting policy is step 0
         run.log_start({**run.evaluate(policy, tok), **evaluate_turns(run, policy, tok, args)})
 
@@ -369,7 +404,7 @@ def main(args):
         #    (--layout steps) a turn, sampled from the game so far as the template renders it
         prompts = run.shard(task.sample_prompts(run.rng, P))
         with run.autocast:
-            ep = sample(policy, tok, prompts, G, temp, args, run.gen)
+            ep = sample(policy, tok, prompts, G, temp, args, run.gen, keep_hidden=run.logging())
         prompt, prompt_mask, tokens, mask = ep.prompt, ep.prompt_mask, ep.tokens, ep.mask
         run.samples += P * G
 
@@ -383,13 +418,14 @@ def main(args):
         lengths = torch.zeros(len(ep.texts), device=run.device).index_add_(
             0, ep.episode, ep.sampled.sum(1))[ep.episode]                            # (R,) |o_i|
 
-        # 3. score without gradient (sampler.score): pi_old and pi_ref; the KL and the entropy on
-        #    logged steps. --batch_invariant: pi_old is the sampler's
+        # 3. score without gradient (sampler.score): pi_old and pi_ref; the KL, the entropy and the
+        #    sampler's KL to the trainer on logged steps. --batch_invariant: pi_old is the sampler's
         n_seqs, n_tokens = run.all_sum(len(ep.texts)), run.all_sum(ep.sampled.sum())
         with ref_weights, run.autocast:
             scored = sampler.score(policy, ref, prompt, prompt_mask, tokens, mask, ep.logp, temp,
                                    run.micro_batches(len(mask)), run.logging(),
-                                   args.batch_invariant, kl_mask=ep.sampled, n_kl=n_tokens)
+                                   args.batch_invariant, kl_mask=ep.sampled, n_kl=n_tokens,
+                                   sampler_hidden=ep.hidden)
 
         # 4. one pass of the loss over the --grad_accum micro-batches, normalised by the step's
         #    counts
@@ -423,7 +459,8 @@ def main(args):
                           for k, v in stats.items()},
                        "advantage_abs": run.mean(turn_adv.abs(), present),
                        "grad_norm": grad_norm.item(),
-                       "sampler_logp_diff": run.max(scored.sampler_gap)}
+                       "sampler_logp_diff": run.max(scored.sampler_gap),
+                       "sampler_kl": run.all_sum(scored.sampler_kl).item()}
             if run.eval_due():
                 metrics.update({**run.evaluate(policy, tok), **evaluate_turns(run, policy, tok,
                                                                               args)})

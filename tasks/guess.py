@@ -86,6 +86,20 @@ def _possible(n, guesses):
     return left
 
 
+def summary(prompt, guesses):
+    """The game after `guesses` in the prompt's own words, the range still possible: "#482913
+    9-12?" (multiturn.py --history summary); a text that is not a game's prompt as it is."""
+    n, m = secret(prompt), _PROMPT.fullmatch(prompt) if isinstance(prompt, str) else None
+    if n is None:
+        return prompt
+    lo, hi = LOW, HIGH
+    for text in guesses:
+        g = parse_guess(text)
+        if g is not None and g != n and lo <= g <= hi:
+            lo, hi = (g + 1, hi) if n > g else (lo, g - 1)
+    return f"#{m.group(1)} {lo}-{hi}?"
+
+
 def turn_rewards(prompt, guesses):
     """Each turn's reward: log2(n_k / n_k+1) / log2(15), the information its answer gives."""
     n = secret(prompt)

@@ -49,7 +49,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import plumbing  # noqa: E402
 import task  # noqa: E402
-from model import completion_logprobs  # noqa: E402
+from model import completion_hidden, completion_logprobs  # noqa: E402
 from tasks import arithmetic, guess, toolcalc  # noqa: E402
 
 # completions padded to a fixed width: the same tensors whatever the batch
@@ -88,10 +88,10 @@ def fixed_tokens(tokenizer, prompts, group_size, device):
 
 
 def fixed_rollout(policy, tokenizer, prompts, group_size, temperature, max_new_tokens=None,
-                  format_weight=0.0, generator=None, return_logprobs=False):
+                  format_weight=0.0, generator=None, return_logprobs=False, return_hidden=False):
     """task.rollout's contract, with the fixed completions; return_logprobs: the policy's log-probs
     of them at the temperature, 0 after each row's end, as the sampler returns its own
-    (async_grpo.py's actors)."""
+    (async_grpo.py's actors), and with return_hidden its hidden states as the sampler's."""
     record("rollout", prompts=list(prompts), group_size=group_size)
     device, G = next(policy.parameters()).device, group_size
     prompt, prompt_mask = tokenizer.encode_batch(prompts, device)
@@ -107,18 +107,21 @@ def fixed_rollout(policy, tokenizer, prompts, group_size, temperature, max_new_t
         return batch
     with torch.no_grad():                                                     # (P*G, WIDTH)
         logp = completion_logprobs(policy, prompt, prompt_mask, tokens, mask, temperature)
-    return batch, torch.where(mask > 0, logp, 0.0)
+        hidden = (completion_hidden(policy, prompt, prompt_mask, tokens, mask)[:, -tokens.size(1):]
+                  if return_hidden else None)
+    return batch, torch.where(mask > 0, logp, 0.0), hidden
 
 
 def fixed_complete(model, tokenizer, prompts, num_samples=1, temperature=0.0, max_new_tokens=None,
                    batch_size=256, generator=None, return_ids=False, return_logprobs=False,
-                   top_p=None, done=None):
+                   top_p=None, done=None, return_hidden=False):
     """task.complete's contract, with the fixed completions (expert_iteration.py's and prm.py's
     samples) and the policy's log-probs of them as the sampler's; the tool task's evaluation
     (agent.py's) samples its episodes."""
     if task.name() in ("toolcalc", "guess"):
         return COMPLETE(model, tokenizer, prompts, num_samples, temperature, max_new_tokens,
-                        batch_size, generator, return_ids, return_logprobs, top_p, done)
+                        batch_size, generator, return_ids, return_logprobs, top_p, done,
+                        return_hidden)
     record("complete", prompts=list(prompts), n=num_samples)
     if done is not None:
         done(len(prompts))
@@ -129,8 +132,21 @@ def fixed_complete(model, tokenizer, prompts, num_samples=1, temperature=0.0, ma
                                                         for _ in range(num_samples)],
                                      ids, temperature).tolist()
         ends = torch.tensor([len(c) for c in ids]).cumsum(0).tolist()
-        return texts, ids, [flat[e - len(c):e] for c, e in zip(ids, ends)]
+        out = texts, ids, [flat[e - len(c):e] for c, e in zip(ids, ends)]
+        return (*out, sampled_hidden(model, tokenizer, prompts, num_samples, ids)) \
+            if return_hidden else out
     return (texts, ids) if return_ids else texts
+
+
+@torch.no_grad()
+def sampled_hidden(model, tokenizer, prompts, n, ids):
+    """The policy's final hidden states of every id in order, flat (sum of lengths, C), as the
+    sampler's (task.complete's return_hidden)."""
+    device, parts = next(model.parameters()).device, []
+    for p, c in zip([p for p in prompts for _ in range(n)], ids):
+        tokens, attn, mask = task.completion_batch([p], [c], tokenizer, device)
+        parts.append(model.hidden(tokens[:, :-1], attn[:, :-1])[mask > 0])
+    return torch.cat(parts)
 
 
 def fixed_episode(prompt, j, turns):
@@ -211,22 +227,29 @@ class Planned(torch.nn.Module):
         self.config, self.plans, self.eos_id, self.k = config, plans, eos_id, 0
         self.anchor = torch.nn.Parameter(torch.zeros(1, device=device))  # next(parameters()).device
 
-    def forward(self, idx, mask=None, cache=None):
+    def hidden(self, idx, mask=None, cache=None):
         self.k = 0 if cache.length == 0 else self.k + 1                 # the position being sampled
         cache.length += idx.size(1)
-        logits = torch.zeros(idx.size(0), idx.size(1), self.config.vocab_size, device=idx.device)
+        return torch.zeros(idx.size(0), idx.size(1), self.config.n_embd, device=idx.device)
+
+    def logits(self, h, *args, **kwargs):
+        out = torch.zeros(*h.shape[:-1], self.config.vocab_size, device=h.device)
+        last = out if out.dim() == 2 else out[:, -1]
         for i, plan in enumerate(self.plans):
-            logits[i, -1, plan[self.k] if self.k < len(plan) else self.eos_id] = 100.0
-        return logits
+            last[i, plan[self.k] if self.k < len(plan) else self.eos_id] = 100.0
+        return out
+
+    def forward(self, idx, mask=None, cache=None):
+        return self.logits(self.hidden(idx, mask, cache))
 
 
 def fixed_episodes(policy, tokenizer, prompts, group_size=1, temperature=1.0, max_new_tokens=None,
-                   max_calls=None, turns=1, tool=True, generator=None):
+                   max_calls=None, turns=1, tool=True, generator=None, keep_hidden=False):
     """task.episodes with the planned policy when agent.py samples for training (a generator and
     --max_calls given); the held-out evaluation's (greedy, or task.complete's samples) as is."""
     if generator is None or max_calls is None:
         return EPISODES(policy, tokenizer, prompts, group_size, temperature, max_new_tokens,
-                        max_calls, turns, tool)
+                        max_calls, turns, tool, keep_hidden=keep_hidden)
     record("episodes", prompts=list(prompts), group_size=group_size)
     protocol = task.chat_tools(tokenizer)
     if protocol is not None:
@@ -239,7 +262,7 @@ def fixed_episodes(policy, tokenizer, prompts, group_size=1, temperature=1.0, ma
                       plan(p, j)), []) for p in prompts for j in range(group_size)]
     planned = Planned(policy.config, plans, next(policy.parameters()).device, tokenizer.eos_id)
     return EPISODES(planned, tokenizer, prompts, group_size, temperature, max_new_tokens, max_calls,
-                    turns, tool, generator)
+                    turns, tool, generator, keep_hidden)
 
 
 class PlannedTurns(torch.nn.Module):
@@ -252,10 +275,14 @@ class PlannedTurns(torch.nn.Module):
         self.config, self.turns, self.eos_id, self.plans, self.k = config, turns, eos_id, [], 0
         self.anchor = torch.nn.Parameter(torch.zeros(1, device=device))
 
-    def hidden(self, idx, mask, cache):                   # the prompts: each row's plan found
-        self.plans = [self.turns[tuple(row[m > 0].tolist())].pop(0) for row, m in zip(idx, mask)]
-        self.k = 0
-        return torch.zeros(idx.size(0), idx.size(1), 1, device=idx.device)
+    def hidden(self, idx, mask, cache):
+        if cache.length == 0:                             # the prompts: each row's plan found
+            self.plans = [self.turns[tuple(row[m > 0].tolist())].pop(0)
+                          for row, m in zip(idx, mask)]
+            self.k = -1
+        self.k += 1                                       # the position being sampled
+        cache.length += idx.size(1)
+        return torch.zeros(idx.size(0), idx.size(1), self.config.n_embd, device=idx.device)
 
     def logits(self, h, *args, **kwargs):
         out = torch.zeros(*h.shape[:-1], self.config.vocab_size, device=h.device)
@@ -265,8 +292,7 @@ class PlannedTurns(torch.nn.Module):
         return out
 
     def forward(self, idx, mask=None, cache=None):
-        self.k += 1
-        return self.logits(torch.zeros(idx.size(0), idx.size(1), 1, device=idx.device))
+        return self.logits(self.hidden(idx, mask, cache))
 
 
 def fixed_step_rows(script):
@@ -274,9 +300,11 @@ def fixed_step_rows(script):
     training (a generator given); the held-out evaluation's as is."""
     step_rows = script.step_rows
 
-    def step_rows_(policy, tok, prompts, G, temperature, max_new_tokens, K, generator=None):
-        if generator is None:
-            return step_rows(policy, tok, prompts, G, temperature, max_new_tokens, K, generator)
+    def step_rows_(policy, tok, prompts, G, temperature, max_new_tokens, K, generator=None,
+                   keep_hidden=False, history=None):
+        if generator is None or history is not None:     # the plans key on the full history
+            return step_rows(policy, tok, prompts, G, temperature, max_new_tokens, K, generator,
+                             keep_hidden, history)
         record("episodes", prompts=list(prompts), group_size=G)
         turns = {}                                 # step prompt ids -> its turns' ids, j's order
         for p in prompts:
@@ -290,7 +318,8 @@ def fixed_step_rows(script):
                         said.append(text)
         planned = PlannedTurns(policy.config, turns, next(policy.parameters()).device,
                                tok.eos_id)
-        return step_rows(planned, tok, prompts, G, temperature, max_new_tokens, K, generator)
+        return step_rows(planned, tok, prompts, G, temperature, max_new_tokens, K, generator,
+                         keep_hidden)
     script.step_rows = step_rows_
 
 
@@ -304,8 +333,9 @@ def fixed_ppo_rollout(policy, tok, prompts, temperature, max_new_tokens, generat
     with torch.no_grad():
         logp = (completion_logprobs(policy, idx, idx_mask, tokens, mask, temperature)
                 if temperature > 0 else torch.zeros_like(mask))
+        hidden = completion_hidden(policy, idx, idx_mask, tokens, mask)[:, -tokens.size(1):]
     return (torch.cat([idx, tokens], 1), torch.cat([idx_mask, mask], 1), idx.size(1), tokens, mask,
-            truncated, torch.where(mask > 0, logp, 0.0))
+            truncated, torch.where(mask > 0, logp, 0.0), hidden)
 
 
 def recording_batches():

@@ -402,6 +402,7 @@ def test_batch_invariant_makes_the_episodes_log_probs_the_trainers(layout, guess
     assert p.returncode == 0, p.stderr[-2000:]
     rows = [json.loads(line) for line in open(tmp_path / "multiturn" / "metrics.jsonl")]
     assert [r["sampler_logp_diff"] for r in rows[1:]] == [0.0, 0.0]
+    assert [r["sampler_kl"] for r in rows[1:]] == [0.0, 0.0]            # over the whole support
 
 
 def test_bad_input_is_one_line(guess_sft, tmp_path):
@@ -613,3 +614,32 @@ def test_step_rows_are_sampled_from_each_turns_prompt(guess_sft):
         assert ids[-1] in tok.stop_ids or k == len(rows.texts[i]) - 1
     assert [seen[i] + 1 for i in sorted(seen)] == [len(t) for t in rows.texts]
     assert (rows.logp[rows.mask > 0] < 0).all() and max(len(t) for t in rows.texts) > 1
+
+
+def test_history_windows_and_summarises_a_turns_prompt():
+    """--history k: the prompt then the last k turns with their answers (an answer reads its own
+    guess); 0: the prompt alone; summary: the prompt rewritten with the range still possible;
+    full (None): every turn. By hand on one game."""
+    tok = Tokenizer()
+    prompt = next(p for p in guess.eval_prompts() if guess.secret(p) == 11)
+    turns = ["8", "12", "x"]                           # higher, lower, unread
+    full = multiturn.step_prompt(tok, prompt, turns)
+    assert tok.decode(full).endswith("8" + tok.decode([tok.eos_id]) + "> 12"
+                                     + tok.decode([tok.eos_id]) + "< x" + tok.decode([tok.eos_id])
+                                     + "? ")
+    assert multiturn.step_prompt(tok, prompt, turns, 3) == full
+    last = multiturn.step_prompt(tok, prompt, turns, 1)
+    assert last == tok.encode_prompt(prompt) + tok.encode("x") + [tok.eos_id] + tok.encode("? ")
+    assert multiturn.step_prompt(tok, prompt, turns, 0) == tok.encode_prompt(prompt)
+    said = guess.summary(prompt, turns)
+    assert said == prompt.replace("1-15", "9-11")      # 8 too low, 12 too high, x read as nothing
+    assert multiturn.step_prompt(tok, prompt, turns, "summary") == tok.encode_prompt(said)
+    assert guess.summary(prompt, []) == prompt and guess.summary("no game", ["3"]) == "no game"
+
+
+def test_history_bad_input_is_one_line(tmp_path):
+    refuses_all("multiturn.py", [(["--layout", "steps", "--history", "-1"], ["--history -1"]),
+                                 (["--layout", "steps", "--history", "5"],
+                                  ["--history 5", "0 to 4"]),
+                                 (["--history", "1"], ["--history 1 needs --layout steps"])],
+                tmp_path)
