@@ -500,8 +500,9 @@ def test_the_hidden_states_kept_are_those_each_token_was_drawn_from(mode):
 
 def kl_float64(h_p, h_q, w, T):
     """sum_v p_v (log p_v - log q_v): p, q = softmax(h W^T / T) of h_p, h_q; in float64."""
-    lp = (h_p.double() @ w.double().T / T).log_softmax(-1)
-    lq = (h_q.double() @ w.double().T / T).log_softmax(-1)
+    w = w.detach().double()
+    lp = (h_p.double() @ w.T / T).log_softmax(-1)
+    lq = (h_q.double() @ w.T / T).log_softmax(-1)
     return (lp.exp() * (lp - lq)).sum(-1)
 
 
