@@ -138,6 +138,9 @@ def add_run_flags(parser, script, log_every, eval_every):
     add("--eval_top_p", type=Float(gt=0, le=1), default=1.0,
         help="held-out sampling's nucleus (0.95 in SimpleRL-Zoo's and DeepSeek-R1's reports)")
     add("--eval_k", type=Int(ge=1), default=1, help="held-out samples a problem (sampled)")
+    add("--pass_at_1_every", type=Int(ge=1), default=None,
+        help="the sampled pass@1 (4 samples a problem at T 1: 4x the greedy pass) at evaluations "
+             "every this many steps; default: the first and the last step's alone")
     add("--report_to", default="none", metavar="TRACKER",
         help="mirror every logged row live: tensorboard (into <out>/<script>/, the package "
              "installed apart), or none")

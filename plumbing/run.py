@@ -125,6 +125,7 @@ class Run(Distributed, Models):
         self.rng = random.Random(args.seed)                                 # draws the prompts
         self.gen = torch.Generator(device=self.device).manual_seed(args.seed + self.rank)  # samples
         self.step, self.before, self.last_eval, self.eval_step = 0, None, None, -1
+        self.eval_s = 0.0                                        # the last evaluation's seconds
         self.tokenizer_name, self.tokenizer_files = None, None   # the policy's: kept in checkpoints
         self.sources = {}                                        # abspath -> fingerprint of a load
         self.interrupted, self.current = False, 0                # current: the step in progress
@@ -395,16 +396,21 @@ class Run(Distributed, Models):
         if not self.is_main:
             self.eval_step = self.step
             return {}
-        t, prompts = time.time(), task.eval_prompts()[:self.args.eval_n]
+        t, prompts, a = time.time(), task.eval_prompts()[:self.args.eval_n], self.args
+        # the sampled pass@1 (4x the greedy pass's rows) at the first and last step alone, unless
+        # asked for more often
+        every = getattr(a, "pass_at_1_every", None)
+        sampled = self.step in (0, self.total_steps) or bool(every and self.step % every == 0)
         if self.loading:                     # the starting policy's: minutes on a busy CPU
             self.print(f"evaluating the starting policy on {len(prompts)} held-out problems")
-        a = self.args
         with self.autocast:
             self.last_eval = evaluation.evaluate(
                 model, tok, prompts, a.eval_temperature, a.eval_top_p, a.eval_k, a.seed,
-                getattr(a, "max_new_tokens", None),
-                progress=live.Progress("evaluating (prompts of both passes)", self.print))
-        self.t_log += time.time() - t                        # evaluation is not training time
+                getattr(a, "max_new_tokens", None), num_samples=4 if sampled else 0,
+                progress=live.Progress("evaluating" + (" (prompts of both passes)" if sampled
+                                                       else ""), self.print))
+        self.eval_s = time.time() - t                        # printed with the held-out line
+        self.t_log += self.eval_s                            # evaluation is not training time
         self.eval_step, self.loading = self.step, False
         return dict(self.last_eval)
 
@@ -439,7 +445,7 @@ class Run(Distributed, Models):
             metrics["elapsed_s"] = now - self.t0
         self.t_log, self.tokens = now, 0
         if "eval_accuracy" in metrics:
-            line += f" | held-out {evaluation.line(metrics)}"
+            line += f" | held-out {evaluation.line(metrics)} ({self.eval_s:.0f} s)"
         if self.isolation is None and sandbox.isolation():  # once, before the first step's line
             self.isolation = sandbox.isolation()
             self.print(self.isolation)
@@ -512,8 +518,10 @@ class Run(Distributed, Models):
             prec = final["eval_accuracy_precedence"]
             split = split if prec == prec else ""              # NaN: no precedence split (gsm8k)
             summary = (f"held-out {evaluation.name(final)} {b('eval_accuracy')}"
-                       f"{final['eval_accuracy']:.3f}{split} | sampled pass@1 "
-                       f"{b('eval_pass_at_1')}{final['eval_pass_at_1']:.3f}")
+                       f"{final['eval_accuracy']:.3f}{split}")
+            if "eval_pass_at_1" in final:
+                summary += (f" | sampled pass@1 {b('eval_pass_at_1')}"
+                            f"{final['eval_pass_at_1']:.3f}")
         samples = f" | {self.samples:,} completions sampled" if self.samples else ""
         self.print(f"done: {self.step} steps in {time.time() - self.t0:.0f}s | {summary}{samples} "
                    f"| wrote {self.ckpt_path}")

@@ -12,7 +12,7 @@ import torch
 import evaluation
 import sampler
 import task
-from conftest import ROOT, refuses_all, run_script, task_args
+from conftest import ROOT, refuses_all, run_metrics, run_script, task_args
 from hf.checkpoint import load_checkpoint
 from hf.tokenizer import Tokenizer
 from model import GPT, GPTConfig
@@ -99,6 +99,34 @@ def test_evaluation_samples_within_the_runs_own_budget(monkeypatch):
     seen.clear()
     evaluation.evaluate(tiny_policy(), Tokenizer(), task.eval_prompts()[:4], num_samples=2)
     assert seen == [task.default_max_new_tokens()] * 2
+    seen.clear()                                     # num_samples 0: the greedy pass alone
+    evaluation.evaluate(tiny_policy(), Tokenizer(), task.eval_prompts()[:4], num_samples=0,
+                        max_new_tokens=5)
+    assert seen == [5]
+
+
+def test_the_sampled_pass_at_1_runs_at_the_first_and_last_step_unless_asked(tmp_path):
+    """A run's evaluations at steps 0, 1, 2, 3 and 4 (the last): the sampled pass@1 at 0 and 4
+    alone, at every even step with --pass_at_1_every 2; its value at step 4 is the same either
+    way (the evaluation draws from its own seed), and so is every greedy number."""
+    def evals(*extra):
+        out = tmp_path / f"run{len(extra)}"
+        p = run_script("grpo.py", ["--init", TINY_SFT, "--out", str(out), "--steps", "4",
+                                   "--eval_every", "1", "--eval_n", "16", "--prompts_per_step",
+                                   "2", "--group_size", "2", *extra], env={"OMP_NUM_THREADS": "1"})
+        assert p.returncode == 0, p.stderr
+        return [r for r in run_metrics(str(out), "grpo") if "eval_accuracy" in r], p.stdout
+    default, printed = evals()
+    every2, _ = evals("--pass_at_1_every", "2")
+    assert [r["step"] for r in default] == [0, 1, 2, 3, 4]
+    assert ["eval_pass_at_1" in r for r in default] == [True, False, False, False, True]
+    assert ["eval_pass_at_1" in r for r in every2] == [True, False, True, False, True]
+    assert default[-1]["eval_pass_at_1"] == every2[-1]["eval_pass_at_1"]
+    drop = lambda r: {k: v for k, v in r.items() if k != "eval_pass_at_1"}
+    assert list(map(drop, default)) == list(map(drop, every2))
+    assert "sampled pass@1" in printed.splitlines()[-1]         # the summary line still has it
+    refuses_all("grpo.py", [(["--pass_at_1_every", "0"], ["--pass_at_1_every", ">= 1"])],
+                tmp_path)
 
 
 
