@@ -276,27 +276,28 @@ def main(args):
         beta = (torch.where(ep.turn == 0, args.stage1_beta, args.beta) if stage1
                 else torch.full_like(mask, args.beta))
 
-        # 3. score without gradient (sampler.score): pi_old and pi_ref of every token (the
-        #    environment's for the log), each model's forward once; on a logged step the exact KL,
-        #    the entropy and the sampler's KL to the trainer on the policy's tokens.
-        #    --batch_invariant: pi_old is the sampler's
+        # 3. score without gradient (sampler.score): pi_ref of every token (the environment's for
+        #    the log), and at mu > 1 pi_old (at mu = 1: step 4's own forward, detached); on a
+        #    logged step the exact KL, the entropy and the sampler's KL to the trainer on the
+        #    policy's tokens. --batch_invariant: pi_old is the sampler's
         n_seqs, n_tokens = run.all_sum(len(mask)), run.all_sum(loss_mask.sum())  # over all ranks
         with ref_weights, run.autocast:
             scored = score(policy, ref, prompt, prompt_mask, tokens, mask, ep.logp, temp,
                            run.micro_batches(len(mask)), run.logging(), args.batch_invariant,
                            kl_mask=ep.sampled, n_kl=run.all_sum(ep.sampled.sum()),
-                           sampler_hidden=ep.hidden)
-        old_logp, ref_logp = scored.old_logp, scored.ref_logp                    # (B, Tn)
+                           sampler_hidden=ep.hidden, policy_pass=args.mu > 1)
 
         # 4. mu passes of the loss over the --grad_accum micro-batches, normalised by the whole
         #    step's counts
         for epoch in range(args.mu):
             loss, stats = 0.0, {}
             for rows in run.micro_batches(len(mask), train_policy):
-                with run.autocast:                                           # (b, Tn) log pi_theta
-                    logp = completion_logprobs(train_policy, prompt[rows], prompt_mask[rows],
-                                               tokens[rows], mask[rows], temp)
-                part, part_stats = agent_loss(logp, old_logp[rows], ref_logp[rows],
+                with run.autocast:               # (b, Tn) log pi_theta, (b, T, C) its states
+                    logp, h = completion_logprobs(train_policy, prompt[rows], prompt_mask[rows],
+                                                  tokens[rows], mask[rows], temp,
+                                                  return_hidden=True)
+                old_logp = scored.own(rows, logp, h) if args.mu == 1 else scored.old_logp[rows]
+                part, part_stats = agent_loss(logp, old_logp, scored.ref_logp[rows],
                                               advantages[rows], loss_mask[rows], args.clip_eps,
                                               beta[rows], args.kl_estimator, n_seqs, n_tokens)
                 run.check_finite(part, f"lower --lr (now {args.lr})")

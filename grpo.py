@@ -22,7 +22,7 @@ sequence; CISPO (2506.13585), SAPO (2511.20347), DPPO (2602.04879) --loss_type c
 
 Deviations and choices the papers leave open:
 1. mu passes over the whole batch (no minibatches); pi_old is scored once per batch (step 2),
-   with the weights that sampled it.
+   with the weights that sampled it; at mu = 1 it is the loss forward's own, detached (as TRL).
 2. A group whose rewards are all equal gets advantage exactly 0 (never 0/0).
 3. The reward is the task's verifier (1 correct, else 0; --format_weight adds a format bonus).
 4. Small scale: a 0.8M-parameter policy, AdamW at a constant learning rate.
@@ -440,16 +440,16 @@ def main(args):
                                                  args.overlong_buffer)
         run.samples += rounds * P * G
 
-        # 2. score without gradient (sampler.score): pi_old and pi_ref of every token, each
-        #    model's forward once through the function step 4 calls (on-policy, the same bits); on
-        #    a logged step the exact KL, the entropy and the sampler's KL to the trainer.
-        #    --batch_invariant: pi_old is the sampler's
+        # 2. score without gradient (sampler.score): pi_ref of every token, and at mu > 1 pi_old,
+        #    through the function step 4 calls (on-policy, the same bits). At mu = 1 pi_old is step
+        #    4's own forward, detached (scored.own), one forward fewer. On a logged step the exact
+        #    KL, the entropy and the sampler's KL to the trainer. --batch_invariant: pi_old is the
+        #    sampler's
         n_seqs, n_tokens = run.all_sum(len(mask)), run.all_sum(mask.sum())  # the step's, all ranks
         with ref_weights, run.autocast:
             scored = score(policy, ref, prompt, prompt_mask, tokens, mask, sampler_logp, temp,
                            run.micro_batches(len(mask)), run.logging(), args.batch_invariant,
-                           n_kl=n_tokens, sampler_hidden=sampler_hidden)
-        old_logp, ref_logp = scored.old_logp, scored.ref_logp                    # (B, Tn)
+                           n_kl=n_tokens, sampler_hidden=sampler_hidden, policy_pass=args.mu > 1)
 
         # 3. advantages (B,): the group is the baseline (--maxrl: and the scale)
         if args.maxrl:
@@ -465,11 +465,14 @@ def main(args):
         for epoch in range(args.mu):
             loss, stats = 0.0, {}
             for rows in run.micro_batches(len(mask), train_policy):
-                with run.autocast:                                           # (b, Tn) log pi_theta
-                    logp = completion_logprobs(train_policy, prompt[rows], prompt_mask[rows],
-                                               tokens[rows], mask[rows], temp)
-                part, part_stats = grpo_loss(logp, old_logp[rows], ref_logp[rows], advantages[rows],
-                                             mask[rows], settings, n_seqs, n_tokens)
+                with run.autocast:               # (b, Tn) log pi_theta, (b, T, C) its states
+                    logp, h = completion_logprobs(train_policy, prompt[rows], prompt_mask[rows],
+                                                  tokens[rows], mask[rows], temp,
+                                                  return_hidden=True)
+                old_logp = scored.own(rows, logp, h) if args.mu == 1 else scored.old_logp[rows]
+                part, part_stats = grpo_loss(logp, old_logp, scored.ref_logp[rows],
+                                             advantages[rows], mask[rows], settings, n_seqs,
+                                             n_tokens)
                 run.check_finite(part, hint)
                 part.backward()
                 loss = loss + part.detach()

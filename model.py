@@ -422,13 +422,16 @@ class GPT(nn.Module):
         V = self.config.support
         return out[..., :V] if out.size(-1) > V else out                   # head_weight(pad)
 
-    def forward(self, idx, mask=None, cache=None, targets=None, temperature=1.0, fused=None):
+    def forward(self, idx, mask=None, cache=None, targets=None, temperature=1.0, fused=None,
+                return_hidden=False):
         """Logits (B, T, V) float32: position t predicts token t + 1. With targets (B, Tn): the
-        float32 log-probs (B, Tn) of the targets at the last Tn positions (head_logprobs)."""
+        float32 log-probs (B, Tn) of the targets at the last Tn positions (head_logprobs), and
+        return_hidden: the final hidden states (B, T, C) they came from too."""
         h = self.hidden(idx, mask, cache)
         if targets is None:
             return self.logits(h)
-        return self.head_logprobs(h, targets, temperature, fused)
+        logp = self.head_logprobs(h, targets, temperature, fused)
+        return (logp, h) if return_hidden else logp
 
     def head_logprobs(self, h, targets, temperature=1.0, fused=None):
         """log pi(targets) (B, Tn) float32 at `temperature` from hidden states h (B, T, C) whose
@@ -493,17 +496,22 @@ def completion_logits(model, prompt, prompt_mask, tokens, mask):
     return model(idx[:, :-1], attn[:, :-1])[:, prompt.size(1) - 1:]        # (B, Tn, V)
 
 
-def token_logprobs(model, idx, mask, targets, temperature=1.0, fused=None):
+def token_logprobs(model, idx, mask, targets, temperature=1.0, fused=None, return_hidden=False):
     """log pi(targets) (B, Tn) float32 read at the last Tn positions of model(idx, mask), through
-    GPT.head_logprobs (also through a DistributedDataParallel wrapper: its forward)."""
-    return model(idx, mask, targets=targets, temperature=temperature, fused=fused)
+    GPT.head_logprobs (also through a DistributedDataParallel wrapper: its forward); return_hidden:
+    and the final hidden states (B, T, C)."""
+    return model(idx, mask, targets=targets, temperature=temperature, fused=fused,
+                 return_hidden=return_hidden)
 
 
-def completion_logprobs(model, prompt, prompt_mask, tokens, mask, temperature=1.0, fused=None):
-    """log pi(token_t | prompt, tokens_<t) (B, Tn) float32: completion_logits' positions."""
+def completion_logprobs(model, prompt, prompt_mask, tokens, mask, temperature=1.0, fused=None,
+                        return_hidden=False):
+    """log pi(token_t | prompt, tokens_<t) (B, Tn) float32: completion_logits' positions;
+    return_hidden: and completion_hidden's states, the same forward's (sampler.Scored.own)."""
     idx = torch.cat([prompt, tokens], dim=1)                               # (B, Tp+Tn)
     attn = torch.cat([prompt_mask, mask], dim=1)
-    return token_logprobs(model, idx[:, :-1], attn[:, :-1], tokens, temperature, fused)
+    return token_logprobs(model, idx[:, :-1], attn[:, :-1], tokens, temperature, fused,
+                          return_hidden)
 
 
 def completion_hidden(model, prompt, prompt_mask, tokens, mask):
@@ -515,15 +523,17 @@ def completion_hidden(model, prompt, prompt_mask, tokens, mask):
     return model.hidden(idx[:, :-1], attn[:, :-1])
 
 
-def kl_entropy(policy, ref, h, h_ref, mask, temperature=1.0, chunk=1024):
+def kl_entropy(policy, ref, h, h_ref, mask, temperature=1.0, chunk=1024, ref_head=None):
     """The exact KL(pi || ref) over the support and pi's entropy, (B, Tn) float32 each, where
-    mask (B, Tn) is 1 (0 elsewhere), from both models' completion_hidden: `chunk` positions'
-    logits at a time, so the [B, T, V] logits (9.3 GiB for 8 Qwen2.5 rows of 1280) never exist."""
+    mask (B, Tn) is 1 (0 elsewhere), from both models' completion_hidden (or their last Tn):
+    `chunk` positions' logits at a time, so the [B, T, V] logits (9.3 GiB for 8 Qwen2.5 rows of
+    1280) never exist. ref_head: ref.head_weight(pad=True), made already."""
     B, Tn = mask.shape
     real = mask > 0
     hp, hq = h[:, -Tn:][real], h_ref[:, -Tn:][real]                        # (n, C) real only
     kl_t, ent_t = torch.zeros(B, Tn, device=mask.device), torch.zeros(B, Tn, device=mask.device)
-    wp, wq = policy.head_weight(pad=True), ref.head_weight(pad=True)       # made once
+    wp = policy.head_weight(pad=True)                                      # made once
+    wq = ref.head_weight(pad=True) if ref_head is None else ref_head
     kls, ents = [], []
     for i in range(0, hp.size(0), chunk):
         lp = policy.logits(hp[i:i + chunk], wp, fast=True)                 # (chunk, V) float32

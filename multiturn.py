@@ -418,23 +418,24 @@ def main(args):
         lengths = torch.zeros(len(ep.texts), device=run.device).index_add_(
             0, ep.episode, ep.sampled.sum(1))[ep.episode]                            # (R,) |o_i|
 
-        # 3. score without gradient (sampler.score): pi_old and pi_ref; the KL, the entropy and the
-        #    sampler's KL to the trainer on logged steps. --batch_invariant: pi_old is the sampler's
+        # 3. score without gradient (sampler.score): pi_ref (pi_old is step 4's own forward,
+        #    detached); the KL, the entropy and the sampler's KL to the trainer on logged steps.
+        #    --batch_invariant: pi_old is the sampler's
         n_seqs, n_tokens = run.all_sum(len(ep.texts)), run.all_sum(ep.sampled.sum())
         with ref_weights, run.autocast:
             scored = sampler.score(policy, ref, prompt, prompt_mask, tokens, mask, ep.logp, temp,
                                    run.micro_batches(len(mask)), run.logging(),
                                    args.batch_invariant, kl_mask=ep.sampled, n_kl=n_tokens,
-                                   sampler_hidden=ep.hidden)
+                                   sampler_hidden=ep.hidden, policy_pass=False)
 
         # 4. one pass of the loss over the --grad_accum micro-batches, normalised by the step's
         #    counts
         loss, stats = 0.0, {}
         for rows in run.micro_batches(len(mask), train_policy):
-            with run.autocast:                                               # (b, Tn) log pi_theta
-                logp = completion_logprobs(train_policy, prompt[rows], prompt_mask[rows],
-                                           tokens[rows], mask[rows], temp)
-            part, part_stats = agent_loss(logp, scored.old_logp[rows], scored.ref_logp[rows],
+            with run.autocast:                   # (b, Tn) log pi_theta, (b, T, C) its states
+                logp, h = completion_logprobs(train_policy, prompt[rows], prompt_mask[rows],
+                                              tokens[rows], mask[rows], temp, return_hidden=True)
+            part, part_stats = agent_loss(logp, scored.own(rows, logp, h), scored.ref_logp[rows],
                                           advantages[rows], ep.sampled[rows], args.clip_eps,
                                           args.beta, args.kl_estimator, n_seqs, n_tokens,
                                           lengths[rows])

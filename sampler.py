@@ -24,7 +24,6 @@ Shapes: N = B * num_samples rows, Tp prompt length, Tn new tokens, V the support
 """
 import copy
 import weakref
-from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -354,13 +353,42 @@ def left_pad(seqs, pad_id, device="cpu"):
 # -----------------------------------------------------------------------------
 # Scoring what was sampled: step 2 of grpo, rloo, reinforce, agent and multiturn
 
-class Scored(NamedTuple):
-    old_logp: torch.Tensor      # (B, Tn) log pi_old of each token
-    ref_logp: torch.Tensor      # (B, Tn) log pi_ref
-    kl_exact: object            # KL(pi || ref) over kl_mask's tokens / n_kl (logged), else 0.0
-    entropy: object             # pi's entropy over the same tokens (logged), else 0.0
-    sampler_gap: object         # (B, Tn) |sampler's - trainer's log-prob| on kl_mask (logged)
-    sampler_kl: object = 0.0    # KL(sampler || trainer) over the same tokens / n_kl (logged)
+class Scored:
+    """What score() gives step 4 and the log: old_logp and ref_logp (B, Tn); on a logged step the
+    exact KL(pi || ref) and pi's entropy over kl_mask's tokens / n_kl, sampler_gap (B, Tn) |the
+    sampler's - the trainer's log-prob| on kl_mask and sampler_kl (else 0.0, 0.0, None, 0.0)."""
+
+    def __init__(self, policy, ref, sampler_logp, kl_mask, n_kl, temperature, logged, invariant,
+                 sampler_hidden):
+        self.policy, self.ref, self.sampler_logp, self.kl_mask = policy, ref, sampler_logp, kl_mask
+        self.n_kl, self.T, self.logged, self.invariant = n_kl, temperature, logged, invariant
+        self.sampler_hidden, self.h_ref, self.ref_head = sampler_hidden, None, None
+        self.old_logp = sampler_logp.clone() if invariant else torch.zeros_like(kl_mask)
+        self.ref_logp = torch.zeros_like(kl_mask)
+        self.kl_exact = self.entropy = self.sampler_kl = 0.0
+        self.sampler_gap = torch.zeros_like(kl_mask) if logged else None
+
+    @torch.no_grad()
+    def own(self, rows, logp, h, h_ref=None):
+        """The policy's log-probs of `rows` (b, Tn) and the hidden states (b, T, C) they came from
+        are pi_old's (--batch_invariant: the sampler's stay); logged: the KL and the rest from h.
+        Returns pi_old of `rows`. One pass of the loss (mu = 1) calls it with its own forward."""
+        if not self.invariant:
+            self.old_logp[rows] = logp.detach()
+        if self.logged:                                # (b, Tn) each
+            mask, h = self.kl_mask[rows], h.detach()
+            h_ref = self.h_ref[rows] if h_ref is None else h_ref
+            kl_t, ent_t = kl_entropy(self.policy, self.ref, h, h_ref, mask, self.T,
+                                     ref_head=self.ref_head)
+            self.kl_exact += kl_t.sum() / self.n_kl                         # KL(pi || ref)
+            self.entropy += ent_t.sum() / self.n_kl
+            if self.sampler_hidden is not None:
+                self.sampler_kl += sampler_kl(self.policy, self.sampler_hidden[rows], h, mask,
+                                              self.T).sum() / self.n_kl
+            # how far the trainer's log-probs are from those the sampler drew with (same weights)
+            self.sampler_gap[rows] = torch.where(mask > 0, (self.sampler_logp[rows] -
+                                                            logp.detach()).abs(), 0.0)
+        return self.old_logp[rows]
 
 
 def sampler_kl(policy, sampler_hidden, h, mask, temperature=1.0):
@@ -372,29 +400,28 @@ def sampler_kl(policy, sampler_hidden, h, mask, temperature=1.0):
 
 @torch.no_grad()
 def score(policy, ref, prompt, prompt_mask, tokens, mask, sampler_logp, temperature, parts,
-          logged, invariant=False, kl_mask=None, n_kl=1, sampler_hidden=None):
+          logged, invariant=False, kl_mask=None, n_kl=1, sampler_hidden=None, policy_pass=True):
     """Scored: each model's forward once per part (a micro-batch's rows) through the loss's own
     completion_logprobs path (pi_old is the trainer's log-prob bit for bit). logged: also the exact
     KL(pi || ref) and the entropy (model.kl_entropy) over kl_mask (default mask) / n_kl. invariant
     (--batch_invariant): pi_old is sampler_logp, the same bits; the policy scores when logged.
-    sampler_hidden (B, Tn, C), logged: also sampler_kl over kl_mask / n_kl."""
-    kl_mask = mask if kl_mask is None else kl_mask
-    old_logp, ref_logp = torch.zeros_like(mask), torch.zeros_like(mask)      # (B, Tn)
-    kl_exact = ent = skl = 0.0
+    sampler_hidden (B, Tn, C), logged: also sampler_kl over kl_mask / n_kl. policy_pass False (one
+    pass of the loss): the reference alone; the loss forward gives the rest (Scored.own)."""
+    Tn = mask.size(1)
+    s = Scored(policy, ref, sampler_logp, mask if kl_mask is None else kl_mask, n_kl, temperature,
+               logged, invariant, sampler_hidden)
+    if logged and not policy_pass:               # for Scored.own: the reference's head, kept
+        s.ref_head = ref.head_weight(pad=True)       # a copy (F.pad): a parked ref's goes away
     for rows in parts:                                 # (b, Tp+Tn-1, C) final hidden states
         h_ref = completion_hidden(ref, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
-        ref_logp[rows] = ref.head_logprobs(h_ref, tokens[rows], temperature)
-        if logged or not invariant:
+        s.ref_logp[rows] = ref.head_logprobs(h_ref, tokens[rows], temperature)
+        if not policy_pass:
+            if logged:                                 # (B, Tn, C): the completion's alone
+                s.h_ref = s.h_ref if s.h_ref is not None else h_ref.new_zeros(*mask.shape,
+                                                                              h_ref.size(-1))
+                s.h_ref[rows] = h_ref[:, -Tn:]
+        elif logged or not invariant:
             h = completion_hidden(policy, prompt[rows], prompt_mask[rows], tokens[rows],
                                   mask[rows])
-            old_logp[rows] = policy.head_logprobs(h, tokens[rows], temperature)
-        if logged:                                     # (b, Tn) each
-            kl_t, ent_t = kl_entropy(policy, ref, h, h_ref, kl_mask[rows], temperature)
-            kl_exact += kl_t.sum() / n_kl                                   # KL(pi || ref)
-            ent += ent_t.sum() / n_kl
-        if logged and sampler_hidden is not None:
-            skl += sampler_kl(policy, sampler_hidden[rows], h, kl_mask[rows],
-                              temperature).sum() / n_kl
-    # how far the trainer's log-probs are from those the sampler drew with (same weights)
-    gap = torch.where(kl_mask > 0, (sampler_logp - old_logp).abs(), 0.0) if logged else None
-    return Scored(sampler_logp if invariant else old_logp, ref_logp, kl_exact, ent, gap, skl)
+            s.own(rows, policy.head_logprobs(h, tokens[rows], temperature), h, h_ref)
+    return s

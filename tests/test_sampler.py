@@ -647,3 +647,43 @@ def test_score_is_the_float64_reference_over_any_micro_batches_and_kl_mask():
     assert torch.equal(logged.old_logp, sampler_logp)                      # the sampler's bits
     assert torch.equal(logged.sampler_gap,
                        torch.where(mask > 0, (sampler_logp - whole.old_logp).abs(), 0.0))
+
+
+def test_one_pass_of_the_loss_gives_score_what_the_policy_pass_would():
+    """policy_pass=False (mu = 1): the reference alone in score, then Scored.own on each part with
+    the loss's own forward (with gradient, completion_logprobs(return_hidden=True)) gives pi_old,
+    the KL, the entropy, the gap and sampler_kl equal bit for bit to the policy pass's, logged or
+    not, --batch_invariant or not; the reference may be parked (its weights gone) meanwhile: a
+    support of 256 rows, whose head weight is the parameter itself (no padding, no cast)."""
+    from plumbing.parking import Parked
+    policy, ref = peaked_model(1, 256), peaked_model(2, 256)
+    g = torch.Generator().manual_seed(1)
+    B, Tp, Tn, T = 5, 4, 6, 0.7
+    prompt, tokens = (torch.randint(3, 200, (B, n), generator=g) for n in (Tp, Tn))
+    prompt_mask, mask = torch.ones(B, Tp), torch.ones(B, Tn)
+    prompt_mask[0, :2] = mask[1, 4:] = mask[2, 2:] = 0
+    kl_mask = mask.clone()
+    kl_mask[4, 0] = 0
+    sampler_logp = -torch.rand(B, Tn, generator=g)
+    hidden = torch.randn(B, Tn, policy.config.n_embd, generator=g)   # the sampler's states
+    parts = [slice(0, 2), slice(2, B)]
+    parked = Parked(ref)
+    fields = ("old_logp", "ref_logp", "kl_exact", "entropy", "sampler_gap", "sampler_kl")
+    for logged, inv in ((True, False), (False, False), (True, True), (False, True)):
+        with parked:
+            want = sampler.score(policy, ref, prompt, prompt_mask, tokens, mask, sampler_logp, T,
+                                 parts, logged, inv, kl_mask, 7.0, hidden)
+            got = sampler.score(policy, ref, prompt, prompt_mask, tokens, mask, sampler_logp, T,
+                                parts, logged, inv, kl_mask, 7.0, hidden, policy_pass=False)
+        assert all(p.untyped_storage().size() == 0 for p in ref.parameters())   # parked again
+        for rows in parts:
+            logp, h = completion_logprobs(policy, prompt[rows], prompt_mask[rows], tokens[rows],
+                                          mask[rows], T, return_hidden=True)
+            assert logp.requires_grad
+            old = got.own(rows, logp, h)
+            assert not old.requires_grad and torch.equal(old, want.old_logp[rows])
+        for f in fields:
+            a, b = getattr(want, f), getattr(got, f)
+            assert (a is None and b is None) or torch.equal(torch.as_tensor(a),
+                                                            torch.as_tensor(b)), (f, logged, inv)
+        assert (float(got.kl_exact) > 0 and float(got.sampler_kl) > 0) == logged
