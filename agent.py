@@ -332,7 +332,8 @@ def main(args):
                        "entropy": run.all_sum(scored.entropy).item(),
                        **stats, "turns": run.mean(ep.policy_turns),
                        "completion_len": run.mean(ep.sampled.sum(1)),
-                       "env_tokens": run.mean(env.sum(1)), "env_logp": run.mean(old_logp, env),
+                       "env_tokens": run.mean(env.sum(1)),
+                       "env_logp": run.mean(scored.old_logp, env),
                        "truncated": run.mean(ep.truncated.float()), "grad_norm": grad_norm.item(),
                        "sampler_logp_diff": run.max(scored.sampler_gap),
                        "sampler_kl": run.all_sum(scored.sampler_kl).item()}
