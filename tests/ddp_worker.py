@@ -470,5 +470,9 @@ if __name__ == "__main__":
     # this rank's log-probs are NaN
     if os.environ.get("DDP_WORKER_NAN_RANK") == os.environ.get("RANK", "0"):
         completion_logprobs = script.completion_logprobs
-        script.completion_logprobs = lambda *a, **k: completion_logprobs(*a, **k) * float("nan")
+
+        def nan_logprobs(*a, **k):                  # (and the hidden states, when asked for)
+            got = completion_logprobs(*a, **k)
+            return (got[0] * float("nan"), got[1]) if isinstance(got, tuple) else got * float("nan")
+        script.completion_logprobs = nan_logprobs
     script.main(script.parse_args(argv))
