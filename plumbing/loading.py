@@ -51,6 +51,38 @@ def pick_device(requested=None):
     return requested
 
 
+def busy_cores(seconds=0.25):
+    """How many cores other work keeps busy now: /proc/stat's share of time not idle over
+    `seconds` (without /proc: the 1-minute load average)."""
+    def times():
+        with open("/proc/stat") as f:
+            t = [int(x) for x in f.readline().split()[1:9]]   # user .. steal (guest is in user)
+        return t[3] + t[4], sum(t)                               # idle + iowait, all
+    try:
+        idle0, all0 = times()
+        time.sleep(seconds)
+        idle1, all1 = times()
+    except (OSError, ValueError, IndexError):
+        return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    return os.cpu_count() * (1 - (idle1 - idle0) / max(all1 - all0, 1))
+
+
+def pick_threads(device):
+    """On a CPU without OMP_NUM_THREADS: as many torch threads as the cores other work leaves free,
+    at least 1. Every OpenMP region waits at a barrier for its slowest thread, so a thread that
+    shares a core with other work stalls all of them: a default grpo.py step on 2 AMD EPYC cores
+    (bench/threads.py, torch 2.13) took 1.38 s with 2 threads and 2.14 with 1 when idle, but 3.87 s
+    against 2.11 beside one busy process and 15.9 against 3.6 beside two. Returns the line that
+    names the choice, or None where nothing was chosen."""
+    if not device.startswith("cpu") or os.environ.get("OMP_NUM_THREADS"):
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    busy = busy_cores()
+    torch.set_num_threads(max(1, min(cores, round(cores - busy))))
+    return (f"{torch.get_num_threads()} torch thread(s): {cores} cores, {busy:.1f} busy with "
+            "other work (OMP_NUM_THREADS=N sets it)")
+
+
 def autocast(device):
     """The precision every script computes in on `device`: bfloat16 autocast on a GPU, nothing
     elsewhere. Its cache of cast weights is off: with it, a forward without gradient (or under

@@ -45,8 +45,8 @@ from lora import add_adapters
 from model import GPT, GPTConfig
 from plumbing.distributed import Distributed
 from plumbing.flags import RM_PATH, SFT_PATH, default_path
-from plumbing.loading import (BUILDING, Models, autocast, check_modes, pick_device, read_checkpoint,
-                              seed_everything)
+from plumbing.loading import (BUILDING, Models, autocast, check_modes, pick_device, pick_threads,
+                              read_checkpoint, seed_everything)
 from plumbing import live
 from plumbing.lock import OutputLock
 
@@ -112,6 +112,7 @@ class Run(Distributed, Models):
                              f"{len(task.eval_prompts())}, the held-out problems of --task "
                              f"{task.name()}")
         self.device = pick_device(args.device)
+        self.threads = pick_threads(self.device)          # a CPU's: what the load leaves free
         self.ckpt_path = os.path.join(args.out, f"{name}.pt")
         self.metrics_path = os.path.join(args.out, name, "metrics.jsonl")
         self.live = live.Mirror(getattr(args, "report_to", "none"), os.path.dirname(
@@ -124,8 +125,7 @@ class Run(Distributed, Models):
         seed_everything(args.seed)
         self.rng = random.Random(args.seed)                                 # draws the prompts
         self.gen = torch.Generator(device=self.device).manual_seed(args.seed + self.rank)  # samples
-        self.step, self.before, self.last_eval, self.eval_step = 0, None, None, -1
-        self.eval_s = 0.0                                        # the last evaluation's seconds
+        self.step, self.before, self.last_eval, self.eval_step, self.eval_s = 0, None, None, -1, 0.0
         self.tokenizer_name, self.tokenizer_files = None, None   # the policy's: kept in checkpoints
         self.sources = {}                                        # abspath -> fingerprint of a load
         self.interrupted, self.current = False, 0                # current: the step in progress
@@ -165,7 +165,7 @@ class Run(Distributed, Models):
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._stop)
         sys.excepthook = self._uncaught
-        self.print(self.task)
+        self.print(self.task + (f"; {self.threads}" if self.threads else ""))
         self.isolation = None                # what bounds a chat template's and a tool's code
         if getattr(args, "offload_optimizer", False) and not self.device.startswith("cuda"):
             self.print(f"note: --offload_optimizer parks AdamW's moments in host memory on CUDA "

@@ -846,3 +846,31 @@ def test_resume_refuses_other_tools_or_no_chat(tmp_path):
         run.args = SimpleNamespace(**{**saved, **changed})
         with pytest.raises(SystemExit, match=words):
             run._check_task_resume(saved)
+
+
+def test_a_cpu_run_takes_the_threads_other_work_leaves_free(monkeypatch):
+    """Without OMP_NUM_THREADS: cores minus the cores busy with other work, rounded, at least 1, and
+    the line naming it; with it set, nothing is chosen. busy_cores sees a busy process beside it."""
+    cores = len(os.sched_getaffinity(0))
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        assert loading.pick_threads("cpu") is None and torch.get_num_threads() == before
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        assert loading.pick_threads("cuda") is None
+        for busy, want in ((0.0, cores), (0.4, cores), (0.6, cores - 1), (cores - 0.4, 1),
+                           (cores + 3.0, 1)):
+            monkeypatch.setattr(loading, "busy_cores", lambda: busy)
+            line = loading.pick_threads("cpu")
+            assert torch.get_num_threads() == max(want, 1), (busy, line)
+            assert line.startswith(f"{max(want, 1)} torch thread(s): {cores} cores, {busy:.1f}")
+        monkeypatch.undo()
+        spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            time.sleep(0.5)
+            assert loading.busy_cores() >= 0.7           # more, never less, on a loaded machine
+        finally:
+            spin.kill()
+            spin.wait()
+    finally:
+        torch.set_num_threads(before)
