@@ -53,18 +53,18 @@ def pick_device(requested=None):
 
 def busy_cores(seconds=0.25):
     """How many cores other work keeps busy now: /proc/stat's share of time not idle over
-    `seconds` (without /proc: the 1-minute load average)."""
+    `seconds`, less this process's own (its OpenMP threads spin a while after each parallel
+    region); without /proc, the 1-minute load average."""
     def times():
         with open("/proc/stat") as f:
             t = [int(x) for x in f.readline().split()[1:9]]   # user .. steal (guest is in user)
-        return t[3] + t[4], sum(t)                               # idle + iowait, all
+        return t[3] + t[4], sum(t), time.process_time(), time.time()  # idle + iowait, all, own
     try:
-        idle0, all0 = times()
-        time.sleep(seconds)
-        idle1, all1 = times()
+        (idle0, all0, own0, t0), _, (idle1, all1, own1, t1) = times(), time.sleep(seconds), times()
     except (OSError, ValueError, IndexError):
         return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    return os.cpu_count() * (1 - (idle1 - idle0) / max(all1 - all0, 1))
+    busy = os.cpu_count() * (1 - (idle1 - idle0) / max(all1 - all0, 1))
+    return max(0.0, busy - (own1 - own0) / max(t1 - t0, 1e-9))
 
 
 def pick_threads(device):

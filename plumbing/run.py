@@ -221,10 +221,8 @@ class Run(Distributed, Models):
             if flag == "init":
                 policy_config = ckpt["config"]
                 self.chat_date = self.chat_date or ckpt.get("chat_date")
-        if getattr(args, "chat", False):
-            self.chat_date = self.chat_date or datetime.date.today().isoformat()
-        else:
-            self.chat_date = None
+        self.chat_date = (self.chat_date or datetime.date.today().isoformat()
+                          if getattr(args, "chat", False) else None)
         if getattr(args, "lora_rank", 0):                    # targets and rank, on a meta twin
             with torch.device("meta"):
                 model = GPT(GPTConfig(**policy_config))
@@ -304,6 +302,8 @@ class Run(Distributed, Models):
         ignore = {"resume", "steps", "epochs", "log_every", "eval_every", "device"}
         changed = [f"--{k} {saved[k]} -> {v}" for k, v in vars(args).items()
                    if k in saved and k not in ignore and saved[k] != v]
+        if self.threads and ckpt.get("threads"):        # chosen, not set: the run's own count
+            torch.set_num_threads(ckpt["threads"])
         if ckpt.get("threads", torch.get_num_threads()) != torch.get_num_threads():
             changed.append(f"torch threads {ckpt['threads']} -> {torch.get_num_threads()} "
                            f"(OMP_NUM_THREADS: bit-exact only with the same count)")

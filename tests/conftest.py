@@ -15,10 +15,11 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):   # pytest-xdist: the cores shared among the workers
-    share = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
-    threads = os.environ.setdefault("OMP_NUM_THREADS", str(share))  # and the processes tests start
-    torch.set_num_threads(int(threads) if threads.isdigit() else share)
+# pytest-xdist: the cores shared among the workers; set even with -n 0, so that no run a test makes
+# picks its threads from the machine's load (plumbing/loading.py:pick_threads)
+share = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1))
+threads = os.environ.setdefault("OMP_NUM_THREADS", str(share))  # and the processes tests start
+torch.set_num_threads(int(threads) if threads.isdigit() else share)
 import task  # noqa: E402
 from inprocess import (as_a_process, bindings, leaks, put_back, rebound,  # noqa: E402,F401
                        restore, run_in_process, snapshot)

@@ -874,3 +874,19 @@ def test_a_cpu_run_takes_the_threads_other_work_leaves_free(monkeypatch):
             spin.wait()
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_resumed_run_keeps_the_thread_count_it_chose(tmp_path, monkeypatch):
+    """A run that chose 1 thread (a busy machine) resumes at 1 when the machine is idle, so that it
+    continues bit for bit; its first line names the choice."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    flags = ["--init", os.path.join(ROOT, "tests", "fixtures", "tiny_sft.pt"), "--out",
+             str(tmp_path), "--prompts_per_step", "2", "--group_size", "2", "--eval_n", "4"]
+    monkeypatch.setattr(loading, "busy_cores", lambda: 64.0)
+    p = run_script("grpo.py", flags + ["--steps", "1"])
+    assert p.returncode == 0 and "1 torch thread(s)" in p.stdout.splitlines()[0], p.stdout
+    monkeypatch.setattr(loading, "busy_cores", lambda: 0.0)
+    p = run_script("grpo.py", flags + ["--steps", "2", "--resume"])
+    assert p.returncode == 0 and "resuming from" in p.stdout, p.stderr
+    assert "torch threads" not in p.stdout                    # no change of count to report
+    assert load_checkpoint(str(tmp_path / "grpo.pt"))[1]["threads"] == 1
