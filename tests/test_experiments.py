@@ -1,4 +1,5 @@
-"""The pure functions of experiments/results.py, kl_estimators.py and forward_reverse_kl.py:
+"""The pure functions of experiments/results.py, kl_estimators.py, forward_reverse_kl.py and
+multiturn_credit.py:
 hand-worked values, float64 references written here from the definitions, and exact expectations
 over small enumerable categoricals (where E_{y ~ p}[...] is a finite sum). The sweeps themselves are
 benchmarks, not tests; results.py's table and figures are checked end to end on a synthetic runs
@@ -16,6 +17,7 @@ from conftest import ROOT, refused, run_script
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 import forward_reverse_kl as frk  # noqa: E402
 import kl_estimators as kle  # noqa: E402
+import multiturn_credit  # noqa: E402
 import results  # noqa: E402
 
 
@@ -378,3 +380,26 @@ def test_early_experience_refuses_a_device_or_a_checkpoint_it_cannot_use_before_
     absent = not os.path.exists(os.path.join(ROOT, "out", "early_experience"))
     refused(run_script("experiments/early_experience.py", ["--sft", str(junk)]), "--sft", "junk.pt")
     assert not absent or not os.path.exists(os.path.join(ROOT, "out", "early_experience"))
+
+
+# -----------------------------------------------------------------------------
+# experiments/multiturn_credit.py (and multiturn_history.py, which shares it)
+
+def test_a_runs_curve_is_read_as_turns_sampled_and_compared_at_equal_turns(tmp_path):
+    """read: the turns sampled by each eval step (turns a game x games a step, summed over the
+    logged steps); found_at: the curve at any number of turns, interpolated linearly, its points
+    exact and past its end its last value."""
+    rows = [{"step": 0, "eval_found": 0.5, "eval_turns": 3.5},
+            {"step": 1, "turns": 2.0, "samples": 10},
+            {"step": 2, "turns": 3.0, "samples": 20, "eval_found": 0.7, "eval_turns": 3.4},
+            {"step": 3, "turns": 4.0, "samples": 30},
+            {"step": 4, "turns": 1.0, "samples": 40, "eval_found": 0.9, "eval_turns": 3.3}]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = multiturn_credit.read(str(path))               # 10 games a step
+    assert got["curve"] == [(0, 0.5), (50, 0.7), (100, 0.9)] and got["sampled"] == 100
+    assert (got["before"], got["after"], got["turns_before"], got["turns_after"]) == \
+        (0.5, 0.9, 3.5, 3.3)
+    at = lambda turns: multiturn_credit.found_at(got["curve"], turns)
+    assert (at(0), at(50), at(100), at(500)) == (0.5, 0.7, 0.9, 0.9)
+    assert at(25) == pytest.approx(0.6, abs=1e-15) and at(75) == pytest.approx(0.8, abs=1e-15)
