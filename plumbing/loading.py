@@ -52,18 +52,27 @@ def pick_device(requested=None):
 
 
 def busy_cores(seconds=0.25):
-    """How many cores other work keeps busy now: /proc/stat's share of time not idle over
-    `seconds`, less this process's own (its OpenMP threads spin a while after each parallel
-    region); without /proc, the 1-minute load average."""
+    """How many of the cores this process may run on other work keeps busy now: their /proc/stat
+    time not idle over `seconds`, less this process's own (its OpenMP threads spin a while after
+    each parallel region); without /proc, the 1-minute load average."""
+    mine = {f"cpu{i}" for i in os.sched_getaffinity(0)} if hasattr(os, "sched_getaffinity") \
+        else None
+
     def times():
+        idle = total = 0
         with open("/proc/stat") as f:
-            t = [int(x) for x in f.readline().split()[1:9]]   # user .. steal (guest is in user)
-        return t[3] + t[4], sum(t), time.process_time(), time.time()  # idle + iowait, all, own
+            for line in f:
+                name, *t = line.split()
+                if name.startswith("cpu") and name != "cpu" and (mine is None or name in mine):
+                    t = [int(x) for x in t[:8]]          # user .. steal (guest is in user)
+                    idle, total = idle + t[3] + t[4], total + sum(t)   # idle + iowait, all
+        return idle, total, time.process_time(), time.time()
     try:
         (idle0, all0, own0, t0), _, (idle1, all1, own1, t1) = times(), time.sleep(seconds), times()
     except (OSError, ValueError, IndexError):
         return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    busy = os.cpu_count() * (1 - (idle1 - idle0) / max(all1 - all0, 1))
+    cores = len(mine) if mine else os.cpu_count()
+    busy = cores * (1 - (idle1 - idle0) / max(all1 - all0, 1))
     return max(0.0, busy - (own1 - own0) / max(t1 - t0, 1e-9))
 
 
