@@ -215,8 +215,8 @@ def sample(policy, tokenizer, prompts, env, group_size=1, temperature=1.0, max_n
                 e.logp += [x] * (len(e.ids) - len(e.logp))
         if all(e.done for e in state):
             break
-        h = policy.hidden(torch.tensor(written, device=device)[:, None],
-                          torch.ones(B, 1, device=device), cache)             # (B, 1, C)
+        h = policy.hidden(torch.tensor(written, device=device)[:, None], None,
+                          cache)                                  # (B, 1, C) the step: all real
         logits = policy.logits(h)[:, -1].float()
     T = max(len(e.ids) for e in state)
     pad = lambda rows, v: torch.tensor([r + [v] * (T - len(r)) for r in rows], device=device)

@@ -172,6 +172,7 @@ class KVCache:
         self.key_mask = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
         self.next_pos = torch.zeros(batch_size, dtype=torch.long, device=device)  # the next's
         self.length = 0                  # cached time steps, padding included
+        self.longest = 0                 # max(next_pos) on the host: the step's block_size check
         self.max_len = max_len
 
     @classmethod
@@ -340,24 +341,30 @@ class GPT(nn.Module):
 
     def hidden(self, idx, mask=None, cache=None):
         """Final hidden states (B, T, C) of idx (B, T), mask (B, T) 1 = real, 0 = padding. With
-        a cache, idx is the next chunk (the prompt, then a token at a time), appended to it."""
+        a cache, idx is the next chunk, appended to it; one token a row with mask None (the
+        sampler's step) reads the cache's key_mask and next_pos: no mask built, no host sync."""
         B, T = idx.shape
-        mask = torch.ones(B, T, device=idx.device) if mask is None else mask
-        real = mask > 0                                                     # (B, T) bool
         start = 0 if cache is None else cache.length
-        offset = 0 if cache is None else cache.next_pos[:, None]
-        pos = (offset + real.long().cumsum(1) - 1).clamp(min=0)             # (B, T) positions
-        if pos.numel() and pos.max() >= self.config.block_size:   # (a rank's empty micro-batch)
-            raise ValueError(f"a sequence of {int(pos.max()) + 1} real tokens exceeds block_size "
-                             f"= {self.config.block_size}; shorten it or build the model with a "
+        step = cache is not None and mask is None and T == 1
+        if step:
+            pos, top = cache.next_pos[:, None].clone(), cache.longest + 1   # (B, 1) positions
+        else:
+            real = (torch.ones(B, T, device=idx.device) if mask is None else mask) > 0   # (B, T)
+            offset = 0 if cache is None else cache.next_pos[:, None]
+            pos = (offset + real.long().cumsum(1) - 1).clamp(min=0)         # (B, T) positions
+            top = int(pos.max()) + 1 if pos.numel() else 0        # (a rank's empty micro-batch)
+        if top > self.config.block_size:
+            raise ValueError(f"a sequence of {top} real tokens exceeds block_size = "
+                             f"{self.config.block_size}; shorten it or build the model with a "
                              f"larger block_size")
         if cache is None:
             key_mask = real                                                 # (B, S) with S = T
         else:
             if start + T > cache.max_len:
                 raise ValueError(f"KV cache full: {start} + {T} steps > max_len = {cache.max_len}")
-            cache.key_mask[:, start:start + T] = real
-            cache.next_pos += real.sum(1)
+            cache.key_mask[:, start:start + T] = True if step else real
+            cache.next_pos += 1 if step else real.sum(1)
+            cache.longest = max(cache.longest, top)
             key_mask = cache.key_mask[:, :start + T]                        # (B, S), S = start + T
         if cache is None and idx.device.type in PACKED_ATTENTION:   # training, scoring on a GPU
             order = torch.sort((~real).int(), dim=1, stable=True).indices   # (B, T) real first
@@ -365,10 +372,12 @@ class GPT(nn.Module):
             x = self.run_blocks(x, None, None, rope)          # causal: no padding before a token
             back = order.argsort(dim=1)[..., None].expand_as(x)   # each position's packed place
             return self.ln_f(x.gather(1, back))
-        q_pos = torch.arange(start, start + T, device=idx.device)[:, None]  # (T, 1) queries
-        k_pos = torch.arange(start + T, device=idx.device)[None, :]         # (1, S)
-        attn_mask = (k_pos <= q_pos) & key_mask[:, None, :]        # (B, T, S): causal, real
-        attn_mask = (attn_mask | (k_pos == q_pos))[:, None]        # (B, 1, T, S): padding: itself
+        attn_mask = key_mask[:, None, None]                        # the step's: every real key
+        if not step:
+            q_pos = torch.arange(start, start + T, device=idx.device)[:, None]  # (T, 1) queries
+            k_pos = torch.arange(start + T, device=idx.device)[None, :]         # (1, S)
+            attn_mask = (k_pos <= q_pos) & key_mask[:, None, :]    # (B, T, S): causal, real
+            attn_mask = (attn_mask | (k_pos == q_pos))[:, None]    # (B, 1, T, S): padding: itself
         x, rope = self.embed(idx, pos)                             # (B, T, C)
         x = self.run_blocks(x, attn_mask, cache, rope)
         if cache is not None:

@@ -35,7 +35,8 @@ from model import FUSED_VOCAB, KVCache, completion_hidden, kl_entropy, operand_d
 
 MODES = ("eager", "graph", "compile")
 SYNC_EVERY = 16    # "graph", "compile" on CUDA: tokens between the host's checks for the end
-CACHE_ROUND = 64   # "compile": cache slots rounded up to this (close lengths share a graph)
+CACHE_ROUND = 64   # "compile" on CUDA: cache slots rounded up to this (close lengths share a
+CPU_ROUND = 8      # graph); elsewhere to this: each slot attended costs time (bench/README)
 COMPILE_PARAMS = 50_000_000   # on CUDA the default is "compile" from this many parameters up
 
 
@@ -190,13 +191,12 @@ def eager_loop(model, idx, idx_mask, max_new_tokens, out, settings):
     h = model.hidden(idx, idx_mask, cache)                              # (N, Tp, C)
     logits = last_logits(model, h)                                      # (N, V): the first token's
     check_finite(logits)
-    ones = torch.ones(N, 1, device=idx.device)
     for t in range(max_new_tokens):
         nxt, logp = draw(logits, temperature, top_k, generator, want_logp, top_p)
         token = record(out, nxt, logp, stops, pad_id, h[:, -1])
         if t == max_new_tokens - 1 or out.done.all():
             break
-        h = model.hidden(token, ones, cache)                            # (N, 1, C)
+        h = model.hidden(token, None, cache)        # (N, 1, C) the step: every row real
         logits = model.logits(h)[:, -1]                                 # (N, V): model(token)
 
 
@@ -288,7 +288,8 @@ def static_loop(model, idx, idx_mask, max_new_tokens, out, settings, compiled=Fa
     device, c = idx.device, model.config
     slots = Tp + max_new_tokens
     if compiled:
-        slots = -(-slots // CACHE_ROUND) * CACHE_ROUND
+        step = CACHE_ROUND if device.type == "cuda" else CPU_ROUND
+        slots = -(-slots // step) * step
     dtype = operand_dtype(device.type, model.wte.weight.dtype)         # what projections return
     cache = KVCache.preallocated(c.n_layer, N, slots, c.kv_heads, c.head_size, dtype, device)
     head = model.head_weight(pad=True)                                  # (V, C) made once

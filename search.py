@@ -142,7 +142,7 @@ def sample_steps(policy, tok, prefixes, limits, temperature, generator):
         done = done | torch.isin(nxt, stops) | (t + 1 >= limit)
         if done.all():
             break
-        logits = policy(nxt[:, None], torch.ones(B, 1, device=device), cache)[:, -1]
+        logits = policy(nxt[:, None], None, cache)[:, -1]    # the step: all real
     return [row[:n] for row, n in zip(new.tolist(), length.tolist())]
 
 

@@ -86,6 +86,31 @@ def test_kv_cache_logits_match_full_recomputation_with_mixed_prompt_lengths():
     torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
 
 
+def test_the_decode_step_is_the_general_forward_bit_for_bit_up_to_block_size():
+    """GPT.hidden's step (mask None, one token a row: the sampler's) reads the cache's key_mask and
+    next_pos where the general path builds them: the same hidden states, bit for bit, on
+    left-padded prompts of mixed lengths; the longest row may reach block_size exactly, and the
+    next token is refused before anything is written."""
+    tok = Tokenizer()
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=12, pos="rope")).eval()
+    prompts, pmask = tok.encode_batch(["3+4*2=", "1=", "9-8="])       # longest: 6 real tokens
+    B, Tp = prompts.shape
+    cont = torch.randint(0, 256, (B, 6))
+    caches = [KVCache(model.config.n_layer, B, Tp + 7, "cpu") for _ in range(2)]
+    with torch.no_grad():
+        for cache in caches:
+            model.hidden(prompts, pmask, cache)
+        for t in range(6):                                            # up to 12 = block_size
+            general = model.hidden(cont[:, t:t + 1], torch.ones(B, 1), caches[0])
+            fast = model.hidden(cont[:, t:t + 1], None, caches[1])
+            assert torch.equal(fast, general)
+        assert torch.equal(caches[0].next_pos, caches[1].next_pos)
+        assert caches[0].longest == caches[1].longest == 12 == int(caches[1].next_pos.max())
+        with pytest.raises(ValueError, match="a sequence of 13 real tokens exceeds block_size"):
+            model.hidden(cont[:, :1], None, caches[1])
+    assert caches[1].length == Tp + 6 and not caches[1].key_mask[:, Tp + 6].any()
+
+
 def test_sequence_longer_than_block_size_is_a_clear_error():
     model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=16, block_size=8))
     with pytest.raises(ValueError, match="block_size = 8"):

@@ -133,9 +133,9 @@ def test_a_scripts_main_is_its_steps(name):
 
 
 def test_model_py_is_a_model():
-    """model.py holds the model (at most 560 lines) and imports kernels/ alone of the project."""
+    """model.py holds the model (at most 570 lines) and imports kernels/ alone of the project."""
     path = os.path.join(ROOT, "model.py")
-    assert len(open(path).read().splitlines()) <= 560
+    assert len(open(path).read().splitlines()) <= 570
     assert {m for m, _ in project_imports(path)} <= {"kernels"}
     assert docstring_measure(path)[0] <= 25
 
