@@ -107,8 +107,8 @@ def ours(model, prompts, mask, mode, temperature=1.0, seed=0):
                                 temperature=temperature, generator=g, mode=mode)[0]
 
 
-def report(name, n, first, best, base=None):
-    extra = f"   {base / best:5.2f}x {args.modes.split(',')[0]}" if base else ""
+def report(name, n, first, best, base=None, against=None):
+    extra = f"   {base / best:5.2f}x {against or args.modes.split(',')[0]}" if base else ""
     print(f"{name:<38} {n / best:>10,.0f} tokens/s {1e3 * best / args.new_tokens:>7.2f} "
           f"ms/step   (first call {first:.1f} s){extra}")
 
@@ -143,7 +143,7 @@ def toy():
         same = torch.equal(greedy, full)
         drawn = torch.equal(ours(model, prompts, mask, mode, seed=1),
                             ours(model, prompts, mask, modes[0], seed=1))
-        report(f"sampler, {mode}", n, first, best, t_full)
+        report(f"sampler, {mode}", n, first, best, t_full, "recompute")
         print(f"{'':<38} greedy tokens = recompute's: {same}; sampled (T = 1) "
               f"= {modes[0]}'s: {drawn}")
 
