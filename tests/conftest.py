@@ -15,14 +15,21 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-# pytest-xdist: the cores shared among the workers; set even with -n 0, so that no run a test makes
-# picks its threads from the machine's load (plumbing/loading.py:pick_threads)
-share = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1))
-threads = os.environ.setdefault("OMP_NUM_THREADS", str(share))  # and the processes tests start
-torch.set_num_threads(int(threads) if threads.isdigit() else share)
 import task  # noqa: E402
 from inprocess import (as_a_process, bindings, leaks, put_back, rebound,  # noqa: E402,F401
                        restore, run_in_process, snapshot)
+
+
+def pytest_configure(config):
+    """Each process that runs tests takes its share of the cores (pytest-xdist's workers: cores /
+    workers), set in OMP_NUM_THREADS too, even with -n 0, so that no run a test makes picks its
+    threads from the machine's load (plumbing/loading.py:pick_threads). Not in xdist's controller:
+    its workers would inherit its share, the whole machine each."""
+    if not os.environ.get("PYTEST_XDIST_WORKER") and config.getoption("numprocesses", None):
+        return
+    share = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1))
+    threads = os.environ.setdefault("OMP_NUM_THREADS", str(share))  # the processes tests start
+    torch.set_num_threads(int(threads) if threads.isdigit() else share)
 
 
 def run_script(script, args, timeout=600, env=None, cwd=ROOT, fresh=False):
