@@ -364,7 +364,7 @@ class GPT(nn.Module):
                 raise ValueError(f"KV cache full: {start} + {T} steps > max_len = {cache.max_len}")
             cache.key_mask[:, start:start + T] = True if step else real
             cache.next_pos += 1 if step else real.sum(1)
-            cache.longest = max(cache.longest, top)
+            cache.longest = top if step else int(cache.next_pos.max()) if B else 0
             key_mask = cache.key_mask[:, :start + T]                        # (B, S), S = start + T
         if cache is None and idx.device.type in PACKED_ATTENTION:   # training, scoring on a GPU
             order = torch.sort((~real).int(), dim=1, stable=True).indices   # (B, T) real first

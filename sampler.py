@@ -288,8 +288,8 @@ def static_loop(model, idx, idx_mask, max_new_tokens, out, settings, compiled=Fa
     device, c = idx.device, model.config
     slots = Tp + max_new_tokens
     if compiled:
-        step = CACHE_ROUND if device.type == "cuda" else CPU_ROUND
-        slots = -(-slots // step) * step
+        round_to = CACHE_ROUND if device.type == "cuda" else CPU_ROUND
+        slots = -(-slots // round_to) * round_to
     dtype = operand_dtype(device.type, model.wte.weight.dtype)         # what projections return
     cache = KVCache.preallocated(c.n_layer, N, slots, c.kv_heads, c.head_size, dtype, device)
     head = model.head_weight(pad=True)                                  # (V, C) made once
