@@ -170,8 +170,8 @@ def main(args):
     # The data: pairs sampled from the reference policy (cached on disk), and their reference
     # log-probs, computed once (pi_ref is frozen).
     train_pairs, eval_pairs = task.preference_dataset(reference, tok, n_train=args.n_pairs,
-                                                      seed=args.seed, cache_dir=args.out)
-    eval_pairs = eval_pairs[:args.eval_n]
+                                                      seed=args.seed, cache_dir=args.out,
+                                                      n_eval=args.eval_n)
     run.samples = 4 * len(train_pairs)              # the pairs' cost: 4 completions per prompt
     average = args.seq_logp == "mean"
     ref_chosen_all, ref_rejected_all = reference_logprobs(reference, train_pairs, tok, run.device,

@@ -36,7 +36,6 @@ Run:
     python kto.py --resume            # continue from out/kto.pt up to --steps
 Metrics: out/kto/metrics.jsonl (docs/metrics.md says what each means).
 """
-import os
 import random
 
 import torch
@@ -211,9 +210,7 @@ def main(args):
     gen = torch.Generator(device=run.device).manual_seed(args.seed)
     # N, (N,)
     ids, desirable = sample_examples(reference, tok, prompts, args.temperature, gen, run.autocast)
-    eval_pairs = task.preference_pairs(task.eval_prompts(), reference, tok, seed=args.seed + 1,
-                                       cache=os.path.join(args.out, "pairs_eval.json")
-                                       )[:args.eval_n]
+    eval_pairs = task.held_out_pairs(reference, tok, args.seed, args.out, args.eval_n)
     run.samples = len(prompts)        # the examples' cost: 1 completion sampled per training prompt
     average = args.seq_logp == "mean"
     # (N,)

@@ -34,7 +34,6 @@ Run:
     python online_dpo.py --resume     # continue from out/online_dpo.pt up to --steps
 Metrics: out/online_dpo/metrics.jsonl (docs/metrics.md says what each means).
 """
-import os
 
 import torch
 import torch.nn.functional as F
@@ -202,9 +201,7 @@ def main(args):
                                   weight_decay=args.weight_decay, betas=(0.9, 0.99))
     run.resume(model, optimizer)
     # The held-out pairs: task.preference_dataset's (its cache), as dpo.py's for comparable metrics
-    eval_pairs = task.preference_pairs(task.eval_prompts(), reference, tok, seed=args.seed + 1,
-                                       cache=os.path.join(args.out, "pairs_eval.json")
-                                       )[:args.eval_n]
+    eval_pairs = task.held_out_pairs(reference, tok, args.seed, args.out, args.eval_n)
     average, G = args.seq_logp == "mean", args.group_size
     eval_ref = reference_logprobs(reference, eval_pairs, tok, run.device, run.autocast, average)
     run.print(f"online DPO: {model.num_params() / 1e6:.2f}M parameters on {run.device}, "

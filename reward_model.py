@@ -116,8 +116,8 @@ def main(args):
                                   weight_decay=args.weight_decay, betas=(0.9, 0.99))
     run.resume(model, optimizer)
     train_pairs, eval_pairs = task.preference_dataset(sft, tok, n_train=args.n_train,
-                                                      seed=args.seed, cache_dir=args.out)
-    eval_pairs = eval_pairs[:args.eval_n]
+                                                      seed=args.seed, cache_dir=args.out,
+                                                      n_eval=args.eval_n)
     run.samples = 4 * len(train_pairs)              # the pairs' cost: 4 completions per prompt
     del sft
     steps_per_epoch = args.steps // args.epochs

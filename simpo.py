@@ -165,8 +165,8 @@ def main(args):
     # The data: pairs sampled from the SFT policy (cached on disk); no reference log-probs (the
     # reward needs none).
     train_pairs, eval_pairs = task.preference_dataset(reference, tok, n_train=args.n_pairs,
-                                                      seed=args.seed, cache_dir=args.out)
-    eval_pairs = eval_pairs[:args.eval_n]
+                                                      seed=args.seed, cache_dir=args.out,
+                                                      n_eval=args.eval_n)
     run.samples = 4 * len(train_pairs)              # the pairs' cost: 4 completions per prompt
     sources = {s: sum(p["source"] == s for p in train_pairs)
                for s in sorted({p["source"] for p in train_pairs})}

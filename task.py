@@ -510,15 +510,23 @@ def preference_pairs(prompts, policy=None, tokenizer=None, samples_per_prompt=4,
     return pairs
 
 
-def preference_dataset(policy, tokenizer, n_train=2048, seed=0, cache_dir="out"):
-    """(train, held_out) pairs on n_train prompts and the 512 held-out ones, sampled from `policy`
-    (the SFT policy), cached in cache_dir/pairs_{train,eval}.json: reward_model, dpo, ipo's."""
+def held_out_pairs(policy, tokenizer, seed=0, cache_dir="out", n=None):
+    """Pairs on the first n held-out prompts (None: all 512), sampled with seed + 1 and cached in
+    cache_dir/pairs_eval.json (all of them) or pairs_eval_{n}.json: every preference script's
+    held-out set, sampled for the prompts --eval_n evaluates and no more."""
+    prompts = eval_prompts()[:n]
+    name = "pairs_eval.json" if len(prompts) == len(eval_prompts()) else f"pairs_eval_{n}.json"
+    return preference_pairs(prompts, policy, tokenizer, seed=seed + 1,
+                            cache=os.path.join(cache_dir, name))
+
+
+def preference_dataset(policy, tokenizer, n_train=2048, seed=0, cache_dir="out", n_eval=None):
+    """(train, held_out) pairs on n_train prompts and the first n_eval held-out ones
+    (held_out_pairs), sampled from `policy` (the SFT policy), cached in cache_dir/pairs_*.json."""
     train_prompts = sample_prompts(random.Random(seed), n_train)
     train = preference_pairs(train_prompts, policy, tokenizer, seed=seed,
                              cache=os.path.join(cache_dir, "pairs_train.json"))
-    held_out = preference_pairs(eval_prompts(), policy, tokenizer, seed=seed + 1,
-                                cache=os.path.join(cache_dir, "pairs_eval.json"))
-    return train, held_out
+    return train, held_out_pairs(policy, tokenizer, seed, cache_dir, n_eval)
 
 
 # -----------------------------------------------------------------------------

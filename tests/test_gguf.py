@@ -391,10 +391,12 @@ SMALL_RL = ["--prompts_per_step", "2", "--group_size", "2", "--max_new_tokens", 
     ("grpo.py", ["--chat", *SMALL_RL]),
     ("sft.py", ["--chat", "--steps", "1", "--batch_size", "2", "--eval_n", "2"]),
     ("multiturn.py", ["--chat", "--task", "guess", *SMALL_RL]),
-], ids=["grpo", "sft", "multiturn"])
+    ("dpo.py", ["--chat", "--n_pairs", "2", "--batch_size", "2", "--steps", "1", "--eval_n", "2",
+                "--lr", "1e-6"]),
+], ids=["grpo", "sft", "multiturn", "dpo"])
 def test_one_step_of_each_script_on_smollm2(smollm2, tmp_path, script, args):
-    """One step on the real model, its chat template, its stop id. (dpo.py samples the pairs of all
-    512 held-out prompts before its first step, minutes on 2 cores: not run here.)"""
+    """One step on the real model, its chat template, its stop id (dpo.py: pairs sampled for its 2
+    training and 2 held-out prompts alone)."""
     from conftest import run_script
     p = run_script(script, ["--init", smollm2, "--out", str(tmp_path), *args])
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]

@@ -153,6 +153,19 @@ def test_preference_cache_is_remade_for_a_different_policy(tmp_path):
     assert open(cache).read() != meta0
 
 
+def test_held_out_pairs_are_sampled_for_the_evaluated_prompts_alone(tmp_path):
+    """--eval_n n: pairs on the first n held-out prompts, in a cache of their own; every prompt
+    (None or 512): the shared pairs_eval.json."""
+    tok, all_prompts = Tokenizer(), task.eval_prompts()
+    few = task.held_out_pairs(tiny_policy(), tok, seed=0, cache_dir=str(tmp_path), n=3)
+    assert [p["prompt"] for p in few] == all_prompts[:3]
+    assert sorted(os.listdir(tmp_path)) == ["pairs_eval_3.json"]
+    every = task.held_out_pairs(None, tok, seed=0, cache_dir=str(tmp_path), n=len(all_prompts))
+    assert [p["prompt"] for p in every] == all_prompts
+    assert sorted(os.listdir(tmp_path)) == ["pairs_eval.json", "pairs_eval_3.json"]
+    assert task.held_out_pairs(None, tok, seed=0, cache_dir=str(tmp_path)) == every
+
+
 def test_pair_batch_masks_exactly_the_completions_and_eos_and_keeps_the_sampled_ids():
     """A pair's ids are taken as they are (preference_pairs stores a sample as sampled, its EOS
     last, and a demonstration with its EOS): nothing is appended, so a sample that ran out of tokens
