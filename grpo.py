@@ -469,12 +469,14 @@ def main(args):
                     logp, h = completion_logprobs(train_policy, prompt[rows], prompt_mask[rows],
                                                   tokens[rows], mask[rows], temp,
                                                   return_hidden=True)
-                old_logp = scored.own(rows, logp, h) if args.mu == 1 else scored.old_logp[rows]
+                old_logp = scored.own(rows, logp) if args.mu == 1 else scored.old_logp[rows]
                 part, part_stats = grpo_loss(logp, old_logp, scored.ref_logp[rows],
                                              advantages[rows], mask[rows], settings, n_seqs,
                                              n_tokens)
                 run.check_finite(part, hint)
                 part.backward()
+                if args.mu == 1:                 # logged: the KL, entropy, sampler gap
+                    scored.measure(rows, logp, h)  # (after backward: less memory at peak)
                 loss = loss + part.detach()
                 stats = {k: stats.get(k, 0.0) + v for k, v in part_stats.items()}
             grad_norm = run.clip_grad_norm(train_policy, args.grad_clip)

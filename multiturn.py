@@ -435,12 +435,13 @@ def main(args):
             with run.autocast:                   # (b, Tn) log pi_theta, (b, T, C) its states
                 logp, h = completion_logprobs(train_policy, prompt[rows], prompt_mask[rows],
                                               tokens[rows], mask[rows], temp, return_hidden=True)
-            part, part_stats = agent_loss(logp, scored.own(rows, logp, h), scored.ref_logp[rows],
+            part, part_stats = agent_loss(logp, scored.own(rows, logp), scored.ref_logp[rows],
                                           advantages[rows], ep.sampled[rows], args.clip_eps,
                                           args.beta, args.kl_estimator, n_seqs, n_tokens,
                                           lengths[rows])
             run.check_finite(part, f"lower --lr (now {args.lr})")
             part.backward()
+            scored.measure(rows, logp, h)        # logged: the KL, entropy, sampler gap
             loss = loss + part.detach()
             stats = {k: stats.get(k, 0.0) + v for k, v in part_stats.items()}
         grad_norm = run.clip_grad_norm(train_policy, args.grad_clip)

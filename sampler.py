@@ -370,12 +370,18 @@ class Scored:
         self.sampler_gap = torch.zeros_like(kl_mask) if logged else None
 
     @torch.no_grad()
-    def own(self, rows, logp, h, h_ref=None):
-        """The policy's log-probs of `rows` (b, Tn) and the hidden states (b, T, C) they came from
-        are pi_old's (--batch_invariant: the sampler's stay); logged: the KL and the rest from h.
-        Returns pi_old of `rows`. One pass of the loss (mu = 1) calls it with its own forward."""
+    def own(self, rows, logp):
+        """pi_old of `rows` (b, Tn): the policy's log-probs, detached (--batch_invariant: the
+        sampler's stay). One pass of the loss (mu = 1) calls it with its own forward's."""
         if not self.invariant:
             self.old_logp[rows] = logp.detach()
+        return self.old_logp[rows]
+
+    @torch.no_grad()
+    def measure(self, rows, logp, h, h_ref=None):
+        """Logged: the exact KL, the entropy, sampler_kl and sampler_gap of `rows` from their
+        log-probs (b, Tn) and the hidden states (b, T, C) they came from. One pass of the loss
+        calls it after the backward, so that its logits never meet the graph's activations."""
         if self.logged:                                # (b, Tn) each
             mask, h = self.kl_mask[rows], h.detach()
             h_ref = self.h_ref[rows] if h_ref is None else h_ref
@@ -389,7 +395,6 @@ class Scored:
             # how far the trainer's log-probs are from those the sampler drew with (same weights)
             self.sampler_gap[rows] = torch.where(mask > 0, (self.sampler_logp[rows] -
                                                             logp.detach()).abs(), 0.0)
-        return self.old_logp[rows]
 
 
 def sampler_kl(policy, sampler_hidden, h, mask, temperature=1.0):
@@ -407,11 +412,11 @@ def score(policy, ref, prompt, prompt_mask, tokens, mask, sampler_logp, temperat
     KL(pi || ref) and the entropy (model.kl_entropy) over kl_mask (default mask) / n_kl. invariant
     (--batch_invariant): pi_old is sampler_logp, the same bits; the policy scores when logged.
     sampler_hidden (B, Tn, C), logged: also sampler_kl over kl_mask / n_kl. policy_pass False (one
-    pass of the loss): the reference alone; the loss forward gives the rest (Scored.own)."""
+    pass of the loss): the reference alone; the loss forward the rest (Scored.own, measure)."""
     Tn = mask.size(1)
     s = Scored(policy, ref, sampler_logp, mask if kl_mask is None else kl_mask, n_kl, temperature,
                logged, invariant, sampler_hidden)
-    if logged and not policy_pass:               # for Scored.own: the reference's head, kept
+    if logged and not policy_pass:               # for Scored.measure: the reference's head, kept
         s.ref_head = ref.head_weight(pad=True)       # a copy (F.pad): a parked ref's goes away
     for rows in parts:                                 # (b, Tp+Tn-1, C) final hidden states
         h_ref = completion_hidden(ref, prompt[rows], prompt_mask[rows], tokens[rows], mask[rows])
@@ -424,5 +429,7 @@ def score(policy, ref, prompt, prompt_mask, tokens, mask, sampler_logp, temperat
         elif logged or not invariant:
             h = completion_hidden(policy, prompt[rows], prompt_mask[rows], tokens[rows],
                                   mask[rows])
-            s.own(rows, policy.head_logprobs(h, tokens[rows], temperature), h, h_ref)
+            logp = policy.head_logprobs(h, tokens[rows], temperature)
+            s.own(rows, logp)
+            s.measure(rows, logp, h, h_ref)
     return s
