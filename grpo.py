@@ -476,7 +476,7 @@ def main(args):
                 run.check_finite(part, hint)
                 part.backward()
                 if args.mu == 1:                 # logged: the KL, entropy, sampler gap
-                    scored.measure(rows, logp, h)  # (after backward: less memory at peak)
+                    scored.measure(rows, logp, h)  # (after the backward: apart from its graph)
                 loss = loss + part.detach()
                 stats = {k: stats.get(k, 0.0) + v for k, v in part_stats.items()}
             grad_norm = run.clip_grad_norm(train_policy, args.grad_clip)

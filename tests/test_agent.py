@@ -428,6 +428,7 @@ def test_script_runs_end_to_end_and_resumes(tiny_tool_sft, tmp_path):
     assert (rows[1]["completion_len"] > 0 and rows[1]["env_tokens"] >= 0
             and 0 <= rows[1]["call_share"] <= 1)
     assert all(0 <= r["sampler_logp_diff"] < 1e-4 for r in rows[1:])   # the policy's tokens
+    assert rows[1]["entropy"] > 0            # measured from the loss forward (Scored.measure)
     _, ckpt = load_checkpoint(os.path.join(out, "agent.pt"))
     p = run_script("agent.py",
                    TINY + ["--steps", "3", "--init", tiny_tool_sft, "--out", out, "--resume"])

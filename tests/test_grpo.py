@@ -418,6 +418,23 @@ def test_script_runs_end_to_end_and_resumes(tiny_sft, tmp_path):
     assert [r["step"] for r in read_metrics(out)] == [0, 1, 2, 3]
 
 
+def test_one_pass_of_the_loss_logs_what_the_policys_own_pass_logs(tiny_sft, tmp_path):
+    """At --mu 1 the logged KL, entropy and sampler gap come from the loss forward, measured after
+    its backward (Scored.measure); at --mu 2 from a policy pass before any update. Step 1 scores
+    the same weights and samples, so its logged figures are the same bits, the entropy not 0."""
+    rows = {}
+    for mu in (1, 2):
+        out = str(tmp_path / f"mu{mu}")
+        p = run_script("grpo.py", TINY + ["--steps", "1", "--mu", str(mu), "--eval_every", "100",
+                                          "--init", tiny_sft, "--out", out],
+                       env={"OMP_NUM_THREADS": "1"})
+        assert p.returncode == 0, p.stderr
+        rows[mu] = read_metrics(out)[1]
+    assert rows[1]["entropy"] > 0
+    for key in ("kl_exact", "entropy", "sampler_logp_diff", "sampler_kl", "reward_mean"):
+        assert rows[1][key] == rows[2][key], key
+
+
 def test_script_runs_gspo_cispo_and_dapo_options(tiny_sft, tmp_path):
     common = ["--prompts_per_step", "4", "--group_size", "4", "--log_every", "1",
               "--eval_every", "100", "--eval_n", "8", "--steps", "2", "--mu", "2",

@@ -388,6 +388,7 @@ def test_script_runs_end_to_end_and_resumes(guess_sft, tmp_path):
         assert key in rows[0] and key in rows[2], key
     assert rows[0]["eval_found"] == rows[0]["eval_accuracy"]            # the same verdict
     assert 1 <= rows[1]["turns"] <= guess.MAX_TURNS and rows[1]["sampler_logp_diff"] < 1e-4
+    assert rows[1]["entropy"] > 0            # measured from the loss forward (Scored.measure)
     p = run_script("multiturn.py", FLAGS + ["--steps", "3", "--credit", "gigpo", "--init",
                                             guess_sft, "--out", out, "--resume"])
     assert p.returncode == 0 and "resuming from" in p.stdout, p.stderr[-2000:]
