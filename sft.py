@@ -13,7 +13,7 @@ time, so the policy this script writes is deliberately imperfect, and the RL scr
 show what they do.
 
 Run:
-    python sft.py                      # about 2 minutes on 2 CPU cores; writes out/sft.pt
+    python sft.py                      # about a minute on 2 CPU cores; writes out/sft.pt
     python sft.py --resume             # continue from out/sft.pt up to --steps
 Metrics: one JSON object per log step in out/sft/metrics.jsonl.
 """
@@ -43,7 +43,8 @@ def parse_args(argv=None):
                         "(task.privileged), each with the right completion: a policy that reads "
                         "it, self_distill.py's start")
     g = p.add_argument_group("model")
-    g.add_argument("--n_layer", type=Int(ge=1), default=4, help="transformer blocks")
+    g.add_argument("--n_layer", type=Int(ge=1), default=None,
+                   help="transformer blocks (default 2 for --task arithmetic, else 4)")
     g.add_argument("--block_size", type=Int(ge=8), default=64,
                    help="longest sequence (prompt + completion)")
     g.add_argument("--n_head", type=Int(ge=1), default=4, help="attention heads")

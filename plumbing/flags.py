@@ -10,6 +10,8 @@ here at parse time and nowhere else:
                            (out/sft.pt -> out/countdown/sft.pt)
     --max_new_tokens       the task's completion budget, 34 more in the R1 format (None: unset)
     sft.py --steps         1500, or 4000 for --task countdown (None: unset)
+    sft.py --n_layer       2 for --task arithmetic (4 gives the same held-out figures at twice the
+                           time), else 4 (None: unset)
     sft.py --pos           rope for --task toolcalc (its second attempt must copy from the first),
                            else learned (None: unset)
     sft.py --block_size    112 for --task toolcalc where it is left at 64 (two attempts must fit);
@@ -273,6 +275,8 @@ def fill_task_defaults(parser, args):
     if hasattr(args, "mistake_rate"):                # sft.py
         if args.steps is None:   # countdown at 1500 steps: held-out 0.35, its arithmetic half known
             args.steps = 4000 if args.task == "countdown" else 1500
+        if args.n_layer is None:
+            args.n_layer = 2 if args.task == "arithmetic" else 4
         args.pos = args.pos or "learned"
         if args.chat and args.init is None and args.tokenizer == "bytes":
             args.tokenizer = "bytes-chat"

@@ -106,3 +106,12 @@ def test_a_template_that_writes_a_game_otherwise_once_it_goes_on_is_refused_befo
                               "--out", str(out)])
     refused(p, f"error: --chat: hf:{folder}", "writes an assistant message differently")
     assert not out.exists()
+
+
+def test_the_model_depth_is_the_tasks_unless_given():
+    import sft
+    assert sft.parse_args([]).n_layer == 2 and sft.parse_args(["--chat"]).n_layer == 2
+    assert [sft.parse_args(["--task", t]).n_layer for t in ("countdown", "toolcalc", "guess")] \
+        == [4, 4, 4]
+    assert sft.parse_args(["--n_layer", "4"]).n_layer == 4
+    assert sft.parse_args(["--task", "countdown", "--n_layer", "1"]).n_layer == 1
