@@ -27,7 +27,7 @@ Deviations and choices:
   only where the student's logits equal the teacher's (up to a constant), at any temperature.
 - --estimator exact by default: here (V = 258) it learns most per completion, for 20 ms a step.
 - The teacher's accuracy is logged as its greedy answers on the step's prompts (at log steps only).
-- Small scale: a 0.12M-parameter student (sft.py --n_layer 2 --n_embd 64), the 0.83M teacher.
+- Small scale: a 0.12M-parameter student (sft.py --n_layer 2 --n_embd 64), the 0.44M teacher.
 
 Shapes: P prompts, G samples each, B = P*G rows; T time (Tp prompt, Tn completion); V vocabulary.
 Run (about 2.5 minutes on 2 CPU cores once the teacher out/expert_iteration.pt and the student
@@ -52,7 +52,7 @@ from plumbing.loading import build_missing, read_checkpoint
 
 TEACHER_PATH = os.path.join("out", "expert_iteration.pt")  # the best RL policy of the results table
 STUDENT_PATH = os.path.join("out", "sft_small", "sft.pt")  # sft.py with the flags below
-STUDENT_FLAGS = ["--n_layer", "2", "--n_head", "2", "--n_embd", "64", "--lr", "3e-3"]   # 7x smaller
+STUDENT_FLAGS = ["--n_layer", "2", "--n_head", "2", "--n_embd", "64", "--lr", "3e-3"]   # 4x smaller
 
 
 # -----------------------------------------------------------------------------

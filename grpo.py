@@ -25,7 +25,7 @@ Deviations and choices the papers leave open:
    with the weights that sampled it; at mu = 1 it is the loss forward's own, detached (as TRL).
 2. A group whose rewards are all equal gets advantage exactly 0 (never 0/0).
 3. The reward is the task's verifier (1 correct, else 0; --format_weight adds a format bonus).
-4. Small scale: a 0.8M-parameter policy, AdamW at a constant learning rate.
+4. Small scale: a 0.44M-parameter policy, AdamW at a constant learning rate.
 
 Shapes: P prompts, G completions each, B = P*G rows; T time (Tp prompt, Tn completion); V vocab.
 

@@ -25,7 +25,7 @@ Deviations and choices the papers leave open:
 - Several samples per prompt (--group_size, so the sibling scripts' runs compare); no baseline
   here uses the groups.
 - The reward is the task's verifier (1 correct, 0 otherwise; --format_weight adds a format bonus).
-- Small scale: a 0.8M-parameter policy, AdamW at a constant learning rate.
+- Small scale: a 0.44M-parameter policy, AdamW at a constant learning rate.
 
 Shapes: P prompts, G completions per prompt, B = P*G rows; T time (Tp prompt, Tn completion tokens).
 Run:

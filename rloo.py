@@ -17,7 +17,7 @@ KL_it: a per-token estimate (kernels.kl_penalty; k1 by default), a number: no gr
 Deviations and choices the paper leaves open:
 - One gradient step per batch of rollouts (on-policy, as the paper), no minibatches.
 - The reward is the task's verifier (1 correct, 0 otherwise; --format_weight: a format bonus).
-- Small scale: a 0.8M-parameter policy, AdamW at a constant learning rate.
+- Small scale: a 0.44M-parameter policy, AdamW at a constant learning rate.
 
 Shapes: P prompts, G = k completions per prompt, B = P*G rows; T time (Tp prompt, Tn completion).
 

@@ -27,7 +27,7 @@ Deviations and choices the paper leaves open:
 - The line search accepts any gain at all within delta, halving at most --backtracks times.
 - Under torchrun the gradient, every Fisher-vector product and the line search's KL and gain are
   sums of the ranks' shares, so every rank takes the same step.
-- Small scale: a 0.8M-parameter policy; the verifier's reward, not a learned one. Every step has
+- Small scale: a 0.44M-parameter policy; the verifier's reward, not a learned one. Every step has
   the same length (delta), however noisy its direction: 20 steps of 64 prompts at delta 0.01 hold
   their gains where 40 of 32 swing (experiments/README.md, TRPO).
 
