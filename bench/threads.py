@@ -32,6 +32,8 @@ def busy():
 
 
 def seconds_a_step(argv, threads):
+    set_before = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads)    # else the run picks its own (pick_threads)
     torch.set_num_threads(threads)
     out = tempfile.mkdtemp(prefix="threads-")
     try:
@@ -39,6 +41,10 @@ def seconds_a_step(argv, threads):
         rows = [json.loads(line) for line in open(os.path.join(out, "grpo", "metrics.jsonl"))]
     finally:
         shutil.rmtree(out, ignore_errors=True)
+        if set_before is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = set_before
     times = [r["elapsed_s"] for r in rows if r["step"] > 0][:-1]     # the evaluating last left out
     return statistics.median(b - a for a, b in zip([0.0] + times, times))
 

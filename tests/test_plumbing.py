@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import plumbing
-from conftest import ROOT, refused, run_script, run_scripts
+from conftest import ROOT, as_a_process, refused, run_script, run_scripts
 from hf.checkpoint import load_checkpoint, save_checkpoint
 from model import GPT, GPTConfig
 from plumbing import flags
@@ -874,6 +874,23 @@ def test_a_cpu_run_takes_the_threads_other_work_leaves_free(monkeypatch):
             spin.wait()
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_threads_bench_runs_at_the_count_it_names(tiny_sft, monkeypatch):
+    """bench/threads.py times each count it names, not the one the run would pick (cores + 1 is
+    more than pick_threads ever gives), and leaves OMP_NUM_THREADS as it found it."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("threads_bench",
+                                                  os.path.join(ROOT, "bench", "threads.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    want = len(os.sched_getaffinity(0)) + 1
+    argv = ["--init", tiny_sft, "--steps", "3", "--prompts_per_step", "2", "--group_size", "2",
+            "--log_every", "1", "--eval_every", "3", "--eval_n", "4"]
+    with as_a_process():                         # threads and handlers put back after
+        assert bench.seconds_a_step(argv, want) > 0
+        assert torch.get_num_threads() == want and "OMP_NUM_THREADS" not in os.environ
 
 
 def test_a_resumed_run_keeps_the_thread_count_it_chose(tmp_path, monkeypatch):
