@@ -312,9 +312,9 @@ class Run(Distributed, Models):
             for name, module in modules.items():
                 self.load_whole(module, ckpt[name])
         except (RuntimeError, ValueError, KeyError) as e:
-            why = " ".join(str(e).split())                   # one line, however torch words it
+            why = "changed: " + "; ".join(changed) if changed else " ".join(str(e).split())[:200]
             raise SystemExit(f"error: {self.ckpt_path} does not fit this run's models "
-                             f"({why[:200]}); start afresh without --resume") from None
+                             f"({why}); start afresh without --resume") from None
         self.step, self.before = ckpt["step"], ckpt.get("eval_before")
         self.saved_step = self.step                          # the checkpoint on disk
         self.samples = ckpt.get("samples", 0)

@@ -115,3 +115,17 @@ def test_the_model_depth_is_the_tasks_unless_given():
         == [4, 4, 4]
     assert sft.parse_args(["--n_layer", "4"]).n_layer == 4
     assert sft.parse_args(["--task", "countdown", "--n_layer", "1"]).n_layer == 1
+
+
+def test_a_resume_with_another_depth_names_the_flag_and_changes_nothing(tmp_path):
+    """A checkpoint of another shape (a 1-layer run resumed at the default 2) is refused in one line
+    naming the flag that changed, its log and checkpoint untouched."""
+    out = str(tmp_path)
+    assert run(TINY + ["--out", out]).returncode == 0
+    files = [os.path.join(out, "sft.pt"), os.path.join(out, "sft", "metrics.jsonl")]
+    before = [open(f, "rb").read() for f in files]
+    i = TINY.index("--n_layer")
+    depthless = TINY[:i] + TINY[i + 2:]                              # the default depth, 2
+    p = run(depthless + ["--out", out, "--steps", "6", "--resume"])
+    assert p.returncode != 0 and "(changed: --n_layer 1 -> 2)" in p.stderr, p.stderr
+    assert [open(f, "rb").read() for f in files] == before
